@@ -1,0 +1,5 @@
+"""``python -m fp8kit``: the same command line as the ``fp8kit`` console script (works under torchrun)."""
+
+from fp8kit.cli import main
+
+raise SystemExit(main())

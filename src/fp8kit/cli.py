@@ -1,0 +1,99 @@
+"""The ``fp8kit`` command line.
+
+Every user error is one line on stderr (``error: ...``) and exit status 2, with nothing written; a
+diverged training run exits with status 1 after writing its metrics and summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from fp8kit.errors import Fp8kitError
+
+
+def _add_config_args(p: argparse.ArgumentParser, *, config_required: bool) -> None:
+    if config_required:
+        p.add_argument("config", help="run config file (.toml, .yaml)")
+    else:
+        p.add_argument("config", nargs="?", help="run config file (.toml, .yaml); default: the embedded default")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="override one config key (repeatable), e.g. --set train.steps=50",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fp8kit", description="FP8 training for PyTorch that is never slower than BF16.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a decoder-only LLM (default: tiny preset on the stdlib corpus, fp8)")
+    _add_config_args(p, config_required=False)
+    p.add_argument("--out", help="run directory (default: runs/<time>-<preset>-<precision>)")
+    p.add_argument("--resume", help="continue from a run directory (its latest checkpoint) or a checkpoint directory")
+
+    p = sub.add_parser("compare", help="run a config in bf16 and in fp8 and plot both loss curves")
+    _add_config_args(p, config_required=True)
+    p.add_argument("--out", help="output directory (default: runs/<time>-compare)")
+
+    p = sub.add_parser("config-docs", help="print the config reference (Markdown) generated from the dataclasses")
+    p.add_argument("--output", help="write to this file instead of stdout")
+    return parser
+
+
+def _load(args) -> object:
+    from fp8kit.config import load_config
+
+    config = args.config
+    if config is None and getattr(args, "resume", None):
+        # Continuing a run: its own resolved config, unless another one is given.
+        from fp8kit.train.checkpoint import find_checkpoint
+
+        ck = find_checkpoint(Path(args.resume))
+        candidate = ck.parent.parent / "resolved_config.toml"
+        if candidate.is_file():
+            config = str(candidate)
+    return load_config(config, args.overrides)
+
+
+def _run(args) -> int:
+    if args.command == "config-docs":
+        from fp8kit.config import config_reference_markdown
+
+        text = config_reference_markdown()
+        if args.output:
+            Path(args.output).write_text(text, encoding="utf-8")
+        else:
+            sys.stdout.write(text)
+        return 0
+    if args.command == "train":
+        from fp8kit.train.trainer import train
+
+        train(_load(args), args.out, resume=args.resume)
+        return 0
+    if args.command == "compare":
+        from fp8kit.train.compare import compare
+
+        compare(_load(args), args.out)
+        return 0
+    raise AssertionError(args.command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fp8kit`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except Fp8kitError as e:
+        from fp8kit.train.loop import TrainingDiverged
+
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        return 1 if isinstance(e, TrainingDiverged) else 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

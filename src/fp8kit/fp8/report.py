@@ -1,0 +1,113 @@
+"""The conversion report: every site with its shape, module kind, precision and reason.
+
+Saved with each run as ``conversion_report.json`` (one object per site, machine-readable) and
+``conversion_report.md`` (a table per site), and printed at start as a compact table in which the
+same module of every transformer layer is one row (``model.layers.*.mlp.down_proj``, layers 0-31).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from fp8kit.console import make_console
+from fp8kit.fp8.decide import Decision, summarize
+
+
+def _ranges(values: list[int]) -> str:
+    """[0,1,2,5,7,8] -> '0-2,5,7-8'."""
+    values = sorted(set(values))
+    out, start, prev = [], None, None
+    for v in values:
+        if start is None:
+            start = prev = v
+        elif v == prev + 1:
+            prev = v
+        else:
+            out.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = prev = v
+    if start is not None:
+        out.append(f"{start}-{prev}" if prev != start else f"{start}")
+    return ",".join(out)
+
+
+def grouped_rows(decisions: list[Decision]) -> list[dict]:
+    """Rows with the layer index replaced by ``*`` and identical rows merged (layers as ranges)."""
+    groups: OrderedDict[tuple, dict] = OrderedDict()
+    for d in decisions:
+        s = d.site
+        name = s.fqn
+        if s.layer is not None:
+            name = re.sub(rf"(^|\.)({s.layer})(\.|$)", r"\1*\3", name, count=1)
+        key = (name, s.weight_shape, s.module_kind, s.ub_name, d.precision, d.reason)
+        row = groups.setdefault(
+            key,
+            {
+                "fqn": name,
+                "shape": "x".join(map(str, s.weight_shape)),
+                "module_kind": s.module_kind,
+                "ub_name": s.ub_name or "",
+                "precision": d.precision,
+                "reason": d.reason,
+                "layers": [],
+            },
+        )
+        if s.layer is not None:
+            row["layers"].append(s.layer)
+    rows = list(groups.values())
+    for r in rows:
+        r["layers"] = _ranges(r["layers"])
+    return rows
+
+
+def print_report(decisions: list[Decision], console: Console | None = None, title: str = "FP8 conversion") -> None:
+    """Print the compact conversion table and a one-line summary."""
+    console = console or make_console()
+    table = Table(title=title, show_lines=False, header_style="bold")
+    for col in ("module", "layers", "shape", "module_kind", "ub_name", "precision", "reason"):
+        table.add_column(col, overflow="fold")
+    for r in grouped_rows(decisions):
+        style = "green" if r["precision"] == "fp8" else None
+        table.add_row(r["fqn"], r["layers"], r["shape"], r["module_kind"], r["ub_name"],
+                      r["precision"], r["reason"], style=style)
+    console.print(table)
+    s = summarize(decisions)
+    console.print(
+        f"{s['fp8_sites']} of {s['sites']} sites in FP8; "
+        f"{100 * s['fp8_param_fraction']:.1f}% of linear-layer weights run FP8 matmuls"
+    )
+
+
+def report_markdown(decisions: list[Decision], header: dict | None = None) -> str:
+    """The full per-site report as Markdown."""
+    s = summarize(decisions)
+    lines = ["# FP8 conversion report", ""]
+    for k, v in (header or {}).items():
+        lines.append(f"- {k}: {v}")
+    lines += [
+        f"- FP8 sites: {s['fp8_sites']} of {s['sites']}",
+        f"- linear-layer weights in FP8: {100 * s['fp8_param_fraction']:.1f}%",
+        "",
+        "| fqn | shape | module_kind | ub_name | precision | reason |",
+        "|---|---|---|---|---|---|",
+    ]
+    for d in decisions:
+        st = d.site
+        lines.append(
+            f"| `{st.fqn}` | {'x'.join(map(str, st.weight_shape))} | {st.module_kind} | {st.ub_name or ''} "
+            f"| {d.precision} | {d.reason} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def save_report(decisions: list[Decision], out_dir: Path, header: dict | None = None) -> None:
+    """Write ``conversion_report.json`` and ``conversion_report.md`` into ``out_dir``."""
+    out_dir = Path(out_dir)
+    payload = {"header": header or {}, "summary": summarize(decisions), "sites": [d.to_dict() for d in decisions]}
+    (out_dir / "conversion_report.json").write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
+    (out_dir / "conversion_report.md").write_text(report_markdown(decisions, header), encoding="utf-8")

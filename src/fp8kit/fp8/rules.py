@@ -1,0 +1,72 @@
+"""The static module filter: which sites may run in FP8 at all, and why not.
+
+The rules follow the reference FP8 trainers (``shared/seeds/001`` and ``002``; torchao's
+``convert_to_float8_training`` filter; LLaMA-Factory's ``module_filter_func``), in this order, the
+first that applies giving the reason:
+
+1. embeddings are not linear layers;
+2. output heads (``lm_head`` / ``output`` / ``classifier`` ...) stay BF16 for accuracy;
+3. MoE routers / gates stay BF16 (output dim = number of experts: tiny, and routing-critical);
+4. MoE experts stay BF16 here (their FP8 path is grouped GEMM, not ``Float8Linear``);
+5. the weight must be 2-D;
+6. in_features and out_features must be divisible by 16 (``torch._scaled_mm`` needs it);
+7. ``fp8.exclude`` patterns; 8. ``fp8.include`` patterns (when any are given).
+
+Patterns match whole dotted name parts (``fp8/patterns.py``). A site that passes every rule is an FP8
+*candidate*; whether it then runs in FP8 is decided in ``fp8/decide.py`` (precision, policy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fp8kit.fp8.patterns import FqnPattern, compile_patterns, first_match
+from fp8kit.fp8.sites import Site
+
+
+@dataclass(frozen=True)
+class StaticVerdict:
+    """Result of the static filter for one site: ``rule`` is a short id, ``reason`` a sentence."""
+
+    candidate: bool
+    rule: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class StaticRules:
+    """The compiled static filter (include/exclude patterns)."""
+
+    include: tuple[FqnPattern, ...] = ()
+    exclude: tuple[FqnPattern, ...] = ()
+
+    @classmethod
+    def from_lists(cls, include: list[str], exclude: list[str]) -> StaticRules:
+        return cls(tuple(compile_patterns(include, "fp8.include")), tuple(compile_patterns(exclude, "fp8.exclude")))
+
+    def check(self, site: Site) -> StaticVerdict:
+        """Apply the rules of the module docstring, in order, to one site."""
+        if site.role == "embedding":
+            return StaticVerdict(False, "embedding", "embedding: not a linear layer")
+        if site.role == "head":
+            return StaticVerdict(False, "head", "output head: kept in BF16 for accuracy")
+        if site.role == "router":
+            return StaticVerdict(False, "router", "MoE router: tiny output dim, routing stays in BF16")
+        if site.role == "expert":
+            return StaticVerdict(False, "expert", "MoE expert: grouped-GEMM experts are not converted")
+        if len(site.weight_shape) != 2:
+            return StaticVerdict(False, "not-2d", f"weight is {len(site.weight_shape)}-D, not 2-D")
+        k, n = site.in_features, site.out_features
+        if k is None or n is None or k % 16 or n % 16:
+            return StaticVerdict(
+                False, "dims%16", f"in_features={k}, out_features={n}: not both divisible by 16"
+            )
+        hit = first_match(list(self.exclude), site.fqn)
+        if hit is not None:
+            return StaticVerdict(False, "exclude", f"matches fp8.exclude {hit.text!r}")
+        if self.include:
+            hit = first_match(list(self.include), site.fqn)
+            if hit is None:
+                return StaticVerdict(False, "include", "matches no fp8.include pattern")
+            return StaticVerdict(True, "include", f"matches fp8.include {hit.text!r}")
+        return StaticVerdict(True, "linear", "linear layer with dims divisible by 16")

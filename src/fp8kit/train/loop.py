@@ -1,0 +1,190 @@
+"""The training loop: precision phases, micro-batches, clipping, AdamW, eval, metrics, checkpoints.
+
+One optimizer step (``grad_accum`` micro-batches)::
+
+    phase = precision_at(step)              # switch FP8 <-> BF16 modules when it changes
+    for each micro-batch: logits = model(x); loss = CE(logits.float(), y); (loss / grad_accum).backward()
+    grad_norm = clip_grad_norm_(params, grad_clip)
+    optimizer.step(); scheduler.step(); zero_grad
+    loss.item()                             # the one host sync of the step; time is taken after it
+
+Transformer blocks are compiled once (``train.compile``); a precision switch swaps modules inside
+them, so the compiled code is dropped (``torch._dynamo.reset``) and rebuilt on the next step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from fp8kit.errors import Fp8kitError
+from fp8kit.fp8.convert import apply_fp8, count_fp8_modules, restore_bf16
+from fp8kit.models.build import transformer_blocks
+from fp8kit.train import checkpoint as ckpt
+from fp8kit.train.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
+from fp8kit.train.schedule import precision_at
+from fp8kit.train.setup import Setup
+
+
+class TrainingDiverged(Fp8kitError):
+    """The loss or the gradient norm became NaN or infinite."""
+
+
+@dataclass
+class LoopResult:
+    records: list[dict] = field(default_factory=list)
+    switches: list[tuple[int, str]] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+    diverged: str | None = None
+
+
+def set_precision(setup: Setup, phase: str) -> int:
+    """Put the model in ``phase`` (``fp8``/``bf16``); returns how many modules were swapped."""
+    if phase == "fp8":
+        n = apply_fp8(setup.model, setup.decisions, setup.float8_config)
+    else:
+        n = restore_bf16(setup.model)
+    if n and setup.cfg.train.compile:
+        torch._dynamo.reset()  # the swapped modules live inside compiled blocks
+    return n
+
+
+def prepare_model(setup: Setup, phase: str) -> None:
+    """FP8 conversion -> activation checkpointing -> compile (the order of seed 001 and torchtitan)."""
+    set_precision(setup, phase)
+    t = setup.cfg.train
+    if t.activation_checkpointing:
+        # HF's own per-block checkpointing (non-reentrant), which recomputes through Float8Linear.
+        setup.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if t.compile:
+        for block in transformer_blocks(setup.model):
+            block.compile()
+
+
+def _loss(setup: Setup, batch: torch.Tensor) -> torch.Tensor:
+    batch = batch.to(setup.device, non_blocking=True)
+    x, y = batch[:, :-1], batch[:, 1:]
+    logits = setup.model(input_ids=x).logits  # [B, T, V]
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(setup: Setup) -> float:
+    """Mean cross-entropy over the fixed validation batches (token-weighted)."""
+    setup.model.eval()
+    total, count = 0.0, 0
+    for batch in setup.data.packed.val_batches(setup.cfg.train.micro_batch_size, setup.cfg.train.eval_batches):
+        n = batch.shape[0] * (batch.shape[1] - 1)
+        total += _loss(setup, batch).item() * n
+        count += n
+    setup.model.train()
+    return total / count
+
+
+def _save(setup: Setup, out_dir: Path, step: int, phase: str) -> str:
+    state = {
+        "step": step,
+        "phase": phase,
+        "optimizer": setup.optimizer.state_dict(),
+        "scheduler": setup.scheduler.state_dict(),
+        "data": setup.data.packed.state_dict(),
+        "rng": ckpt.rng_state(setup.device),
+    }
+    path = ckpt.save_checkpoint(out_dir / "checkpoints" / ckpt.checkpoint_name(step), setup.model, state)
+    return path.name
+
+
+def run_loop(setup: Setup, out_dir: Path, writer: MetricsWriter, console: Console) -> LoopResult:
+    """Train from ``setup.start_step`` to ``train.steps``; see the module docstring."""
+    cfg, t, f8 = setup.cfg, setup.cfg.train, setup.cfg.fp8
+    model, opt, sched = setup.model, setup.optimizer, setup.scheduler
+    params = [p for p in model.parameters() if p.requires_grad]
+    tokens_per_step = t.micro_batch_size * t.grad_accum * cfg.data.seq_length
+    phase_of = lambda s: precision_at(  # noqa: E731
+        s, mixed_precision=t.mixed_precision, steps=t.steps,
+        bf16_warmup_steps=f8.bf16_warmup_steps, bf16_cooldown_steps=f8.bf16_cooldown_steps,
+    )
+    result = LoopResult()
+    phase = phase_of(setup.start_step) if setup.start_step < t.steps else phase_of(t.steps - 1)
+    prepare_model(setup, phase)
+    model.train()
+    clip = t.grad_clip if t.grad_clip > 0 else math.inf
+    start = time.perf_counter()
+    progress = Progress(
+        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+        TextColumn("{task.fields[info]}"), console=console, transient=False,
+    )
+    with progress:
+        task = progress.add_task("train", total=t.steps, completed=setup.start_step, info="")
+        for step in range(setup.start_step, t.steps):
+            want = phase_of(step)
+            if want != phase:
+                n = set_precision(setup, want)
+                result.switches.append((step, want))
+                progress.console.print(f"step {step}: precision switch {phase} -> {want} ({n} modules swapped)")
+                phase = want
+            reset_peak_memory(setup.device)
+            t0 = time.perf_counter()
+            loss_sum = torch.zeros((), device=setup.device)
+            for _ in range(t.grad_accum):
+                loss = _loss(setup, setup.data.packed.next_batch(t.micro_batch_size))
+                (loss / t.grad_accum).backward()
+                loss_sum += loss.detach()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+            opt.step()
+            lr = sched.get_last_lr()[0]
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            loss_val = (loss_sum / t.grad_accum).item()
+            dt = time.perf_counter() - t0
+            done = step + 1
+            tps = tokens_per_step / dt
+            record = {
+                "step": done,
+                "loss": loss_val,
+                "lr": lr,
+                "grad_norm": float(grad_norm),
+                "tokens_per_s": tps,
+                "step_ms": dt * 1e3,
+                "peak_mem_gib": peak_memory_gib(setup.device),
+                "mfu": (tps * setup.flops_per_token / setup.peak_flops) if setup.peak_flops else None,
+                "precision": phase,
+                "fp8_modules": count_fp8_modules(model) if phase == "fp8" else 0,
+                "epoch": setup.data.packed.epoch_fraction,
+            }
+            if not (math.isfinite(loss_val) and math.isfinite(record["grad_norm"])):
+                result.diverged = f"loss {loss_val} / grad norm {record['grad_norm']} at step {done}"
+            if (t.eval_every and done % t.eval_every == 0) or done == t.steps or result.diverged:
+                record["val_loss"] = evaluate(setup) if not result.diverged else None
+            writer.write(record)
+            result.records.append(record)
+            if (t.checkpoint_every and done % t.checkpoint_every == 0) or (done == t.steps and t.final_checkpoint):
+                if not result.diverged:
+                    result.checkpoints.append(_save(setup, out_dir, done, phase))
+            info = f"loss {loss_val:.4f} {phase} {tps / 1e3:.1f}K tok/s"
+            progress.update(task, completed=done, info=info)
+            if done % t.log_every == 0 or done == t.steps or "val_loss" in record:
+                val = f" val {record['val_loss']:.4f}" if record.get("val_loss") is not None else ""
+                progress.console.print(
+                    f"step {done:>6}/{t.steps} loss {loss_val:.4f}{val} lr {lr:.2e} gnorm {record['grad_norm']:.3f} "
+                    f"{phase} {dt * 1e3:.0f} ms {tps / 1e3:.1f}K tok/s"
+                )
+            if result.diverged:
+                break
+    result.wall_s = time.perf_counter() - start
+    return result

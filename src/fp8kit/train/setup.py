@@ -1,0 +1,218 @@
+"""Everything a run needs, built and checked before the run directory is written.
+
+Order (one place): device and FP8 capability -> resume checkpoint located -> data (corpus, tokenizer,
+packing) -> model on the device -> sites and decisions -> resume compatibility -> optimizer and LR
+schedule. Every step can fail with a one-line :class:`~fp8kit.errors.Fp8kitError`; none of them
+writes into the run directory (the tokenizer cache is the only thing written, and it is atomic).
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fp8kit.config import RunConfig
+from fp8kit.data.prepare import PreparedData, prepare_data
+from fp8kit.errors import CapabilityError
+from fp8kit.fp8.capability import fp8_support
+from fp8kit.fp8.decide import Decision, decide
+from fp8kit.fp8.recipes import float8_linear_config
+from fp8kit.fp8.sites import find_sites
+from fp8kit.models.build import build_hf_config, build_model, count_params, flops_per_token
+from fp8kit.train import checkpoint as ckpt
+from fp8kit.train.metrics import bf16_peak_flops
+from fp8kit.train.schedule import lr_factor
+
+
+@dataclass
+class Setup:
+    """A run ready to train (see the module docstring for how it is built)."""
+
+    cfg: RunConfig
+    device: torch.device
+    data: PreparedData
+    model: nn.Module
+    hf_cfg: object
+    decisions: list[Decision]
+    float8_config: object | None
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    flops_per_token: float
+    peak_flops: float | None
+    params: dict[str, int]
+    capability: str
+    start_step: int = 0
+    resume_from: Path | None = None
+    resume_state: dict | None = None
+    info: dict = field(default_factory=dict)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> ``cuda`` when available else ``cpu``; checks that a CUDA device exists.
+
+    Raises:
+        CapabilityError: CUDA asked for but unavailable, or the index is out of range.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CapabilityError(
+                f"train.device = {name!r}, but CUDA is not available (torch {torch.__version__}); use train.device = \"cpu\""
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise CapabilityError(f"train.device = {name!r}, but only {torch.cuda.device_count()} CUDA device(s) exist")
+    return dev
+
+
+def check_fp8_capability(cfg: RunConfig, device: torch.device) -> str:
+    """The capability sentence for the run; raises when fp8 is asked for where it cannot run.
+
+    Raises:
+        CapabilityError: ``mixed_precision = "fp8"`` on a device without FP8 support and without
+            ``fp8.emulate = true``.
+    """
+    ok, reason = fp8_support(device)
+    if cfg.train.mixed_precision == "fp8" and not ok:
+        if cfg.fp8.emulate and device.type == "cuda":
+            return f"{reason} (emulating FP8: fp8.emulate = true)"
+        raise CapabilityError(f"train.mixed_precision = \"fp8\": {reason}")
+    return reason
+
+
+def versions() -> dict[str, str]:
+    """Library versions recorded with every run and benchmark."""
+    import tokenizers
+    import transformers
+
+    from fp8kit import __version__
+    from fp8kit.fp8.backend import torchao_version
+
+    return {
+        "fp8kit": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchao": torchao_version(),
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "cuda": str(torch.version.cuda),
+    }
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def build_optimizer(cfg: RunConfig, model: nn.Module, device: torch.device):
+    """AdamW (fused on CUDA) with weight decay on matrices only, and the warmup+cosine LR schedule."""
+    t = cfg.train
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=device.type == "cuda")
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: lr_factor(s, warmup_steps=t.warmup_steps, total_steps=t.steps, min_lr_ratio=t.min_lr_ratio),
+    )
+    return opt, sched
+
+
+def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> Setup:
+    """Build and check everything (see the module docstring). Writes nothing into the run directory.
+
+    Raises:
+        Fp8kitError: any bad input, as one line.
+    """
+    say = status or (lambda _m: None)
+    device = resolve_device(cfg.train.device)
+    capability = check_fp8_capability(cfg, device)
+    resume_ckpt = ckpt.find_checkpoint(resume) if resume is not None else None
+    resume_state = ckpt.load_train_state(resume_ckpt) if resume_ckpt is not None else None
+
+    say("preparing data")
+    data = prepare_data(cfg.data, micro_batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed, status=say)
+
+    say("building the model")
+    hf_cfg = build_hf_config(cfg.model, cfg.data.vocab_size)
+    max_pos = getattr(hf_cfg, "max_position_embeddings", None)
+    if max_pos is not None and cfg.data.seq_length > max_pos:
+        from fp8kit.errors import ConfigError
+
+        raise ConfigError(
+            f"data.seq_length = {cfg.data.seq_length} exceeds the model's max_position_embeddings = {max_pos}"
+        )
+    model = build_model(cfg.model, cfg.data.vocab_size, device=device, dtype=torch.bfloat16, seed=cfg.train.seed)
+    if resume_ckpt is not None:
+        ckpt.check_compatible(resume_ckpt, model, resume_state)
+
+    sites = find_sites(model)
+    decisions = decide(
+        sites,
+        mixed_precision=cfg.train.mixed_precision,
+        recipe=cfg.fp8.recipe,
+        include=cfg.fp8.include,
+        exclude=cfg.fp8.exclude,
+    )
+    float8_config = None
+    if cfg.train.mixed_precision == "fp8":
+        float8_config = float8_linear_config(
+            cfg.fp8.recipe, emulate=cfg.fp8.emulate and not fp8_support(device)[0]
+        )
+    optimizer, scheduler = build_optimizer(cfg, model, device)
+    params = count_params(model)
+    setup = Setup(
+        cfg=cfg,
+        device=device,
+        data=data,
+        model=model,
+        hf_cfg=hf_cfg,
+        decisions=decisions,
+        float8_config=float8_config,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        flops_per_token=flops_per_token(model, hf_cfg, cfg.data.seq_length),
+        peak_flops=bf16_peak_flops(device),
+        params=params,
+        capability=capability,
+        resume_from=resume_ckpt,
+        resume_state=resume_state,
+    )
+    setup.info = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "device": device_name(device),
+        "device_type": device.type,
+        "capability": capability,
+        "versions": versions(),
+        "corpus": data.corpus,
+        "corpus_fingerprint": data.corpus_fingerprint,
+        "tokenizer": data.tokenizer,
+        "tokens": data.num_tokens,
+        "train_sequences": int(len(data.packed.train_windows)),
+        "val_sequences": int(len(data.packed.val_windows)),
+        "model_type": hf_cfg.model_type,
+        "params": params,
+        "flops_per_token": setup.flops_per_token,
+        "bf16_peak_flops": setup.peak_flops,
+    }
+    return setup
+
+
+def restore(setup: Setup) -> None:
+    """Load model, optimizer, scheduler, data position and RNG from the resume checkpoint."""
+    if setup.resume_from is None:
+        return
+    state = setup.resume_state
+    ckpt.load_model_weights(setup.resume_from, setup.model)
+    setup.optimizer.load_state_dict(state["optimizer"])
+    setup.scheduler.load_state_dict(state["scheduler"])
+    setup.data.packed.load_state_dict(state["data"])
+    ckpt.set_rng_state(state["rng"], setup.device)
+    setup.start_step = int(state["step"])

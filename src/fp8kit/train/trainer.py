@@ -1,0 +1,128 @@
+"""``fp8kit train``: set up (checked, nothing written) -> run directory -> loop -> summary."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from fp8kit.config import RunConfig, save_config
+from fp8kit.console import make_console
+from fp8kit.fp8.decide import summarize
+from fp8kit.fp8.report import print_report, save_report
+from fp8kit.train.loop import LoopResult, TrainingDiverged, run_loop
+from fp8kit.train.metrics import MetricsWriter, read_metrics
+from fp8kit.train.rundir import check_writable, create_run_dir, default_run_dir
+from fp8kit.train.setup import Setup, build_setup, restore
+from fp8kit.train.summary import print_summary, save_summary, summarize_run
+
+
+@dataclass
+class TrainResult:
+    """What a finished run returns: its directory, summary numbers and all metric records."""
+
+    out_dir: Path
+    summary: dict
+    metrics: list[dict]
+    loop: LoopResult
+
+
+def train(
+    cfg: RunConfig,
+    out_dir: str | Path | None = None,
+    *,
+    resume: str | Path | None = None,
+    console: Console | None = None,
+) -> TrainResult:
+    """Train ``cfg`` into ``out_dir`` (default ``runs/<time>-<preset>-<precision>``).
+
+    With ``resume`` (a run directory or a checkpoint directory) training continues from that
+    checkpoint exactly: model, optimizer, LR schedule, data position, RNG and precision phase; the
+    run directory defaults to the resumed one.
+
+    Raises:
+        Fp8kitError: bad input of any kind, before anything is written; TrainingDiverged when the
+            loss becomes NaN/inf (metrics and summary are written first).
+    """
+    console = console or make_console()
+    resume_path = Path(resume) if resume is not None else None
+    resume_run = None
+    if resume_path is not None:
+        resume_run = resume_path if (resume_path / "checkpoints").is_dir() else resume_path.parent.parent
+    if out_dir is None:
+        out_dir = resume_run or default_run_dir(
+            cfg.model.preset if not cfg.model.hf_config else "custom", cfg.train.mixed_precision
+        )
+    out_dir = Path(out_dir)
+    resuming_here = resume_run is not None and out_dir.resolve() == resume_run.resolve()
+    check_writable(out_dir, resuming_here=resuming_here)
+
+    with console.status("setting up") as status:
+        setup = build_setup(cfg, resume=resume_path, status=lambda m: status.update(m))
+    restore(setup)
+
+    create_run_dir(out_dir)
+    save_config(cfg, out_dir / "resolved_config.toml")
+    (out_dir / "run_info.json").write_text(json.dumps(setup.info, indent=1) + "\n", encoding="utf-8")
+    header = {
+        "model": _model_desc(cfg),
+        "mixed_precision": cfg.train.mixed_precision,
+        "recipe": cfg.fp8.recipe,
+        "device": setup.info["device"],
+    }
+    save_report(setup.decisions, out_dir, header)
+    _print_start(setup, console)
+
+    writer = MetricsWriter(out_dir / "metrics.jsonl", truncate_after_step=setup.start_step if resuming_here else None)
+    try:
+        loop = run_loop(setup, out_dir, writer, console)
+    finally:
+        writer.close()
+    records = read_metrics(out_dir / "metrics.jsonl")
+    desc = {
+        "model": _model_desc(cfg),
+        "params_m": setup.params["total"] / 1e6,
+        "precision": _precision_desc(cfg),
+        "fp8_sites": f"{summarize(setup.decisions)['fp8_sites']} of {len(setup.decisions)}",
+        "wall_s": loop.wall_s,
+        "status": "diverged" if loop.diverged else "ok",
+        "switches": loop.switches,
+    }
+    summary = summarize_run(records, switches=[s for s, _ in loop.switches], info=setup.info, setup_desc=desc)
+    save_summary(summary, out_dir)
+    print_summary(summary, console)
+    console.print(f"run directory: {out_dir}")
+    if loop.diverged:
+        raise TrainingDiverged(f"training diverged: {loop.diverged}; metrics and summary are in {out_dir}")
+    return TrainResult(out_dir, summary, records, loop)
+
+
+def _model_desc(cfg: RunConfig) -> str:
+    name = f"hf_config {cfg.model.hf_config}" if cfg.model.hf_config else cfg.model.preset
+    if cfg.model.num_layers is not None:
+        name += f" ({cfg.model.num_layers} layers)"
+    return name
+
+
+def _precision_desc(cfg: RunConfig) -> str:
+    if cfg.train.mixed_precision != "fp8":
+        return "bf16"
+    desc = f"fp8 {cfg.fp8.recipe}"
+    if cfg.fp8.bf16_warmup_steps or cfg.fp8.bf16_cooldown_steps:
+        desc += f" (bf16 warmup {cfg.fp8.bf16_warmup_steps}, cooldown {cfg.fp8.bf16_cooldown_steps} steps)"
+    return desc
+
+
+def _print_start(setup: Setup, console: Console) -> None:
+    cfg, info = setup.cfg, setup.info
+    console.print(
+        f"[bold]fp8kit train[/bold]: {_model_desc(cfg)}, {setup.params['total'] / 1e6:.1f}M parameters, "
+        f"{_precision_desc(cfg)} on {info['device']}"
+    )
+    console.print(f"data: {info['corpus']}; {info['tokens']:,} tokens ({info['tokenizer']})")
+    console.print(f"FP8: {setup.capability}")
+    print_report(setup.decisions, console)
+    if setup.resume_from is not None:
+        console.print(f"resuming from {setup.resume_from} at step {setup.start_step}")

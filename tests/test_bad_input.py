@@ -1,0 +1,139 @@
+"""Every bad input of the foundation issue: one clear line on stderr, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8kit.cli import main
+from fp8kit.config import load_config
+from fp8kit.errors import CapabilityError
+from fp8kit.train import setup as setup_mod
+from fp8kit.train.trainer import train
+
+
+def _fails(capsys, argv, expected: str):
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, f"exit {code}, stderr: {err}"
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert expected in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "sets, expected",
+    [
+        (["train.mixed_precison=fp8"], "did you mean 'train.mixed_precision'?"),
+        (["train.steps=1.5"], "train.steps=1.5: expected an integer, got '1.5'"),
+        (["model.preset=llama9"], "--set model.preset=llama9: unknown value 'llama9'"),
+        (["fp8.recipe=blockwise"], "unknown value 'blockwise' (did you mean 'rowwise'?); choose one of tensorwise, rowwise, rowwise_with_gw_hp"),
+        (["data.paths=/nonexistent/corpus/*.txt"], "data.paths[0] '/nonexistent/corpus/*.txt' matches no file"),
+        (["data.paths=/nonexistent/file.txt"], "data.paths[0] '/nonexistent/file.txt' does not exist"),
+        (["train.device=cuda"], "train.device = 'cuda', but CUDA is not available"),
+    ],
+)
+def test_bad_config_and_data(capsys, tmp_path, sets, expected):
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out)] + [a for s in sets for a in ("--set", s)]
+    _fails(capsys, argv, expected)
+    assert not out.exists()
+
+
+def test_empty_data_file(capsys, tmp_path, cache_dir):
+    (tmp_path / "empty.txt").write_text("\n\n")
+    out = tmp_path / "run"
+    _fails(capsys, ["train", "--out", str(out), "--set", f"data.paths={tmp_path / 'empty.txt'}",
+                    "--set", f"data.cache_dir={cache_dir}"], "is empty")
+    assert not out.exists()
+
+
+def test_sequence_longer_than_corpus(capsys, tmp_path):
+    (tmp_path / "small.txt").write_text("print('hello')\n" * 40)
+    out = tmp_path / "run"
+    _fails(capsys, ["train", "--out", str(out), "--set", f"data.paths={tmp_path / 'small.txt'}",
+                    "--set", "data.vocab_size=300", "--set", "data.seq_length=2048",
+                    "--set", f"data.cache_dir={tmp_path / 'cache'}"],
+           "data.seq_length = 2048 is too long for the corpus")
+    assert not out.exists()
+
+
+def test_unwritable_output_directory(capsys, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    _fails(capsys, ["train", "--out", str(blocker / "run")], "cannot be written")
+    _fails(capsys, ["train", "--out", str(blocker)], "is a file, not a directory")
+
+
+def test_config_file_errors(capsys, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nmixed_precison = 'fp8'\n")
+    _fails(capsys, ["train", str(bad), "--out", str(tmp_path / "r")], f"{bad}: unknown key 'train.mixed_precison'")
+    _fails(capsys, ["train", str(tmp_path / "nope.yaml")], "does not exist")
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.fixture(scope="module")
+def one_step_run(tmp_path_factory, cache_dir):
+    out = tmp_path_factory.mktemp("ck") / "run"
+    cfg = load_config(None, ["model.num_layers=2", "data.seq_length=32", "data.vocab_size=1024",
+                             f"data.cache_dir={cache_dir}", "train.steps=1", "train.micro_batch_size=2",
+                             "train.eval_batches=1"])
+    train(cfg, out)
+    return out
+
+
+def test_resume_from_a_different_model_shape(capsys, tmp_path, one_step_run, cache_dir):
+    out = tmp_path / "r"
+    line = _fails(capsys, ["train", "--resume", str(one_step_run), "--out", str(out),
+                           "--set", "model.num_layers=3"],
+                  "which the checkpoint lacks (different architecture or depth)")
+    assert "model.layers.2." in line
+    _fails(capsys, ["train", "--resume", str(one_step_run), "--out", str(out), "--set", "data.vocab_size=2048"],
+           "has shape [1024, 256] in the checkpoint but [2048, 256] in the configured model")
+    assert not out.exists()
+    _fails(capsys, ["train", "--resume", str(tmp_path / "missing")], "no checkpoint found")
+
+
+def test_checkpoint_is_loaded_with_weights_only(capsys, tmp_path, one_step_run):
+    """A train_state.pt holding a pickled object is refused, not unpickled."""
+    import shutil
+
+    ck = tmp_path / "evil"
+    shutil.copytree(one_step_run / "checkpoints" / "step_000001", ck)
+
+    class Boom:
+        def __reduce__(self):
+            return (Path.touch, (tmp_path / "pwned",))
+
+    with open(ck / "train_state.pt", "wb") as f:
+        pickle.dump({"step": 1, "param_shapes": {}, "x": Boom()}, f)
+    _fails(capsys, ["train", "--resume", str(ck), "--out", str(tmp_path / "r")], "refused by torch.load(weights_only=True)")
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_existing_run_is_not_overwritten(capsys, one_step_run):
+    _fails(capsys, ["train", "--out", str(one_step_run)], "already holds a run")
+
+
+def test_fp8_on_a_gpu_without_fp8(monkeypatch):
+    """Capability < 8.9: a clear error naming the GPU and the fix, unless fp8.emulate.
+
+    No pre-Ada GPU exists here, so the CUDA queries are replaced by an A100's answers.
+    """
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (8, 0))
+    cfg = load_config(None, ["train.mixed_precision=fp8"])
+    with pytest.raises(CapabilityError) as e:
+        setup_mod.check_fp8_capability(cfg, torch.device("cuda"))
+    msg = str(e.value)
+    assert "NVIDIA A100-SXM4-80GB" in msg and "8.0" in msg and "fp8.emulate = true" in msg
+    ok = setup_mod.check_fp8_capability(load_config(None, ["fp8.emulate=true"]), torch.device("cuda"))
+    assert "emulating FP8" in ok
+    assert "8.0" in setup_mod.check_fp8_capability(load_config(None, ["train.mixed_precision=bf16"]), torch.device("cuda"))
