@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from fp8kit.config import FP8Config
 from fp8kit import convert_to_fp8
+from fp8kit.config import FP8Config
 from fp8kit.fp8.convert import count_fp8_modules, restore_bf16
 
 

@@ -119,8 +119,8 @@ def test_dims_divisible_by_16_and_heads():
 
 def test_moe_router_and_experts_stay_bf16():
     """Qwen3-MoE (transformers v5 fused 3-D experts): routers and experts are never Float8Linear."""
-    from transformers import AutoConfig, AutoModelForCausalLM
     import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(
         "qwen3_moe", vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,

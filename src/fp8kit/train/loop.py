@@ -4,7 +4,7 @@ One optimizer step (``grad_accum`` micro-batches)::
 
     phase = precision_at(step)              # switch FP8 <-> BF16 modules when it changes
     for each micro-batch: logits = model(x); loss = CE(logits.float(), y); (loss / grad_accum).backward()
-    grad_norm = clip_grad_norm_(params, grad_clip)
+    grad_norm = clip_grad_norm(params, grad_clip)     # folded into fused AdamW on CUDA (train/clip.py)
     optimizer.step(); scheduler.step(); zero_grad
     loss.item()                             # the one host sync of the step; time is taken after it
 
@@ -35,6 +35,7 @@ from fp8kit.errors import Fp8kitError
 from fp8kit.fp8.convert import apply_fp8, count_fp8_modules, restore_bf16
 from fp8kit.models.build import transformer_blocks
 from fp8kit.train import checkpoint as ckpt
+from fp8kit.train.clip import clip_grad_norm
 from fp8kit.train.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
 from fp8kit.train.schedule import precision_at
 from fp8kit.train.setup import Setup
@@ -71,16 +72,24 @@ def prepare_model(setup: Setup, phase: str) -> None:
     if t.activation_checkpointing:
         # HF's own per-block checkpointing (non-reentrant), which recomputes through Float8Linear.
         setup.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    setup.loss_fn = cross_entropy
     if t.compile:
         for block in transformer_blocks(setup.model):
             block.compile()
+        # The fp32 upcast, log-softmax and NLL fuse into one pass over the bf16 logits.
+        setup.loss_fn = torch.compile(cross_entropy)
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy in fp32: logits ``[B, T, V]`` (bf16), labels ``[B, T]`` (int64)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 def _loss(setup: Setup, batch: torch.Tensor) -> torch.Tensor:
     batch = batch.to(setup.device, non_blocking=True)
     x, y = batch[:, :-1], batch[:, 1:]
     logits = setup.model(input_ids=x).logits  # [B, T, V]
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+    return setup.loss_fn(logits, y)
 
 
 @torch.no_grad()
@@ -123,7 +132,6 @@ def run_loop(setup: Setup, out_dir: Path, writer: MetricsWriter, console: Consol
     phase = phase_of(setup.start_step) if setup.start_step < t.steps else phase_of(t.steps - 1)
     prepare_model(setup, phase)
     model.train()
-    clip = t.grad_clip if t.grad_clip > 0 else math.inf
     start = time.perf_counter()
     progress = Progress(
         TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
@@ -145,7 +153,7 @@ def run_loop(setup: Setup, out_dir: Path, writer: MetricsWriter, console: Consol
                 loss = _loss(setup, setup.data.packed.next_batch(t.micro_batch_size))
                 (loss / t.grad_accum).backward()
                 loss_sum += loss.detach()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+            grad_norm = clip_grad_norm(params, t.grad_clip, opt)
             opt.step()
             lr = sched.get_last_lr()[0]
             sched.step()

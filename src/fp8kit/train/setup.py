@@ -50,6 +50,7 @@ class Setup:
     resume_from: Path | None = None
     resume_state: dict | None = None
     info: dict = field(default_factory=dict)
+    loss_fn: object = None  # set by loop.prepare_model (compiled when train.compile)
 
 
 def resolve_device(name: str) -> torch.device:
