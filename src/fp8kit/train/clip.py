@@ -36,5 +36,5 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, optimizer: torch
     if optimizer.defaults.get("fused") and isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
         optimizer.grad_scale = ((norm.float() + 1e-6) / max_norm).clamp(min=1.0)
     else:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+        torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, norm, foreach=True)
     return norm
