@@ -22,12 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-WORKLOAD = [
-    "model.preset=llama3-8b",
-    "model.num_layers=8",
-    "data.seq_length=4096",
+COMMON = [
     "data.vocab_size=32000",
-    "train.micro_batch_size=2",
     "train.compile=true",
     "train.eval_every=0",
     "train.eval_batches=1",
@@ -37,18 +33,35 @@ WORKLOAD = [
     "train.warmup_steps=5",
     "train.lr=3e-4",
 ]
-VARIANTS = {
-    "bf16": ["train.mixed_precision=bf16"],
-    "tensorwise": ["train.mixed_precision=fp8", "fp8.recipe=tensorwise"],
-    "rowwise": ["train.mixed_precision=fp8", "fp8.recipe=rowwise"],
-    "rowwise_with_gw_hp": ["train.mixed_precision=fp8", "fp8.recipe=rowwise_with_gw_hp"],
+WORKLOADS = {
+    # the foundation issue's benchmark (anchors: HF Llama + torchao + per-block compile)
+    "llama3-8b-seq4096": ["model.preset=llama3-8b", "model.num_layers=8", "data.seq_length=4096",
+                          "train.micro_batch_size=2"],
+    # adaptive FP8, case (a): small hidden size and short sequences, where full FP8 loses
+    "llama3-1b-seq2048": ["model.preset=llama3-1b", "data.seq_length=2048", "train.micro_batch_size=1"],
+    # adaptive FP8, case (b): 8B layer shapes at seq 8192, where FP8 wins on the MLP
+    "llama3-8b-seq8192": ["model.preset=llama3-8b", "model.num_layers=8", "data.seq_length=8192",
+                          "train.micro_batch_size=1"],
 }
 
 
-def run_variant(name: str, sets: list[str], out: Path, steps: int, cache: Path) -> dict:
+def variant_sets(name: str, preset: str, gpu: str) -> list[str]:
+    """bf16 | <recipe> (full FP8) | adaptive-<recipe> (selective FP8 with the shipped policy)."""
+    if name == "bf16":
+        return ["train.mixed_precision=bf16"]
+    if name.startswith("adaptive-"):
+        recipe = name.removeprefix("adaptive-")
+        return ["train.mixed_precision=fp8", f"fp8.recipe={recipe}", "fp8.selective_fp8=true",
+                f"fp8.fp8_dynamic_policy_path=builtin:{preset}_{recipe}_{gpu}"]
+    return ["train.mixed_precision=fp8", f"fp8.recipe={name}"]
+
+
+def run_variant(name: str, workload: str, sets: list[str], out: Path, steps: int, cache: Path, gpu: str) -> dict:
     run_dir = out / name
     cmd = [sys.executable, "-m", "fp8kit", "train", "--out", str(run_dir)]
-    for s in [*WORKLOAD, f"train.steps={steps}", f"data.cache_dir={cache}", *VARIANTS[name], *sets]:
+    wl = WORKLOADS[workload]
+    preset = next(s.split("=", 1)[1] for s in wl if s.startswith("model.preset="))
+    for s in [*COMMON, *wl, f"train.steps={steps}", f"data.cache_dir={cache}", *variant_sets(name, preset, gpu), *sets]:
         cmd += ["--set", s]
     print("+", " ".join(cmd), flush=True)
     t0 = time.time()
@@ -67,14 +80,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/bench-throughput")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--variants", default="bf16,tensorwise,rowwise")
+    ap.add_argument("--workload", default="llama3-8b-seq4096", choices=sorted(WORKLOADS))
+    ap.add_argument("--variants", default="bf16,tensorwise,rowwise",
+                    help="bf16, a recipe (full FP8), or adaptive-<recipe> (selective FP8, shipped policy)")
+    ap.add_argument("--gpu", default="h100", help="suffix of the shipped policy for adaptive variants")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="extra config override")
     ap.add_argument("--cache", default=None, help="tokenizer cache dir (default OUT/cache)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cache = Path(args.cache) if args.cache else out / "cache"
-    results = [run_variant(v, args.sets, out, args.steps, cache) for v in args.variants.split(",")]
+    results = [run_variant(v, args.workload, args.sets, out, args.steps, cache, args.gpu)
+               for v in args.variants.split(",")]
     base = next((r for r in results if r["variant"] == "bf16" and "error" not in r), None)
     lines = [
         "| precision | ms/step | tokens/s | speed-up vs bf16 | MFU (bf16 peak) | peak GiB | final loss |",
@@ -90,8 +107,13 @@ def main() -> int:
             f"| {r['variant']} | {r['step_ms']:.1f} | {r['tokens_per_s'] / 1e3:.1f}K | {sp} | {mfu} | "
             f"{r['peak_mem_gib']:.1f} | {r['final_loss']:.3f} |"
         )
-    meta = next((r for r in results if "error" not in r), {})
-    header = f"device: {meta.get('device')}; versions: {meta.get('versions')}; date: {time.strftime('%Y-%m-%d')}"
+    ok = [r for r in results if "error" not in r]
+    for r in ok:
+        if r["variant"].startswith("adaptive-"):
+            best = max(o["tokens_per_s"] for o in ok if not o["variant"].startswith("adaptive-"))
+            lines.append(f"\n{r['variant']} / fastest of the others: {r['tokens_per_s'] / best:.3f}")
+    meta = next(iter(ok), {})
+    header = f"workload: {args.workload}; device: {meta.get('device')}; versions: {meta.get('versions')}; date: {time.strftime('%Y-%m-%d')}"
     table = header + "\n\n" + "\n".join(lines)
     (out / "results.md").write_text(table + "\n")
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")

@@ -7,16 +7,16 @@ from torch import nn
 
 from fp8kit.config import ModelConfig
 from fp8kit.errors import ConfigError
-from fp8kit.fp8.decide import decide, summarize
+from fp8kit.fp8.decide import DecideOptions, decide, summarize
 from fp8kit.fp8.patterns import compile_pattern
 from fp8kit.fp8.sites import find_sites
 from fp8kit.models.build import build_model
 
 
 def _decisions(model, **kw):
-    kw.setdefault("mixed_precision", "fp8")
-    kw.setdefault("recipe", "tensorwise")
-    return {d.fqn: d for d in decide(find_sites(model), **kw)}
+    for key in ("include", "exclude"):
+        kw[key] = tuple(kw.get(key, ()))
+    return {d.fqn: d for d in decide(find_sites(model), DecideOptions(**kw))}
 
 
 @pytest.mark.parametrize(

@@ -31,15 +31,14 @@ def convert_to_fp8(model, config=None, *, mixed_precision: str = "fp8", emulate:
     """
     from fp8kit.config import FP8Config
     from fp8kit.fp8.convert import apply_fp8
-    from fp8kit.fp8.decide import decide
+    from fp8kit.fp8.decide import DecideOptions, decide
     from fp8kit.fp8.recipes import float8_linear_config
     from fp8kit.fp8.sites import find_sites
 
     config = config or FP8Config()
-    decisions = decide(
-        find_sites(model), mixed_precision=mixed_precision, recipe=config.recipe,
-        include=config.include, exclude=config.exclude,
-    )
+    options = DecideOptions(mixed_precision=mixed_precision, recipe=config.recipe,
+                            include=tuple(config.include), exclude=tuple(config.exclude))
+    decisions = decide(find_sites(model), options)
     if mixed_precision == "fp8":
         apply_fp8(model, decisions, float8_linear_config(config.recipe, emulate=emulate))
     return decisions

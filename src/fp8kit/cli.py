@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, config_required=True)
     p.add_argument("--out", help="output directory (default: runs/<time>-compare)")
 
+    from fp8kit.adaptive_cli import add_parsers
+
+    add_parsers(sub)
+
     p = sub.add_parser("config-docs", help="print the config reference (Markdown) generated from the dataclasses")
     p.add_argument("--output", help="write to this file instead of stdout")
     return parser
@@ -77,7 +81,9 @@ def _run(args) -> int:
 
         compare(_load(args), args.out)
         return 0
-    raise AssertionError(args.command)
+    from fp8kit import adaptive_cli
+
+    return adaptive_cli.run(args)
 
 
 def main(argv: list[str] | None = None) -> int:

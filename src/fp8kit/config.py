@@ -33,6 +33,8 @@ MIXED_PRECISIONS = ("bf16", "fp8")
 def _f(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
     """A dataclass field with its documentation (and allowed values) in the metadata."""
     meta = {"help": help, "choices": choices}
+    if isinstance(default, dict):
+        return field(default_factory=lambda d=default: dict(d), metadata=meta)
     if isinstance(default, list):
         return field(default_factory=lambda d=default: list(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -148,6 +150,39 @@ class FP8Config:
     )
     bf16_warmup_steps: int = _f(0, "Train the first N steps in BF16, then switch the selected layers to FP8.")
     bf16_cooldown_steps: int = _f(0, "Switch the FP8 layers back to BF16 for the last M steps.")
+    selective_fp8: bool = _f(
+        False,
+        "Adaptive FP8: after the static rules, keep a layer in FP8 only where the policy's measurements "
+        "say FP8 is faster at this run's token count (seed 000).",
+    )
+    fp8_dynamic_policy_path: str | None = _f(
+        None,
+        "Policy JSON for selective_fp8 (seed format): a path, or builtin:NAME for a policy shipped with "
+        "fp8kit (see `fp8kit plan --list-policies`).",
+    )
+    fp8_dynamic_num_tokens: int | None = _f(
+        None, "Token count for policy lookups. Default: data.seq_length x train.micro_batch_size."
+    )
+    component_policy_paths: dict[str, str] = _f(
+        {},
+        "Per-component policies of multi-component models, e.g. {vision = \"vit_policy.json\"}. "
+        "Components without an entry use fp8_dynamic_policy_path.",
+    )
+    component_num_tokens: dict[str, int] = _f(
+        {},
+        "Per-component token counts, e.g. {vision = 4096} (a vision encoder sees its patch count, not "
+        "the text sequence length).",
+    )
+
+
+@dataclass
+class DistributedConfig:
+    """``[distributed]``: parallel sizes. ``plan`` and the adaptive-FP8 decisions use them to look up
+    the policy rules of the run's real per-rank shapes."""
+
+    tp: int = _f(1, "Tensor-parallel size.")
+    ep: int = _f(1, "Expert-parallel size (MoE): experts are split over ep ranks.")
+    etp: int = _f(1, "Expert tensor-parallel size (MoE): each expert's weights split over etp ranks.")
 
 
 @dataclass
@@ -158,6 +193,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     fp8: FP8Config = field(default_factory=FP8Config)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Sections as plain dicts, ``None`` values left out (TOML has no null)."""
@@ -206,6 +242,9 @@ def _type_name(tp: Any) -> str:
     base, optional = _unwrap_optional(tp)
     if typing.get_origin(base) is list:
         name = "list of strings"
+    elif typing.get_origin(base) is dict:
+        vt = typing.get_args(base)[1]
+        name = "table of " + {int: "integers", str: "strings"}[vt]
     else:
         name = {int: "integer", float: "float", bool: "boolean", str: "string"}.get(base, str(base))
     return f"{name} or none" if optional else name
@@ -237,6 +276,13 @@ def _check_value(value: Any, tp: Any, where: str) -> Any:
         ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
         if ok:
             value = list(value)
+    elif typing.get_origin(base) is dict:
+        vt = typing.get_args(base)[1]
+        ok = isinstance(value, dict) and all(
+            isinstance(k, str) and isinstance(v, vt) and not isinstance(v, bool) for k, v in value.items()
+        )
+        if ok:
+            value = dict(value)
     if not ok:
         raise ConfigError(
             f"{where}: {_expected(tp)}, got {value!r} ({type(value).__name__})"
@@ -272,6 +318,11 @@ def _parse_override_value(text: str, tp: Any, where: str) -> Any:
                 parsed = tomllib.loads(f"v = {raw}")["v"]
                 return _check_value(parsed, tp, where)
             return [part.strip() for part in raw.split(",") if part.strip()]
+        if typing.get_origin(base) is dict:
+            parsed = tomllib.loads(f"v = {raw}")["v"] if raw.startswith("{") else None
+            if parsed is not None:
+                return _check_value(parsed, tp, where)
+            raise ValueError
     except (ValueError, tomllib.TOMLDecodeError):
         pass
     raise ConfigError(f"{where}: {_expected(tp)}, got {text!r}")
@@ -480,6 +531,14 @@ def validate(cfg: RunConfig, origins: dict[str, str] | None = None) -> None:
             f"bf16_warmup_steps ({f8.bf16_warmup_steps}) + bf16_cooldown_steps ({f8.bf16_cooldown_steps}) "
             f"exceed train.steps ({t.steps})",
         )
+    for key in ("tp", "ep", "etp"):
+        positive(f"distributed.{key}", getattr(cfg.distributed, key))
+    if f8.fp8_dynamic_num_tokens is not None:
+        positive("fp8.fp8_dynamic_num_tokens", f8.fp8_dynamic_num_tokens)
+    for comp, n in f8.component_num_tokens.items():
+        positive(f"fp8.component_num_tokens.{comp}", n)
+    if f8.selective_fp8 and not f8.fp8_dynamic_policy_path and not f8.component_policy_paths:
+        fail("fp8.selective_fp8", "is true but no policy is given: set fp8.fp8_dynamic_policy_path")
     from fp8kit.fp8.patterns import compile_patterns
 
     for key in ("include", "exclude"):

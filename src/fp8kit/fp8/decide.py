@@ -1,13 +1,25 @@
-"""Decide FP8 or BF16 for every site: static rules first, then the run's precision.
+"""Decide FP8 or BF16 for every site: static rules, then the run's precision, then the adaptive policy.
 
-Deciding is pure: sites and config in, :class:`Decision` rows out. ``plan`` prints them, ``train``
-applies them through ``fp8/convert.py``; nothing here touches a module.
+Deciding is pure: sites and options in, :class:`Decision` rows out. ``plan`` prints them, ``train``
+applies them through ``fp8/convert.py``; nothing here touches a module, and nothing is decided per
+step (the seed's "Runtime overhead: none": the decision happens once, at model build).
+
+Order for one site:
+
+1. the static filter (``fp8/rules.py``): embeddings, heads, routers, experts, non-2-D, dims % 16,
+   ``fp8.include`` / ``fp8.exclude``;
+2. ``train.mixed_precision = "bf16"``: everything BF16;
+3. with ``fp8.selective_fp8``: the policy of the site's component (``fp8/policy.py``) at the
+   component's token count, with the run's ``tp`` (dense) or ``etp`` and local experts (grouped);
+4. otherwise FP8.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from fp8kit.errors import ConfigError
+from fp8kit.fp8.policy import Policy
 from fp8kit.fp8.rules import StaticRules
 from fp8kit.fp8.sites import Site
 
@@ -20,9 +32,12 @@ class Decision:
         site: the site decided.
         precision: ``"fp8"`` or ``"bf16"``.
         rule: short id of the rule that decided (``linear``, ``head``, ``dims%16``, ``exclude``,
-            ``mixed_precision``, ...).
+            ``mixed_precision``, ``policy``, ...).
         reason: one sentence for the conversion report.
         recipe: the FP8 recipe (``None`` for BF16 sites).
+        tp / etp: the parallel sizes the decision used.
+        num_gemms: local experts per rank for grouped sites (``num_experts / ep``), else None.
+        num_tokens: the component's token count (``seq_length x micro_batch_size`` or explicit).
     """
 
     site: Site
@@ -30,6 +45,10 @@ class Decision:
     rule: str
     reason: str
     recipe: str | None = None
+    tp: int = 1
+    etp: int = 1
+    num_gemms: int | None = None
+    num_tokens: int | None = None
 
     @property
     def fqn(self) -> str:
@@ -47,8 +66,11 @@ class Decision:
             "role": self.site.role,
             "module_kind": self.site.module_kind,
             "ub_name": self.site.ub_name,
-            "num_gemms": self.site.num_gemms,
             "component": self.site.component,
+            "tp": self.tp,
+            "etp": self.etp,
+            "num_gemms": self.num_gemms,
+            "num_tokens": self.num_tokens,
             "precision": self.precision,
             "rule": self.rule,
             "reason": self.reason,
@@ -56,36 +78,74 @@ class Decision:
         }
 
 
-def decide(
-    sites: list[Site],
-    *,
-    mixed_precision: str,
-    recipe: str,
-    include: list[str] | None = None,
-    exclude: list[str] | None = None,
-) -> list[Decision]:
-    """One :class:`Decision` per site.
+@dataclass(frozen=True)
+class Selective:
+    """Adaptive-FP8 inputs: one policy and token count per component (``"*"``: every other component)."""
 
-    Args:
-        sites: from :func:`fp8kit.fp8.sites.find_sites`.
-        mixed_precision: ``"fp8"`` or ``"bf16"`` (``train.mixed_precision``); with ``bf16`` every
-            site is BF16, FP8 candidates saying so.
-        recipe: the FP8 recipe recorded on FP8 decisions.
-        include / exclude: ``fp8.include`` / ``fp8.exclude`` patterns.
+    policies: dict[str, Policy]
+    num_tokens: dict[str, int]
+    topk: int = 1
+
+    def for_component(self, component: str) -> tuple[Policy | None, int | None]:
+        return (self.policies.get(component, self.policies.get("*")),
+                self.num_tokens.get(component, self.num_tokens.get("*")))
+
+
+@dataclass(frozen=True)
+class DecideOptions:
+    """Everything :func:`decide` needs besides the sites."""
+
+    mixed_precision: str = "fp8"
+    recipe: str = "tensorwise"
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    tp: int = 1
+    ep: int = 1
+    etp: int = 1
+    num_tokens: int | None = None
+    selective: Selective | None = None
+    warnings: tuple[str, ...] = field(default=())
+
+
+def decide(sites: list[Site], options: DecideOptions) -> list[Decision]:
+    """One :class:`Decision` per site, in the order of the module docstring.
 
     Raises:
-        ConfigError: an invalid pattern.
+        ConfigError: an invalid pattern, or ``ep`` that does not divide a site's experts.
     """
-    rules = StaticRules.from_lists(list(include or []), list(exclude or []))
+    rules = StaticRules.from_lists(list(options.include), list(options.exclude))
     out: list[Decision] = []
     for site in sites:
+        num_gemms = None
+        if site.num_gemms is not None:
+            if site.num_gemms % options.ep:
+                raise ConfigError(
+                    f"distributed.ep = {options.ep} does not divide the {site.num_gemms} experts of {site.fqn}"
+                )
+            num_gemms = site.num_gemms // options.ep
+        tokens = options.num_tokens
+        if options.selective is not None:
+            tokens = options.selective.for_component(site.component)[1] or tokens
+        ctx = {"tp": options.tp, "etp": options.etp, "num_gemms": num_gemms, "num_tokens": tokens}
         verdict = rules.check(site)
         if not verdict.candidate:
-            out.append(Decision(site, "bf16", verdict.rule, verdict.reason))
-        elif mixed_precision != "fp8":
-            out.append(Decision(site, "bf16", "mixed_precision", f"train.mixed_precision = {mixed_precision!r}"))
-        else:
-            out.append(Decision(site, "fp8", verdict.rule, verdict.reason, recipe))
+            out.append(Decision(site, "bf16", verdict.rule, verdict.reason, **ctx))
+            continue
+        if options.mixed_precision != "fp8":
+            out.append(Decision(site, "bf16", "mixed_precision",
+                                f"train.mixed_precision = {options.mixed_precision!r}", **ctx))
+            continue
+        if options.selective is not None:
+            policy, _ = options.selective.for_component(site.component)
+            if policy is None:
+                out.append(Decision(site, "bf16", "policy", f"no policy for component {site.component!r} -> bf16", **ctx))
+                continue
+            pv = policy.decide(site.module_kind, site.ub_name, num_tokens=tokens, tp=options.tp, etp=options.etp,
+                               num_gemms=num_gemms, topk=options.selective.topk)
+            out.append(Decision(site, "fp8" if pv.use_fp8 else "bf16", "policy", pv.reason,
+                                options.recipe if pv.use_fp8 else None, **ctx))
+            continue
+        out.append(Decision(site, "fp8", verdict.rule, verdict.reason, options.recipe, **ctx))
     return out
 
 
@@ -108,4 +168,3 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
-

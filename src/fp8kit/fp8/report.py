@@ -54,6 +54,10 @@ def grouped_rows(decisions: list[Decision]) -> list[dict]:
                 "ub_name": s.ub_name or "",
                 "precision": d.precision,
                 "reason": d.reason,
+                "tp": d.tp,
+                "etp": d.etp,
+                "num_gemms": d.num_gemms,
+                "num_tokens": d.num_tokens,
                 "layers": [],
             },
         )
@@ -65,16 +69,28 @@ def grouped_rows(decisions: list[Decision]) -> list[dict]:
     return rows
 
 
-def print_report(decisions: list[Decision], console: Console | None = None, title: str = "FP8 conversion") -> None:
-    """Print the compact conversion table and a one-line summary."""
+def print_report(
+    decisions: list[Decision], console: Console | None = None, title: str = "FP8 conversion", detail: bool = False
+) -> None:
+    """Print the compact conversion table and a one-line summary.
+
+    ``detail`` adds the columns of the policy lookup (tp, etp, num_gemms, num_tokens).
+    """
     console = console or make_console()
     table = Table(title=title, show_lines=False, header_style="bold")
-    for col in ("module", "layers", "shape", "module_kind", "ub_name", "precision", "reason"):
+    cols = ["module", "layers", "shape", "module_kind", "ub_name"]
+    if detail:
+        cols += ["tp", "etp", "num_gemms", "num_tokens"]
+    cols += ["precision", "reason"]
+    for col in cols:
         table.add_column(col, overflow="fold")
     for r in grouped_rows(decisions):
         style = "green" if r["precision"] == "fp8" else None
-        table.add_row(r["fqn"], r["layers"], r["shape"], r["module_kind"], r["ub_name"],
-                      r["precision"], r["reason"], style=style)
+        cells = [r["fqn"], r["layers"], r["shape"], r["module_kind"], r["ub_name"]]
+        if detail:
+            cells += [str(r["tp"]), str(r["etp"]), "" if r["num_gemms"] is None else str(r["num_gemms"]),
+                      "" if r["num_tokens"] is None else str(r["num_tokens"])]
+        table.add_row(*cells, r["precision"], r["reason"], style=style)
     console.print(table)
     s = summarize(decisions)
     console.print(

@@ -35,6 +35,8 @@ _ATTENTION_NAMES = {
     "qkv_proj": ("layernorm_column", "qkv"),
     "query_key_value": ("layernorm_column", "qkv"),
     "Wqkv": ("layernorm_column", "qkv"),
+    "qkv": ("layernorm_column", "qkv"),
+    "proj": ("row", "proj"),
     "c_attn": ("layernorm_column", "qkv"),
     "query": ("layernorm_column", "qkv"),
     "key": ("layernorm_column", "qkv"),
@@ -66,6 +68,8 @@ _MLP_NAMES = {
     "c_proj": ("row", "fc2"),
     "dense_4h_to_h": ("row", "fc2"),
 }
+# Generic names that only mean qkv/proj/fc2 inside an attention or MLP block.
+_CONTEXT_ONLY = {"qkv", "proj", "dense", "c_proj", "query", "key", "value", "wo"}
 _ATTENTION_PARENTS = {"self_attn", "attention", "attn", "self_attention", "cross_attn", "mixer"}
 _MLP_PARENTS = {"mlp", "feed_forward", "ffn", "block_sparse_moe", "moe", "shared_expert", "shared_experts"}
 _EXPERT_PARTS = {"experts"}
@@ -148,9 +152,9 @@ def _classify_linear(parts: list[str], module: nn.Linear) -> tuple[str, str, str
         role, (kind, ub) = "attention", _ATTENTION_NAMES[name]
     elif (parents & _MLP_PARENTS or in_expert) and name in _MLP_NAMES:
         role, (kind, ub) = "mlp", _MLP_NAMES[name]
-    elif name in _MLP_NAMES:
+    elif name in _MLP_NAMES and name not in _CONTEXT_ONLY:
         role, (kind, ub) = "mlp", _MLP_NAMES[name]
-    elif name in _ATTENTION_NAMES:
+    elif name in _ATTENTION_NAMES and name not in _CONTEXT_ONLY:
         role, (kind, ub) = "attention", _ATTENTION_NAMES[name]
     if in_expert and "shared_expert" not in parents and "shared_experts" not in parents:
         # Seed, section 3.3: expert column/layernorm_column -> column_grouped, row -> row_grouped.

@@ -21,6 +21,7 @@ from fp8kit.data.prepare import PreparedData, prepare_data
 from fp8kit.errors import CapabilityError
 from fp8kit.fp8.capability import fp8_support
 from fp8kit.fp8.decide import Decision, decide
+from fp8kit.fp8.options import options_from_config
 from fp8kit.fp8.recipes import float8_linear_config
 from fp8kit.fp8.sites import find_sites
 from fp8kit.models.build import build_hf_config, build_model, count_params, flops_per_token
@@ -50,6 +51,7 @@ class Setup:
     resume_from: Path | None = None
     resume_state: dict | None = None
     info: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
     loss_fn: object = None  # set by loop.prepare_model (compiled when train.compile)
 
 
@@ -133,6 +135,14 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
         Fp8kitError: any bad input, as one line.
     """
     say = status or (lambda _m: None)
+    d = cfg.distributed
+    if d.tp * d.ep * d.etp > 1:
+        from fp8kit.errors import ConfigError
+
+        raise ConfigError(
+            f"[distributed] tp={d.tp} ep={d.ep} etp={d.etp}: multi-GPU execution is not part of this fp8kit "
+            f"version yet; `fp8kit plan` and bench-layers honour these sizes, `train` needs them all 1"
+        )
     device = resolve_device(cfg.train.device)
     capability = check_fp8_capability(cfg, device)
     resume_ckpt = ckpt.find_checkpoint(resume) if resume is not None else None
@@ -154,14 +164,8 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
     if resume_ckpt is not None:
         ckpt.check_compatible(resume_ckpt, model, resume_state)
 
-    sites = find_sites(model)
-    decisions = decide(
-        sites,
-        mixed_precision=cfg.train.mixed_precision,
-        recipe=cfg.fp8.recipe,
-        include=cfg.fp8.include,
-        exclude=cfg.fp8.exclude,
-    )
+    options = options_from_config(cfg, hf_cfg, device_name(device))
+    decisions = decide(find_sites(model), options)
     float8_config = None
     if cfg.train.mixed_precision == "fp8":
         float8_config = float8_linear_config(
@@ -185,6 +189,7 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
         capability=capability,
         resume_from=resume_ckpt,
         resume_state=resume_state,
+        warnings=list(options.warnings),
     )
     setup.info = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -202,6 +207,7 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
         "params": params,
         "flops_per_token": setup.flops_per_token,
         "bf16_peak_flops": setup.peak_flops,
+        "warnings": setup.warnings,
     }
     return setup
 

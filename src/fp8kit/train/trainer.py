@@ -71,6 +71,9 @@ def train(
         "mixed_precision": cfg.train.mixed_precision,
         "recipe": cfg.fp8.recipe,
         "device": setup.info["device"],
+        "selective_fp8": cfg.fp8.selective_fp8,
+        "policy": cfg.fp8.fp8_dynamic_policy_path,
+        "warnings": "; ".join(setup.warnings) or "none",
     }
     save_report(setup.decisions, out_dir, header)
     _print_start(setup, console)
@@ -123,6 +126,8 @@ def _print_start(setup: Setup, console: Console) -> None:
     )
     console.print(f"data: {info['corpus']}; {info['tokens']:,} tokens ({info['tokenizer']})")
     console.print(f"FP8: {setup.capability}")
+    for w in setup.warnings:
+        console.print(f"[bold yellow]warning:[/] {w}")
     print_report(setup.decisions, console)
     if setup.resume_from is not None:
         console.print(f"resuming from {setup.resume_from} at step {setup.start_step}")

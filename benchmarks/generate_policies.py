@@ -1,0 +1,91 @@
+"""Generate the shipped adaptive-FP8 policies on a GPU: bench-layers reports + merged policies.
+
+For each model preset and FP8 recipe: TP 1 measured, TP 2/4/8 simulated (per-rank shard shapes on one
+GPU; ``simulated_tp: true`` in the report and ``_sim`` in its file name). Reports go to
+``OUT/reports/``; ``--merge`` then writes ``src/fp8kit/policies/<preset>_<recipe>_<gpu>.json``
+(run it on any machine: merging needs no GPU). Configs whose report exists are skipped, and the run
+stops cleanly before ``--budget-s`` so a lease's time limit never loses finished reports.
+
+    python benchmarks/generate_policies.py --out /tmp/pol --presets llama3-8b,qwen2.5-72b --budget-s 500
+    python benchmarks/generate_policies.py --out /tmp/pol --merge --gpu h100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+PRESET_TPS = {"llama3-8b": (1, 2, 4, 8), "qwen2.5-72b": (1, 2, 4, 8), "llama3-1b": (1,)}
+RECIPES = ("tensorwise", "rowwise")
+
+
+def report_name(preset: str, recipe: str, tp: int) -> str:
+    return f"{preset}_{recipe}_tp{tp}{'_sim' if tp > 1 else ''}.json"
+
+
+def bench(args) -> None:
+    from fp8kit.bench.layers import BenchLayersArgs, auto_sweep, run_bench_layers
+    from fp8kit.config import load_config
+
+    out = Path(args.out) / "reports"
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    for preset in args.presets.split(","):
+        for recipe in args.recipes.split(","):
+            for tp in PRESET_TPS[preset]:
+                path = out / report_name(preset, recipe, tp)
+                if path.exists():
+                    continue
+                if time.time() - start > args.budget_s:
+                    print(f"budget reached, stopping before {path.name}", flush=True)
+                    return
+                t0 = time.time()
+                cfg = load_config(None, [f"model.preset={preset}", "model.num_layers=1"])
+                rep = run_bench_layers(BenchLayersArgs(
+                    config=cfg, tp=tp, simulate_tp=tp > 1, recipe=recipe, warmup=args.warmup,
+                    iters=args.iters, shape_sweep=auto_sweep(args.max_tokens),
+                ))
+                path.write_text(json.dumps(rep, indent=1) + "\n")
+                print(f"{path.name}: {time.time() - t0:.0f} s", flush=True)
+
+
+def merge(args) -> None:
+    from fp8kit.fp8.policy import builtin_policy_dir, merge_reports
+
+    src = Path(args.out) / "reports"
+    dest = builtin_policy_dir()
+    (dest / "reports").mkdir(parents=True, exist_ok=True)
+    for preset in args.presets.split(","):
+        for recipe in args.recipes.split(","):
+            names = [report_name(preset, recipe, tp) for tp in PRESET_TPS[preset]]
+            found = [(n, json.loads((src / n).read_text())) for n in names if (src / n).exists()]
+            if not found:
+                continue
+            for n, rep in found:
+                (dest / "reports" / n).write_text(json.dumps(rep, indent=1) + "\n")
+            policy = merge_reports(found, args.speedup_threshold)
+            policy.save(dest / f"{preset}_{recipe}_{args.gpu}.json")
+            print(f"{preset}_{recipe}_{args.gpu}.json from {len(found)} report(s)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--presets", default="llama3-8b,qwen2.5-72b,llama3-1b")
+    ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--max-tokens", type=int, default=32768)
+    ap.add_argument("--budget-s", type=float, default=480)
+    ap.add_argument("--merge", action="store_true")
+    ap.add_argument("--gpu", default="h100")
+    ap.add_argument("--speedup-threshold", type=float, default=1.0)
+    args = ap.parse_args()
+    merge(args) if args.merge else bench(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,280 @@
+"""``fp8kit bench-layers``: time every linear site of one transformer layer in BF16 and FP8.
+
+For each site (``bench/sites.py``), precision and token count it times forward + backward of the
+site's linears (output, grad_input and grad_weight GEMMs plus, in FP8, every amax, scale and cast),
+with the per-rank shapes of the given TP / EP / ETP, and writes a report JSON with every
+measurement plus the device, library versions and recipe. ``merge-policy`` (``fp8/policy.py``)
+turns reports into a policy.
+
+Modules are compiled (``torch.compile``, the token dimension marked dynamic so one compilation serves
+the whole sweep), as ``train.compile`` compiles them in training; on the CPU they run eagerly unless
+asked. Three ways to run:
+
+- one device, ``--tp 1``: the layer as it runs on one GPU;
+- ``--tp N --simulate-tp`` on one device: the per-rank shard shapes, no communication (the report
+  says ``simulated_tp: true``);
+- ``--tp N`` under ``torchrun --nproc_per_node N``: the real tensor-parallel layer (DTensor, sequence
+  parallel, torchao's FP8 parallel styles), communication included; the slowest rank counts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fp8kit.bench.sites import BenchSite, layer_sites
+from fp8kit.bench.timing import time_ms
+from fp8kit.config import RunConfig
+from fp8kit.errors import ConfigError
+from fp8kit.fp8.backend import torchao_float8
+from fp8kit.fp8.recipes import float8_linear_config
+
+PRECISIONS = ("bf16", "fp8")
+CPU_NOTE = "CPU timings: for testing the workflow only; not meant for a GPU policy"
+
+
+@dataclass
+class BenchLayersArgs:
+    """Inputs of a layer benchmark (the command-line flags / seed environment variables)."""
+
+    config: RunConfig
+    tp: int = 1
+    ep: int = 1
+    etp: int = 1
+    precisions: tuple[str, ...] = PRECISIONS
+    recipe: str = "tensorwise"
+    warmup: int = 5
+    iters: int = 10
+    shape_sweep: list[tuple[int, int]] = field(default_factory=list)
+    device: str = "auto"
+    simulate_tp: bool = False
+    compile: bool | None = None  # None: compile on CUDA, eager on CPU
+
+
+def parse_shape_sweep(spec: str) -> list[tuple[int, int]]:
+    """``"1024x1,4096x2"`` -> ``[(1024, 1), (4096, 2)]`` (seq_length x micro_batch_size).
+
+    Raises:
+        ConfigError: an entry is not two positive integers joined by ``x``.
+    """
+    out = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        bits = part.lower().split("x")
+        if len(bits) != 2 or not all(b.strip().isdigit() and int(b) > 0 for b in bits):
+            raise ConfigError(f"--shape-sweep: {part!r} is not SEQxMBS (e.g. 4096x2)")
+        out.append((int(bits[0]), int(bits[1])))
+    if not out:
+        raise ConfigError(f"--shape-sweep: no shapes in {spec!r}")
+    return out
+
+
+def auto_sweep(max_tokens: int, min_tokens: int = 256) -> list[tuple[int, int]]:
+    """Powers of two from ``min_tokens`` to ``max_tokens`` as ``(tokens, 1)``."""
+    if max_tokens < min_tokens:
+        raise ConfigError(f"--max-tokens {max_tokens} is below the smallest sweep point {min_tokens}")
+    out, t = [], min_tokens
+    while t <= max_tokens:
+        out.append((t, 1))
+        t *= 2
+    return out
+
+
+class SiteModule(nn.Module):
+    """The linears of one site applied to the same input (q/k/v, or gate/up, as in the HF layer)."""
+
+    def __init__(self, gemms: list[tuple[int, int]]):
+        super().__init__()
+        self.linears = nn.ModuleList(nn.Linear(k, n, bias=False) for k, n in gemms)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [lin(x) for lin in self.linears]
+
+
+def _world() -> tuple[int, int]:
+    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: CUDA is not available here; use --device cpu")
+    return dev
+
+
+class _Timer:
+    """Builds (and compiles) a site's module once per precision and times it at each token count."""
+
+    def __init__(self, site: BenchSite, precision: str, args: BenchLayersArgs, device: torch.device, mesh=None):
+        self.site, self.device, self.args, self.mesh = site, device, args, mesh
+        torch.manual_seed(0)
+        tp = mesh.size() if mesh is not None else 1
+        gemms = site.full_gemms if mesh is not None else site.gemms
+        with torch.device(device):
+            module = SiteModule(gemms).to(torch.bfloat16)
+        if precision == "fp8":
+            float8 = torchao_float8()
+            float8.convert_to_float8_training(module, config=float8_linear_config(args.recipe))
+        if mesh is not None:
+            from fp8kit.bench.tensor_parallel import parallelize_site
+
+            parallelize_site(module, site, mesh, fp8=precision == "fp8")
+        self.tp = tp
+        self.module = module
+        if _compile(args, device):
+            # Every site compiles SiteModule.forward: drop earlier entries so dynamo's per-code-object
+            # cache limit never silently sends a site back to eager.
+            torch._dynamo.reset()
+            self.fn = torch.compile(module)
+        else:
+            self.fn = module
+
+    def __call__(self, num_tokens: int) -> float:
+        k = self.site.gemms[0][0]
+        rows = num_tokens
+        if self.mesh is not None and self.site.module_kind not in ("row", "row_grouped"):
+            rows = num_tokens // self.tp  # sequence-parallel input shard, all-gathered by the layer
+        x = torch.randn(rows, k, device=self.device, dtype=torch.bfloat16, requires_grad=True)
+        if _compile(self.args, self.device):
+            torch._dynamo.mark_dynamic(x, 0)
+        with torch.no_grad():
+            probe = self.fn(x)
+        grads = [torch.randn_like(o) for o in probe]
+        del probe
+        params = list(self.module.parameters())
+
+        def reset() -> None:
+            x.grad = None
+            for p in params:
+                p.grad = None
+
+        def step() -> None:
+            torch.autograd.backward(self.fn(x), grads)
+
+        return time_ms(step, device=self.device, warmup=self.args.warmup, iters=self.args.iters, before=reset)
+
+
+def _compile(args: BenchLayersArgs, device: torch.device) -> bool:
+    return args.compile if args.compile is not None else device.type == "cuda"
+
+
+def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
+    """Run the benchmark and return the report (see the module docstring).
+
+    Raises:
+        ConfigError: bad sizes, precisions or sweep; ``--tp N`` without N processes and without
+            ``--simulate-tp``.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from fp8kit.console import make_console
+    from fp8kit.train.setup import device_name, versions
+
+    console = console or make_console()
+    for p in args.precisions:
+        if p not in PRECISIONS:
+            raise ConfigError(f"--precisions: unknown precision {p!r}; use bf16 and/or fp8")
+    if "fp8" in args.precisions:
+        float8_linear_config(args.recipe)  # validates the recipe name
+    for name, v in (("--tp", args.tp), ("--ep", args.ep), ("--etp", args.etp), ("--warmup", args.warmup + 1),
+                    ("--iters", args.iters)):
+        if v < 1:
+            raise ConfigError(f"{name} must be >= 1, got {v}")
+    world, rank = _world()
+    real_tp = args.tp > 1 and not args.simulate_tp
+    if real_tp and world != args.tp:
+        raise ConfigError(
+            f"--tp {args.tp} times the real tensor-parallel layer and needs torchrun --nproc_per_node {args.tp} "
+            f"(this is {world} process(es)); or pass --simulate-tp to time the per-rank shapes on one device"
+        )
+    device = _resolve_device(args.device)
+    mesh = None
+    if real_tp:
+        from fp8kit.bench.tensor_parallel import init_tp_mesh
+
+        mesh, device = init_tp_mesh(args.tp, device)
+    sweep = args.shape_sweep or auto_sweep(32768)
+    sites, notes = layer_sites(args.config.model, args.config.data.vocab_size, tp=args.tp, ep=args.ep, etp=args.etp)
+    timed = [s for s in sites if not s.is_grouped]
+    for s in sites:
+        if s.is_grouped:
+            notes.append(f"{s.name} ({s.module_kind}): grouped-GEMM experts have no FP8 path in this version; not timed")
+    measurements = []
+    total = len(timed) * len(sweep) * len(args.precisions)
+    show = rank == 0
+    progress = Progress(TextColumn("[bold]bench-layers"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        TextColumn("{task.fields[info]}"), console=console, disable=not show)
+    with progress:
+        task = progress.add_task("bench", total=total, info="")
+        for site in timed:
+            for precision in args.precisions:
+                timer = _Timer(site, precision, args, device, mesh)
+                for seq, mbs in sweep:
+                    tokens = seq * mbs
+                    progress.update(task, info=f"{site.name} {precision} {tokens} tokens")
+                    err = None
+                    try:
+                        ms = timer(tokens)
+                    except torch.OutOfMemoryError:
+                        ms, err = None, "out of memory"
+                        torch.cuda.empty_cache()
+                    if mesh is not None and ms is not None:
+                        import torch.distributed as dist
+
+                        t = torch.tensor([ms], device=device)
+                        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                        ms = float(t.item())
+                    rec = {
+                        "site": site.name, "component": site.component, "module_kind": site.module_kind,
+                        "ub_name": site.ub_name, "tp": args.tp if not site.is_grouped else None,
+                        "etp": site.etp, "num_gemms": site.num_gemms, "num_tokens": tokens,
+                        "seq_length": seq, "micro_batch_size": mbs, "precision": precision, "ms": ms,
+                        "tflops": (site.flops(tokens) / (ms * 1e-3) / 1e12) if ms else None,
+                    }
+                    if err:
+                        rec["error"] = err
+                    measurements.append(rec)
+                    progress.advance(task)
+                del timer
+    report = {
+        "format": "fp8kit-layer-report",
+        "version": 1,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "device": device_name(device),
+        "device_type": device.type,
+        "versions": versions(),
+        "recipe": args.recipe,
+        "model": args.config.model.hf_config or args.config.model.preset,
+        "tp": args.tp, "ep": args.ep, "etp": args.etp,
+        "simulated_tp": bool(args.tp > 1 and args.simulate_tp),
+        "world_size": world,
+        "compiled": _compile(args, device),
+        "warmup": args.warmup, "iters": args.iters,
+        "precisions": list(args.precisions),
+        "sites": [s.to_dict() for s in sites],
+        "notes": notes,
+        "measurements": measurements,
+    }
+    if device.type == "cpu":
+        report["note"] = CPU_NOTE
+    return report
+
+
+def speedup_table(report: dict) -> list[tuple[str, int, float | None, float | None, float | None]]:
+    """``(site, tokens, bf16_ms, fp8_ms, speedup)`` rows of a report, for printing."""
+    by: dict[tuple[str, int], dict[str, float]] = {}
+    for m in report["measurements"]:
+        by.setdefault((m["site"], m["num_tokens"]), {})[m["precision"]] = m["ms"]
+    rows = []
+    for (site, tokens), p in by.items():
+        b, f = p.get("bf16"), p.get("fp8")
+        rows.append((site, tokens, b, f, (b / f) if b and f else None))
+    return rows
