@@ -145,10 +145,10 @@ class _Timer:
         x = torch.randn(rows, k, device=self.device, dtype=torch.bfloat16, requires_grad=True)
         if _compile(self.args, self.device):
             torch._dynamo.mark_dynamic(x, 0)
-        with torch.no_grad():
-            probe = self.fn(x)
-        grads = [torch.randn_like(o) for o in probe]
-        del probe
+        # Output shapes per rank: column sites give [tokens, N/tp]; row sites [tokens, N], reduce-scattered
+        # to [tokens/tp, N] under real TP. (Computed, not probed: a probe would compile a second graph.)
+        out_rows = num_tokens // self.tp if (self.mesh is not None and self.site.module_kind in ("row", "row_grouped")) else num_tokens
+        grads = [torch.randn(out_rows, n, device=self.device, dtype=torch.bfloat16) for _, n in self.site.gemms]
         params = list(self.module.parameters())
 
         def reset() -> None:
