@@ -342,3 +342,29 @@ def merge_reports(
     if any(r.get("device_type") == "cpu" for r in reps):
         policy.metadata["note"] = "CPU timings: for testing the workflow, not for a GPU policy"
     return policy
+
+
+def grid_check(reports: list[dict], policy: Policy, tolerance: float = 0.02, component: str | None = None) -> dict:
+    """How close the policy's choice is to the faster precision at every measured point.
+
+    For each site key and token count of the reports: the chosen precision's time over
+    ``min(bf16_ms, fp8_ms)``. Returns the worst ratio, the number of points, and the points where the
+    choice is more than ``tolerance`` slower than the faster precision (the seed's "never slower than
+    BF16, as close to full FP8 as possible", checked per layer).
+    """
+    worst, points, misses = 1.0, 0, []
+    for key, curve in speedup_curves(reports, component).items():
+        kind = key[0]
+        for tokens, _speedup, b, f in curve:
+            if kind in GROUPED_KINDS:
+                v = policy.decide(kind, None, num_tokens=tokens, etp=key[1], num_gemms=key[2])
+            else:
+                v = policy.decide(kind, key[1], num_tokens=tokens, tp=key[2])
+            chosen = f if v.use_fp8 else b
+            ratio = chosen / min(b, f)
+            points += 1
+            worst = max(worst, ratio)
+            if ratio > 1.0 + tolerance:
+                misses.append({"key": list(key), "num_tokens": tokens, "chosen": "fp8" if v.use_fp8 else "bf16",
+                               "bf16_ms": b, "fp8_ms": f, "ratio": ratio})
+    return {"points": points, "worst_ratio": worst, "misses": misses}
