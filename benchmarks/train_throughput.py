@@ -39,6 +39,7 @@ WORKLOADS = {
                           "train.micro_batch_size=2"],
     # adaptive FP8, case (a): small hidden size and short sequences, where full FP8 loses
     "llama3-1b-seq2048": ["model.preset=llama3-1b", "data.seq_length=2048", "train.micro_batch_size=1"],
+    "llama3-1b-seq2048-mbs4": ["model.preset=llama3-1b", "data.seq_length=2048", "train.micro_batch_size=4"],
     # adaptive FP8, case (b): 8B layer shapes at seq 8192, where FP8 wins on the MLP
     "llama3-8b-seq8192": ["model.preset=llama3-8b", "model.num_layers=8", "data.seq_length=8192",
                           "train.micro_batch_size=1"],

@@ -257,6 +257,8 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
         "simulated_tp": bool(args.tp > 1 and args.simulate_tp),
         "world_size": world,
         "compiled": _compile(args, device),
+        "timing": "device queue: GPU held while the host enqueues, host launch overhead hidden"
+        if device.type == "cuda" else "host perf_counter per iteration",
         "warmup": args.warmup, "iters": args.iters,
         "precisions": list(args.precisions),
         "sites": [s.to_dict() for s in sites],
