@@ -196,6 +196,11 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
             f"(this is {world} process(es)); or pass --simulate-tp to time the per-rank shapes on one device"
         )
     device = _resolve_device(args.device)
+    if real_tp and device.type == "cpu" and "fp8" in args.precisions:
+        raise ConfigError(
+            "--tp with real tensor parallelism on the CPU: gloo has no float8 collectives, so the FP8 layer "
+            "cannot all-gather; use --precisions bf16 on the CPU, --simulate-tp, or GPUs (NCCL)"
+        )
     mesh = None
     if real_tp:
         from fp8kit.bench.tensor_parallel import init_tp_mesh
