@@ -8,8 +8,8 @@ Megatron-style TP with sequence parallelism, as torchtitan applies it to Llama:
   ``RowwiseParallel`` and its output is reduce-scattered over tokens (``Shard(0)``);
 - duplicated sites are not split.
 
-In FP8 the styles are torchao's ``Float8ColwiseParallel`` / ``Float8RowwiseParallel`` /
-``PrepareFloat8ModuleInput``, which all-gather the activations already cast to FP8.
+In FP8 the linears use torchao's ``Float8ColwiseParallel`` / ``Float8RowwiseParallel``; the site's input
+all-gather stays in bf16 (see ``parallelize_site``).
 """
 
 from __future__ import annotations
@@ -47,20 +47,16 @@ def parallelize_site(module: torch.nn.Module, site: BenchSite, mesh, *, fp8: boo
     )
 
     n = len(module.linears)
+    # The sequence-parallel all-gather stays in bf16 also for FP8 sites: with torchao's
+    # PrepareFloat8ModuleInput (FP8 all-gather) the compiled site fails in backward on torch 2.11 /
+    # torchao 0.18 ("tensor subclass where we guessed its metadata incorrectly", H200 x2, 2026-11-21).
+    prepare = PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),))
     if fp8:
-        from torchao.float8.float8_tensor_parallel import (
-            Float8ColwiseParallel,
-            Float8RowwiseParallel,
-            PrepareFloat8ModuleInput,
-        )
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
         col, row = Float8ColwiseParallel, Float8RowwiseParallel
-        prepare = PrepareFloat8ModuleInput(
-            input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),), fwd_config_submodule_fqn="linears.0"
-        )
     else:
         col, row = ColwiseParallel, RowwiseParallel
-        prepare = PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),))
     if site.module_kind in COLUMN_KINDS:
         parallelize_module(module, mesh, prepare)
         parallelize_module(module, mesh, {f"linears.{i}": col(input_layouts=Replicate()) for i in range(n)})

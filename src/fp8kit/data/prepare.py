@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import io
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -91,7 +90,3 @@ def prepare_data(cfg: DataConfig, *, micro_batch_size: int, seed: int, status=No
     packed = PackedData(tokens, cfg.seq_length, cfg.val_fraction, micro_batch_size, seed)
     return PreparedData(packed, int(len(tokens)), corpus.description, corpus.fingerprint, tok_desc, tok_obj)
 
-
-def cache_path_for(cfg: DataConfig) -> Path:
-    """The cache directory a ``[data]`` section uses."""
-    return resolve_cache_dir(cfg.cache_dir)
