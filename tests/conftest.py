@@ -27,3 +27,16 @@ def small_run(cache_dir):
         "train.log_every=1000",
         "train.eval_batches=4",
     ]
+
+
+def tiny_moe_model():
+    """A Qwen3-MoE (transformers v5 fused 3-D experts) of 2 layers and 8 experts, on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(
+        "qwen3_moe", vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+        head_dim=64,
+    )
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg), cfg

@@ -35,6 +35,8 @@ def _fails(capsys, argv, expected: str):
         (["data.paths=/nonexistent/corpus/*.txt"], "data.paths[0] '/nonexistent/corpus/*.txt' matches no file"),
         (["data.paths=/nonexistent/file.txt"], "data.paths[0] '/nonexistent/file.txt' does not exist"),
         (["train.device=cuda"], "train.device = 'cuda', but CUDA is not available"),
+        (["model.hf_config=/nope/config.json"], "model.hf_config: '/nope/config.json' does not exist"),
+        (["distributed.tp=2"], "multi-GPU execution is not part of this fp8kit version yet"),
     ],
 )
 def test_bad_config_and_data(capsys, tmp_path, sets, expected):

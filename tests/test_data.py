@@ -89,3 +89,18 @@ def test_sequence_longer_than_corpus(tmp_path):
     cfg = DataConfig(paths=[str(tmp_path / "small.txt")], seq_length=4096, vocab_size=300, cache_dir=str(tmp_path / "c"))
     with pytest.raises(DataError, match="data.seq_length = 4096 is too long for the corpus"):
         prepare_data(cfg, micro_batch_size=2, seed=0)
+
+
+def test_user_tokenizer_file(tmp_path, cache_dir):
+    trained = prepare_data(DataConfig(seq_length=64, vocab_size=1024, cache_dir=str(cache_dir)), micro_batch_size=4, seed=0)
+    path = tmp_path / "tokenizer.json"
+    trained.tokenizer_obj.save(str(path))
+    (tmp_path / "doc.txt").write_text("def add(a, b):\n    return a + b\n" * 400)
+    data = prepare_data(DataConfig(paths=[str(tmp_path / "doc.txt")], seq_length=32, vocab_size=1024,
+                                   tokenizer=str(path), cache_dir=str(tmp_path / "c")), micro_batch_size=2, seed=0)
+    assert data.tokenizer == f"tokenizer file {path}"
+    with pytest.raises(DataError, match="the tokenizer has 1024 tokens, more than data.vocab_size = 512"):
+        prepare_data(DataConfig(paths=[str(tmp_path / "doc.txt")], vocab_size=512, tokenizer=str(path),
+                                cache_dir=str(tmp_path / "c")), micro_batch_size=2, seed=0)
+    with pytest.raises(DataError, match="does not exist"):
+        prepare_data(DataConfig(tokenizer=str(tmp_path / "nope.json")), micro_batch_size=2, seed=0)

@@ -21,6 +21,7 @@ from fp8kit.fp8.policy import (
     policy_from_json,
 )
 from fp8kit.fp8.sites import find_sites
+from tests.conftest import tiny_moe_model
 
 SEED_EXAMPLE = {  # shared/seeds/000, section 2.2, verbatim
     "version": 1,
@@ -162,18 +163,6 @@ def test_shipped_policies_load_and_fit_their_grid():
         assert tps.get(1) is False and all(tps[t] for t in tps if t > 1), tps
 
 
-def _tiny_moe():
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(
-        "qwen3_moe", vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
-        head_dim=64,
-    )
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(cfg), cfg
-
-
 def test_decision_table_dense_moe_topk_and_explicit_tokens():
     policy = policy_from_json({
         "version": 1, "speedup_threshold": 1.0,
@@ -183,7 +172,7 @@ def test_decision_table_dense_moe_topk_and_explicit_tokens():
             "column_grouped": [{"etp": 1, "num_gemms": 4, "min_tokens": 4000, "measured_speedup": 1.1}],
         },
     })
-    model, hf_cfg = _tiny_moe()
+    model, hf_cfg = tiny_moe_model()
     sites = find_sites(model)
 
     def run(num_tokens, tp=1, ep=1):

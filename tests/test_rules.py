@@ -11,6 +11,7 @@ from fp8kit.fp8.decide import DecideOptions, decide, summarize
 from fp8kit.fp8.patterns import compile_pattern
 from fp8kit.fp8.sites import find_sites
 from fp8kit.models.build import build_model
+from tests.conftest import tiny_moe_model
 
 
 def _decisions(model, **kw):
@@ -119,16 +120,7 @@ def test_dims_divisible_by_16_and_heads():
 
 def test_moe_router_and_experts_stay_bf16():
     """Qwen3-MoE (transformers v5 fused 3-D experts): routers and experts are never Float8Linear."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(
-        "qwen3_moe", vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
-        head_dim=64,
-    )
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
+    model, _ = tiny_moe_model()
     d = _decisions(model)
     experts = [v for v in d.values() if v.site.role == "expert"]
     assert {v.site.module_kind for v in experts} == {"column_grouped", "row_grouped"}
@@ -138,3 +130,28 @@ def test_moe_router_and_experts_stay_bf16():
     routers = [v for v in d.values() if v.site.role == "router"]
     assert len(routers) == 2 and all(v.rule == "router" and not v.is_fp8 for v in routers)
     assert d["model.layers.1.self_attn.q_proj"].is_fp8
+
+
+def test_mla_projections_use_the_seed_vocabulary():
+    """DeepSeek-V3 multi-head latent attention: down-projections are `duplicated` (TELinear)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(
+        "deepseek_v3", vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=128, kv_lora_rank=64,
+        qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64,
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    d = _decisions(model)
+    attn = "model.layers.0.self_attn."
+    assert (d[attn + "q_a_proj"].site.module_kind, d[attn + "q_a_proj"].site.ub_name) == ("duplicated", "q_down_proj")
+    kv = d[attn + "kv_a_proj_with_mqa"].site
+    assert (kv.module_kind, kv.ub_name) == ("duplicated", "kv_down_proj")
+    assert d[attn + "q_b_proj"].site.ub_name == "q_up_proj" and d[attn + "o_proj"].site.ub_name == "proj"
+    assert d["model.layers.0.mlp.down_proj"].is_fp8  # first_k_dense_replace: layer 0 is a dense MLP
+    experts = [v for v in d.values() if v.site.role == "expert"]
+    assert experts and all(not v.is_fp8 for v in experts)
+    assert any(v.site.role == "router" for v in d.values())

@@ -109,3 +109,21 @@ def test_grad_accum_matches_larger_micro_batch(small_run, tmp_path):
                    "train.mixed_precision=bf16"), tmp_path / "b").metrics
     for x, y in zip(a, b, strict=True):
         assert abs(x["loss"] - y["loss"]) < 0.02, (x["loss"], y["loss"])
+
+
+@pytest.mark.slow
+def test_hf_config_json_trains(small_run, tmp_path):
+    """model.hf_config: any causal-LM config.json (here a small Qwen2, with qkv biases) replaces the preset."""
+    cfg_json = tmp_path / "config.json"
+    cfg_json.write_text(json.dumps({
+        "model_type": "qwen2", "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 2048,
+        "architectures": ["Qwen2ForCausalLM"], "torch_dtype": "bfloat16",
+    }))
+    res = train(_cfg(small_run, f"model.hf_config={cfg_json}", "train.steps=3"), tmp_path / "run")
+    assert res.summary["model"].startswith("hf_config")
+    report = json.loads((tmp_path / "run" / "conversion_report.json").read_text())
+    q = next(s for s in report["sites"] if s["fqn"] == "model.layers.0.self_attn.q_proj")
+    assert q["precision"] == "fp8" and q["shape"] == [128, 128]
+    emb = next(s for s in report["sites"] if s["fqn"] == "model.embed_tokens")
+    assert emb["shape"] == [1024, 128]  # vocab taken from data.vocab_size, not the file

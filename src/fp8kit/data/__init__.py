@@ -1,1 +1,1 @@
-"""fp8kit.data"""
+"""Corpus, tokenizer, packing and the resumable batch order."""

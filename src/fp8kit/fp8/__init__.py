@@ -1,1 +1,1 @@
-"""fp8kit.fp8"""
+"""FP8 numerics and decisions: sites, static rules, policies, recipes, conversion through torchao."""

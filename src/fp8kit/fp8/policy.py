@@ -154,6 +154,17 @@ def _speedup(value: Any, where: str) -> float:
     return float(value)
 
 
+def _rule(entry: Any, where: str, keys: tuple[str, ...]) -> Rule:
+    """One rule object: ``min_tokens``, ``measured_speedup`` and the key fields (``tp`` or ``etp``, ``num_gemms``)."""
+    if not isinstance(entry, dict):
+        raise PolicyError(f"{where}: must be an object")
+    return Rule(
+        min_tokens=_positive_int(entry.get("min_tokens"), f"{where}.min_tokens"),
+        measured_speedup=_speedup(entry.get("measured_speedup", 0.0), f"{where}.measured_speedup"),
+        **{k: _positive_int(entry.get(k), f"{where}.{k}") for k in keys},
+    )
+
+
 def policy_from_json(data: Any, source: str = "<memory>") -> Policy:
     """Validate a parsed policy; every error names ``source`` and the key path.
 
@@ -182,32 +193,13 @@ def policy_from_json(data: Any, source: str = "<memory>") -> Policy:
             for ub, entries in body.items():
                 if not isinstance(entries, list):
                     raise PolicyError(f"{where}.{ub}: must be a list of rules")
-                parsed = []
-                for i, e in enumerate(entries):
-                    w = f"{where}.{ub}[{i}]"
-                    if not isinstance(e, dict):
-                        raise PolicyError(f"{w}: must be an object")
-                    parsed.append(Rule(
-                        min_tokens=_positive_int(e.get("min_tokens"), f"{w}.min_tokens"),
-                        measured_speedup=_speedup(e.get("measured_speedup", 0.0), f"{w}.measured_speedup"),
-                        tp=_positive_int(e.get("tp"), f"{w}.tp"),
-                    ))
-                policy.dense.setdefault(kind, {})[ub] = parsed
+                policy.dense.setdefault(kind, {})[ub] = [
+                    _rule(e, f"{where}.{ub}[{i}]", ("tp",)) for i, e in enumerate(entries)
+                ]
         else:
             if not isinstance(body, list):
                 raise PolicyError(f"{where}: a grouped kind holds a flat list of rules, got {type(body).__name__}")
-            parsed = []
-            for i, e in enumerate(body):
-                w = f"{where}[{i}]"
-                if not isinstance(e, dict):
-                    raise PolicyError(f"{w}: must be an object")
-                parsed.append(Rule(
-                    min_tokens=_positive_int(e.get("min_tokens"), f"{w}.min_tokens"),
-                    measured_speedup=_speedup(e.get("measured_speedup", 0.0), f"{w}.measured_speedup"),
-                    etp=_positive_int(e.get("etp"), f"{w}.etp"),
-                    num_gemms=_positive_int(e.get("num_gemms"), f"{w}.num_gemms"),
-                ))
-            policy.grouped[kind] = parsed
+            policy.grouped[kind] = [_rule(e, f"{where}[{i}]", ("etp", "num_gemms")) for i, e in enumerate(body)]
     return policy
 
 

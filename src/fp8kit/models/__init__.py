@@ -1,1 +1,1 @@
-"""fp8kit.models"""
+"""Model presets (real shapes) and building HF transformers models from configs."""

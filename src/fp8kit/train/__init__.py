@@ -1,1 +1,1 @@
-"""fp8kit.train"""
+"""The trainer: setup, loop, schedules, metrics, checkpoints, summary, compare."""

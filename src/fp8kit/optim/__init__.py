@@ -1,1 +1,0 @@
-"""fp8kit.optim"""
