@@ -8,6 +8,11 @@ median tokens/s, step time, MFU and peak memory, with speed-ups over bf16 measur
 
     python benchmarks/train_throughput.py --out /tmp/bench --steps 30
     python benchmarks/train_throughput.py --variants bf16,tensorwise --set model.num_layers=4
+    python benchmarks/train_throughput.py --workload llama3-1b-seq2048 --repeats 4 \
+        --variants bf16,tensorwise,adaptive-tensorwise
+
+``--repeats N`` runs the variants interleaved (v1 v2 v3 v1 v2 v3 ...) so slow drift of the machine hits
+every variant alike, and reports the median over repeats with the range.
 
 The reference (shared/anchors.md, H100, torch 2.11, torchao 0.18): plain HF Llama + torchao + per-block
 compile gave bf16 44.7K tok/s, tensorwise 57.3K (1.28x), rowwise 47.9K (1.07x).
@@ -57,8 +62,9 @@ def variant_sets(name: str, preset: str, gpu: str) -> list[str]:
     return ["train.mixed_precision=fp8", f"fp8.recipe={name}"]
 
 
-def run_variant(name: str, workload: str, sets: list[str], out: Path, steps: int, cache: Path, gpu: str) -> dict:
-    run_dir = out / name
+def run_variant(name: str, workload: str, sets: list[str], out: Path, steps: int, cache: Path, gpu: str,
+                tag: str = "") -> dict:
+    run_dir = out / f"{name}{tag}"
     cmd = [sys.executable, "-m", "fp8kit", "train", "--out", str(run_dir)]
     wl = WORKLOADS[workload]
     preset = next(s.split("=", 1)[1] for s in wl if s.startswith("model.preset="))
@@ -67,7 +73,7 @@ def run_variant(name: str, workload: str, sets: list[str], out: Path, steps: int
     print("+", " ".join(cmd), flush=True)
     t0 = time.time()
     proc = subprocess.run(cmd, text=True, capture_output=True)
-    (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    (out / f"{name}{tag}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         print(proc.stdout[-3000:], proc.stderr[-3000:], flush=True)
         return {"variant": name, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
@@ -75,6 +81,18 @@ def run_variant(name: str, workload: str, sets: list[str], out: Path, steps: int
     summary["variant"] = name
     summary["process_s"] = time.time() - t0
     return summary
+
+
+def median_run(name: str, runs: list[dict]) -> dict:
+    """The repeat with the median tokens/s, annotated with every repeat's tokens/s (or the first error)."""
+    ok = [r for r in runs if "error" not in r]
+    if len(ok) < len(runs):
+        return next(r for r in runs if "error" in r)
+    ok.sort(key=lambda r: r["tokens_per_s"])
+    med = dict(ok[(len(ok) - 1) // 2])
+    med["variant"] = name
+    med["repeats_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
+    return med
 
 
 def main() -> int:
@@ -87,12 +105,18 @@ def main() -> int:
     ap.add_argument("--gpu", default="h100", help="suffix of the shipped policy for adaptive variants")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="extra config override")
     ap.add_argument("--cache", default=None, help="tokenizer cache dir (default OUT/cache)")
+    ap.add_argument("--repeats", type=int, default=1, help="interleaved repetitions; median reported")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cache = Path(args.cache) if args.cache else out / "cache"
-    results = [run_variant(v, args.workload, args.sets, out, args.steps, cache, args.gpu)
-               for v in args.variants.split(",")]
+    variants = args.variants.split(",")
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    for i in range(args.repeats):
+        for v in variants:
+            tag = f"-r{i}" if args.repeats > 1 else ""
+            runs[v].append(run_variant(v, args.workload, args.sets, out, args.steps, cache, args.gpu, tag))
+    results = [median_run(v, rs) for v, rs in runs.items()]
     base = next((r for r in results if r["variant"] == "bf16" and "error" not in r), None)
     lines = [
         "| precision | ms/step | tokens/s | speed-up vs bf16 | MFU (bf16 peak) | peak GiB | final loss |",
@@ -104,8 +128,10 @@ def main() -> int:
             continue
         sp = f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}x" if base else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+        reps = r.get("repeats_tokens_per_s", [])
+        rng = f" ({min(reps) / 1e3:.1f}-{max(reps) / 1e3:.1f}K over {len(reps)})" if len(reps) > 1 else ""
         lines.append(
-            f"| {r['variant']} | {r['step_ms']:.1f} | {r['tokens_per_s'] / 1e3:.1f}K | {sp} | {mfu} | "
+            f"| {r['variant']} | {r['step_ms']:.1f} | {r['tokens_per_s'] / 1e3:.1f}K{rng} | {sp} | {mfu} | "
             f"{r['peak_mem_gib']:.1f} | {r['final_loss']:.3f} |"
         )
     ok = [r for r in results if "error" not in r]
