@@ -28,6 +28,8 @@ from fp8kit.fp8.recipes import RECIPE_NAMES
 from fp8kit.models.presets import PRESET_NAMES
 
 MIXED_PRECISIONS = ("bf16", "fp8")
+PARAM_DTYPES = ("bf16", "fp32")
+OPTIMIZERS = ("adamw", "fp8_adamw")
 
 
 def _f(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
@@ -114,6 +116,13 @@ class TrainConfig:
         "gradients) in the layers the [fp8] rules select.",
         choices=MIXED_PRECISIONS,
     )
+    param_dtype: str = _f(
+        "bf16",
+        "dtype of the model's parameters. bf16: bf16 weights updated in place (with optim.name = adamw its "
+        "states are bf16 too). fp32: FP32 master weights, gradients and AdamW states, the forward in bf16 "
+        "through torch.autocast (standard mixed precision, 16 bytes/param of training state).",
+        choices=PARAM_DTYPES,
+    )
     compile: bool = _f(False, "torch.compile each transformer block (as torchtitan does).")
     activation_checkpointing: bool = _f(
         False, "Recompute each transformer block in backward instead of keeping its activations."
@@ -176,6 +185,40 @@ class FP8Config:
 
 
 @dataclass
+class OptimConfig:
+    """``[optim]``: the optimizer. lr, betas, weight decay and clipping are in ``[train]``."""
+
+    name: str = _f(
+        "adamw",
+        "adamw: torch.optim.AdamW (fused on CUDA). fp8_adamw: fp8kit.optim.FP8AdamW, FP8-LM's precision "
+        "decoupling (arXiv:2310.18313): the states below.",
+        choices=OPTIMIZERS,
+    )
+    master: str = _f(
+        "fp16",
+        "fp8_adamw master weights: fp16 (with a scale), fp32, or bf16_sr (bf16 with stochastic rounding; "
+        "with bf16 parameters the working weights are the master).",
+        choices=("fp16", "fp32", "bf16_sr"),
+    )
+    grad: str = _f(
+        "e5m2",
+        "fp8_adamw gradients between backward and step: e5m2 / e4m3 (FP8 with a scale, quantized as "
+        "autograd produces them) or param (keep param.grad).",
+        choices=("e5m2", "e4m3", "param"),
+    )
+    m: str = _f("e4m3", "fp8_adamw first moment: e4m3 (with a scale), fp16, bf16 or fp32.",
+                choices=("e4m3", "fp16", "bf16", "fp32"))
+    v: str = _f(
+        "fp16",
+        "fp8_adamw second moment: fp16 (with a scale), e4m3 (underflows; for the paper's ablation) or fp32.",
+        choices=("fp16", "e4m3", "fp32"),
+    )
+    granularity: str = _f("tensor", "fp8_adamw scales: one per tensor (the paper) or one per block.",
+                          choices=("tensor", "block"))
+    block_size: int = _f(128, "fp8_adamw elements per scale when granularity = block (multiple of 16).")
+
+
+@dataclass
 class DistributedConfig:
     """``[distributed]``: parallel sizes. ``plan`` and the adaptive-FP8 decisions use them to look up
     the policy rules of the run's real per-rank shapes."""
@@ -193,6 +236,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     fp8: FP8Config = field(default_factory=FP8Config)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -533,6 +577,8 @@ def validate(cfg: RunConfig, origins: dict[str, str] | None = None) -> None:
         )
     for key in ("tp", "ep", "etp"):
         positive(f"distributed.{key}", getattr(cfg.distributed, key))
+    if cfg.optim.block_size < 16 or cfg.optim.block_size % 16:
+        fail("optim.block_size", f"must be a positive multiple of 16, got {cfg.optim.block_size}")
     if f8.fp8_dynamic_num_tokens is not None:
         positive("fp8.fp8_dynamic_num_tokens", f8.fp8_dynamic_num_tokens)
     for comp, n in f8.component_num_tokens.items():

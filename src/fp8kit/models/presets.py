@@ -6,6 +6,7 @@ The vocabulary size is not part of a preset: the model always takes ``data.vocab
 matches the tokenizer trained on the run's corpus.
 
 Shapes are copied from the published ``config.json`` of each model:
+- ``llama-125m``: GPT-3 Small's width/depth (Brown et al. 2020) in the Llama architecture
 - ``llama3-1b``: meta-llama/Llama-3.2-1B
 - ``llama3-8b``: meta-llama/Llama-3.1-8B
 - ``qwen2.5-72b``: Qwen/Qwen2.5-72B
@@ -33,6 +34,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_hidden_layers": 4,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    # GPT-3 Small / GPT-2 124M width and depth (Brown et al. 2020, Table 2.1: d_model 768, 12 layers,
+    # 12 heads) in the Llama architecture with a SwiGLU MLP of 2048 (8/3 x 768, rounded to 16): about
+    # 85M parameters in the blocks plus 2 x 768 x vocab embeddings (134M with a 32000 vocabulary).
+    "llama-125m": {
+        "model_type": "llama",
+        "hidden_size": 768,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 12,
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False,

@@ -13,6 +13,7 @@ only tensors, numbers, strings and containers, and no pickled objects are ever c
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from fp8kit.errors import CheckpointError
@@ -57,7 +58,7 @@ def save_checkpoint(directory: Path, model: nn.Module, state: dict) -> Path:
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    save_model(model, str(tmp / MODEL_FILE))
+    save_model_weights(model, tmp / MODEL_FILE)
     torch.save({**state, "param_shapes": param_shapes(model)}, tmp / STATE_FILE)
     if directory.exists():
         shutil.rmtree(directory)
@@ -130,10 +131,42 @@ def check_compatible(ckpt: Path, model: nn.Module, state: dict) -> None:
         f.keys()  # opens and validates the header
 
 
+def _tied_names(sd: dict[str, torch.Tensor]) -> dict[str, str]:
+    """``{alias: kept_name}`` for entries that are the same tensor (tied weights such as embed/lm_head)."""
+    first: dict[tuple, str] = {}
+    aliases = {}
+    for name, t in sd.items():
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+    return aliases
+
+
+def save_model_weights(model: nn.Module, path: Path) -> None:
+    """Write the model's state dict to a safetensors file, tied weights once (listed in the metadata).
+
+    Unlike ``safetensors.torch.save_model`` this accepts parameters that are views of a larger buffer
+    (FP8AdamW's flat layout), since each entry is written from its own bytes.
+    """
+    sd = model.state_dict()
+    aliases = _tied_names(sd)
+    tensors = {k: v.detach().contiguous() for k, v in sd.items() if k not in aliases}
+    save_file(tensors, str(path), metadata={"fp8kit_tied": json.dumps(aliases)})
+
+
 def load_model_weights(ckpt: Path, model: nn.Module) -> None:
-    """Load ``model.safetensors`` into ``model`` (strict)."""
+    """Load ``model.safetensors`` into ``model`` (strict; copies into the existing parameters)."""
+    path = Path(ckpt) / MODEL_FILE
     try:
-        load_model(model, str(Path(ckpt) / MODEL_FILE), strict=True, device=str(next(model.parameters()).device))
+        sd = load_file(str(path), device=str(next(model.parameters()).device))
+        for alias, kept in _tied_names(model.state_dict()).items():  # tied weights are stored once
+            if alias not in sd and kept in sd:
+                sd[alias] = sd[kept]
+            elif kept not in sd and alias in sd:
+                sd[kept] = sd[alias]
+        model.load_state_dict(sd, strict=True)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {str(ckpt)!r}: cannot load {MODEL_FILE}: {first}") from None

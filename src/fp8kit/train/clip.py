@@ -6,7 +6,8 @@ Llama-3-8B-shaped 8-layer benchmark, 2.0B parameters: 8 GB, about 2.7 ms on an H
 step). When the optimizer is a fused AdamW, fp8kit folds the scaling into the optimizer kernel
 instead: the fused kernel already divides each gradient by ``optimizer.grad_scale`` (the mechanism
 ``torch.amp.GradScaler`` uses), so we set ``grad_scale = max(1, (norm + 1e-6) / max_norm)`` and the
-separate scaling pass disappears. The formula is ``clip_grad_norm_``'s: coefficient
+separate scaling pass disappears. ``FP8AdamW`` holds the gradients itself (in FP8) and applies the
+coefficient inside its fused step in the same way. The formula is ``clip_grad_norm_``'s: coefficient
 ``max_norm / (norm + 1e-6)``, clamped to at most 1.
 """
 
@@ -29,6 +30,10 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, optimizer: torch
     Returns:
         The total norm before clipping (0-dim float32 tensor on the gradients' device).
     """
+    from fp8kit.optim import FP8AdamW
+
+    if isinstance(optimizer, FP8AdamW):  # gradients live in the optimizer (FP8); it clips inside its step
+        return optimizer.clip_grad_norm_(max_norm)
     grads = [p.grad for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     if not max_norm or math.isinf(max_norm):

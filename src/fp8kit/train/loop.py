@@ -88,7 +88,9 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def _loss(setup: Setup, batch: torch.Tensor) -> torch.Tensor:
     batch = batch.to(setup.device, non_blocking=True)
     x, y = batch[:, :-1], batch[:, 1:]
-    logits = setup.model(input_ids=x).logits  # [B, T, V]
+    # train.param_dtype = fp32: FP32 master weights, bf16 matmuls through autocast (standard AMP)
+    with torch.autocast(setup.device.type, dtype=torch.bfloat16, enabled=setup.cfg.train.param_dtype == "fp32"):
+        logits = setup.model(input_ids=x).logits  # [B, T, V]
     return setup.loss_fn(logits, y)
 
 
@@ -170,6 +172,7 @@ def run_loop(setup: Setup, out_dir: Path, writer: MetricsWriter, console: Consol
                 "tokens_per_s": tps,
                 "step_ms": dt * 1e3,
                 "peak_mem_gib": peak_memory_gib(setup.device),
+                "state_bytes_per_param": setup.info["training_state_bytes"]["total"],
                 "mfu": (tps * setup.flops_per_token / setup.peak_flops) if setup.peak_flops else None,
                 "precision": phase,
                 "fp8_modules": count_fp8_modules(model) if phase == "fp8" else 0,

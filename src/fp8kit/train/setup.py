@@ -25,6 +25,7 @@ from fp8kit.fp8.options import options_from_config
 from fp8kit.fp8.recipes import float8_linear_config
 from fp8kit.fp8.sites import find_sites
 from fp8kit.models.build import build_hf_config, build_model, count_params, flops_per_token
+from fp8kit.optim.memory import training_state_bytes
 from fp8kit.train import checkpoint as ckpt
 from fp8kit.train.metrics import bf16_peak_flops
 from fp8kit.train.schedule import lr_factor
@@ -115,12 +116,25 @@ def device_name(device: torch.device) -> str:
 
 
 def build_optimizer(cfg: RunConfig, model: nn.Module, device: torch.device):
-    """AdamW (fused on CUDA) with weight decay on matrices only, and the warmup+cosine LR schedule."""
-    t = cfg.train
+    """The optimizer (``optim.name``) with weight decay on matrices only, and the warmup+cosine LR schedule.
+
+    ``adamw``: ``torch.optim.AdamW`` (fused on CUDA). ``fp8_adamw``: :class:`fp8kit.optim.FP8AdamW` with
+    the ``[optim]`` precisions (it flattens each group, so build it after every module conversion).
+    """
+    t, o = cfg.train, cfg.optim
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=device.type == "cuda")
+    groups = [g for g in groups if g["params"]]
+    if o.name == "fp8_adamw":
+        from fp8kit.optim import FP8AdamW, FP8AdamWPrecision
+
+        precision = FP8AdamWPrecision(
+            master=o.master, grad=o.grad, m=o.m, v=o.v, granularity=o.granularity, block_size=o.block_size
+        )
+        opt = FP8AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, precision=precision)
+    else:
+        opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=device.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,
         lambda s: lr_factor(s, warmup_steps=t.warmup_steps, total_steps=t.steps, min_lr_ratio=t.min_lr_ratio),
@@ -160,7 +174,8 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
         raise ConfigError(
             f"data.seq_length = {cfg.data.seq_length} exceeds the model's max_position_embeddings = {max_pos}"
         )
-    model = build_model(cfg.model, cfg.data.vocab_size, device=device, dtype=torch.bfloat16, seed=cfg.train.seed)
+    param_dtype = torch.float32 if cfg.train.param_dtype == "fp32" else torch.bfloat16
+    model = build_model(cfg.model, cfg.data.vocab_size, device=device, dtype=param_dtype, seed=cfg.train.seed)
     if resume_ckpt is not None:
         ckpt.check_compatible(resume_ckpt, model, resume_state)
 
@@ -208,6 +223,7 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
         "flops_per_token": setup.flops_per_token,
         "bf16_peak_flops": setup.peak_flops,
         "warnings": setup.warnings,
+        "training_state_bytes": training_state_bytes([p for p in model.parameters() if p.requires_grad], optimizer),
     }
     return setup
 

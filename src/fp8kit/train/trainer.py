@@ -12,6 +12,7 @@ from fp8kit.config import RunConfig, save_config
 from fp8kit.console import make_console
 from fp8kit.fp8.decide import summarize
 from fp8kit.fp8.report import print_report, save_report
+from fp8kit.optim.memory import format_state_bytes
 from fp8kit.train.loop import LoopResult, TrainingDiverged, run_loop
 from fp8kit.train.metrics import MetricsWriter, read_metrics
 from fp8kit.train.rundir import check_writable, create_run_dir, default_run_dir
@@ -88,6 +89,8 @@ def train(
         "model": _model_desc(cfg),
         "params_m": setup.params["total"] / 1e6,
         "precision": _precision_desc(cfg),
+        "optimizer": _optim_desc(cfg),
+        "state_bytes_per_param": setup.info["training_state_bytes"]["total"],
         "fp8_sites": f"{summarize(setup.decisions)['fp8_sites']} of {len(setup.decisions)}",
         "wall_s": loop.wall_s,
         "status": "diverged" if loop.diverged else "ok",
@@ -118,6 +121,13 @@ def _precision_desc(cfg: RunConfig) -> str:
     return desc
 
 
+def _optim_desc(cfg: RunConfig) -> str:
+    o = cfg.optim
+    if o.name != "fp8_adamw":
+        return f"AdamW ({cfg.train.param_dtype} parameters and states)"
+    return f"FP8AdamW (master {o.master}, grad {o.grad}, m {o.m}, v {o.v}, per {o.granularity})"
+
+
 def _print_start(setup: Setup, console: Console) -> None:
     cfg, info = setup.cfg, setup.info
     console.print(
@@ -126,6 +136,7 @@ def _print_start(setup: Setup, console: Console) -> None:
     )
     console.print(f"data: {info['corpus']}; {info['tokens']:,} tokens ({info['tokenizer']})")
     console.print(f"FP8: {setup.capability}")
+    console.print(f"optimizer: {_optim_desc(cfg)}; training state {format_state_bytes(info['training_state_bytes'])}")
     for w in setup.warnings:
         console.print(f"[bold yellow]warning:[/] {w}")
     print_report(setup.decisions, console)

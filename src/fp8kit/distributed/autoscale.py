@@ -1,0 +1,264 @@
+"""The auto-scale state of the FP8 gradient all-reduce: the factor ``mu`` per key and its counters.
+
+FP8-LM (Peng et al. 2023, arXiv:2310.18313, section 2, "FP8 gradient and all-reduce communication";
+seed ``003_f6166ad1663d4d19``, "Auto-Scaling for FP8 Gradient Communication") multiplies each rank's
+gradient by a factor ``mu`` before casting it to FP8 (``g'_i = mu * g_i``) and adapts ``mu``:
+
+- if more than ``delta`` (0.1 %) of the values of ``mu * g_i`` saturate the FP8 maximum, ``mu <- mu / 2``;
+- after ``growth_interval`` (1000) consecutive steps below ``delta``, ``mu <- mu * 2^(1/1000)``
+  at every further quiet step (the first growth is at quiet step ``growth_interval + 1``).
+
+Here ``backoff`` is the paper's ``1/2`` and ``growth_factor`` its ``2^(1/1000)``. A value *saturates*
+when ``|mu * g| > FP8_MAX`` (float32), i.e. when the saturating cast clips it.
+
+Initial mu. ``mu`` is set lazily, on the first call for a key, to ``mu0 = FP8_MAX / global_amax``
+(``scale_from_amax`` of ``fp8kit.fp8.scaling``, the global amax taken over all ranks, so every rank
+starts with the same ``mu``; rounded down by one float32 ulp where needed so that ``mu0 * amax <= FP8_MAX``
+holds in float32 and the first call never saturates). An arbitrary start such as ``mu = 1`` does not work:
+typical gradients of 1e-4 .. 1e-6 are then all below E4M3's smallest subnormal (2^-9 ~ 2e-3) and flush
+to zero, and in E5M2 those below 2^-16 ~ 1.5e-5 flush to zero and those below 2^-14 ~ 6e-5 keep at most
+one mantissa bit; the growth rule (x2 per 1000 quiet steps, after 1000 quiet steps) would then need
+~10^4 steps per factor of 1000 to recover. A key whose first global amax is 0 (or not finite) stays
+uninitialised until a call sees a non-zero finite amax.
+
+The whole state changes only through the all-reduced scalars, so every rank holds the same ``mu``,
+counters and decisions. The per-key numbers live in a small float64 tensor on the gradients' device, so
+a call never waits for the device (no ``.item()``); ``mu()``, ``stats()`` and ``state_dict()`` read them
+back (a device sync).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fp8kit.fp8.scaling import AMAX_EPS, DTYPE_MAX, storage_dtype
+
+_FORMAT = "fp8kit.AutoScaleState/1"
+_FP8_NAMES = ("e5m2", "e4m3")
+
+# Layout of one key's float64 vector (device tensor).
+MU, STEPS_BELOW, HALVINGS, GROWTHS, INITIALIZED, LAST_SATURATION = range(6)
+_FIELDS = ("mu", "steps_below", "halvings", "growths", "initialized", "last_saturation")
+_INT_FIELDS = ("steps_below", "halvings", "growths")
+
+
+def ring_allreduce_bytes(numel: int, world_size: int, element_size: int = 2) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``numel`` elements: ``2 (N-1)/N * numel * element_size``.
+
+    The ring algorithm's reduce-scatter and all-gather each send ``(N-1)/N`` of the buffer
+    (Patarasuk & Yuan 2009; NCCL's "bus bandwidth" convention). ``element_size`` 2 is BF16, 4 is FP32.
+    Rounded down to whole bytes; 0 for ``world_size`` 1.
+    """
+    return 2 * (world_size - 1) * numel * element_size // world_size
+
+
+def fp8_allreduce_bytes(numel: int, world_size: int) -> int:
+    """Bytes one rank sends in one ``fp8_all_reduce`` of ``numel`` elements (any input dtype).
+
+    ``(N-1) * chunk`` (all-to-all of the FP8 chunks, the rank's own chunk stays local)
+    ``+ (N-1) * chunk`` (ring all-gather of the FP8 mean chunks)
+    ``+ 2 (N-1)/N * 32`` (ring all-reduce of the 4 float64 scalars), with ``chunk = ceil(numel / N)``
+    bytes (one byte per element). About half of ``ring_allreduce_bytes(numel, N, 2)`` (BF16) and a
+    quarter of FP32. 0 for ``world_size`` 1 or an empty tensor (nothing is sent).
+    """
+    if world_size <= 1 or numel == 0:
+        return 0
+    chunk = -(-numel // world_size)
+    return 2 * (world_size - 1) * chunk + ring_allreduce_bytes(4, world_size, 8)
+
+
+@dataclass
+class _Entry:
+    """One key: its numbers (device float64[6], or a python list after ``load_state_dict``) and size."""
+
+    values: torch.Tensor | list[float]
+    numel: int | None
+    reinits: int = 0
+    calls: int = 0
+
+
+def _fresh() -> list[float]:
+    # mu = 1 is a placeholder for an uninitialised key (the call then scales by mu0 / 1 = mu0).
+    return [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+
+
+@dataclass
+class AutoScaleState:
+    """The auto-scale factor ``mu`` per key and its counters, for ``fp8_all_reduce`` / the DDP hook.
+
+    Args:
+        process_group: the group of the all-reduce (``None``: the default group). The DDP hook uses it;
+            ``fp8_all_reduce(group=...)`` overrides it per call.
+        fp8_dtype: ``"e5m2"`` (default: the gradient format, max 57344, wide range) or ``"e4m3"``
+            (max 448, one more mantissa bit, narrower range).
+        delta: saturation threshold, a fraction in (0, 1); default 1e-3 (the paper's 0.1 %).
+        growth_interval: quiet steps (saturation <= delta) before mu starts growing; int >= 0.
+        growth_factor: mu's factor at each quiet step after the interval; >= 1 (1 disables growth);
+            default ``2 ** (1 / 1000)`` (the paper's).
+        backoff: mu's factor on a saturated step, in (0, 1); default 0.5 (the paper's halving).
+
+    Counters (python ints, this rank): ``calls`` (calls that communicated), ``bytes_sent`` (bytes this
+    rank sent, see ``fp8_allreduce_bytes``), ``bf16_ring_bytes`` (what a BF16 ring all-reduce of the same
+    tensors would have sent, ``ring_allreduce_bytes``), ``last_bytes_sent``.
+    Per key (read with ``stats(key)``): ``mu``, ``steps_below`` (consecutive quiet steps), ``halvings``,
+    ``growths``, ``initialized``, ``last_saturation`` (the largest per-rank saturated fraction of the
+    last step), ``numel`` (a key used with another size is re-initialised from its amax, counted in
+    ``reinits``) and ``calls`` (communicating calls with this key).
+
+    Raises:
+        ValueError: naming the argument, for an unknown ``fp8_dtype`` or an option out of range.
+    """
+
+    process_group: Any = None
+    fp8_dtype: str = "e5m2"
+    delta: float = 1e-3
+    growth_interval: int = 1000
+    growth_factor: float = 2.0 ** (1.0 / 1000.0)
+    backoff: float = 0.5
+    calls: int = field(default=0, init=False)
+    bytes_sent: int = field(default=0, init=False)
+    bf16_ring_bytes: int = field(default=0, init=False)
+    last_bytes_sent: int = field(default=0, init=False)
+    _entries: dict[str | int, _Entry] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        where = "AutoScaleState"
+        if self.fp8_dtype not in _FP8_NAMES:
+            raise ValueError(f"{where}.fp8_dtype: unknown FP8 format {self.fp8_dtype!r}; valid: e5m2, e4m3")
+        _check_number(self.delta, f"{where}.delta", lo=0.0, hi=1.0, text="in (0, 1)")
+        if (
+            isinstance(self.growth_interval, bool)
+            or not isinstance(self.growth_interval, int)
+            or self.growth_interval < 0
+        ):
+            raise ValueError(f"{where}.growth_interval: need an int >= 0, got {self.growth_interval!r}")
+        _check_number(
+            self.growth_factor, f"{where}.growth_factor", lo=1.0, hi=math.inf, text=">= 1", lo_open=False
+        )
+        _check_number(self.backoff, f"{where}.backoff", lo=0.0, hi=1.0, text="in (0, 1)")
+
+    # -- read-only views -------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        """The FP8 torch dtype (``torch.float8_e5m2`` or ``torch.float8_e4m3fn``)."""
+        return storage_dtype(self.fp8_dtype, "AutoScaleState.fp8_dtype")
+
+    @property
+    def fp8_max(self) -> float:
+        """The format's largest finite value (57344 for E5M2, 448 for E4M3)."""
+        return DTYPE_MAX[self.dtype]
+
+    @property
+    def mu_max(self) -> float:
+        """Upper bound of mu: ``FP8_MAX / AMAX_EPS``, the scale of an all-zero tensor (keeps float32 finite)."""
+        return self.fp8_max / AMAX_EPS
+
+    def keys(self) -> list[str | int]:
+        """The keys seen (or loaded), in first-use order."""
+        return list(self._entries)
+
+    def stats(self, key: str | int = "default") -> dict[str, Any]:
+        """Python numbers of one key (a device sync). Raises KeyError for an unknown key."""
+        e = self._entries[key]
+        vals = e.values.tolist() if isinstance(e.values, torch.Tensor) else list(e.values)
+        out: dict[str, Any] = dict(zip(_FIELDS, vals, strict=True))
+        for k in _INT_FIELDS:
+            out[k] = int(out[k])
+        out["initialized"] = bool(out["initialized"])
+        out["numel"] = e.numel
+        out["reinits"] = e.reinits
+        out["calls"] = e.calls
+        return out
+
+    def mu(self, key: str | int = "default") -> float:
+        """The current mu of ``key`` (``nan`` while the key is not initialised). Raises KeyError."""
+        s = self.stats(key)
+        return s["mu"] if s["initialized"] else math.nan
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Plain python numbers (loadable with ``torch.load(weights_only=True)``); a device sync.
+
+        ``{"format", "fp8_dtype", "delta", "growth_interval", "growth_factor", "backoff", "calls",
+        "bytes_sent", "bf16_ring_bytes", "keys": {key: {"mu", "steps_below", "halvings", "growths",
+        "initialized", "last_saturation", "numel", "reinits", "calls"}}}``. The options are saved for the record.
+        """
+        return {
+            "format": _FORMAT,
+            "fp8_dtype": self.fp8_dtype,
+            "delta": self.delta,
+            "growth_interval": self.growth_interval,
+            "growth_factor": self.growth_factor,
+            "backoff": self.backoff,
+            "calls": self.calls,
+            "bytes_sent": self.bytes_sent,
+            "bf16_ring_bytes": self.bf16_ring_bytes,
+            "keys": {k: self.stats(k) for k in self._entries},
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore mu and the counters per key (replacing all keys) and the byte counters.
+
+        The options (``delta``, ``growth_interval``, ...) stay this object's own, so a resumed run may
+        change them; ``fp8_dtype`` must match, since mu is relative to the format's maximum.
+
+        Raises:
+            ValueError: for a dict that is not an ``AutoScaleState.state_dict()`` or whose
+                ``fp8_dtype`` differs, naming the key at fault.
+        """
+        where = "AutoScaleState.load_state_dict"
+        if not isinstance(sd, dict) or sd.get("format") != _FORMAT:
+            raise ValueError(f"{where}: not an AutoScaleState state dict (format {_FORMAT!r} expected)")
+        if sd.get("fp8_dtype") != self.fp8_dtype:
+            raise ValueError(
+                f"{where}: fp8_dtype {sd.get('fp8_dtype')!r} in the state dict, {self.fp8_dtype!r} here "
+                "(mu is relative to the format's maximum)"
+            )
+        entries: dict[str | int, _Entry] = {}
+        for key, d in dict(sd.get("keys", {})).items():
+            if not isinstance(key, str | int) or isinstance(key, bool):
+                raise ValueError(f"{where}: key {key!r} is not a str or int")
+            missing = [f for f in (*_FIELDS, "numel") if f not in d]
+            if missing:
+                raise ValueError(f"{where}: keys[{key!r}] lacks {', '.join(missing)}")
+            vals = [float(d[f]) for f in _FIELDS]
+            if not (math.isfinite(vals[MU]) and vals[MU] > 0):
+                raise ValueError(f"{where}: keys[{key!r}].mu must be finite and > 0, got {d['mu']!r}")
+            numel = None if d["numel"] is None else int(d["numel"])
+            entries[key] = _Entry(vals, numel, reinits=int(d.get("reinits", 0)), calls=int(d.get("calls", 0)))
+        self._entries = entries
+        self.calls = int(sd.get("calls", 0))
+        self.bytes_sent = int(sd.get("bytes_sent", 0))
+        self.bf16_ring_bytes = int(sd.get("bf16_ring_bytes", 0))
+
+    # -- used by fp8_all_reduce ------------------------------------------------------------------
+    def _values(self, key: str | int, numel: int, device: torch.device) -> torch.Tensor:
+        """The key's float64[6] on ``device``; created (uninitialised), or reset when ``numel`` changed."""
+        e = self._entries.get(key)
+        if e is None:
+            e = self._entries[key] = _Entry(values=_fresh(), numel=numel)
+        elif e.numel != numel:
+            e.values, e.numel, e.reinits = _fresh(), numel, e.reinits + 1  # calls go on counting
+        if not isinstance(e.values, torch.Tensor) or e.values.device != device:
+            e.values = torch.tensor(e.values, dtype=torch.float64, device=device)
+        return e.values
+
+    def _store(self, key: str | int, values: torch.Tensor, sent: int, bf16: int) -> None:
+        e = self._entries[key]
+        e.values = values
+        e.calls += 1
+        self.calls += 1
+        self.last_bytes_sent = sent
+        self.bytes_sent += sent
+        self.bf16_ring_bytes += bf16
+
+
+def _check_number(v: Any, name: str, *, lo: float, hi: float, text: str, lo_open: bool = True) -> None:
+    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    ok = ok and (v > lo if lo_open else v >= lo) and v < hi
+    if not ok:
+        raise ValueError(f"{name}: need a number {text}, got {v!r}")

@@ -1,0 +1,59 @@
+"""Bytes per parameter of the training state, by role, for any optimizer fp8kit builds.
+
+Roles (FP8-LM, arXiv:2310.18313, section 2.1 accounting): ``master`` (the weights the optimizer updates
+at full/decoupled precision), ``grad`` (gradients between backward and step), ``m`` and ``v`` (Adam's
+moments) and ``working`` (a separate copy the model computes with, when it is not the master itself).
+FP8-LM's layout is master 2 + grad 1 + m 1 + v 2 = 6 bytes/param, against 16 for FP32 AdamW mixed
+precision (4 + 4 + 4 + 4).
+"""
+
+from __future__ import annotations
+
+import torch
+
+ROLES = ("master", "grad", "m", "v", "working")
+
+
+def training_state_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """Bytes/param of each role, ``state`` (master + grad + m + v) and ``total`` (+ working), and ``params``.
+
+    Args:
+        params: the trained parameters (counted by element, so padding in flat buffers is charged).
+        optimizer: an :class:`~fp8kit.optim.FP8AdamW` or a ``torch.optim`` Adam/AdamW.
+
+    Gradients are charged at the size they have between backward and step (``param.numel *
+    param.element_size`` for torch optimizers), whether or not they exist at the moment of the call.
+    """
+    from fp8kit.optim.fp8_adamw import FP8AdamW
+
+    n = sum(p.numel() for p in params)
+    if isinstance(optimizer, FP8AdamW):
+        b = optimizer.memory_bytes()
+        shared = b["master"] == 0  # bf16_sr over bf16 parameters: the working weights are the master
+        raw = {"master": b["working"] if shared else b["master"], "grad": b["grad"], "m": b["m"], "v": b["v"],
+               "working": 0 if shared else b["working"]}
+    else:
+        raw = dict.fromkeys(ROLES, 0)
+        raw["master"] = sum(p.numel() * p.element_size() for p in params)
+        raw["grad"] = raw["master"]
+        for p in params:
+            st = optimizer.state.get(p, {})
+            raw["m"] += _nbytes(st.get("exp_avg")) if st else p.numel() * p.element_size()
+            raw["v"] += _nbytes(st.get("exp_avg_sq")) if st else p.numel() * p.element_size()
+    out = {k: raw[k] / n for k in ROLES}
+    out["state"] = out["master"] + out["grad"] + out["m"] + out["v"]
+    out["total"] = out["state"] + out["working"]
+    out["params"] = float(n)
+    return out
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def format_state_bytes(b: dict[str, float]) -> str:
+    """One line: ``master 2.00 + grad 1.00 + m 1.00 + v 2.00 = 6.00 B/param (8.00 with working weights)``."""
+    return (
+        f"master {b['master']:.2f} + grad {b['grad']:.2f} + m {b['m']:.2f} + v {b['v']:.2f} = "
+        f"{b['state']:.2f} B/param ({b['total']:.2f} with working weights)"
+    )
