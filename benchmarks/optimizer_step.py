@@ -36,8 +36,9 @@ def make_params(preset: str, layers: int | None, dtype: torch.dtype, vocab: int)
 
 
 def groups_of(params):
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 def time_it(fn, iters: int, warmup: int) -> float:

@@ -214,6 +214,8 @@ class FP8AdamW(torch.optim.Optimizer):
         self._step_count = 0
         for gi, group in enumerate(self.param_groups):
             params_g = [p for p in group["params"] if p.requires_grad]
+            if not params_g:
+                raise ValueError(f"FP8AdamW: param group {gi} is empty; leave it out")
             if len(params_g) != len(group["params"]):
                 raise ValueError(f"FP8AdamW: param group {gi} holds parameters that do not require grad")
             use_compile = compile if compile is not None else params_g[0].device.type == "cuda"
