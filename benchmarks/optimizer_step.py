@@ -97,21 +97,30 @@ def bench_fp8(params, grads, precision, iters, warmup):
     return t_step, t_hooks, opt
 
 
-def check_compiled_equals_eager(params, grads, precision) -> float:
-    """Max |compiled - eager| of the working weights after 3 steps, in units of the weights' amax."""
+def check_against_eager(params, grads, precision, steps: int = 3, lr: float = 1e-3) -> dict:
+    """The GPU step (Triton or torch.compile) against the eager reference math on the same inputs.
+
+    Adam's update is ~lr in magnitude whatever the gradient's size, so an element whose FP8 gradient
+    rounds to zero on one path and not on the other differs by up to ~lr per step; a wrong kernel differs
+    almost everywhere. Returns the fraction of elements differing by more than 1% of ``steps * lr`` and
+    the largest difference in units of ``steps * lr``.
+    """
     from fp8kit.optim import FP8AdamW
 
-    outs = []
+    outs, backend = [], None
     for compile_ in (True, False):
         ps = [torch.nn.Parameter(p.detach().clone()) for p in params[:8]]
-        opt = FP8AdamW(groups_of(ps), lr=1e-3, precision=precision, compile=compile_)
-        for _ in range(3):
+        opt = FP8AdamW(groups_of(ps), lr=lr, precision=precision, compile=compile_)
+        backend = backend or opt._flat[0].backend
+        for _ in range(steps):
             for p, g in zip(ps, grads[:8], strict=True):
                 p.grad = g.clone()
                 opt._grad_hook(p)
+            opt.clip_grad_norm_(1.0)
             opt.step()
         outs.append(torch.cat([p.detach().float().reshape(-1) for p in ps]))
-    return float((outs[0] - outs[1]).abs().max() / outs[1].abs().max())
+    d = (outs[0] - outs[1]).abs() / (steps * lr)
+    return {"backend": backend, "frac_differing": float((d > 0.01).float().mean()), "max_diff_lr": float(d.max())}
 
 
 def main() -> int:
@@ -144,33 +153,40 @@ def main() -> int:
             n = sum(p.numel() for p in params)
             rows.append({"preset": preset, "layers": layers, "params_m": n / 1e6, "variant": name, "step_ms": t,
                          "hooks_ms": 0.0, "bytes": b})
+            (out / "optimizer_step.partial.json").write_text(json.dumps(rows, default=str))
             print(rows[-1], flush=True)
             del params, grads, opt
             torch.cuda.empty_cache()
-        base = rows[-2]["step_ms"]
+        base = rows[-2]["step_ms"]  # adamw-bf16 of this preset
         for name, prec in variants.items():
             params = make_params(preset, layers or None, torch.bfloat16, args.vocab)
             grads = [torch.randn_like(p) * 1e-3 for p in params]
             t0 = time.time()
             t, th, opt = bench_fp8(params, grads, prec, args.iters, args.warmup)
             b = training_state_bytes(params, opt)
-            err = check_compiled_equals_eager(params, grads, prec)
+            err = check_against_eager(params, grads, prec)
             rows.append({"preset": preset, "layers": layers, "params_m": sum(p.numel() for p in params) / 1e6,
                          "variant": name, "step_ms": t, "hooks_ms": th, "bytes": b, "vs_adamw_bf16": t / base,
-                         "compiled_vs_eager_max_err": err, "bench_s": time.time() - t0})
+                         "vs_eager": err, "bench_s": time.time() - t0})
             print(rows[-1], flush=True)
             del params, grads, opt
             torch.cuda.empty_cache()
     meta = {"device": torch.cuda.get_device_name(), "versions": versions(), "date": time.strftime("%Y-%m-%d"),
             "iters": args.iters}
     lines = [f"device {meta['device']}; torch {torch.__version__}; {meta['date']}", "",
-             "| model | params | optimizer | step ms | vs AdamW bf16 | grad hooks ms | B/param master+grad+m+v | B/param total | compiled vs eager |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| model | params | optimizer | kernel | step ms | vs AdamW bf16 | grad hooks ms | B/param master+grad+m+v | B/param total | vs eager: elements differing / max (x lr) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    base_ms = {}
+    for r in rows:
+        if r["variant"].startswith("adamw-bf16"):
+            base_ms[r["preset"] + (f" x{r['layers']}" if r["layers"] else "")] = r["step_ms"]
     for r in rows:
         label = r["preset"] + (f" x{r['layers']}" if r["layers"] else "")
         lines.append(
-            f"| {label} | {r['params_m']:.0f}M | {r['variant']} | {r['step_ms']:.2f} | {r.get('vs_adamw_bf16', 1.0 if 'bf16' in r['variant'] else float('nan')):.2f}x | "
-            f"{r['hooks_ms']:.2f} | {r['bytes']['state']:.2f} | {r['bytes']['total']:.2f} | {r.get('compiled_vs_eager_max_err', 0):.1e} |"
+            f"| {label} | {r['params_m']:.0f}M | {r['variant']} | {r.get('vs_eager', {}).get('backend', 'torch fused')} | "
+            f"{r['step_ms']:.2f} | {r['step_ms'] / base_ms[label]:.2f}x | "
+            f"{r['hooks_ms']:.2f} | {r['bytes']['state']:.2f} | {r['bytes']['total']:.2f} | "
+            + (f"{100 * r['vs_eager']['frac_differing']:.3f}% / {r['vs_eager']['max_diff_lr']:.2f} |" if "vs_eager" in r else "- |")
         )
     table = "\n".join(lines)
     (out / "optimizer_step.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))

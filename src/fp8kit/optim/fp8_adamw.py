@@ -24,6 +24,7 @@ group on CUDA (eager on CPU).
 from __future__ import annotations
 
 import math
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -82,6 +83,31 @@ class FP8AdamWPrecision:
             raise ValueError(f"{where}: amax_eps = {self.amax_eps} must be a positive finite number")
 
 
+def grad_sq_sum(grad: torch.Tensor, scale: torch.Tensor | None, owner: torch.Tensor, spec: StateSpec) -> torch.Tensor:
+    """Sum of squares (float32) of a flat gradient's values."""
+    return load(grad, scale, owner, spec).square().sum()
+
+
+def _step_backend(spec: StateSpec, master, device: torch.device, compile_step: bool):
+    """(step function, gradient square-sum function, name): Triton kernels on CUDA where they cover the
+    layout (``optim/triton_step.py``), else ``torch.compile`` of the reference math, else eager."""
+    if not compile_step:
+        return adamw_update, grad_sq_sum, "eager"
+    sq = torch.compile(_own_code(grad_sq_sum), fullgraph=True, dynamic=False)
+    if device.type == "cuda":
+        from fp8kit.optim import triton_step
+
+        if triton_step.supported(spec, master):
+            return triton_step.adamw_update_triton, sq, "triton"
+    return torch.compile(_own_code(adamw_update), fullgraph=True, dynamic=False), sq, "torch.compile"
+
+
+def _own_code(fn):
+    """``fn`` with a code object of its own: torch.compile caches per code object, so each group's step
+    compiles once for its static shapes instead of counting against one shared recompile limit."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 class _FlatGroup:
     """The flat states of one parameter group (see the module docstring)."""
 
@@ -127,7 +153,7 @@ class _FlatGroup:
             self.grad, self.grad_scale = torch.zeros(L.total, device=device, dtype=torch.float32), None
         self.has_grad = [False] * T
         self.spec = self._spec(prec, T, master_dtype if self.master is not None else None)
-        self.step_fn = torch.compile(adamw_update, fullgraph=True, dynamic=False) if compile_step else adamw_update
+        self.step_fn, self.grad_sq_fn, self.backend = _step_backend(self.spec, self.master, device, compile_step)
         self.hp = torch.zeros(7, device=device, dtype=torch.float32)
 
     @staticmethod
@@ -266,7 +292,7 @@ class FP8AdamW(torch.optim.Optimizer):
         for fg in self._flat:
             self._grads_ready(fg)
             spec, owner = fg.spec, fg.layout.block_owner
-            sq = load(fg.grad, fg.grad_scale, owner, spec).square().sum()
+            sq = fg.grad_sq_fn(fg.grad, fg.grad_scale, owner, spec)
             total = sq if total is None else total + sq
         return total.sqrt()
 

@@ -36,8 +36,10 @@ class FlatLayout:
     block_owner: torch.Tensor
 
     @classmethod
-    def build(cls, numels: list[int], block: int, device: torch.device) -> FlatLayout:
-        """Lay out tensors of ``numels`` elements in order, each padded to ``block``.
+    def build(cls, numels: list[int], block: int, device: torch.device, align_blocks: int = 8) -> FlatLayout:
+        """Lay out tensors of ``numels`` elements in order, each padded to ``block``; the last one is
+        padded further so that ``total`` is a multiple of ``align_blocks`` blocks (kernels take blocks in
+        groups of that many).
 
         Raises:
             ValueError: for ``block < 1`` or an empty tensor list.
@@ -47,6 +49,7 @@ class FlatLayout:
         if not numels:
             raise ValueError("FlatLayout: no tensors to lay out")
         padded = [max(block, -(-n // block) * block) for n in numels]
+        padded[-1] += (-sum(padded) // block % align_blocks) * block
         offsets, pos = [], 0
         for p in padded:
             offsets.append(pos)
