@@ -32,20 +32,34 @@ RUNS = {
 
 def _small(cache_dir) -> list[str]:
     """conftest's ``small_run`` (module scope needs it without the function-scoped fixture)."""
-    return ["model.num_layers=2", "data.seq_length=64", "data.vocab_size=1024", f"data.cache_dir={cache_dir}",
-            "train.micro_batch_size=4", "train.log_every=1000", "train.eval_batches=4"]
+    return [
+        "model.num_layers=2",
+        "data.seq_length=64",
+        "data.vocab_size=1024",
+        f"data.cache_dir={cache_dir}",
+        "train.micro_batch_size=4",
+        "train.log_every=1000",
+        "train.eval_batches=4",
+    ]
 
 
 @pytest.fixture(scope="module")
 def runs(cache_dir, tmp_path_factory):
     """The two 250-step runs, once for the tests below: ``{name: (TrainResult, console output)}``."""
     out = {}
-    base = [f"train.steps={STEPS}", "train.lr=1e-3", "train.eval_every=50", "train.checkpoint_every=0",
-            "train.final_checkpoint=false"]
+    base = [
+        f"train.steps={STEPS}",
+        "train.lr=1e-3",
+        "train.eval_every=50",
+        "train.checkpoint_every=0",
+        "train.final_checkpoint=false",
+    ]
     for name, extra in RUNS.items():
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
-            res = train(load_config(None, [*_small(cache_dir), *base, *extra]), tmp_path_factory.mktemp(name) / "run")
+            res = train(
+                load_config(None, [*_small(cache_dir), *base, *extra]), tmp_path_factory.mktemp(name) / "run"
+            )
         out[name] = (res, buf.getvalue())
     return out
 
@@ -61,15 +75,23 @@ def test_fp8_adamw_loss_within_2pct_of_fp32_adamw(runs):
     tail_ref, tail = _tail(ref), _tail(fp8)
     val_ref, val = ref[-1]["val_loss"], fp8[-1]["val_loss"]
     ms = {n: statistics.median(r["step_ms"] for r in runs[n][0].metrics[5:]) for n in runs}
-    print(f"train loss (mean last 10%): adamw_fp32 {tail_ref:.4f}, fp8_adamw {tail:.4f} ({tail / tail_ref - 1:+.2%}); "
-          f"final val loss {val_ref:.4f} vs {val:.4f} ({val / val_ref - 1:+.2%}); step ms {ms}")
-    assert abs(tail / tail_ref - 1) < GAP, f"train loss {tail:.4f} vs AdamW {tail_ref:.4f} ({tail / tail_ref - 1:+.2%})"
-    assert abs(val / val_ref - 1) < GAP, f"val loss {val:.4f} vs AdamW {val_ref:.4f} ({val / val_ref - 1:+.2%})"
+    print(
+        f"train loss (mean last 10%): adamw_fp32 {tail_ref:.4f}, fp8_adamw {tail:.4f} ({tail / tail_ref - 1:+.2%}); "
+        f"final val loss {val_ref:.4f} vs {val:.4f} ({val / val_ref - 1:+.2%}); step ms {ms}"
+    )
+    assert abs(tail / tail_ref - 1) < GAP, (
+        f"train loss {tail:.4f} vs AdamW {tail_ref:.4f} ({tail / tail_ref - 1:+.2%})"
+    )
+    assert abs(val / val_ref - 1) < GAP, (
+        f"val loss {val:.4f} vs AdamW {val_ref:.4f} ({val / val_ref - 1:+.2%})"
+    )
     # both learned: ln(1024) = 6.93 is where training starts (measured 7.00 -> 5.08, val 6.09 -> 5.39)
     first = statistics.fmean(r["loss"] for r in fp8[:5])
     vals = [r["val_loss"] for r in fp8 if r.get("val_loss") is not None]
     assert tail < first - 1.5, f"fp8_adamw train loss fell only from {first:.3f} to {tail:.3f}"
-    assert len(vals) == STEPS // 50 and vals[-1] < vals[0] - 0.5 and vals[-1] < 5.8, f"fp8_adamw val losses {vals}"
+    assert len(vals) == STEPS // 50 and vals[-1] < vals[0] - 0.5 and vals[-1] < 5.8, (
+        f"fp8_adamw val losses {vals}"
+    )
     assert tail_ref < first - 1.5
 
 
@@ -82,22 +104,36 @@ def test_state_bytes_per_param_recorded(runs):
     assert abs(b - 8.0) < 0.05, f"fp8_adamw: {b:.4f} B/param"
     assert b_ref == 16.0, f"adamw_fp32: {b_ref:.4f} B/param"
     assert all(r["state_bytes_per_param"] == b for r in fp8.metrics)
-    assert fp8.summary["state_bytes_per_param"] == b and fp8.summary["optimizer"].startswith("FP8AdamW (master fp16")
-    assert "optimizer: FP8AdamW (master fp16, grad e5m2, m e4m3, v fp16, per tensor); training state master 2.00 " \
-           "+ grad 1.00 + m 1.00 + v 2.00 = 6.00 B/param (8.00 with working weights)" in fp8_out, fp8_out[:2000]
-    assert "optimizer: AdamW (fp32 parameters and states); training state master 4.00 + grad 4.00 + m 4.00 + " \
-           "v 4.00 = 16.00 B/param" in ref_out, ref_out[:2000]
+    assert fp8.summary["state_bytes_per_param"] == b and fp8.summary["optimizer"].startswith(
+        "FP8AdamW (master fp16"
+    )
+    assert (
+        "optimizer: FP8AdamW (master fp16, grad e5m2, m e4m3, v fp16, per tensor); training state master 2.00 "
+        "+ grad 1.00 + m 1.00 + v 2.00 = 6.00 B/param (8.00 with working weights)" in fp8_out
+    ), fp8_out[:2000]
+    assert (
+        "optimizer: AdamW (fp32 parameters and states); training state master 4.00 + grad 4.00 + m 4.00 + "
+        "v 4.00 = 16.00 B/param" in ref_out
+    ), ref_out[:2000]
 
 
 @pytest.mark.slow
 def test_fp8_adamw_resume_is_bit_exact(cache_dir, tmp_path):
-    base = [*_small(cache_dir), "train.steps=8", "train.checkpoint_every=4", "train.eval_every=4",
-            "fp8.bf16_warmup_steps=2", "optim.name=fp8_adamw"]
+    base = [
+        *_small(cache_dir),
+        "train.steps=8",
+        "train.checkpoint_every=4",
+        "train.eval_every=4",
+        "fp8.bf16_warmup_steps=2",
+        "optim.name=fp8_adamw",
+    ]
     full = train(load_config(None, base), tmp_path / "full").metrics
     ckpt = tmp_path / "full" / "checkpoints" / "step_000004"
     state = torch.load(ckpt / STATE_FILE, weights_only=True)
     assert state["optimizer"]["fp8adamw"]["step"] == 4
-    assert all(g["m"].dtype == torch.float8_e4m3fn and g["v_scale"] is not None for g in state["optimizer"]["flat"])
+    assert all(
+        g["m"].dtype == torch.float8_e4m3fn and g["v_scale"] is not None for g in state["optimizer"]["flat"]
+    )
     resumed = train(load_config(None, base), tmp_path / "resumed", resume=ckpt)
     assert [r["step"] for r in resumed.metrics] == [5, 6, 7, 8]
     assert [r["loss"] for r in resumed.metrics] == [r["loss"] for r in full[4:]]
@@ -108,8 +144,14 @@ def test_fp8_adamw_resume_is_bit_exact(cache_dir, tmp_path):
 @pytest.mark.parametrize(
     "override, match",
     [
-        ("optim.name=fp8adamw", r"optim.name=fp8adamw: unknown value 'fp8adamw' \(did you mean 'fp8_adamw'\?\)"),
-        ("optim.name=unknown", r"optim.name=unknown: unknown value 'unknown'; choose one of adamw, fp8_adamw"),
+        (
+            "optim.name=fp8adamw",
+            r"optim.name=fp8adamw: unknown value 'fp8adamw' \(did you mean 'fp8_adamw'\?\)",
+        ),
+        (
+            "optim.name=unknown",
+            r"optim.name=unknown: unknown value 'unknown'; choose one of adamw, fp8_adamw",
+        ),
         ("optim.v=bf16", r"optim.v=bf16: unknown value 'bf16' \(did you mean 'fp16'\?\)"),
         ("optim.nmae=adamw", r"unknown key 'optim.nmae'; did you mean 'optim.name'\?"),
         ("optim.block_size=100", r"optim.block_size=100: must be a positive multiple of 16, got 100"),

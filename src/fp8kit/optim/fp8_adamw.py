@@ -154,6 +154,11 @@ class _FlatGroup:
         self.has_grad = [False] * T
         self.spec = self._spec(prec, T, master_dtype if self.master is not None else None)
         self.step_fn, self.grad_sq_fn, self.backend = _step_backend(self.spec, self.master, device, compile_step)
+        self.step_kwargs = {"blocks_per_tensor": self.layout.blocks_per_tensor} if self.backend == "triton" else {}
+        # the backward hooks' quantization: one compiled graph for every parameter shape
+        self.quantize_fn = (
+            torch.compile(_own_code(accumulate_gradient), dynamic=True) if compile_step else accumulate_gradient
+        )
         self.hp = torch.zeros(7, device=device, dtype=torch.float32)
 
     @staticmethod
@@ -261,8 +266,8 @@ class FP8AdamW(torch.optim.Optimizer):
         gi, ti = self._where[id(p)]
         fg = self._flat[gi]
         seg = fg.layout.padded_segment(fg.grad, ti)
-        accumulate_gradient(seg, fg.grad_scale_slice(ti), p.grad, fg.has_grad[ti], fg.layout.block,
-                            self.precision.amax_eps)
+        fg.quantize_fn(seg, fg.grad_scale_slice(ti), p.grad, fg.has_grad[ti], fg.layout.block,
+                       self.precision.amax_eps)
         fg.has_grad[ti] = True
         p.grad = None
 
@@ -334,7 +339,7 @@ class FP8AdamW(torch.optim.Optimizer):
                 fg.hp[6:7].copy_(self.clip_coef.reshape(1))
             fg.step_fn(
                 fg.grad, fg.grad_scale, fg.m, fg.m_scale, fg.v, fg.v_scale, fg.master, fg.master_scale, fg.work,
-                fg.hp, fg.layout.block_owner, fg.spec,
+                fg.hp, fg.layout.block_owner, fg.spec, **fg.step_kwargs,
             )
             fg.has_grad = [False] * len(fg.has_grad)
         self.clip_coef = 1.0

@@ -145,8 +145,7 @@ def accumulate_gradient(
         new: the freshly computed gradient (any float dtype, ``numel <= len(grad_seg)``).
         accumulate: add to the segment's current value (gradient accumulation) instead of replacing it.
     """
-    x = torch.zeros(grad_seg.numel(), device=grad_seg.device, dtype=torch.float32)
-    x[: new.numel()] = new.reshape(-1)
+    x = torch.nn.functional.pad(new.reshape(-1).float(), (0, grad_seg.numel() - new.numel()))
     x = x.view(-1, block) if scale.numel() > 1 else x.view(1, -1)
     if accumulate:
         x = x + grad_seg.view(x.shape).float() / scale[:, None]
