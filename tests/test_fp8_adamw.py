@@ -559,6 +559,8 @@ def test_bad_parameters():
         FP8AdamW(frozen.parameters())
     with pytest.raises(ValueError, match="more than one"):
         FP8AdamW([{"params": [a.weight]}, {"params": [a.weight]}])
+    with pytest.raises(ValueError, match="param group 1 is empty"):
+        FP8AdamW([{"params": list(a.parameters())}, {"params": []}])
     FP8AdamW([{"params": a.parameters()}, {"params": b.parameters()}])  # one dtype per group is fine
 
 
@@ -584,13 +586,17 @@ def test_failed_construction_leaves_no_unraisable_error(monkeypatch):
 
 # -- 9. bytes per parameter ---------------------------------------------------------------------------
 def _model128(dtype: torch.dtype) -> nn.Module:
-    """Every parameter numel a multiple of 128 (no padding in the flat layout)."""
-    return nn.Sequential(nn.Linear(128, 256, bias=False), nn.LayerNorm(256), nn.Linear(256, 128)).to(dtype)
+    """Every parameter numel a multiple of 128 and 776 blocks of 128 in all, a multiple of the layout's
+    8-block alignment: no padding in the flat buffers."""
+    return nn.Sequential(nn.Linear(128, 256), nn.LayerNorm(256), nn.Linear(256, 256)).to(dtype)
 
 
 def test_bytes_per_param():
     bf16 = _model128(torch.bfloat16)
-    b = training_state_bytes(list(bf16.parameters()), FP8AdamW(bf16.parameters()))
+    opt = FP8AdamW(bf16.parameters())
+    n = sum(p.numel() for p in bf16.parameters())
+    assert opt._flat[0].layout.total == n, f"the test model is padded: {opt._flat[0].layout.total} for {n}"
+    b = training_state_bytes(list(bf16.parameters()), opt)
     print(f"default over bf16: {b}")
     for role, want in (("master", 2), ("grad", 1), ("m", 1), ("v", 2), ("working", 2)):
         assert abs(b[role] - want) < 0.01, f"{role}: {b[role]:.4f} B/param, want {want}"
@@ -626,9 +632,12 @@ def test_bytes_per_param():
 
 
 def test_bytes_per_param_charge_padding():
-    model = nn.Linear(100, 3, bias=False)  # 300 elements, padded to 384 in the flat buffers
-    b = training_state_bytes(list(model.parameters()), FP8AdamW(model.parameters()))
-    assert abs(b["state"] - 6 * 384 / 300) < 0.1, f"padding not charged: {b}"
+    model = nn.Linear(100, 3, bias=False)  # 300 elements, padded to whole (aligned) blocks in the flat buffers
+    opt = FP8AdamW(model.parameters())
+    total = opt._flat[0].layout.total
+    b = training_state_bytes(list(model.parameters()), opt)
+    print(f"300 parameters laid out in {total}: state {b['state']:.3f} B/param")
+    assert total >= 384 and abs(b["state"] - 6 * total / 300) < 0.1, f"padding not charged: {total}, {b}"
 
 
 # -- 10. the trainer's checkpoint helper --------------------------------------------------------------
