@@ -56,12 +56,14 @@ def test_bench_layers_report(cpu_reports):
 def test_merge_then_plan_then_train(cpu_reports, capsys, tmp_path, small_run):
     policy = tmp_path / "policy.json"
     _ok(capsys, ["merge-policy", "--reports", str(cpu_reports / "r1.json"), str(cpu_reports / "r2.json"),
-                 "--output", str(policy), "--speedup-threshold", "1.0"])
+                 "--output", str(policy), "--speedup-threshold", "0.001"])
     p = json.loads(policy.read_text())
     assert p["version"] == 1 and set(p["rules"]) <= {"layernorm_column", "row"}
     assert p["metadata"]["note"].startswith("CPU timings")
-    # CPU bf16 matmuls are slow here, so FP8 "wins" everywhere on this machine: every site has a tp=1 rule
+    # Which precision wins on a CPU depends on its load (timings are not asserted): a threshold of 0.001
+    # makes every measured point pass, so every timed site gets a rule from the smallest token count
     assert {r["tp"] for r in p["rules"]["layernorm_column"]["qkv"]} == {1, 2}
+    assert all(r["min_tokens"] == 128 for r in p["rules"]["layernorm_column"]["qkv"])
     sets = ["--set", "fp8.selective_fp8=true", "--set", f"fp8.fp8_dynamic_policy_path={policy}",
             "--set", "data.seq_length=64", "--set", "train.micro_batch_size=2"]  # 128 tokens
     rows = json.loads(_ok(capsys, ["plan", *TINY, *sets, "--json"]))

@@ -1,19 +1,22 @@
-"""FP8AdamW (fp8kit.optim) against torch.optim.AdamW on small problems, on the CPU.
+"""FP8AdamW (fp8kit.optim) against torch.optim.AdamW on small problems, on the CPU (about 15 s).
 
-Thresholds (each measured on this machine, with the margin stated next to it):
+Thresholds (measured on this machine; the margin is the gap between the two):
 
-- all states fp32 and ``grad="param"``: equal to ``torch.optim.AdamW`` (two groups, LambdaLR) over 100
-  steps within 1e-5 absolute (measured 1.5e-7);
-- paper defaults (fp16 master, e5m2 grad, e4m3 m, fp16 v), MLP regression, 100 steps: parameters' L2
-  distance to AdamW's below 15 % of AdamW's distance travelled (measured 4.4-9.7 % per tensor,
-  4.6-9.3 % per block), every per-step loss within 6 % of AdamW's (measured <= 2.9 %), final loss within 3 %
-  (measured <= 1.5 %); Zipf embedding problem (the per-block case): 12 % (measured 6.8-7.0 % per tensor,
-  6.1-6.2 % per block);
-- the 1-D quadratic of FP8-LM's v ablation (a = logspace(-4, 0, 256)): v in fp16 ends within 2 % of AdamW's
-  loss (measured 0.3 %), v in e4m3 per tensor ends > 100x worse (measured 1100x, 76 of 256 entries of v
-  flushed to zero after the first step);
-- gradient accumulation in FP8 (two roundings) vs one backward: relative L2 gradient error < 0.1 against the
-  exact gradient (measured about 0.04-0.05).
+- all states fp32 and ``grad="param"``: equal to ``torch.optim.AdamW`` (two groups, LambdaLR warmup) over
+  100 steps within 1e-5 absolute (measured 1.5e-7), and with clipping inside the step (measured 4.5e-8);
+- paper defaults (fp16 master, e5m2 grad, e4m3 m, fp16 v), MLP regression, 100 steps, seeds 0 and 1:
+  parameters' L2 distance to AdamW's < 15 % of AdamW's distance travelled (measured 4.4-5.1 % per tensor,
+  4.6 % per block), every step's loss within 6 % (measured <= 2.9 %), final loss within 4 % (<= 1.7 %);
+  each other state precision: < 15 % (3.4-7.8 %), v = e4m3 < 30 % (11-17 %), final loss within 4 % (<= 2.1 %);
+- Zipf-frequency embeddings (where per-block scales should help): < 12 % (measured 6.8-7.0 % per tensor,
+  6.1-6.2 % per block), last-10-step loss within 1 % (<= 0.11 %);
+- FP8-LM's 1-D quadratic (a = logspace(-4, 0, 256), 200 steps, lr 1e-2): v fp16 within 2 % of AdamW's
+  loss (measured 0.3 %), v e4m3 per tensor > 100x worse (measured 1138x; 76 of 256 entries of v flushed to
+  zero after the first step), v e4m3 per 16-element block < 2x (measured 0.81x);
+- E5M2 gradients: < 10 % relative L2 error against the exact gradient for one backward and for two
+  accumulated micro-batches (measured 4.8 % and 6.5 %), < 12 % between the two (7.3 %).
+
+Three tests are strict xfails that document source bugs (see their reasons); they fail once fixed.
 """
 
 from __future__ import annotations
@@ -103,6 +106,29 @@ def test_fp32_states_equal_torch_adamw():
     assert max(abs(a - b) for a, b in zip(loss, ref_loss, strict=True)) < 1e-4
     assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups]
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+
+
+def test_clip_inside_the_step_equals_torch_clip_grad_norm():
+    """``clip_grad_norm_`` (the coefficient applied inside the step) against ``torch.nn.utils.clip_grad_norm_``
+    + AdamW, all states fp32, clipping active on every step (norms 0.3-3 against max_norm 0.1)."""
+    x, y = _regression(0)
+    ref, fp8 = _mlp(0), _mlp(0)
+    ref_opt, opt = torch.optim.AdamW(_groups(ref), **HP), FP8AdamW(_groups(fp8), **HP, precision=FP32)
+    for s in range(20):
+        i = torch.arange(s * 32, (s + 1) * 32) % len(x)
+        for m in (ref, fp8):
+            ((m(x[i]) - y[i]) ** 2).mean().backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 0.1)
+        norm = opt.clip_grad_norm_(0.1)
+        assert abs(norm.item() - ref_norm.item()) < 1e-5 * ref_norm.item(), (s, norm.item(), ref_norm.item())
+        assert ref_norm.item() > 0.1  # the test clips
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+    diff = max((a - b).abs().max().item() for a, b in zip(fp8.parameters(), ref.parameters(), strict=True))
+    print(f"clipped, 20 steps: max |param diff| = {diff:.2e}")
+    assert diff < 1e-5, f"max |param diff| {diff:.2e} >= 1e-5"
 
 
 # -- 2. paper defaults track AdamW --------------------------------------------------------------------
@@ -479,7 +505,7 @@ def test_gradient_accumulation_in_fp8():
     )
     assert norm_err < 0.05, f"grad_norm off by {norm_err:.3%}"
     between = ((dequantized(opt_a) - dequantized(opt_s)).norm() / exact_flat.norm()).item()
-    assert between < 0.1, f"accumulated vs one backward: rel L2 difference {between:.3%} (>= 10%)"
+    assert between < 0.12, f"accumulated vs one backward: rel L2 difference {between:.3%} (>= 12%)"
     w0 = _flat(accum)
     opt_a.step()
     opt_s.step()
@@ -632,7 +658,9 @@ def test_bytes_per_param():
 
 
 def test_bytes_per_param_charge_padding():
-    model = nn.Linear(100, 3, bias=False)  # 300 elements, padded to whole (aligned) blocks in the flat buffers
+    model = nn.Linear(
+        100, 3, bias=False
+    )  # 300 elements, padded to whole (aligned) blocks in the flat buffers
     opt = FP8AdamW(model.parameters())
     total = opt._flat[0].layout.total
     b = training_state_bytes(list(model.parameters()), opt)
