@@ -16,7 +16,8 @@ Thresholds (measured on this machine; the margin is the gap between the two):
 - E5M2 gradients: < 10 % relative L2 error against the exact gradient for one backward and for two
   accumulated micro-batches (measured 4.8 % and 6.5 %), < 12 % between the two (7.3 %).
 
-Three tests are strict xfails that document source bugs (see their reasons); they fail once fixed.
+Three tests pin bugs found while writing them (overflowing squared gradients, __del__ after a failed
+constructor, weights written after construction); they were fixed in the source.
 """
 
 from __future__ import annotations
@@ -35,6 +36,16 @@ from fp8kit.train.checkpoint import MODEL_FILE, load_model_weights, save_model_w
 
 FP32 = FP8AdamWPrecision(master="fp32", grad="param", m="fp32", v="fp32")
 HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tensors of a few thousand elements: intra-op threads only add synchronisation (and stall when
+    another job shares the two cores), so this module runs single-threaded and restores the setting."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 # -- helpers -------------------------------------------------------------------------------------------
@@ -110,7 +121,7 @@ def test_fp32_states_equal_torch_adamw():
 
 def test_clip_inside_the_step_equals_torch_clip_grad_norm():
     """``clip_grad_norm_`` (the coefficient applied inside the step) against ``torch.nn.utils.clip_grad_norm_``
-    + AdamW, all states fp32, clipping active on every step (norms 0.3-3 against max_norm 0.1)."""
+    + AdamW, all states fp32, clipping active on every step (every norm is above max_norm = 0.1)."""
     x, y = _regression(0)
     ref, fp8 = _mlp(0), _mlp(0)
     ref_opt, opt = torch.optim.AdamW(_groups(ref), **HP), FP8AdamW(_groups(fp8), **HP, precision=FP32)
@@ -308,6 +319,8 @@ def test_quadratic_v_e4m3_underflows_fp16_does_not():
         v_ref = (1 - 0.999) * A * A  # fp32 AdamW's v after one step (g = a * x with x = 1)
         flushed[v] = int(((_state(opt, "v")[:256] == 0) & (v_ref > 0)).sum())
     print(f"entries of v flushed to zero after one step: {flushed}")
+    # expected about 75: the a_i < 1.5e-3, whose v_i * scale = 448 (a_i / a_max)^2 is below 2^-10, half of
+    # E4M3's smallest subnormal
     assert flushed["e4m3"] >= 50, f"v e4m3: only {flushed['e4m3']} of 256 entries of v flushed to 0"
     assert flushed["fp16"] == 0, f"v fp16: {flushed['fp16']} entries of v flushed to 0"
 
@@ -403,8 +416,10 @@ def test_all_zero_gradients_only_decay():
     print(f"zero gradients: max |delta - weight decay| = {err:.1e} (|w| <= {w0.abs().max():.2f})")
     _assert_finite_state(opt)
     assert torch.allclose(d_ref, expect, atol=1e-6)
-    # fp16 master: 11 significant bits, so |w| * 2^-11 per rounding (here |w| < 4: 2e-3)
-    assert err < w0.abs().max().item() * 2**-10, (
+    # fp16 master, scaled so the tensor's amax sits at 65504: each store rounds by at most half an ulp,
+    # 2^-12 of amax; five stores (construction and steps 1-4; step 5 writes the fp32 working weights
+    # unrounded) bound the error by 5 * 2^-12 * amax = 4.1e-3 here (measured 7.8e-4)
+    assert err < 5 * 2**-12 * w0.abs().max().item(), (
         f"zero gradients moved parameters beyond weight decay: {err:.1e}"
     )
 
@@ -453,9 +468,6 @@ def test_huge_gradients_give_lr_sized_updates():
     assert err < 0.02 * d_ref.abs().max().item(), f"g = 1e15: deviation {err:.1e} >= 2% of the update"
 
 
-@pytest.mark.xfail(
-    strict=True, reason="source bug: (1e20)^2 overflows float32 in v, amax inf -> scale 0 -> NaN"
-)
 def test_gradients_whose_square_overflows_stay_finite():
     """torch AdamW with |g| ~ 1e20 gets v = inf and a zero update (finite parameters); FP8AdamW stores
     inf * (65504 / inf) = NaN in v and the master (fp8kit/optim/numerics.py new_scale)."""
@@ -600,7 +612,6 @@ def test_replaced_parameter_data_is_refused_at_step():
         opt.step()
 
 
-@pytest.mark.xfail(strict=True, reason="source bug: FP8AdamW.__del__ runs remove_hooks before _hooks exists")
 def test_failed_construction_leaves_no_unraisable_error(monkeypatch):
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", seen.append)
@@ -658,9 +669,8 @@ def test_bytes_per_param():
 
 
 def test_bytes_per_param_charge_padding():
-    model = nn.Linear(
-        100, 3, bias=False
-    )  # 300 elements, padded to whole (aligned) blocks in the flat buffers
+    # 300 elements, padded to whole blocks (and the layout's 8-block alignment) in the flat buffers
+    model = nn.Linear(100, 3, bias=False)
     opt = FP8AdamW(model.parameters())
     total = opt._flat[0].layout.total
     b = training_state_bytes(list(model.parameters()), opt)
@@ -705,9 +715,6 @@ def test_tied_weights_round_trip_through_checkpoint_helper(tmp_path):
     assert torch.equal(fresh[0].weight, model[0].weight) and fresh[1].weight is fresh[0].weight
 
 
-@pytest.mark.xfail(
-    strict=True, reason="source bug: the step reloads the weights from the master made at construction"
-)
 def test_weights_loaded_after_construction_are_the_ones_stepped(tmp_path):
     """Loading weights in place (load_model_weights, load_state_dict, nn.init) after FP8AdamW was built
     keeps the views (check_views passes) but the next step starts from the old master copy."""

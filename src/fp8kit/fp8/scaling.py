@@ -21,6 +21,9 @@ DTYPE_MAX: dict[torch.dtype, float] = {
 }
 #: Default amax floor: below it a tensor counts as zero (scale stays finite).
 AMAX_EPS = 1e-12
+#: Ceiling of amax: an inf amax (e.g. a squared gradient that overflowed) gives a positive scale, so
+#: inf saturates to the format's maximum instead of 0 * inf = NaN.
+F32_MAX = torch.finfo(torch.float32).max
 
 _NAMES = {
     "e4m3": torch.float8_e4m3fn,
@@ -50,7 +53,7 @@ def is_scaled(dtype: torch.dtype) -> bool:
 
 def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, eps: float = AMAX_EPS) -> torch.Tensor:
     """``dtype_max / max(amax, eps)`` in float32 (any shape; one scale per amax entry)."""
-    return DTYPE_MAX[dtype] / amax.float().clamp(min=eps)
+    return DTYPE_MAX[dtype] / amax.float().clamp(min=eps, max=F32_MAX)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -143,6 +143,7 @@ class _FlatGroup:
         self.master, self.master_scale = (None, None) if sr and pdtype == torch.bfloat16 else scaled(master_dtype)
         if self.master is not None:
             spec0 = self._spec(prec, T, None)
+            self._spec_no_master = spec0
             store(self.work.view(-1, L.block).float(), self.master, self.master_scale, L.block_owner, spec0)
         self.m, self.m_scale = scaled(storage_dtype(prec.m, "FP8AdamW m"))
         self.v, self.v_scale = scaled(storage_dtype(prec.v, "FP8AdamW v"))
@@ -160,6 +161,7 @@ class _FlatGroup:
             torch.compile(_own_code(accumulate_gradient), dynamic=True) if compile_step else accumulate_gradient
         )
         self.hp = torch.zeros(7, device=device, dtype=torch.float32)
+        self.work_version = self.param_versions()
 
     @staticmethod
     def _spec(prec: FP8AdamWPrecision, T: int, master_dtype: torch.dtype | None) -> StateSpec:
@@ -186,6 +188,19 @@ class _FlatGroup:
         if self.spec.granularity == "tensor":
             return self.grad_scale[i : i + 1]
         return self.grad_scale[self.layout.block_range(i)]
+
+    def sync_master_if_weights_changed(self) -> None:
+        """Rebuild the master from the working weights if something wrote to the parameters since the
+        optimizer last did (``load_state_dict`` on the model, ``nn.init``, ``copy_``): an in-place write bumps
+        the parameter's version counter; the optimizer's own writes go through ``work`` and bump none."""
+        now = self.param_versions()
+        if self.master is not None and now != self.work_version:
+            store(self.work.view(-1, self.layout.block).float(), self.master, self.master_scale,
+                  self.layout.block_owner, self._spec_no_master)
+        self.work_version = now
+
+    def param_versions(self) -> int:
+        return sum(p._version for p in self.params)
 
     def check_views(self) -> None:
         """Raise if a parameter no longer aliases the flat working buffer (its ``.data`` was replaced)."""
@@ -227,6 +242,7 @@ class FP8AdamW(torch.optim.Optimizer):
         precision: FP8AdamWPrecision | None = None,
         compile: bool | None = None,
     ):
+        self._hooks = []  # first: __del__ runs even when a check below raises
         if not lr >= 0:
             raise ValueError(f"FP8AdamW: lr = {lr} must be >= 0")
         if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
@@ -240,7 +256,6 @@ class FP8AdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._flat: list[_FlatGroup] = []
         self._where: dict[int, tuple[int, int]] = {}
-        self._hooks = []
         self.clip_coef: torch.Tensor | float = 1.0
         self._step_count = 0
         for gi, group in enumerate(self.param_groups):
@@ -254,7 +269,7 @@ class FP8AdamW(torch.optim.Optimizer):
             self._flat.append(fg)
             for ti, p in enumerate(params_g):
                 if id(p) in self._where:
-                    raise ValueError("FP8AdamW: a parameter appears in more than one group")
+                    raise ValueError("FP8AdamW: a parameter appears twice (in one group or in two)")
                 self._where[id(p)] = (gi, ti)
                 if fg.fp8_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(_make_hook(weakref.ref(self))))
@@ -329,6 +344,7 @@ class FP8AdamW(torch.optim.Optimizer):
         self._step_count += 1
         for group, fg in zip(self.param_groups, self._flat, strict=True):
             fg.check_views()
+            fg.sync_master_if_weights_changed()
             self._grads_ready(fg)
             b1, b2 = group["betas"]
             hp = torch.tensor(
@@ -342,6 +358,7 @@ class FP8AdamW(torch.optim.Optimizer):
                 fg.hp, fg.layout.block_owner, fg.spec, **fg.step_kwargs,
             )
             fg.has_grad = [False] * len(fg.has_grad)
+            fg.work_version = fg.param_versions()
         self.clip_coef = 1.0
         return loss
 
@@ -380,6 +397,8 @@ class FP8AdamW(torch.optim.Optimizer):
                 if buf is not None:
                     buf.copy_(src)
         self._step_count = int(state_dict["fp8adamw"]["step"])
+        for fg in self._flat:  # the restored master is authoritative from here
+            fg.work_version = fg.param_versions()
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
 
     def memory_bytes(self) -> dict[str, int]:
@@ -401,9 +420,20 @@ class FP8AdamW(torch.optim.Optimizer):
             out["params"] += sum(fg.layout.numels)
         return out
 
+    def add_param_group(self, param_group: dict) -> None:
+        """Only during construction: the flat layout of a group is fixed when the optimizer is built.
+
+        Raises:
+            ValueError: when called on a built optimizer (build a new FP8AdamW with all groups instead).
+        """
+        if hasattr(self, "_flat"):
+            raise ValueError("FP8AdamW.add_param_group: groups are flattened at construction; "
+                             "build a new FP8AdamW with every group instead")
+        super().add_param_group(param_group)
+
     def remove_hooks(self) -> None:
         """Detach the gradient hooks from the parameters (after which gradients stay in ``param.grad``)."""
-        for h in self._hooks:
+        for h in getattr(self, "_hooks", ()):
             h.remove()
         self._hooks = []
 

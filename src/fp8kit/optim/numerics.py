@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp8kit.fp8.scaling import AMAX_EPS, DTYPE_MAX, is_scaled
+from fp8kit.fp8.scaling import AMAX_EPS, DTYPE_MAX, F32_MAX, is_scaled
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def new_scale(x: torch.Tensor, dtype: torch.dtype, owner: torch.Tensor, spec: St
         amax = torch.zeros(spec.num_tensors, device=x.device, dtype=amax.dtype).scatter_reduce(
             0, owner, amax, reduce="amax", include_self=True
         )
-    return DTYPE_MAX[dtype] / amax.clamp(min=spec.eps)
+    return DTYPE_MAX[dtype] / amax.clamp(min=spec.eps, max=F32_MAX)
 
 
 def store(
@@ -149,7 +149,7 @@ def accumulate_gradient(
     x = x.view(-1, block) if scale.numel() > 1 else x.view(1, -1)
     if accumulate:
         x = x + grad_seg.view(x.shape).float() / scale[:, None]
-    s = DTYPE_MAX[grad_seg.dtype] / x.abs().amax(dim=1).clamp(min=eps)
+    s = DTYPE_MAX[grad_seg.dtype] / x.abs().amax(dim=1).clamp(min=eps, max=F32_MAX)
     m = DTYPE_MAX[grad_seg.dtype]
     grad_seg.copy_((x * s[:, None]).clamp(-m, m).view(-1).to(grad_seg.dtype))
     scale.copy_(s)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8kit.fp8.scaling import DTYPE_MAX
+from fp8kit.fp8.scaling import DTYPE_MAX, F32_MAX
 from fp8kit.optim.numerics import StateSpec
 
 ROWS = 8  # blocks per program
@@ -70,7 +70,7 @@ def _update(grad, gs, m, ms, v, vs, w, ws, offs, srow, hp, M_SCALED: tl.constexp
 @triton.jit
 def _store_scaled(x, ptr, out_s, offs, srow, MAX: tl.constexpr, AMAX_EPS: tl.constexpr, OWN_SCALE: tl.constexpr):
     if OWN_SCALE:  # per-block: this row's amax gives its new scale
-        s = MAX / tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_EPS)
+        s = MAX / tl.minimum(tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_EPS), 3.4028234663852886e38)
         tl.store(out_s + srow, s)
     else:  # per-tensor: the new scale from pass 1's amax
         s = tl.load(out_s + srow)
@@ -148,9 +148,9 @@ def adamw_update_triton(
     if per_tensor:
         amax = torch.zeros(3, spec.num_tensors, device=grad.device, dtype=torch.float32)
         _fp8_adamw_kernel[grid](*args, amax[0], amax[1], amax[2], PASS=1, **consts)
-        new = (DTYPE_MAX.get(m.dtype, 1.0) / amax.clamp(min=spec.eps)).contiguous()
-        new[1] = DTYPE_MAX[v.dtype] / amax[1].clamp(min=spec.eps)
-        new[2] = DTYPE_MAX.get(master.dtype, 1.0) / amax[2].clamp(min=spec.eps)
+        new = (DTYPE_MAX.get(m.dtype, 1.0) / amax.clamp(min=spec.eps, max=F32_MAX)).contiguous()
+        new[1] = DTYPE_MAX[v.dtype] / amax[1].clamp(min=spec.eps, max=F32_MAX)
+        new[2] = DTYPE_MAX.get(master.dtype, 1.0) / amax[2].clamp(min=spec.eps, max=F32_MAX)
         _fp8_adamw_kernel[grid](*args, new[0], new[1], new[2], PASS=2, **consts)
         for s, n in ((m_scale, new[0]), (v_scale, new[1]), (master_scale, new[2])):
             if s is not None:
