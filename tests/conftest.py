@@ -15,8 +15,7 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("fp8kit-cache")
 
 
-@pytest.fixture
-def small_run(cache_dir):
+def small_run_overrides(cache_dir) -> list[str]:
     """--set overrides for a small, real training run on the stdlib corpus (CPU-friendly)."""
     return [
         "model.num_layers=2",
@@ -27,6 +26,12 @@ def small_run(cache_dir):
         "train.log_every=1000",
         "train.eval_batches=4",
     ]
+
+
+@pytest.fixture
+def small_run(cache_dir):
+    """:func:`small_run_overrides` as a fixture."""
+    return small_run_overrides(cache_dir)
 
 
 def tiny_moe_model():

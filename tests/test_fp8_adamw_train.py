@@ -22,6 +22,7 @@ from fp8kit.config import load_config
 from fp8kit.errors import ConfigError
 from fp8kit.train.checkpoint import STATE_FILE
 from fp8kit.train.trainer import train
+from tests.conftest import small_run_overrides
 
 STEPS = 250
 GAP = 0.02  # the issue: FP8AdamW's loss within 2 % of AdamW's
@@ -29,19 +30,6 @@ RUNS = {
     "adamw_fp32": ["optim.name=adamw", "train.param_dtype=fp32"],
     "fp8_adamw": ["optim.name=fp8_adamw"],
 }
-
-
-def _small(cache_dir) -> list[str]:
-    """conftest's ``small_run`` (module scope needs it without the function-scoped fixture)."""
-    return [
-        "model.num_layers=2",
-        "data.seq_length=64",
-        "data.vocab_size=1024",
-        f"data.cache_dir={cache_dir}",
-        "train.micro_batch_size=4",
-        "train.log_every=1000",
-        "train.eval_batches=4",
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +47,8 @@ def runs(cache_dir, tmp_path_factory):
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             res = train(
-                load_config(None, [*_small(cache_dir), *base, *extra]), tmp_path_factory.mktemp(name) / "run"
+                load_config(None, [*small_run_overrides(cache_dir), *base, *extra]),
+                tmp_path_factory.mktemp(name) / "run",
             )
         out[name] = (res, buf.getvalue())
     return out
@@ -121,7 +110,7 @@ def test_state_bytes_per_param_recorded(runs):
 @pytest.mark.slow
 def test_fp8_adamw_resume_is_bit_exact(cache_dir, tmp_path):
     base = [
-        *_small(cache_dir),
+        *small_run_overrides(cache_dir),
         "train.steps=8",
         "train.checkpoint_every=4",
         "train.eval_every=4",

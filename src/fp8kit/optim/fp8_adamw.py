@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from fp8kit.fp8.scaling import AMAX_EPS, storage_dtype
+from fp8kit.fp8.scaling import AMAX_EPS, is_scaled, storage_dtype
 from fp8kit.optim.layout import FlatLayout
-from fp8kit.optim.numerics import StateSpec, accumulate_gradient, adamw_update, load, needs_scale, store
+from fp8kit.optim.numerics import StateSpec, accumulate_gradient, adamw_update, load, store
 
 MASTER_CHOICES = ("fp16", "fp32", "bf16_sr")
 GRAD_CHOICES = ("e5m2", "e4m3", "param")
@@ -135,7 +135,7 @@ class _FlatGroup:
 
         def scaled(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
             data = torch.zeros(L.total, device=device, dtype=dtype)
-            scale = torch.ones(n_scales, device=device, dtype=torch.float32) if needs_scale(dtype) else None
+            scale = torch.ones(n_scales, device=device, dtype=torch.float32) if is_scaled(dtype) else None
             return data, scale
 
         sr = prec.master == "bf16_sr"
@@ -153,9 +153,9 @@ class _FlatGroup:
         else:
             self.grad, self.grad_scale = torch.zeros(L.total, device=device, dtype=torch.float32), None
         self.has_grad = [False] * T
+        self.grads_final = False  # _grads_ready ran since the last step / zero_grad / backward
         self.spec = self._spec(prec, T, master_dtype if self.master is not None else None)
         self.step_fn, self.grad_sq_fn, self.backend = _step_backend(self.spec, self.master, device, compile_step)
-        self.step_kwargs = {"blocks_per_tensor": self.layout.blocks_per_tensor} if self.backend == "triton" else {}
         # the backward hooks' quantization: one compiled graph for every parameter shape
         self.quantize_fn = (
             torch.compile(_own_code(accumulate_gradient), dynamic=True) if compile_step else accumulate_gradient
@@ -284,6 +284,7 @@ class FP8AdamW(torch.optim.Optimizer):
         fg.quantize_fn(seg, fg.grad_scale_slice(ti), p.grad, fg.has_grad[ti], fg.layout.block,
                        self.precision.amax_eps)
         fg.has_grad[ti] = True
+        fg.grads_final = False
         p.grad = None
 
     def _gather_param_grads(self, fg: _FlatGroup) -> None:
@@ -298,6 +299,10 @@ class FP8AdamW(torch.optim.Optimizer):
                 fg.has_grad[i] = True
 
     def _grads_ready(self, fg: _FlatGroup) -> None:
+        """Make the flat gradient final for this step (once: grad_norm and step both need it)."""
+        if fg.grads_final and fg.fp8_grad:  # "param" gradients may change without a hook: always gather
+            return
+        fg.grads_final = True
         if not fg.fp8_grad:
             self._gather_param_grads(fg)
             return
@@ -332,6 +337,7 @@ class FP8AdamW(torch.optim.Optimizer):
         super().zero_grad(set_to_none=set_to_none)
         for fg in self._flat:
             fg.has_grad = [False] * len(fg.has_grad)
+            fg.grads_final = False
 
     # -- step --------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -355,9 +361,10 @@ class FP8AdamW(torch.optim.Optimizer):
                 fg.hp[6:7].copy_(self.clip_coef.reshape(1))
             fg.step_fn(
                 fg.grad, fg.grad_scale, fg.m, fg.m_scale, fg.v, fg.v_scale, fg.master, fg.master_scale, fg.work,
-                fg.hp, fg.layout.block_owner, fg.spec, **fg.step_kwargs,
+                fg.hp, fg.layout.block_owner, fg.spec,
             )
             fg.has_grad = [False] * len(fg.has_grad)
+            fg.grads_final = False
             fg.work_version = fg.param_versions()
         self.clip_coef = 1.0
         return loss

@@ -26,7 +26,6 @@ class FlatLayout:
         total: buffer length.
         block_owner: ``(total // block,)`` int64 tensor, the tensor index owning each block (for
             per-tensor amax: blocks reduce to their owner).
-        blocks_per_tensor: ``(len(numels),)`` int64 tensor, blocks of each tensor (segment lengths).
     """
 
     block: int
@@ -35,7 +34,6 @@ class FlatLayout:
     padded: list[int]
     total: int
     block_owner: torch.Tensor
-    blocks_per_tensor: torch.Tensor
 
     @classmethod
     def build(cls, numels: list[int], block: int, device: torch.device, align_blocks: int = 8) -> FlatLayout:
@@ -59,8 +57,7 @@ class FlatLayout:
         owner = torch.repeat_interleave(
             torch.arange(len(numels), dtype=torch.int64), torch.tensor([p // block for p in padded])
         )
-        return cls(block, list(numels), offsets, padded, pos, owner.to(device),
-                   torch.tensor([p // block for p in padded], dtype=torch.int64, device=device))
+        return cls(block, list(numels), offsets, padded, pos, owner.to(device))
 
     @property
     def num_blocks(self) -> int:

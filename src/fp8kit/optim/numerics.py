@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp8kit.fp8.scaling import AMAX_EPS, DTYPE_MAX, F32_MAX, is_scaled
+from fp8kit.fp8.scaling import AMAX_EPS, DTYPE_MAX, F32_MAX
 
 
 @dataclass(frozen=True)
@@ -153,8 +153,3 @@ def accumulate_gradient(
     m = DTYPE_MAX[grad_seg.dtype]
     grad_seg.copy_((x * s[:, None]).clamp(-m, m).view(-1).to(grad_seg.dtype))
     scale.copy_(s)
-
-
-def needs_scale(dtype: torch.dtype) -> bool:
-    """FP8 and FP16 states carry scales; bf16 and fp32 states are stored as they are."""
-    return is_scaled(dtype)

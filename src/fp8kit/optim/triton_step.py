@@ -123,8 +123,7 @@ def _fp8_adamw_kernel(
 
 
 def adamw_update_triton(
-    grad, grad_scale, m, m_scale, v, v_scale, master, master_scale, work, hp, owner, spec: StateSpec,
-    blocks_per_tensor: torch.Tensor | None = None,
+    grad, grad_scale, m, m_scale, v, v_scale, master, master_scale, work, hp, owner, spec: StateSpec
 ) -> None:
     """Same contract as :func:`fp8kit.optim.numerics.adamw_update` (in place), on CUDA tensors.
 
