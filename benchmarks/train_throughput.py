@@ -48,6 +48,10 @@ WORKLOADS = {
     # adaptive FP8, case (b): 8B layer shapes at seq 8192, where FP8 wins on the MLP
     "llama3-8b-seq8192": ["model.preset=llama3-8b", "model.num_layers=8", "data.seq_length=8192",
                           "train.micro_batch_size=1"],
+    # MoE issue: Qwen3-30B-A3B layer shapes (128 experts, 8 per token), 4 layers; 16384 tokens per step
+    # = 131072 routed pairs = 1024 per expert
+    "qwen3-30b-a3b-seq4096": ["model.preset=qwen3-30b-a3b", "model.num_layers=4", "data.seq_length=4096",
+                              "train.micro_batch_size=4"],
 }
 
 

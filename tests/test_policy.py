@@ -185,11 +185,15 @@ def test_decision_table_dense_moe_topk_and_explicit_tokens():
     o = d["model.layers.0.self_attn.o_proj"]
     assert not o.is_fp8 and o.reason == "no rule for proj tp=1 -> bf16"
     ex = d["model.layers.0.mlp.experts.gate_up_proj"]
-    assert (ex.site.module_kind, ex.num_gemms, ex.rule) == ("column_grouped", 8, "expert")  # static rule first
+    # 8 local experts: no rule for num_gemms=8 -> bf16
+    assert (ex.site.module_kind, ex.num_gemms, ex.rule, ex.is_fp8) == ("column_grouped", 8, "policy", False), ex
     assert not run(2048)["model.layers.1.self_attn.k_proj"].is_fp8
     d2 = run(2048, tp=2, ep=2)
     assert d2["model.layers.1.self_attn.k_proj"].reason == "no rule for qkv tp=2 -> bf16"
     assert d2["model.layers.0.mlp.experts.down_proj"].num_gemms == 4  # 8 experts over ep=2
+    # ep=2 -> num_gemms=4: the rule applies to the tokens x topk pairs (2048 x 2 = 4096 >= 4000)
+    up = d2["model.layers.0.mlp.experts.gate_up_proj"]
+    assert up.is_fp8 and up.recipe == "rowwise" and "2048x2=4096" in up.reason, up
     # the grouped lookup itself: 2048 tokens x topk 2 = 4096 >= 4000
     v = policy.decide("column_grouped", "fc1", num_tokens=2048, etp=1, num_gemms=4, topk=2)
     assert v.use_fp8 and "2048x2=4096" in v.reason

@@ -118,13 +118,14 @@ def test_dims_divisible_by_16_and_heads():
     assert d["embed"].rule == "embedding"
 
 
-def test_moe_router_and_experts_stay_bf16():
-    """Qwen3-MoE (transformers v5 fused 3-D experts): routers and experts are never Float8Linear."""
+def test_moe_router_stays_bf16_and_experts_go_grouped_fp8():
+    """Qwen3-MoE (transformers v5 fused 3-D experts): routers stay BF16; the 3-D expert weights are FP8
+    grouped-GEMM sites (rowwise, whatever the dense recipe)."""
     model, _ = tiny_moe_model()
     d = _decisions(model)
     experts = [v for v in d.values() if v.site.role == "expert"]
     assert {v.site.module_kind for v in experts} == {"column_grouped", "row_grouped"}
-    assert all(v.site.num_gemms == 8 and not v.is_fp8 and v.rule == "expert" for v in experts)
+    assert all(v.site.num_gemms == 8 and v.is_fp8 and v.rule == "grouped" and v.recipe == "rowwise" for v in experts)
     gate_up = d["model.layers.0.mlp.experts.gate_up_proj"].site
     assert (gate_up.in_features, gate_up.out_features, gate_up.ub_name) == (256, 256, "fc1")
     routers = [v for v in d.values() if v.site.role == "router"]
@@ -153,5 +154,5 @@ def test_mla_projections_use_the_seed_vocabulary():
     assert d[attn + "q_b_proj"].site.ub_name == "q_up_proj" and d[attn + "o_proj"].site.ub_name == "proj"
     assert d["model.layers.0.mlp.down_proj"].is_fp8  # first_k_dense_replace: layer 0 is a dense MLP
     experts = [v for v in d.values() if v.site.role == "expert"]
-    assert experts and all(not v.is_fp8 for v in experts)
+    assert experts and all(v.is_fp8 and v.site.is_grouped_weight for v in experts)
     assert any(v.site.role == "router" for v in d.values())

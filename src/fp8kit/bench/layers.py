@@ -8,7 +8,15 @@ turns reports into a policy.
 
 Modules are compiled (``torch.compile``, the token dimension marked dynamic so one compilation serves
 the whole sweep), as ``train.compile`` compiles them in training; on the CPU they run eagerly unless
-asked. Three ways to run:
+asked.
+
+Grouped (MoE expert) sites time the expert GEMMs as training runs them (``fp8kit.moe``): BF16 through
+``torch._grouped_mm`` on the unpadded rows, FP8 through the FP8 grouped GEMM on rows padded to 16 per
+expert (its quantization compiled). Their token count is the number of routed (token, expert) pairs,
+``tokens x moe_router_topk`` (the unit of the seed's grouped ``min_tokens``), split evenly over the
+``num_gemms`` local experts.
+
+Three ways to run:
 
 - one device, ``--tp 1``: the layer as it runs on one GPU;
 - ``--tp N --simulate-tp`` on one device: the per-rank shard shapes, no communication (the report
@@ -32,6 +40,7 @@ from fp8kit.config import RunConfig
 from fp8kit.errors import ConfigError
 from fp8kit.fp8.backend import torchao_float8
 from fp8kit.fp8.recipes import float8_linear_config
+from fp8kit.moe.grouped_mm import GroupedGemmConfig, bf16_grouped_mm, fp8_grouped_mm, resolve_backend
 
 PRECISIONS = ("bf16", "fp8")
 CPU_NOTE = "CPU timings: for testing the workflow only; not meant for a GPU policy"
@@ -162,6 +171,49 @@ class _Timer:
         return time_ms(step, device=self.device, warmup=self.args.warmup, iters=self.args.iters, before=reset)
 
 
+def balanced_offs(rows: int, experts: int, align: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """``(offs (E,) int32, total rows)`` for ``rows`` pairs split evenly over ``experts``, each group padded
+    to a multiple of ``align`` rows (``align = 1``: no padding)."""
+    base, extra = divmod(rows, experts)
+    sizes = torch.tensor([base + (e < extra) for e in range(experts)], dtype=torch.long)
+    sizes = (sizes + align - 1) // align * align
+    offs = sizes.cumsum(0).to(torch.int32).to(device)
+    return offs, int(sizes.sum())
+
+
+class _GroupedTimer:
+    """Times the expert GEMMs of a grouped site (forward + backward) at a number of routed pairs."""
+
+    def __init__(self, site: BenchSite, precision: str, args: BenchLayersArgs, device: torch.device):
+        self.site, self.device, self.args, self.precision = site, device, args, precision
+        torch.manual_seed(0)
+        e = site.num_gemms
+        self.weights = [(torch.randn(e, n, k, device=device) * k ** -0.5).to(torch.bfloat16).requires_grad_()
+                        for k, n in site.gemms]
+        self.backend = resolve_backend(GroupedGemmConfig(), device) if precision == "fp8" else None
+
+    def __call__(self, num_pairs: int) -> float:
+        e, k = self.site.num_gemms, self.site.gemms[0][0]
+        fp8 = self.precision == "fp8"
+        offs, rows = balanced_offs(num_pairs, e, 16 if fp8 else 1, self.device)
+        x = torch.randn(rows, k, device=self.device, dtype=torch.bfloat16, requires_grad=True)
+        grads = [torch.randn(rows, n, device=self.device, dtype=torch.bfloat16) for _, n in self.site.gemms]
+
+        def reset() -> None:
+            x.grad = None
+            for w in self.weights:
+                w.grad = None
+
+        def step() -> None:
+            if fp8:
+                outs = [fp8_grouped_mm(x, w, offs, self.backend) for w in self.weights]
+            else:
+                outs = [bf16_grouped_mm(x, w, offs) for w in self.weights]
+            torch.autograd.backward(outs, grads)
+
+        return time_ms(step, device=self.device, warmup=self.args.warmup, iters=self.args.iters, before=reset)
+
+
 def _compile(args: BenchLayersArgs, device: torch.device) -> bool:
     return args.compile if args.compile is not None else device.type == "cuda"
 
@@ -208,10 +260,12 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
         mesh, device = init_tp_mesh(args.tp, device)
     sweep = args.shape_sweep or auto_sweep(32768)
     sites, notes = layer_sites(args.config.model, args.config.data.vocab_size, tp=args.tp, ep=args.ep, etp=args.etp)
-    timed = [s for s in sites if not s.is_grouped]
-    for s in sites:
-        if s.is_grouped:
-            notes.append(f"{s.name} ({s.module_kind}): grouped-GEMM experts have no FP8 path in this version; not timed")
+    timed = sites
+    topk = _topk(args.config)
+    if any(s.is_grouped for s in sites) and (real_tp or args.etp > 1 and not args.simulate_tp):
+        timed = [s for s in sites if not s.is_grouped]
+        notes.append("grouped sites: real expert / expert-tensor parallelism is not timed by this version "
+                     "(use --simulate-tp for the per-rank shapes); not timed")
     measurements = []
     total = len(timed) * len(sweep) * len(args.precisions)
     show = rank == 0
@@ -221,9 +275,10 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
         task = progress.add_task("bench", total=total, info="")
         for site in timed:
             for precision in args.precisions:
-                timer = _Timer(site, precision, args, device, mesh)
+                timer = (_GroupedTimer(site, precision, args, device) if site.is_grouped
+                         else _Timer(site, precision, args, device, mesh))
                 for seq, mbs in sweep:
-                    tokens = seq * mbs
+                    tokens = seq * mbs * (topk if site.is_grouped else 1)
                     progress.update(task, info=f"{site.name} {precision} {tokens} tokens")
                     err = None
                     try:
@@ -242,6 +297,7 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
                         "ub_name": site.ub_name, "tp": args.tp if not site.is_grouped else None,
                         "etp": site.etp, "num_gemms": site.num_gemms, "num_tokens": tokens,
                         "seq_length": seq, "micro_batch_size": mbs, "precision": precision, "ms": ms,
+                        "topk": topk if site.is_grouped else None,
                         "tflops": (site.flops(tokens) / (ms * 1e-3) / 1e12) if ms else None,
                     }
                     if err:
@@ -258,6 +314,7 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
         "versions": versions(),
         "recipe": args.recipe,
         "model": args.config.model.hf_config or args.config.model.preset,
+        "moe_router_topk": topk,
         "tp": args.tp, "ep": args.ep, "etp": args.etp,
         "simulated_tp": bool(args.tp > 1 and args.simulate_tp),
         "world_size": world,
@@ -273,6 +330,13 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
     if device.type == "cpu":
         report["note"] = CPU_NOTE
     return report
+
+
+def _topk(cfg: RunConfig) -> int:
+    from fp8kit.fp8.options import moe_topk
+    from fp8kit.models.build import build_hf_config
+
+    return moe_topk(build_hf_config(cfg.model, cfg.data.vocab_size))
 
 
 def speedup_table(report: dict) -> list[tuple[str, int, float | None, float | None, float | None]]:

@@ -23,6 +23,9 @@ from fp8kit.fp8.policy import Policy
 from fp8kit.fp8.rules import StaticRules
 from fp8kit.fp8.sites import Site
 
+#: The recipe of every FP8 grouped expert weight (``fp8kit.moe``): rowwise E4M3 in all three GEMMs.
+GROUPED_RECIPE = "rowwise"
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -34,7 +37,8 @@ class Decision:
         rule: short id of the rule that decided (``linear``, ``head``, ``dims%16``, ``exclude``,
             ``mixed_precision``, ``policy``, ...).
         reason: one sentence for the conversion report.
-        recipe: the FP8 recipe (``None`` for BF16 sites).
+        recipe: the FP8 recipe (``None`` for BF16 sites); grouped expert weights always run
+            :data:`GROUPED_RECIPE` (the only scaling ``torch._scaled_grouped_mm`` takes on Hopper).
         tp / etp: the parallel sizes the decision used.
         num_gemms: local experts per rank for grouped sites (``num_experts / ep``), else None.
         num_tokens: the component's token count (``seq_length x micro_batch_size`` or explicit).
@@ -116,6 +120,7 @@ def decide(sites: list[Site], options: DecideOptions) -> list[Decision]:
     rules = StaticRules.from_lists(list(options.include), list(options.exclude))
     out: list[Decision] = []
     for site in sites:
+        recipe = GROUPED_RECIPE if site.is_grouped_weight else options.recipe
         num_gemms = None
         if site.num_gemms is not None:
             if site.num_gemms % options.ep:
@@ -143,9 +148,9 @@ def decide(sites: list[Site], options: DecideOptions) -> list[Decision]:
             pv = policy.decide(site.module_kind, site.ub_name, num_tokens=tokens, tp=options.tp, etp=options.etp,
                                num_gemms=num_gemms, topk=options.selective.topk)
             out.append(Decision(site, "fp8" if pv.use_fp8 else "bf16", "policy", pv.reason,
-                                options.recipe if pv.use_fp8 else None, **ctx))
+                                recipe if pv.use_fp8 else None, **ctx))
             continue
-        out.append(Decision(site, "fp8", verdict.rule, verdict.reason, options.recipe, **ctx))
+        out.append(Decision(site, "fp8", verdict.rule, verdict.reason, recipe, **ctx))
     return out
 
 

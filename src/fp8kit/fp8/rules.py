@@ -7,9 +7,12 @@ first that applies giving the reason:
 1. embeddings are not linear layers;
 2. output heads (``lm_head`` / ``output`` / ``classifier`` ...) stay BF16 for accuracy;
 3. MoE routers / gates stay BF16 (output dim = number of experts: tiny, and routing-critical);
-4. MoE experts stay BF16 here (their FP8 path is grouped GEMM, not ``Float8Linear``);
+4. MoE experts: the 3-D expert weights of transformers v5 (``gate_up_proj`` / ``down_proj``) are
+   candidates for the FP8 grouped GEMM (``fp8kit.moe``) when K and N are divisible by 16; experts
+   built as one ``nn.Linear`` per expert stay BF16 (no grouped layout to run);
 5. the weight must be 2-D;
-6. in_features and out_features must be divisible by 16 (``torch._scaled_mm`` needs it);
+6. in_features and out_features must be divisible by 16 (``torch._scaled_mm`` and
+   ``torch._scaled_grouped_mm`` need it);
 7. ``fp8.exclude`` patterns; 8. ``fp8.include`` patterns (when any are given).
 
 Patterns match whole dotted name parts (``fp8/patterns.py``). A site that passes every rule is an FP8
@@ -52,9 +55,9 @@ class StaticRules:
             return StaticVerdict(False, "head", "output head: kept in BF16 for accuracy")
         if site.role == "router":
             return StaticVerdict(False, "router", "MoE router: tiny output dim, routing stays in BF16")
-        if site.role == "expert":
-            return StaticVerdict(False, "expert", "MoE expert: grouped-GEMM experts are not converted")
-        if len(site.weight_shape) != 2:
+        if site.role == "expert" and not site.is_grouped_weight:
+            return StaticVerdict(False, "expert-linear", "MoE expert built of per-expert nn.Linear: no grouped layout")
+        if len(site.weight_shape) != (3 if site.is_grouped_weight else 2):
             return StaticVerdict(False, "not-2d", f"weight is {len(site.weight_shape)}-D, not 2-D")
         k, n = site.in_features, site.out_features
         if k is None or n is None or k % 16 or n % 16:
@@ -69,4 +72,6 @@ class StaticRules:
             if hit is None:
                 return StaticVerdict(False, "include", "matches no fp8.include pattern")
             return StaticVerdict(True, "include", f"matches fp8.include {hit.text!r}")
+        if site.is_grouped_weight:
+            return StaticVerdict(True, "grouped", "MoE expert weights with dims divisible by 16: FP8 grouped GEMM")
         return StaticVerdict(True, "linear", "linear layer with dims divisible by 16")

@@ -6,7 +6,8 @@ The convention is FP8-LM's (Peng et al. 2023, arXiv:2310.18313, section 2; the s
 The ``eps`` floor on amax (the seeds' ``FP8_QUANT_*_AMAX_EPS`` idea) keeps all-zero and tiny tensors
 from producing an inf or NaN scale: an all-zero tensor gets ``scale = dtype_max / eps`` and quantizes to
 zeros. Used by the FP8 optimizer (``fp8kit.optim``) and the FP8 gradient all-reduce
-(``fp8kit.distributed``); FP8 matmuls use torchao's own casts.
+(``fp8kit.distributed``) and the FP8 grouped GEMM of MoE experts (``fp8kit.moe``); dense FP8 matmuls
+use torchao's own casts.
 """
 
 from __future__ import annotations
@@ -54,6 +55,15 @@ def is_scaled(dtype: torch.dtype) -> bool:
 def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, eps: float = AMAX_EPS) -> torch.Tensor:
     """``dtype_max / max(amax, eps)`` in float32 (any shape; one scale per amax entry)."""
     return DTYPE_MAX[dtype] / amax.float().clamp(min=eps, max=F32_MAX)
+
+
+def round_scale_pow2(scale: torch.Tensor) -> torch.Tensor:
+    """Round scales down to a power of two (``2 ** floor(log2(scale))``), as torchao's rowwise recipes do.
+
+    A power-of-two scale makes ``x * scale`` and the dequantization ``data / scale`` exact in float32,
+    and rounding down never pushes the amax past the format's maximum.
+    """
+    return torch.exp2(torch.floor(torch.log2(scale)))
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -121,6 +121,16 @@ class Site:
     def is_grouped(self) -> bool:
         return self.module_kind in GROUPED_KINDS
 
+    @property
+    def is_grouped_weight(self) -> bool:
+        """A 3-D expert weight (transformers v5 fused experts): the FP8 grouped-GEMM path applies."""
+        return self.is_grouped and len(self.weight_shape) == 3
+
+    @property
+    def module_fqn(self) -> str:
+        """The FQN of the module holding the weight (for a 3-D expert weight, without the parameter name)."""
+        return self.fqn.rpartition(".")[0] if self.is_grouped_weight else self.fqn
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["weight_shape"] = list(self.weight_shape)

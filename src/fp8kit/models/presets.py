@@ -10,6 +10,13 @@ Shapes are copied from the published ``config.json`` of each model:
 - ``llama3-1b``: meta-llama/Llama-3.2-1B
 - ``llama3-8b``: meta-llama/Llama-3.1-8B
 - ``qwen2.5-72b``: Qwen/Qwen2.5-72B
+- ``qwen3-30b-a3b``: Qwen/Qwen3-30B-A3B (MoE: 128 experts, 8 per token)
+- ``deepseek-v3``: deepseek-ai/DeepSeek-V3 (MoE: 256 routed + 1 shared expert, 8 per token; MLA attention;
+  rope scaling left at the default, which does not change any shape)
+
+MoE presets use transformers v5's fused 3-D experts (``gate_up_proj`` / ``down_proj``), the layout the
+FP8 grouped GEMM (``fp8kit.moe``) converts. ``model.num_layers`` cuts the depth to fit one GPU; note
+that one DeepSeek-V3 MoE layer alone holds 11.3B parameters.
 """
 
 from __future__ import annotations
@@ -91,6 +98,68 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "use_sliding_window": False,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    # A Qwen3-MoE of about 6M parameters (8 experts of width 128, 2 per token): trains on a CPU in
+    # minutes with its experts in FP8 (emulated grouped GEMM on the CPU). Every dim is a multiple of 16.
+    "tiny-moe": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    "deepseek-v3": {
+        "model_type": "deepseek_v3",
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "first_k_dense_replace": 3,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "max_position_embeddings": 163840,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     },
 }
 

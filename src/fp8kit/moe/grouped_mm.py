@@ -1,0 +1,246 @@
+"""FP8 grouped GEMM with BF16 master weights: ``y[g] = x[g] @ W[e]^T`` for every expert group, in E4M3.
+
+:func:`fp8_grouped_mm` is differentiable. Its three GEMMs (fprop, dgrad, wgrad) each quantize their
+operands rowwise (``moe/quantize.py``) and run one grouped GEMM through a *backend*:
+
+``torchao``            torchao's ``_to_fp8_rowwise_then_scaled_grouped_mm``: the same
+                       ``torch._scaled_grouped_mm`` GEMMs with torchao's fused Triton quantization
+                       kernels. The default on Hopper: measured 2-4x faster than ours end to end
+                       (``benchmarks/grouped_gemm.py``, docs/benchmarks.md section 4).
+``scaled_grouped_mm``  ``torch._scaled_grouped_mm`` (CUTLASS, Hopper SM90) with fp8kit's own
+                       quantization (``moe/quantize.py``, compiled): the reference CUDA path, the
+                       same numerics as the emulation; slower (its per-group scales use a scatter).
+``emulated``           the same quantized operands, dequantized to float32 and multiplied group by
+                       group (``torch._scaled_grouped_mm`` has no CPU kernel); numerically the FP8
+                       path up to float32 accumulation order, with no speed-up.
+
+Group layout (all backends): ``offs`` (E,) int32 holds the cumulative end row of each expert's
+group; groups must start on multiples of 16 rows (``moe/routing.py`` pads them), because the wgrad
+GEMM groups along K. Rows past ``offs[-1]`` are not computed: the CUDA kernels leave them unwritten,
+the emulation writes zeros; nothing downstream may read them.
+
+Sources: torchao ``prototype/moe_training/fp8_grouped_mm.py`` (the operand layouts and the per-group
+wgrad scales), PyTorch ``torch._scaled_grouped_mm`` (``aten/src/ATen/native/cuda/GroupedBlas.cpp``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fp8kit.errors import CapabilityError, ConfigError
+from fp8kit.moe import quantize as q
+
+BACKENDS = ("auto", "scaled_grouped_mm", "torchao", "emulated")
+ALIGN = 16  # rows per group alignment the FP8 grouped GEMM needs (wgrad groups along K)
+
+
+@dataclass(frozen=True)
+class GroupedGemmConfig:
+    """How FP8 grouped GEMMs run.
+
+    Attributes:
+        backend: one of :data:`BACKENDS`; ``auto`` = ``torchao`` on a Hopper GPU (``scaled_grouped_mm``
+            if torchao's MoE kernels cannot be imported), ``emulated`` on the CPU (see :func:`resolve_backend`).
+        compile_quantize: ``torch.compile`` the quantization functions on CUDA (fuses amax, scale and
+            cast into one or two kernels per operand).
+        emulate: allow the emulation on a CUDA GPU without an FP8 grouped kernel (``fp8.emulate``).
+    """
+
+    backend: str = "auto"
+    compile_quantize: bool = True
+    emulate: bool = False
+
+
+def grouped_fp8_support(device: torch.device) -> tuple[bool, str]:
+    """Whether ``torch._scaled_grouped_mm`` runs on ``device`` (CUDA compute capability 9.x), and why not."""
+    if device.type != "cuda":
+        return False, f"torch._scaled_grouped_mm has no {device.type.upper()} kernel"
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return False, f"torch {torch.__version__} has no torch._scaled_grouped_mm"
+    cap = torch.cuda.get_device_capability(device)
+    if cap[0] != 9:
+        return False, (f"torch._scaled_grouped_mm (rowwise FP8) needs a Hopper GPU (compute capability 9.x); "
+                       f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}")
+    return True, "torch._scaled_grouped_mm on Hopper"
+
+
+def resolve_backend(config: GroupedGemmConfig, device: torch.device) -> str:
+    """The backend that runs on ``device``.
+
+    ``auto`` picks ``torchao`` where the kernel runs (falling back, with a warning, to
+    ``scaled_grouped_mm`` when torchao's MoE kernels cannot be imported) and ``emulated`` on the CPU
+    (where FP8 runs in software anyway). On a CUDA GPU without the kernel, emulation must be asked for
+    (``fp8.emulate``).
+
+    Raises:
+        ConfigError: an unknown backend name.
+        CapabilityError: a CUDA backend on a device that cannot run it, or an emulation on a GPU that was
+            not asked for.
+    """
+    if config.backend not in BACKENDS:
+        raise ConfigError(f"FP8 grouped GEMM: unknown backend {config.backend!r}; choose one of {', '.join(BACKENDS)}")
+    ok, reason = grouped_fp8_support(device)
+    if config.backend == "auto":
+        if ok:
+            if _torchao_grouped() is not None:
+                return "torchao"
+            warnings.warn("fp8kit: torchao's FP8 grouped-GEMM kernels cannot be imported; MoE experts use "
+                          "fp8kit's slower scaled_grouped_mm path", stacklevel=2)
+            return "scaled_grouped_mm"
+        if device.type == "cpu" or config.emulate:
+            return "emulated"
+        raise CapabilityError(
+            f"FP8 MoE experts: {reason}. Fix: fp8.emulate = true (FP8 numerics, no speed-up), or keep the "
+            f"experts in BF16 with fp8.exclude = [\"experts\"]"
+        )
+    if config.backend in ("scaled_grouped_mm", "torchao") and not ok:
+        raise CapabilityError(f"FP8 grouped GEMM backend {config.backend!r}: {reason}")
+    if config.backend == "torchao" and _torchao_grouped() is None:
+        raise CapabilityError("FP8 grouped GEMM backend 'torchao': torchao.prototype.moe_training cannot be imported")
+    return config.backend
+
+
+def _torchao_grouped() -> Callable | None:
+    """torchao's differentiable FP8 rowwise grouped GEMM, or None when it cannot be imported."""
+    try:
+        from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
+    except Exception:  # noqa: BLE001 - any import failure means: not available here
+        return None
+    return _to_fp8_rowwise_then_scaled_grouped_mm
+
+
+def emulated_scaled_grouped_mm(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, offs: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``torch._scaled_grouped_mm`` semantics in float32 on any device (2d x 3d and 2d x 2d).
+
+    2d x 3d: ``a`` (P, K), ``b`` (E, K, N), ``scale_a`` (P,), ``scale_b`` (E, N) -> (P, N), rows grouped by ``offs``.
+    2d x 2d: ``a`` (N, P), ``b`` (P, K), ``scale_a`` (E*N,), ``scale_b`` (E*K,) -> (E, N, K), the shared P
+    dim grouped by ``offs``. Rows (2d x 3d) past ``offs[-1]`` are zero.
+    """
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    if b.dim() == 3:
+        out = torch.zeros(a.shape[0], b.shape[-1], dtype=torch.float32, device=a.device)
+        for e, (s, t) in enumerate(zip(starts, ends, strict=True)):
+            if t > s:
+                out[s:t] = (a[s:t].float() * scale_a[s:t, None]) @ (b[e].float() * scale_b[e][None, :])
+        return out.to(out_dtype)
+    n, k, num = a.shape[0], b.shape[1], len(ends)
+    out = torch.zeros(num, n, k, dtype=torch.float32, device=a.device)
+    for e, (s, t) in enumerate(zip(starts, ends, strict=True)):
+        if t > s:
+            out[e] = (a[:, s:t].float() * scale_a[e * n:(e + 1) * n, None]) @ (
+                b[s:t].float() * scale_b[e * k:(e + 1) * k][None, :])
+    return out.to(out_dtype)
+
+
+def _cuda_scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype):
+    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=out_dtype, use_fast_accum=True)
+
+
+_COMPILED: dict[str, tuple[Callable, ...]] = {}
+
+
+def _quantizers(compiled: bool) -> tuple[Callable, ...]:
+    """The three quantization functions, compiled on first use when asked (eager under an outer
+    ``torch.compile``, which traces and fuses them itself)."""
+    fns = (q.quantize_rows, q.quantize_experts, q.quantize_group_cols)
+    if not compiled or torch.compiler.is_compiling():
+        return fns
+    if "fns" not in _COMPILED:
+        # dynamic=None: static first, one dynamic recompile when a second shape comes (a model's layers
+        # share shapes; benchmarks sweep them).
+        _COMPILED["fns"] = tuple(torch.compile(f) for f in fns)
+    return _COMPILED["fns"]
+
+
+class _FP8GroupedMM(torch.autograd.Function):
+    """fprop / dgrad / wgrad of ``x @ W[e]^T`` in FP8 (module docstring); saves ``x`` and ``W`` in their dtype."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs, gemm, compiled, out_dtype):
+        rows, experts, cols = _quantizers(compiled)
+        xq, xs = rows(x)
+        wq, ws = experts(w, -1)
+        ctx.save_for_backward(x, w, offs)
+        ctx.gemm, ctx.compiled, ctx.out_dtype = gemm, compiled, out_dtype
+        return gemm(xq, wq, xs, ws, offs, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w, offs = ctx.saved_tensors
+        rows, experts, cols = _quantizers(ctx.compiled)
+        g = grad_out.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            gq, gs = rows(g)
+            wq, ws = experts(w, -2)
+            dx = ctx.gemm(gq, wq, gs, ws, offs, ctx.out_dtype).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            gid = q.group_ids(offs, x.shape[0])
+            gtq, gts = cols(g, gid, w.shape[0], transposed=True)
+            xq, xs = cols(x, gid, w.shape[0], transposed=False)
+            dw = ctx.gemm(gtq, xq, gts, xs, offs, ctx.out_dtype).to(w.dtype)
+        return dx, dw, None, None, None, None
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> None:
+    if x.dim() != 2 or w.dim() != 3 or offs.dim() != 1:
+        raise ValueError(f"fp8_grouped_mm: need x (P, K), w (E, N, K), offs (E,); got {tuple(x.shape)}, "
+                         f"{tuple(w.shape)}, {tuple(offs.shape)}")
+    if x.shape[1] != w.shape[2] or offs.shape[0] != w.shape[0]:
+        raise ValueError(f"fp8_grouped_mm: x {tuple(x.shape)}, w {tuple(w.shape)} and offs {tuple(offs.shape)} "
+                         f"do not match (x.shape[1] == w.shape[2], len(offs) == w.shape[0])")
+    if w.shape[1] % 16 or w.shape[2] % 16 or x.shape[0] % ALIGN:
+        raise ValueError(f"fp8_grouped_mm: N={w.shape[1]}, K={w.shape[2]} and the padded rows P={x.shape[0]} "
+                         f"must be multiples of 16")
+    if offs.dtype != torch.int32:
+        raise ValueError(f"fp8_grouped_mm: offs must be int32, got {offs.dtype}")
+
+
+def fp8_grouped_mm(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, backend: str, *, compile_quantize: bool = True
+) -> torch.Tensor:
+    """Differentiable FP8 grouped GEMM ``out[rows of group e] = x[rows] @ w[e]^T``.
+
+    Args:
+        x: (P, K) bf16 or float32 activations, rows grouped by expert, each group starting on a multiple
+            of 16 rows (see ``moe/routing.py``); P a multiple of 16.
+        w: (E, N, K) expert weights (the HF v5 layout of ``gate_up_proj`` / ``down_proj``), any float
+            dtype; its gradient comes back in its own dtype (BF16 master weights).
+        offs: (E,) int32 cumulative end rows of the groups (non-decreasing; equal ends = empty expert).
+        backend: a resolved backend (:func:`resolve_backend`), not ``auto``.
+        compile_quantize: compile the quantization functions (CUDA backends only).
+
+    Returns:
+        (P, N) in bf16 on CUDA (the kernel's output dtype), in ``x.dtype`` when emulated; rows past
+        ``offs[-1]`` are not defined on CUDA.
+
+    Raises:
+        ValueError: shapes, dtypes or alignment that the kernel cannot take (message names them).
+    """
+    _check(x, w, offs)
+    if backend == "torchao":
+        return _torchao_grouped()(
+            x.to(torch.bfloat16), w.to(torch.bfloat16).transpose(-2, -1), offs, torch.bfloat16,
+            pad_token_groups_for_grouped_mm=False,
+        )
+    if backend == "scaled_grouped_mm":
+        return _FP8GroupedMM.apply(x, w, offs, _cuda_scaled_grouped_mm, compile_quantize, torch.bfloat16)
+    if backend == "emulated":
+        return _FP8GroupedMM.apply(x, w, offs, emulated_scaled_grouped_mm, False, x.dtype)
+    raise ValueError(f"fp8_grouped_mm: backend must be resolved first (scaled_grouped_mm, torchao, emulated), got {backend!r}")
+
+
+def bf16_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The BF16 grouped GEMM ``x @ w[e]^T`` (``torch._grouped_mm``, differentiable), for experts left in BF16.
+
+    Shapes as :func:`fp8_grouped_mm`; computes in ``w``'s dtype.
+    """
+    return torch._grouped_mm(x.to(w.dtype), w.transpose(-2, -1), offs=offs)

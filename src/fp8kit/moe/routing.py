@@ -1,0 +1,89 @@
+"""Token dispatch for grouped-GEMM experts: sort (token, expert) pairs by expert into 16-row-aligned groups.
+
+The FP8 grouped GEMM needs every expert's group to start on a multiple of 16 rows (its wgrad GEMM
+groups along K). Instead of a separate pad step, the padding is folded into the gather that sorts the
+tokens by expert anyway (the "fused quantize-and-pad" question of the MoE issue: the pad costs
+nothing extra). Padding rows read an appended zero row, so they add nothing to any gradient.
+
+Shapes are static (no device-to-host sync, so it compiles and captures): with ``S = tokens x topk``
+pairs and ``E`` experts, the padded buffer has ``P = round_up(S + E * 15, 16)`` rows, enough for any
+routing; rows past the last group (``offs[-1]``) are never computed or read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fp8kit.moe.grouped_mm import ALIGN
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Where each (token, expert) pair goes in the padded, expert-sorted buffer.
+
+    Attributes:
+        gather_idx: (P,) int64 source row of each padded row (``num_tokens`` = the zero row).
+        pair_rows: (S,) int64 padded row of each pair, pairs in ``top_k_index.reshape(-1)`` order.
+        offs: (E,) int32 cumulative end row of each expert's group (the grouped GEMM's ``offs``).
+        tokens_per_expert: (E,) int64 pairs routed to each expert (before padding).
+    """
+
+    gather_idx: torch.Tensor
+    pair_rows: torch.Tensor
+    offs: torch.Tensor
+    tokens_per_expert: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.gather_idx.shape[0]
+
+
+def padded_rows(num_pairs: int, num_experts: int, align: int = ALIGN) -> int:
+    """``P``: rows of the padded buffer for ``num_pairs`` pairs over ``num_experts`` experts."""
+    return -(-(num_pairs + num_experts * (align - 1)) // align) * align
+
+
+def dispatch(top_k_index: torch.Tensor, num_experts: int, align: int = ALIGN) -> Dispatch:
+    """Plan the expert-sorted, padded layout for a router's choices.
+
+    Args:
+        top_k_index: (T, topk) integer expert ids in ``[0, num_experts)``.
+        num_experts: E.
+        align: group alignment in rows (16 for FP8).
+
+    Returns:
+        A :class:`Dispatch`. Pairs of one expert keep their token order (stable sort).
+    """
+    num_tokens = top_k_index.shape[0]
+    topk = top_k_index.shape[1] if top_k_index.dim() == 2 else 1
+    ids = top_k_index.reshape(-1).long()
+    s = ids.numel()
+    dev = ids.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
+    padded = (counts + align - 1) // align * align
+    ends = padded.cumsum(0)
+    order = torch.argsort(ids, stable=True)
+    sorted_ids = ids[order]
+    rank = torch.arange(s, device=dev) - (counts.cumsum(0) - counts)[sorted_ids]
+    dest = (ends - padded)[sorted_ids] + rank
+    pair_rows = torch.empty_like(dest).scatter_(0, order, dest)
+    p = padded_rows(s, num_experts, align)
+    gather_idx = torch.full((p,), num_tokens, dtype=torch.long, device=dev).scatter_(0, dest, order // topk)
+    return Dispatch(gather_idx, pair_rows, ends.to(torch.int32), counts)
+
+
+def gather(hidden: torch.Tensor, d: Dispatch) -> torch.Tensor:
+    """(T, H) tokens -> (P, H) padded expert-sorted rows (padding rows are zeros). Differentiable."""
+    return torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])[d.gather_idx]
+
+
+def combine(rows: torch.Tensor, d: Dispatch, top_k_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """(P, H) expert outputs -> (T, H): each token's outputs weighted by its router weights and summed.
+
+    The sum over the topk experts runs in float32 (as transformers' grouped_mm experts do).
+    """
+    t, topk = top_k_weights.shape
+    picked = rows[d.pair_rows].view(t, topk, rows.shape[1])
+    return (picked.float() * top_k_weights.float()[..., None]).sum(dim=1).to(out_dtype)
