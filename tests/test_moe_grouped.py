@@ -224,3 +224,40 @@ def test_unsupported_experts_layout_is_refused():
     experts.has_bias = True
     with pytest.raises(Fp8kitError, match="has_bias.*fp8.exclude"):
         check_supported(experts, "model.layers.0.mlp.experts")
+
+
+_OTHER_MOE = {
+    "deepseek_v3": dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+                        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+                        q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16),
+    "mixtral": dict(vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(_OTHER_MOE))
+def test_other_hf_moe_architectures_swap(model_type):
+    """DeepSeek-V3 (shared expert + grouped routing) and Mixtral use the same v5 experts interface."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fp8kit.fp8.convert import apply_fp8
+    from fp8kit.fp8.decide import DecideOptions, decide
+    from fp8kit.fp8.recipes import float8_linear_config
+    from fp8kit.fp8.sites import find_sites
+
+    cfg = AutoConfig.for_model(model_type, **_OTHER_MOE[model_type])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+    decisions = [d for d in decide(find_sites(model), DecideOptions()) if d.site.is_grouped_weight]
+    assert decisions and all(d.is_fp8 for d in decisions)
+    assert apply_fp8(model, decisions, float8_linear_config("tensorwise")) == len({d.site.module_fqn for d in decisions})
+    assert any(isinstance(m, Float8GroupedExperts) for m in model.modules())
+    with torch.no_grad():
+        got = model(ids).logits.float()
+    db = sqnr(ref, got)
+    # FP8 must have changed the numbers (a no-op swap would give inf) and kept them close
+    assert OUT_DB <= db < 60, f"{model_type}: logits SQNR {db:.1f} dB"
