@@ -241,6 +241,9 @@ def fp8_grouped_mm(
 def bf16_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """The BF16 grouped GEMM ``x @ w[e]^T`` (``torch._grouped_mm``, differentiable), for experts left in BF16.
 
-    Shapes as :func:`fp8_grouped_mm`; computes in ``w``'s dtype.
+    Shapes as :func:`fp8_grouped_mm`; computes in ``w``'s dtype, except float32 weights on CUDA (FP32
+    master weights under autocast), which compute in bf16 as autocast would (the CUDA grouped GEMM is a
+    bf16 kernel); the gradient still reaches ``w`` in its own dtype.
     """
-    return torch._grouped_mm(x.to(w.dtype), w.transpose(-2, -1), offs=offs)
+    dtype = torch.bfloat16 if (w.is_cuda and w.dtype == torch.float32) else w.dtype
+    return torch._grouped_mm(x.to(dtype), w.to(dtype).transpose(-2, -1), offs=offs)
