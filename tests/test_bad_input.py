@@ -36,7 +36,7 @@ def _fails(capsys, argv, expected: str):
         (["data.paths=/nonexistent/file.txt"], "data.paths[0] '/nonexistent/file.txt' does not exist"),
         (["train.device=cuda"], "train.device = 'cuda', but CUDA is not available"),
         (["model.hf_config=/nope/config.json"], "model.hf_config: '/nope/config.json' does not exist"),
-        (["distributed.tp=2"], "multi-GPU execution is not part of this fp8kit version yet"),
+        (["distributed.tp=2"], "dp_replicate = 1 x tp = 2 = 2 does not divide the world size 1"),
     ],
 )
 def test_bad_config_and_data(capsys, tmp_path, sets, expected):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from fp8kit.cli import main
 from fp8kit.config import load_config
@@ -20,8 +21,8 @@ def _cfg(small_run, *extra):
 
 @pytest.mark.slow
 def test_tiny_moe_trains_with_fp8_experts(small_run, tmp_path):
-    res = train(_cfg(small_run, "train.steps=25", "train.eval_every=0", "train.checkpoint_every=0",
-                     "train.final_checkpoint=false", "train.lr=2e-3"), tmp_path / "run")
+    cfg = _cfg(small_run, "train.steps=25", "train.eval_every=0", "train.checkpoint_every=0", "train.lr=2e-3")
+    res = train(cfg, tmp_path / "run")
     m = res.metrics
     # 2 layers: q, k, v, o (Float8Linear) + the experts module = 5 FP8 modules per layer
     assert all(r["precision"] == "fp8" and r["fp8_modules"] == 10 for r in m), [r["fp8_modules"] for r in m]
@@ -32,6 +33,16 @@ def test_tiny_moe_trains_with_fp8_experts(small_run, tmp_path):
     grouped = [d for d in report["sites"] if d["module_kind"] in ("column_grouped", "row_grouped")]
     assert len(grouped) == 4 and all(d["precision"] == "fp8" and d["recipe"] == "rowwise" for d in grouped), grouped
     assert {d["num_gemms"] for d in grouped} == {8}
+    # the experts themselves learned (not only attention and embeddings)
+    from safetensors.torch import load_file
+
+    from fp8kit.models.build import build_model
+
+    init = build_model(cfg.model, cfg.data.vocab_size, device="cpu", dtype=torch.bfloat16, seed=cfg.train.seed).state_dict()
+    final = load_file(str(tmp_path / "run" / "checkpoints" / "step_000025" / "model.safetensors"))
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
+        moved = (final[name].float() - init[name].float()).abs().mean().item()
+        assert moved > 1e-4, f"{name} barely changed: mean |delta| {moved:.2e}"
 
 
 def test_plan_shows_grouped_kinds_and_policy_decisions(capsys, tmp_path, cache_dir):

@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_parsers(sub)
 
+    p = sub.add_parser("export", help="write a checkpoint (any layout) as plain BF16 safetensors in the HF layout")
+    p.add_argument("checkpoint", help="a run directory (its latest checkpoint) or a checkpoint directory")
+    p.add_argument("out_dir", help="output directory: model.safetensors + config.json (from_pretrained loads it)")
+    p.add_argument("--config", help="the run config (default: the run's resolved_config.toml)")
+
     p = sub.add_parser("config-docs", help="print the config reference (Markdown) generated from the dataclasses")
     p.add_argument("--output", help="write to this file instead of stdout")
     return parser
@@ -74,9 +79,26 @@ def _run(args) -> int:
     if args.command == "train":
         from fp8kit.train.trainer import train
 
-        train(_load(args), args.out, resume=args.resume)
+        try:
+            train(_load(args), args.out, resume=args.resume)
+        finally:
+            _end_process_group()
+        return 0
+    if args.command == "export":
+        from fp8kit.train.checkpoint import export_checkpoint
+
+        out = export_checkpoint(Path(args.checkpoint), Path(args.out_dir), config=args.config)
+        print(f"exported {args.checkpoint} -> {out} (bf16 safetensors, HF layout)")
         return 0
     if args.command == "compare":
+        from fp8kit.distributed.mesh import launched_world_size
+        from fp8kit.errors import ConfigError
+
+        if launched_world_size() > 1:
+            raise ConfigError(
+                "fp8kit compare runs in one process; under torchrun, run `fp8kit train` twice with "
+                "--set train.mixed_precision=bf16 and =fp8 and compare their metrics.jsonl"
+            )
         from fp8kit.train.compare import compare
 
         compare(_load(args), args.out)
@@ -84,6 +106,14 @@ def _run(args) -> int:
     from fp8kit import adaptive_cli
 
     return adaptive_cli.run(args)
+
+
+def _end_process_group() -> None:
+    """End the process group a torchrun launch started (no-op otherwise)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

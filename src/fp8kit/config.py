@@ -49,7 +49,8 @@ class ModelConfig:
     preset: str = _f(
         "tiny",
         "Named preset with real shapes: tiny (about 5M parameters, trains on a CPU in minutes), "
-        "llama3-1b, llama3-8b, qwen2.5-72b. Ignored when hf_config is set.",
+        "llama-125m, llama3-1b, llama3-8b, qwen2.5-72b; MoE: tiny-moe (CPU, minutes), qwen3-30b-a3b, "
+        "deepseek-v3. Ignored when hf_config is set.",
         choices=PRESET_NAMES,
     )
     num_layers: int | None = _f(
@@ -182,6 +183,13 @@ class FP8Config:
         "Per-component token counts, e.g. {vision = 4096} (a vision encoder sees its patch count, not "
         "the text sequence length).",
     )
+    enable_fsdp_float8_all_gather: bool | None = _f(
+        None,
+        "Under FSDP2 (distributed.dp_shard > 1), all-gather the FP8 weights plus their scales instead of "
+        "BF16 weights (half the bytes; torchao). Unset: on for the tensorwise recipe, off for the rowwise "
+        "ones (torchao supports it for tensorwise only). Combined with tensor parallel it falls back to "
+        "BF16 all-gather with a warning (see docs/distributed.md).",
+    )
 
 
 @dataclass
@@ -220,10 +228,28 @@ class OptimConfig:
 
 @dataclass
 class DistributedConfig:
-    """``[distributed]``: parallel sizes. ``plan`` and the adaptive-FP8 decisions use them to look up
-    the policy rules of the run's real per-rank shapes."""
+    """``[distributed]``: parallel sizes of a ``torchrun`` launch (``torchrun --nproc_per_node N -m fp8kit
+    train``). The device mesh is ``dp_replicate x dp_shard x tp`` and must equal the world size.
+    ``plan`` and the adaptive-FP8 decisions use tp/ep/etp to look up the policy rules of the run's real
+    per-rank shapes."""
 
+    dp_shard: int = _f(
+        -1,
+        "FSDP2 (fully_shard) data-parallel size: parameters, gradients and optimizer states are sharded "
+        "over these ranks. -1: fill the mesh (world size / (dp_replicate x tp)).",
+    )
+    dp_replicate: int = _f(
+        1,
+        "Replicated data-parallel size (HSDP: parameters sharded within each dp_shard group and "
+        "replicated across dp_replicate groups).",
+    )
     tp: int = _f(1, "Tensor-parallel size.")
+    sequence_parallel: bool = _f(
+        False,
+        "With tp > 1, split the norms and the residual stream over tokens between the tensor-parallel "
+        "linears (Megatron sequence parallel): reduce-scatter + all-gather instead of all-reduce, and 1/tp "
+        "of the norm activations per rank. BF16 runs only for now (see docs/distributed.md).",
+    )
     ep: int = _f(1, "Expert-parallel size (MoE): experts are split over ep ranks.")
     etp: int = _f(1, "Expert tensor-parallel size (MoE): each expert's weights split over etp ranks.")
 
@@ -575,8 +601,22 @@ def validate(cfg: RunConfig, origins: dict[str, str] | None = None) -> None:
             f"bf16_warmup_steps ({f8.bf16_warmup_steps}) + bf16_cooldown_steps ({f8.bf16_cooldown_steps}) "
             f"exceed train.steps ({t.steps})",
         )
-    for key in ("tp", "ep", "etp"):
+    for key in ("tp", "ep", "etp", "dp_replicate"):
         positive(f"distributed.{key}", getattr(cfg.distributed, key))
+    if cfg.distributed.dp_shard == 0 or cfg.distributed.dp_shard < -1:
+        fail("distributed.dp_shard", f"must be -1 (fill the mesh) or > 0, got {cfg.distributed.dp_shard}")
+    if cfg.distributed.sequence_parallel and cfg.distributed.tp > 1 and t.mixed_precision == "fp8":
+        fail(
+            "distributed.sequence_parallel",
+            "sequence parallel with FP8 linears is not supported yet: torchao's Float8RowwiseParallel sends FP8 "
+            "gradients through the sequence all-gather, which gloo cannot carry and which is not verified on "
+            "GPUs here; use it with train.mixed_precision = \"bf16\" or set it to false",
+        )
+    if f8.enable_fsdp_float8_all_gather and f8.recipe != "tensorwise":
+        fail(
+            "fp8.enable_fsdp_float8_all_gather",
+            f"FP8 all-gather is supported by torchao for the tensorwise recipe only, not {f8.recipe!r}",
+        )
     if cfg.optim.block_size < 16 or cfg.optim.block_size % 16:
         fail("optim.block_size", f"must be a positive multiple of 16, got {cfg.optim.block_size}")
     if f8.fp8_dynamic_num_tokens is not None:

@@ -37,7 +37,7 @@ from torch import nn
 from fp8kit.bench.sites import BenchSite, layer_sites
 from fp8kit.bench.timing import time_ms
 from fp8kit.config import RunConfig
-from fp8kit.errors import ConfigError
+from fp8kit.errors import CapabilityError, ConfigError
 from fp8kit.fp8.backend import torchao_float8
 from fp8kit.fp8.recipes import float8_linear_config
 from fp8kit.moe.grouped_mm import GroupedGemmConfig, bf16_grouped_mm, fp8_grouped_mm, resolve_backend
@@ -275,8 +275,13 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
         task = progress.add_task("bench", total=total, info="")
         for site in timed:
             for precision in args.precisions:
-                timer = (_GroupedTimer(site, precision, args, device) if site.is_grouped
-                         else _Timer(site, precision, args, device, mesh))
+                try:
+                    timer = (_GroupedTimer(site, precision, args, device) if site.is_grouped
+                             else _Timer(site, precision, args, device, mesh))
+                except CapabilityError as e:  # e.g. FP8 grouped experts on a GPU without the kernel
+                    notes.append(f"{site.name} {precision}: not timed: {e}")
+                    progress.advance(task, len(sweep))
+                    continue
                 for seq, mbs in sweep:
                     tokens = seq * mbs * (topk if site.is_grouped else 1)
                     progress.update(task, info=f"{site.name} {precision} {tokens} tokens")

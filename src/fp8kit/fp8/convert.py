@@ -10,14 +10,13 @@ and the MoE experts modules with a 3-D weight decided ``fp8`` for ``fp8kit.moe``
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from fp8kit.errors import Fp8kitError
 from fp8kit.fp8.backend import torchao_float8
 from fp8kit.fp8.decide import Decision
 from fp8kit.moe import experts as moe_experts
-from fp8kit.moe.grouped_mm import GroupedGemmConfig, resolve_backend
+from fp8kit.moe.grouped_mm import GroupedGemmConfig
 
 
 def fp8_fqns(decisions: list[Decision]) -> set[str]:
@@ -39,13 +38,13 @@ def apply_fp8(model: nn.Module, decisions: list[Decision], float8_config,
     """Swap every module decided FP8 for its FP8 form; returns how many modules were swapped.
 
     ``nn.Linear`` -> torchao ``Float8Linear`` (``float8_config``); an experts module with a 3-D weight
-    decided FP8 -> ``Float8GroupedExperts`` (``grouped``; default: automatic backend, emulation allowed
-    where ``float8_config.emulate`` is set). Modules already converted are left as they are, so this
+    decided FP8 -> ``Float8GroupedExperts`` (``grouped``, see ``fp8/options.grouped_gemm_config``; default:
+    automatic backend, emulation allowed where ``float8_config.emulate`` is set; the backend is resolved
+    on the first forward on each device). Modules already converted are left as they are, so this
     is idempotent.
 
     Raises:
         Fp8kitError: a decided FQN is not an ``nn.Linear`` / supported experts module of this model.
-        CapabilityError: FP8 experts on a device without an FP8 grouped GEMM (see ``moe/grouped_mm``).
     """
     count = _apply_grouped(model, decisions, float8_config, grouped)
     wanted = fp8_fqns(decisions)
@@ -77,9 +76,7 @@ def _apply_grouped(model: nn.Module, decisions: list[Decision], float8_config, g
             raise Fp8kitError(f"FP8 decision for experts {fqn!r}, which is not a module of this model") from None
         if isinstance(module, moe_experts.Float8GroupedExperts) and module.fp8_weights == weights:
             continue
-        device = module.gate_up_proj.device if hasattr(module, "gate_up_proj") else next(module.parameters()).device
-        backend = resolve_backend(grouped, device if device.type != "meta" else torch.device("cpu"))
-        moe_experts.swap_in(model, fqn, weights, backend, grouped.compile_quantize)
+        moe_experts.swap_in(model, fqn, weights, grouped)
         count += 1
     return count
 

@@ -12,6 +12,14 @@ from fp8kit.fp8.decide import DecideOptions, Selective
 from fp8kit.fp8.policy import load_policy
 
 
+def grouped_gemm_config(cfg: RunConfig):
+    """How the run's FP8 MoE experts compute (``fp8kit.moe.grouped_mm.GroupedGemmConfig``): automatic
+    backend; the emulation on GPUs without an FP8 grouped GEMM only with ``fp8.emulate = true``."""
+    from fp8kit.moe.grouped_mm import GroupedGemmConfig
+
+    return GroupedGemmConfig(emulate=cfg.fp8.emulate)
+
+
 def moe_topk(hf_cfg) -> int:
     """Experts per token of an HF MoE config (1 for dense models)."""
     for key in ("num_experts_per_tok", "moe_router_topk", "num_experts_per_token", "top_k"):

@@ -8,8 +8,9 @@ first that applies giving the reason:
 2. output heads (``lm_head`` / ``output`` / ``classifier`` ...) stay BF16 for accuracy;
 3. MoE routers / gates stay BF16 (output dim = number of experts: tiny, and routing-critical);
 4. MoE experts: the 3-D expert weights of transformers v5 (``gate_up_proj`` / ``down_proj``) are
-   candidates for the FP8 grouped GEMM (``fp8kit.moe``) when K and N are divisible by 16; experts
-   built as one ``nn.Linear`` per expert stay BF16 (no grouped layout to run);
+   candidates for the FP8 grouped GEMM (``fp8kit.moe``) when K and N are divisible by 16 and the
+   module has the supported layout (gated, no bias, (E, out, in) weights); other expert modules and
+   experts built as one ``nn.Linear`` per expert stay BF16, with the reason;
 5. the weight must be 2-D;
 6. in_features and out_features must be divisible by 16 (``torch._scaled_mm`` and
    ``torch._scaled_grouped_mm`` need it);
@@ -57,6 +58,8 @@ class StaticRules:
             return StaticVerdict(False, "router", "MoE router: tiny output dim, routing stays in BF16")
         if site.role == "expert" and not site.is_grouped_weight:
             return StaticVerdict(False, "expert-linear", "MoE expert built of per-expert nn.Linear: no grouped layout")
+        if site.is_grouped_weight and site.unsupported:
+            return StaticVerdict(False, "expert-layout", f"MoE experts: {site.unsupported}")
         if len(site.weight_shape) != (3 if site.is_grouped_weight else 2):
             return StaticVerdict(False, "not-2d", f"weight is {len(site.weight_shape)}-D, not 2-D")
         k, n = site.in_features, site.out_features

@@ -102,6 +102,8 @@ class Site:
         layer: index of the transformer layer the site belongs to, or None.
         component: ``llm`` or ``vision`` (each component takes its own policy and token count).
         has_bias: whether the linear layer has a bias.
+        unsupported: for a 3-D expert weight whose module layout the FP8 grouped experts cannot run
+            (``fp8kit.moe.experts.layout_problem``), the reason; else None.
     """
 
     fqn: str
@@ -116,6 +118,7 @@ class Site:
     layer: int | None = None
     component: str = "llm"
     has_bias: bool = False
+    unsupported: str | None = None
 
     @property
     def is_grouped(self) -> bool:
@@ -211,13 +214,16 @@ def find_sites(model: nn.Module) -> list[Site]:
                          w.shape[-1] if w.dim() == 2 else None, w.shape[0] if w.dim() == 2 else None,
                          layer=layer, component=component)
                 )
-        else:
+        elif parts[-1] in _EXPERT_PARTS or "expert" in type(module).__name__.lower():
+            from fp8kit.moe.experts import layout_problem
+
+            problem = layout_problem(module)
             for pname, p in _expert_params(module):
                 ub = "fc2" if "down" in pname or pname in ("w2", "fc2") else "fc1"
                 kind = "row_grouped" if ub == "fc2" else "column_grouped"
                 e, n, k = p.shape
                 sites.append(
                     Site(f"{fqn}.{pname}", type(module).__name__, "expert", kind, ub, tuple(p.shape),
-                         k, n, num_gemms=e, layer=layer, component=component)
+                         k, n, num_gemms=e, layer=layer, component=component, unsupported=problem)
                 )
     return sites

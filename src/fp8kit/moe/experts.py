@@ -21,63 +21,94 @@ from torch import nn
 
 from fp8kit.errors import Fp8kitError
 from fp8kit.moe import routing
-from fp8kit.moe.grouped_mm import bf16_grouped_mm, fp8_grouped_mm
+from fp8kit.moe.grouped_mm import GroupedGemmConfig, bf16_grouped_mm, fp8_grouped_mm, resolve_backend
 
 WEIGHTS = ("gate_up_proj", "down_proj")
 
 
+def layout_problem(module: nn.Module) -> str | None:
+    """Why ``module`` is not an HF v5 experts module of the supported layout (module docstring), or None.
+
+    The layout flags (``has_gate``, ``has_bias``, ``is_transposed``) that transformers' experts decorator
+    sets must be present and right, and the weights must be (E, 2I, H) and (E, H, I).
+    """
+    weights = [getattr(module, name, None) for name in WEIGHTS]
+    if not all(isinstance(p, nn.Parameter) and p.dim() == 3 for p in weights):
+        return "no 3-D gate_up_proj and down_proj (not the transformers v5 fused experts layout)"
+    for attr, want in (("has_gate", True), ("has_bias", False), ("is_transposed", False)):
+        got = getattr(module, attr, None)
+        if got is None:
+            return f"no {attr} attribute (not a transformers v5 experts module)"
+        if got != want:
+            return f"{attr} = {got} is not supported by FP8 grouped experts"
+    gate_up, down = weights
+    e, two_i, h = gate_up.shape
+    if down.shape != (e, h, two_i // 2) or two_i % 2:
+        return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not (E, 2I, H) and (E, H, I)"
+    if not (hasattr(module, "_apply_gate") or hasattr(module, "act_fn")):
+        return "no _apply_gate / act_fn"
+    return None
+
+
 def check_supported(module: nn.Module, fqn: str) -> None:
-    """Raise unless ``module`` is an HF v5 experts module of the supported layout (module docstring).
+    """Raise unless ``module`` is an HF v5 experts module of the supported layout (:func:`layout_problem`).
 
     Raises:
-        Fp8kitError: naming the module and what is not supported, with the fix (``fp8.exclude``).
+        Fp8kitError: naming the module, what is not supported, and the fix (``fp8.exclude``).
     """
-    fix = f"keep it in BF16 with fp8.exclude = [\"{fqn}\"]"
-    for name in WEIGHTS:
-        p = getattr(module, name, None)
-        if not isinstance(p, nn.Parameter) or p.dim() != 3:
-            raise Fp8kitError(f"{fqn} ({type(module).__name__}): no 3-D {name} weight; FP8 grouped experts need the "
-                              f"transformers v5 fused layout; {fix}")
-    for attr, want in (("has_gate", True), ("has_bias", False), ("is_transposed", False)):
-        if getattr(module, attr, want) != want:
-            raise Fp8kitError(f"{fqn} ({type(module).__name__}): {attr} = {not want} is not supported by FP8 grouped "
-                              f"experts; {fix}")
-    if not hasattr(module, "_apply_gate") and not hasattr(module, "act_fn"):
-        raise Fp8kitError(f"{fqn} ({type(module).__name__}): no _apply_gate / act_fn; {fix}")
+    problem = layout_problem(module)
+    if problem:
+        raise Fp8kitError(f"{fqn} ({type(module).__name__}): {problem}; keep it in BF16 with "
+                          f"fp8.exclude = [\"{fqn}\"]")
 
 
 class Float8GroupedExperts(nn.Module):
     """An HF v5 experts module computed with grouped GEMMs, each weight in FP8 or BF16.
 
     Args:
-        source: the HF experts module (kept, unregistered, to restore it and for its ``_apply_gate``).
+        source: the HF experts module. Its two weights move to this module (``source`` keeps no
+            reference to them, so FSDP2 can free the unsharded originals); ``source`` is kept,
+            unregistered, for its ``_apply_gate`` and to be restored by :func:`swap_out`.
         fp8_weights: which of ``gate_up_proj`` / ``down_proj`` run in FP8.
-        backend: resolved FP8 grouped backend (``moe/grouped_mm.resolve_backend``).
-        compile_quantize: compile the FP8 quantization functions (CUDA).
+        config: how FP8 grouped GEMMs run; the backend is resolved on the first forward on each device
+            (``moe/grouped_mm.resolve_backend``), so a model converted on ``meta`` or on the CPU and then
+            moved to a GPU uses the GPU kernel.
 
     Forward: ``(hidden (T, H), top_k_index (T, topk) int, top_k_weights (T, topk)) -> (T, H)`` in
     ``hidden``'s dtype, like the module it replaces.
+
+    Raises (forward):
+        CapabilityError: FP8 weights on a device without an FP8 grouped GEMM (``resolve_backend``).
     """
 
-    def __init__(self, source: nn.Module, fp8_weights: frozenset[str], backend: str, compile_quantize: bool = True):
+    def __init__(self, source: nn.Module, fp8_weights: frozenset[str], config: GroupedGemmConfig | None = None):
         super().__init__()
         self.gate_up_proj = source.gate_up_proj
         self.down_proj = source.down_proj
-        self.num_experts = source.gate_up_proj.shape[0]
+        for name in WEIGHTS:
+            del source._parameters[name]
+        self.num_experts = self.gate_up_proj.shape[0]
         self.fp8_weights = frozenset(fp8_weights)
-        self.backend = backend
-        self.compile_quantize = compile_quantize
-        self.__dict__["source"] = source  # not a submodule: its parameters are ours
+        self.config = config or GroupedGemmConfig()
+        self._backends: dict[str, str] = {}
+        self.__dict__["source"] = source  # not a submodule: its weights are ours
 
     def extra_repr(self) -> str:
         e, n, k = self.gate_up_proj.shape
         return (f"experts={e}, hidden={k}, intermediate={n // 2}, fp8={sorted(self.fp8_weights)}, "
-                f"backend={self.backend}")
+                f"backend={self.config.backend} {self._backends or ''}".rstrip())
+
+    def backend(self, device: torch.device) -> str:
+        """The FP8 grouped backend on ``device`` (resolved once per device)."""
+        key = str(device)
+        if key not in self._backends:
+            self._backends[key] = resolve_backend(self.config, device)
+        return self._backends[key]
 
     def _linear(self, name: str, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         w = getattr(self, name)
         if name in self.fp8_weights:
-            return fp8_grouped_mm(x, w, offs, self.backend, compile_quantize=self.compile_quantize)
+            return fp8_grouped_mm(x, w, offs, self.backend(x.device), compile_quantize=self.config.compile_quantize)
         return bf16_grouped_mm(x, w, offs)
 
     def _gate(self, h: torch.Tensor) -> torch.Tensor:
@@ -95,7 +126,7 @@ class Float8GroupedExperts(nn.Module):
         return routing.combine(y, d, top_k_weights, hidden_states.dtype)
 
 
-def swap_in(model: nn.Module, fqn: str, fp8_weights: frozenset[str], backend: str, compile_quantize: bool) -> nn.Module:
+def swap_in(model: nn.Module, fqn: str, fp8_weights: frozenset[str], config: GroupedGemmConfig | None = None) -> nn.Module:
     """Replace the experts module at ``fqn`` by a :class:`Float8GroupedExperts` (or update the one there).
 
     Raises:
@@ -104,16 +135,18 @@ def swap_in(model: nn.Module, fqn: str, fp8_weights: frozenset[str], backend: st
     module = model.get_submodule(fqn)
     if isinstance(module, Float8GroupedExperts):
         module.fp8_weights = frozenset(fp8_weights)
+        if config is not None and config != module.config:
+            module.config, module._backends = config, {}
         return module
     check_supported(module, fqn)
-    new = Float8GroupedExperts(module, fp8_weights, backend, compile_quantize)
+    new = Float8GroupedExperts(module, fp8_weights, config)
     parent_name, _, child = fqn.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
     return new
 
 
 def swap_out(model: nn.Module) -> int:
-    """Put every original HF experts module back (same parameters); returns how many were swapped."""
+    """Put every original HF experts module back, holding the current weights; returns how many."""
     count = 0
     for fqn, module in list(model.named_modules()):
         if isinstance(module, Float8GroupedExperts):

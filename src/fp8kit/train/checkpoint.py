@@ -1,10 +1,18 @@
-"""Checkpoints of a single-process run: model weights as safetensors, the rest as a torch file.
+"""Checkpoints: model weights as safetensors (one process) or torch.distributed.checkpoint (torchrun).
 
-Layout of ``checkpoints/step_000100/`` (the number of completed optimizer steps)::
+Layout of ``checkpoints/step_000100/`` (the number of completed optimizer steps) of a single-process run::
 
     model.safetensors   model weights in the HF layout (state_dict keys of the transformers model)
     train_state.pt      optimizer, LR scheduler, data position, RNG states, step, precision phase,
                         and the model's parameter shapes (to refuse a checkpoint of another model)
+
+and of a distributed run (FSDP2 / TP; ``train_state.pt`` has ``"format": "dcp"`` and no optimizer)::
+
+    dcp/                torch.distributed.checkpoint files of ``{"model": ..., "optim": ...}``, keyed by
+                        parameter FQN (``torch.distributed.checkpoint.state_dict``), so any layout can
+                        load them: 2 ranks -> 1 process, FSDP2 -> TP, ...
+    train_state.pt      LR scheduler, data position, rank 0's RNG states, step, phase, parameter shapes,
+                        and the layout it was saved from (``"layout"``)
 
 A checkpoint is written into a temporary directory and renamed into place, so a crash never leaves a
 half-written checkpoint. ``train_state.pt`` is loaded with ``torch.load(weights_only=True)``: it holds
@@ -28,6 +36,12 @@ from fp8kit.errors import CheckpointError
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
+DCP_DIR = "dcp"
+
+
+def is_dcp(ckpt: Path) -> bool:
+    """True for a checkpoint written by a distributed run (torch.distributed.checkpoint files)."""
+    return (Path(ckpt) / DCP_DIR / ".metadata").is_file()
 
 
 def checkpoint_name(step: int) -> str:
@@ -73,7 +87,7 @@ def find_checkpoint(path: Path) -> Path:
         CheckpointError: no checkpoint there.
     """
     path = Path(path)
-    if (path / STATE_FILE).is_file() and (path / MODEL_FILE).is_file():
+    if (path / STATE_FILE).is_file() and ((path / MODEL_FILE).is_file() or is_dcp(path)):
         return path
     ckdir = path / "checkpoints"
     candidates = sorted(p for p in ckdir.glob("step_*") if (p / STATE_FILE).is_file()) if ckdir.is_dir() else []
@@ -127,6 +141,8 @@ def check_compatible(ckpt: Path, model: nn.Module, state: dict) -> None:
                 f"--resume {str(ckpt)!r}: {key} has shape {saved[key]} in the checkpoint but {now[key]} in the "
                 f"configured model (different model shape)"
             )
+    if is_dcp(ckpt):
+        return
     with safe_open(str(Path(ckpt) / MODEL_FILE), framework="pt") as f:
         f.keys()  # opens and validates the header
 
@@ -170,3 +186,165 @@ def load_model_weights(ckpt: Path, model: nn.Module) -> None:
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {str(ckpt)!r}: cannot load {MODEL_FILE}: {first}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Distributed checkpoints (torch.distributed.checkpoint)
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _is_main() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def save_distributed_checkpoint(directory: Path, model: nn.Module, optimizer, state: dict) -> Path:
+    """Write a DCP checkpoint from every rank (collective), atomically; returns ``directory``.
+
+    Model and optimizer states come from ``torch.distributed.checkpoint.state_dict.get_state_dict``
+    (FQN-keyed, sharded as the run holds them); rank 0 writes ``train_state.pt`` (``state`` must hold
+    no optimizer) and renames the temporary directory into place.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    directory = Path(directory)
+    tmp = directory.with_name(f".{directory.name}.tmp")
+    if _is_main():
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    _barrier()
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / DCP_DIR))
+    shapes = {k: list(v.shape) for k, v in msd.items()}
+    if _is_main():
+        torch.save({**state, "format": "dcp", "param_shapes": shapes}, tmp / STATE_FILE)
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+    _barrier()
+    return directory
+
+
+def load_into(ckpt: Path, model: nn.Module, optimizer, state: dict, *, param_order: list[str] | None = None) -> None:
+    """Load a checkpoint of any format into a model and optimizer of any layout.
+
+    DCP checkpoint: resharded by ``torch.distributed.checkpoint`` onto the model's current layout (one
+    process or many). Single-process checkpoint into a distributed model: the full safetensors weights and
+    the optimizer state (mapped from parameter index to FQN through ``param_order``, the FQNs in the
+    optimizer's parameter order) go through ``set_state_dict(full_state_dict=True)``. With
+    ``optimizer=None`` only the weights are loaded.
+
+    Raises:
+        CheckpointError: the files do not fit the model (first line of the underlying error).
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    ckpt = Path(ckpt)
+    try:
+        if is_dcp(ckpt):
+            import torch.distributed.checkpoint as dcp
+
+            if optimizer is None:
+                from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+                msd = get_model_state_dict(model)
+                dcp.load({"model": msd}, checkpoint_id=str(ckpt / DCP_DIR))
+                set_model_state_dict(model, msd)
+                return
+            msd, osd = get_state_dict(model, optimizer)
+            dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(ckpt / DCP_DIR))
+            set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+            return
+        full = load_file(str(ckpt / MODEL_FILE))
+        aliases = json.loads((safe_open(str(ckpt / MODEL_FILE), framework="pt").metadata() or {}).get("fp8kit_tied", "{}"))
+        for alias, kept in aliases.items():
+            full.setdefault(alias, full[kept])
+        opts = StateDictOptions(full_state_dict=True)
+        if optimizer is None:
+            set_model_state_dict(model, full, options=opts)
+            return
+        osd = _optimizer_state_by_fqn(state["optimizer"], param_order or [])
+        set_state_dict(model, optimizer, model_state_dict=full, optim_state_dict=osd, options=opts)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {str(ckpt)!r}: cannot load it into this run's model: {first}") from None
+
+
+def _optimizer_state_by_fqn(osd: dict, param_order: list[str]) -> dict:
+    """A torch optimizer state dict keyed by parameter index -> keyed by FQN (the DCP state_dict form)."""
+    ids = [i for g in osd["param_groups"] for i in g["params"]]
+    if len(ids) != len(param_order):
+        raise CheckpointError(
+            f"the checkpoint's optimizer holds {len(ids)} parameters, this run's optimizer {len(param_order)}"
+        )
+    name = dict(zip(ids, param_order, strict=True))
+    return {
+        "state": {name[i]: v for i, v in osd["state"].items()},
+        "param_groups": [{**g, "params": [name[i] for i in g["params"]]} for g in osd["param_groups"]],
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Export
+
+
+def export_checkpoint(path: Path, out_dir: Path, *, config: str | Path | None = None) -> Path:
+    """Write a checkpoint of any format as a plain BF16 HF model: ``model.safetensors`` + ``config.json``.
+
+    The model is rebuilt from the run's ``resolved_config.toml`` (or ``config``), the weights are loaded
+    (safetensors, or DCP files of any layout, read in this one process), cast to bfloat16 and written
+    with transformers' ``save_pretrained`` (safetensors, HF key layout, tied weights once), so
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it.
+
+    Args:
+        path: a run directory (its latest checkpoint) or a checkpoint directory.
+        out_dir: the output directory (created; must be empty if it exists).
+        config: the run config; default: the ``resolved_config.toml`` of the checkpoint's run.
+
+    Returns:
+        ``out_dir``.
+
+    Raises:
+        CheckpointError: no checkpoint, no config, weights that do not fit, or a non-empty ``out_dir``.
+    """
+    from fp8kit.config import load_config
+    from fp8kit.models.build import build_model
+
+    ck = find_checkpoint(Path(path))
+    cfg_path = Path(config) if config is not None else ck.parent.parent / "resolved_config.toml"
+    if not cfg_path.is_file():
+        raise CheckpointError(
+            f"export {str(path)!r}: no run config at {str(cfg_path)!r}; pass the run's config with --config"
+        )
+    out_dir = Path(out_dir)
+    if out_dir.is_file() or (out_dir.is_dir() and any(out_dir.iterdir())):
+        raise CheckpointError(f"export: the output directory {str(out_dir)!r} exists and is not empty")
+    cfg = load_config(str(cfg_path), [])
+    state = load_train_state(ck)
+    model = build_model(cfg.model, cfg.data.vocab_size, device="cpu", dtype=torch.bfloat16, seed=cfg.train.seed)
+    check_compatible(ck, model, state)
+    if is_dcp(ck):
+        load_into(ck, model, None, state)
+    else:
+        load_model_weights(ck, model)
+    model = model.to(torch.bfloat16)
+    model.config.use_cache = True  # the exported model is for inference
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir))
+    return out_dir

@@ -10,6 +10,12 @@ One optimizer step (``grad_accum`` micro-batches)::
 
 Transformer blocks are compiled once (``train.compile``); a precision switch swaps modules inside
 them, so the compiled code is dropped (``torch._dynamo.reset``) and rebuilt on the next step.
+
+Distributed (torchrun, ``setup.distributed``): ``train.micro_batch_size`` is per data-parallel rank. Every
+rank draws the same global micro-batch of ``micro_batch_size x dp`` windows and takes its own rows, so the
+data order (and its resumable position) is the same for any layout with the same global batch. The loss
+and the validation loss are averaged over the data-parallel ranks, the gradient norm is taken over the
+DTensor shards (``fp8kit.distributed.parallelize.grad_norm_and_clip``), and tokens/s counts all ranks.
 """
 
 from __future__ import annotations
@@ -31,8 +37,10 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from fp8kit.distributed.parallelize import after_optimizer_step, grad_norm_and_clip
 from fp8kit.errors import Fp8kitError
 from fp8kit.fp8.convert import apply_fp8, count_fp8_modules, restore_bf16
+from fp8kit.fp8.options import grouped_gemm_config
 from fp8kit.models.build import transformer_blocks
 from fp8kit.train import checkpoint as ckpt
 from fp8kit.train.clip import clip_grad_norm
@@ -57,7 +65,7 @@ class LoopResult:
 def set_precision(setup: Setup, phase: str) -> int:
     """Put the model in ``phase`` (``fp8``/``bf16``); returns how many modules were swapped."""
     if phase == "fp8":
-        n = apply_fp8(setup.model, setup.decisions, setup.float8_config)
+        n = apply_fp8(setup.model, setup.decisions, setup.float8_config, grouped_gemm_config(setup.cfg))
     else:
         n = restore_bf16(setup.model)
     if n and setup.cfg.train.compile:
@@ -66,9 +74,16 @@ def set_precision(setup: Setup, phase: str) -> int:
 
 
 def prepare_model(setup: Setup, phase: str) -> None:
-    """FP8 conversion -> activation checkpointing -> compile (the order of seed 001 and torchtitan)."""
-    set_precision(setup, phase)
+    """FP8 conversion -> activation checkpointing -> compile (the order of seed 001 and torchtitan).
+
+    A distributed run was already transformed by ``fp8kit.distributed.parallelize`` in setup (TP -> FP8
+    -> AC -> FSDP2 -> compile); only the loss function is chosen here.
+    """
     t = setup.cfg.train
+    if setup.distributed:
+        setup.loss_fn = torch.compile(cross_entropy) if t.compile else cross_entropy
+        return
+    set_precision(setup, phase)
     if t.activation_checkpointing:
         # HF's own per-block checkpointing (non-reentrant), which recomputes through Float8Linear.
         setup.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -94,30 +109,85 @@ def _loss(setup: Setup, batch: torch.Tensor) -> torch.Tensor:
     return setup.loss_fn(logits, y)
 
 
+def _dp(setup: Setup) -> tuple[int, int]:
+    """(data-parallel size, this rank's data-parallel index); (1, 0) for a single process."""
+    if not setup.distributed:
+        return 1, 0
+    from fp8kit.distributed.mesh import dp_rank
+
+    return setup.dims.dp, dp_rank(setup.mesh)
+
+
+def _dp_mean(setup: Setup, values: torch.Tensor) -> torch.Tensor:
+    """Average a tensor over the data-parallel ranks (identity for one process)."""
+    dp, _ = _dp(setup)
+    if dp == 1:
+        return values
+    import torch.distributed as dist
+
+    from fp8kit.distributed.mesh import dp_group
+
+    values = values.clone()
+    dist.all_reduce(values, op=dist.ReduceOp.SUM, group=dp_group(setup.mesh))
+    return values / dp
+
+
+def _max_over_ranks(setup: Setup, value: float) -> float:
+    """The largest ``value`` over all ranks (peak memory: the rank that needs the most)."""
+    if not setup.distributed:
+        return value
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64, device=setup.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
+
+
+def next_micro_batch(setup: Setup) -> torch.Tensor:
+    """This rank's ``[micro_batch_size, seq_length + 1]`` rows of the next global micro-batch."""
+    mbs = setup.cfg.train.micro_batch_size
+    dp, r = _dp(setup)
+    batch = setup.data.packed.next_batch(mbs * dp)
+    return batch[r * mbs : (r + 1) * mbs] if dp > 1 else batch
+
+
 @torch.no_grad()
 def evaluate(setup: Setup) -> float:
-    """Mean cross-entropy over the fixed validation batches (token-weighted)."""
+    """Mean cross-entropy over the fixed validation batches (token-weighted; averaged over dp ranks)."""
     setup.model.eval()
+    mbs = setup.cfg.train.micro_batch_size
+    dp, r = _dp(setup)
     total, count = 0.0, 0
-    for batch in setup.data.packed.val_batches(setup.cfg.train.micro_batch_size, setup.cfg.train.eval_batches):
+    for batch in setup.data.packed.val_batches(mbs * dp, setup.cfg.train.eval_batches):
+        if dp > 1:
+            batch = batch[r * mbs : (r + 1) * mbs]
+            if batch.shape[0] == 0:  # a short last batch: keep every rank in the collectives
+                batch = setup.data.packed.val_batches(1, 1)[0]
+                _loss(setup, batch)
+                continue
         n = batch.shape[0] * (batch.shape[1] - 1)
         total += _loss(setup, batch).item() * n
         count += n
     setup.model.train()
-    return total / count
+    sums = _dp_mean(setup, torch.tensor([total, float(count)], dtype=torch.float64, device=setup.device))
+    return float(sums[0] / sums[1])
 
 
 def _save(setup: Setup, out_dir: Path, step: int, phase: str) -> str:
     state = {
         "step": step,
         "phase": phase,
-        "optimizer": setup.optimizer.state_dict(),
+        "optimizer": None if setup.distributed else setup.optimizer.state_dict(),
         "scheduler": setup.scheduler.state_dict(),
         "data": setup.data.packed.state_dict(),
         "rng": ckpt.rng_state(setup.device),
     }
-    path = ckpt.save_checkpoint(out_dir / "checkpoints" / ckpt.checkpoint_name(step), setup.model, state)
-    return path.name
+    directory = out_dir / "checkpoints" / ckpt.checkpoint_name(step)
+    if setup.distributed:
+        del state["optimizer"]  # in the DCP files, sharded
+        state["layout"] = setup.info["parallel"]
+        return ckpt.save_distributed_checkpoint(directory, setup.model, setup.optimizer, state).name
+    return ckpt.save_checkpoint(directory, setup.model, state).name
 
 
 def run_loop(setup: Setup, out_dir: Path, writer: MetricsWriter, console: Console) -> LoopResult:
@@ -125,7 +195,9 @@ def run_loop(setup: Setup, out_dir: Path, writer: MetricsWriter, console: Consol
     cfg, t, f8 = setup.cfg, setup.cfg.train, setup.cfg.fp8
     model, opt, sched = setup.model, setup.optimizer, setup.scheduler
     params = [p for p in model.parameters() if p.requires_grad]
-    tokens_per_step = t.micro_batch_size * t.grad_accum * cfg.data.seq_length
+    dp, _ = _dp(setup)
+    world = setup.dims.world_size if setup.dims else 1
+    tokens_per_step = t.micro_batch_size * t.grad_accum * cfg.data.seq_length * dp  # all ranks
     phase_of = lambda s: precision_at(  # noqa: E731
         s, mixed_precision=t.mixed_precision, steps=t.steps,
         bf16_warmup_steps=f8.bf16_warmup_steps, bf16_cooldown_steps=f8.bf16_cooldown_steps,
@@ -152,15 +224,20 @@ def run_loop(setup: Setup, out_dir: Path, writer: MetricsWriter, console: Consol
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), device=setup.device)
             for _ in range(t.grad_accum):
-                loss = _loss(setup, setup.data.packed.next_batch(t.micro_batch_size))
+                loss = _loss(setup, next_micro_batch(setup))
                 (loss / t.grad_accum).backward()
                 loss_sum += loss.detach()
-            grad_norm = clip_grad_norm(params, t.grad_clip, opt)
+            if setup.distributed:
+                grad_norm = grad_norm_and_clip(params, t.grad_clip)
+            else:
+                grad_norm = clip_grad_norm(params, t.grad_clip, opt)
             opt.step()
+            if setup.parallel is not None:
+                after_optimizer_step(model, setup.parallel)  # FP8 all-gather: next step's weight scales
             lr = sched.get_last_lr()[0]
             sched.step()
             opt.zero_grad(set_to_none=True)
-            loss_val = (loss_sum / t.grad_accum).item()
+            loss_val = _dp_mean(setup, loss_sum / t.grad_accum).item()
             dt = time.perf_counter() - t0
             done = step + 1
             tps = tokens_per_step / dt
@@ -170,10 +247,11 @@ def run_loop(setup: Setup, out_dir: Path, writer: MetricsWriter, console: Consol
                 "lr": lr,
                 "grad_norm": float(grad_norm),
                 "tokens_per_s": tps,
+                "tokens_per_s_per_gpu": tps / world,
                 "step_ms": dt * 1e3,
-                "peak_mem_gib": peak_memory_gib(setup.device),
+                "peak_mem_gib": _max_over_ranks(setup, peak_memory_gib(setup.device)),
                 "state_bytes_per_param": setup.info["training_state_bytes"]["total"],
-                "mfu": (tps * setup.flops_per_token / setup.peak_flops) if setup.peak_flops else None,
+                "mfu": (tps / world * setup.flops_per_token / setup.peak_flops) if setup.peak_flops else None,
                 "precision": phase,
                 "fp8_modules": count_fp8_modules(model) if phase == "fp8" else 0,
                 "epoch": setup.data.packed.epoch_fraction,
@@ -194,6 +272,7 @@ def run_loop(setup: Setup, out_dir: Path, writer: MetricsWriter, console: Consol
                 progress.console.print(
                     f"step {done:>6}/{t.steps} loss {loss_val:.4f}{val} lr {lr:.2e} gnorm {record['grad_norm']:.3f} "
                     f"{phase} {dt * 1e3:.0f} ms {tps / 1e3:.1f}K tok/s"
+                    + (f" ({tps / world / 1e3:.1f}K/GPU)" if world > 1 else "")
                 )
             if result.diverged:
                 break

@@ -1,9 +1,12 @@
 """Everything a run needs, built and checked before the run directory is written.
 
-Order (one place): device and FP8 capability -> resume checkpoint located -> data (corpus, tokenizer,
-packing) -> model on the device -> sites and decisions -> resume compatibility -> optimizer and LR
-schedule. Every step can fail with a one-line :class:`~fp8kit.errors.Fp8kitError`; none of them
-writes into the run directory (the tokenizer cache is the only thing written, and it is atomic).
+Order (one place): parallel layout checked against the world size (and, under torchrun, the process
+group and DeviceMesh started) -> device and FP8 capability -> resume checkpoint located -> data
+(corpus, tokenizer, packing; rank 0 first, the others read its cache) -> model on the device -> sites
+and decisions -> resume compatibility -> (distributed) ``parallelize``: TP -> FP8 -> AC -> FSDP2 ->
+compile -> optimizer and LR schedule (after ``parallelize``: FSDP2 replaces the parameters). Every
+step can fail with a one-line :class:`~fp8kit.errors.Fp8kitError`; none of them writes into the run
+directory (the tokenizer cache is the only thing written, and it is atomic).
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from torch import nn
 
 from fp8kit.config import RunConfig
 from fp8kit.data.prepare import PreparedData, prepare_data
-from fp8kit.errors import CapabilityError
+from fp8kit.distributed.mesh import ParallelDims, launched_world_size, resolve_dims
+from fp8kit.errors import CapabilityError, ConfigError
 from fp8kit.fp8.capability import fp8_support
 from fp8kit.fp8.decide import Decision, decide
-from fp8kit.fp8.options import options_from_config
+from fp8kit.fp8.options import grouped_gemm_config, options_from_config
 from fp8kit.fp8.recipes import float8_linear_config
 from fp8kit.fp8.sites import find_sites
 from fp8kit.models.build import build_hf_config, build_model, count_params, flops_per_token
@@ -54,6 +58,20 @@ class Setup:
     info: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     loss_fn: object = None  # set by loop.prepare_model (compiled when train.compile)
+    dims: ParallelDims | None = None  # the resolved [distributed] sizes (world size 1: all 1)
+    mesh: object = None  # DeviceMesh ("dp_replicate", "dp_shard", "tp") of a distributed run, else None
+    parallel: object = None  # fp8kit.distributed.parallelize.Parallelized of a distributed run, else None
+
+    @property
+    def distributed(self) -> bool:
+        """Launched on more than one process (torchrun): FSDP2 / TP through ``parallelize``."""
+        return self.mesh is not None
+
+    @property
+    def param_order(self) -> list[str]:
+        """FQNs of the optimizer's parameters in its order (maps index-keyed optimizer states to FQNs)."""
+        names = {id(p): n.replace("_checkpoint_wrapped_module.", "") for n, p in self.model.named_parameters()}
+        return [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -125,6 +143,15 @@ def build_optimizer(cfg: RunConfig, model: nn.Module, device: torch.device):
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in decay + no_decay):
+        # Tensor parallel without FSDP2 leaves embeddings, norms and lm_head plain tensors beside the TP
+        # DTensors; a fused/foreach AdamW kernel takes one kind per group, so split each group by kind.
+        groups = [
+            {**g, "params": [p for p in g["params"] if isinstance(p, DTensor) == kind]}
+            for g in groups for kind in (True, False)
+        ]
     groups = [g for g in groups if g["params"]]
     if o.name == "fp8_adamw":
         from fp8kit.optim import FP8AdamW, FP8AdamWPrecision
@@ -150,20 +177,22 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
     """
     say = status or (lambda _m: None)
     d = cfg.distributed
-    if d.tp * d.ep * d.etp > 1:
-        from fp8kit.errors import ConfigError
-
-        raise ConfigError(
-            f"[distributed] tp={d.tp} ep={d.ep} etp={d.etp}: multi-GPU execution is not part of this fp8kit "
-            f"version yet; `fp8kit plan` and bench-layers honour these sizes, `train` needs them all 1"
-        )
+    dims = resolve_dims(d.dp_shard, d.dp_replicate, d.tp, d.ep, launched_world_size())
+    if dims.distributed:
+        check_distributed_config(cfg)
     device = resolve_device(cfg.train.device)
     capability = check_fp8_capability(cfg, device)
     resume_ckpt = ckpt.find_checkpoint(resume) if resume is not None else None
     resume_state = ckpt.load_train_state(resume_ckpt) if resume_ckpt is not None else None
+    mesh = None
+    if dims.distributed:
+        from fp8kit.distributed.mesh import init_distributed
+
+        say(f"starting the process group ({dims.describe()})")
+        mesh, device = init_distributed(dims, device)
 
     say("preparing data")
-    data = prepare_data(cfg.data, micro_batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed, status=say)
+    data = _prepare_data_rank0_first(cfg, say, distributed=dims.distributed)
 
     say("building the model")
     hf_cfg = build_hf_config(cfg.model, cfg.data.vocab_size)
@@ -181,13 +210,30 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
 
     options = options_from_config(cfg, hf_cfg, device_name(device))
     decisions = decide(find_sites(model), options)
+    if any(d.is_fp8 and d.site.is_grouped_weight for d in decisions):
+        # FP8 MoE experts need an FP8 grouped GEMM on this device (or fp8.emulate): fail now, not mid-run.
+        from fp8kit.moe.grouped_mm import resolve_backend
+
+        resolve_backend(grouped_gemm_config(cfg), device)
     float8_config = None
     if cfg.train.mixed_precision == "fp8":
+        from fp8kit.distributed.parallelize import fp8_all_gather_choice
+
         float8_config = float8_linear_config(
-            cfg.fp8.recipe, emulate=cfg.fp8.emulate and not fp8_support(device)[0]
+            cfg.fp8.recipe,
+            emulate=cfg.fp8.emulate and not fp8_support(device)[0],
+            enable_fsdp_float8_all_gather=fp8_all_gather_choice(
+                cfg.fp8.enable_fsdp_float8_all_gather, cfg.fp8.recipe, dims.fsdp and dims.distributed
+            ),
         )
-    optimizer, scheduler = build_optimizer(cfg, model, device)
     params = count_params(model)
+    parallel = None
+    if dims.distributed:
+        from fp8kit.distributed.parallelize import parallelize
+
+        say("parallelizing the model")
+        parallel = parallelize(model, mesh, cfg, decisions, float8_config=float8_config, hf_cfg=hf_cfg)
+    optimizer, scheduler = build_optimizer(cfg, model, device)
     setup = Setup(
         cfg=cfg,
         device=device,
@@ -205,6 +251,9 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
         resume_from=resume_ckpt,
         resume_state=resume_state,
         warnings=list(options.warnings),
+        dims=dims,
+        mesh=mesh,
+        parallel=parallel,
     )
     setup.info = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -224,8 +273,53 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
         "bf16_peak_flops": setup.peak_flops,
         "warnings": setup.warnings,
         "training_state_bytes": training_state_bytes([p for p in model.parameters() if p.requires_grad], optimizer),
+        "parallel": {
+            "world_size": dims.world_size,
+            "dp_replicate": dims.dp_replicate,
+            "dp_shard": dims.dp_shard,
+            "tp": dims.tp,
+            "steps": parallel.steps if parallel else [],
+            "fp8_all_gather": bool(parallel and parallel.fp8_all_gather),
+            "notes": parallel.notes if parallel else [],
+        },
     }
+    if parallel is not None:
+        setup.warnings.extend(parallel.notes)
     return setup
+
+
+def check_distributed_config(cfg: RunConfig) -> None:
+    """Refuse what a distributed (FSDP2 / TP) run cannot do, one line each.
+
+    Raises:
+        ConfigError: ``optim.name = "fp8_adamw"`` (FP8AdamW flattens plain tensors and does not take
+            DTensor parameters), or a precision schedule (it swaps modules that FSDP2/TP have wrapped).
+    """
+    if cfg.optim.name == "fp8_adamw":
+        raise ConfigError(
+            "optim.name = \"fp8_adamw\": FP8AdamW does not take the DTensor parameters of FSDP2 / tensor parallel; "
+            "use optim.name = \"adamw\" for a torchrun launch of more than one process"
+        )
+    f8 = cfg.fp8
+    if cfg.train.mixed_precision == "fp8" and (f8.bf16_warmup_steps or f8.bf16_cooldown_steps):
+        raise ConfigError(
+            f"fp8.bf16_warmup_steps = {f8.bf16_warmup_steps} / fp8.bf16_cooldown_steps = {f8.bf16_cooldown_steps}: "
+            f"the precision schedule swaps modules that FSDP2 / tensor parallel hold, which is not supported in a "
+            f"distributed run; set both to 0"
+        )
+
+
+def _prepare_data_rank0_first(cfg: RunConfig, say, *, distributed: bool) -> PreparedData:
+    """Prepare the data; in a distributed run rank 0 first (it trains the tokenizer and writes the token
+    cache), then the other ranks, which read the cache."""
+    kw = dict(micro_batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed, status=say)
+    if not distributed:
+        return prepare_data(cfg.data, **kw)
+    import torch.distributed as dist
+
+    data = prepare_data(cfg.data, **kw) if dist.get_rank() == 0 else None
+    dist.barrier()
+    return data if data is not None else prepare_data(cfg.data, **kw)
 
 
 def restore(setup: Setup) -> None:
@@ -233,8 +327,12 @@ def restore(setup: Setup) -> None:
     if setup.resume_from is None:
         return
     state = setup.resume_state
-    ckpt.load_model_weights(setup.resume_from, setup.model)
-    setup.optimizer.load_state_dict(state["optimizer"])
+    if setup.distributed or ckpt.is_dcp(setup.resume_from):
+        # Any layout -> this layout (DCP reshards; a single-process checkpoint loads as full state dicts).
+        ckpt.load_into(setup.resume_from, setup.model, setup.optimizer, state, param_order=setup.param_order)
+    else:
+        ckpt.load_model_weights(setup.resume_from, setup.model)
+        setup.optimizer.load_state_dict(state["optimizer"])
     setup.scheduler.load_state_dict(state["scheduler"])
     setup.data.packed.load_state_dict(state["data"])
     ckpt.set_rng_state(state["rng"], setup.device)

@@ -1,4 +1,8 @@
-"""``fp8kit train``: set up (checked, nothing written) -> run directory -> loop -> summary."""
+"""``fp8kit train``: set up (checked, nothing written) -> run directory -> loop -> summary.
+
+Under torchrun every rank runs this function; only global rank 0 writes the run directory (config,
+reports, metrics, summary) and prints. Distributed checkpoints are written by all ranks (DCP).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from rich.console import Console
 
 from fp8kit.config import RunConfig, save_config
 from fp8kit.console import make_console
+from fp8kit.distributed.mesh import launched_world_size
 from fp8kit.fp8.decide import summarize
 from fp8kit.fp8.report import print_report, save_report
 from fp8kit.optim.memory import format_state_bytes
@@ -48,6 +53,9 @@ def train(
             loss becomes NaN/inf (metrics and summary are written first).
     """
     console = console or make_console()
+    launched = launched_world_size() > 1
+    if launched and not _env_rank0():
+        console = Console(quiet=True)  # only rank 0 prints
     resume_path = Path(resume) if resume is not None else None
     resume_run = None
     if resume_path is not None:
@@ -62,11 +70,22 @@ def train(
 
     with console.status("setting up") as status:
         setup = build_setup(cfg, resume=resume_path, status=lambda m: status.update(m))
+    main = True
+    if setup.distributed:
+        import torch.distributed as dist
+
+        main = dist.get_rank() == 0
+        box = [str(out_dir)]
+        dist.broadcast_object_list(box, src=0)  # the default name holds the time: take rank 0's
+        out_dir = Path(box[0])
     restore(setup)
 
-    create_run_dir(out_dir)
-    save_config(cfg, out_dir / "resolved_config.toml")
-    (out_dir / "run_info.json").write_text(json.dumps(setup.info, indent=1) + "\n", encoding="utf-8")
+    if main:
+        create_run_dir(out_dir)
+        save_config(cfg, out_dir / "resolved_config.toml")
+        (out_dir / "run_info.json").write_text(json.dumps(setup.info, indent=1) + "\n", encoding="utf-8")
+    if not main:
+        return _train_other_rank(setup, out_dir, console)
     header = {
         "model": _model_desc(cfg),
         "mixed_precision": cfg.train.mixed_precision,
@@ -95,6 +114,9 @@ def train(
         "wall_s": loop.wall_s,
         "status": "diverged" if loop.diverged else "ok",
         "switches": loop.switches,
+        "parallel": _parallel_desc(setup),
+        "parallel_notes": setup.info["parallel"]["notes"],
+        "world_size": setup.info["parallel"]["world_size"],
     }
     summary = summarize_run(records, switches=[s for s, _ in loop.switches], info=setup.info, setup_desc=desc)
     save_summary(summary, out_dir)
@@ -103,6 +125,39 @@ def train(
     if loop.diverged:
         raise TrainingDiverged(f"training diverged: {loop.diverged}; metrics and summary are in {out_dir}")
     return TrainResult(out_dir, summary, records, loop)
+
+
+def _env_rank0() -> bool:
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _train_other_rank(setup: Setup, out_dir: Path, console: Console) -> TrainResult:
+    """A rank other than 0: the same loop (collectives, DCP checkpoints), nothing written but checkpoints."""
+
+    class _NoWriter:
+        def write(self, record: dict) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    loop = run_loop(setup, out_dir, _NoWriter(), console)
+    if loop.diverged:
+        raise TrainingDiverged(f"training diverged: {loop.diverged}")
+    return TrainResult(out_dir, {}, loop.records, loop)
+
+
+def _parallel_desc(setup: Setup) -> str:
+    p = setup.info["parallel"]
+    if p["world_size"] == 1:
+        return "single process"
+    desc = f"{p['world_size']} ranks: dp_replicate {p['dp_replicate']} x dp_shard {p['dp_shard']} x tp {p['tp']}"
+    desc += f" ({' -> '.join(p['steps'])})"
+    if setup.cfg.train.mixed_precision == "fp8" and (p["dp_shard"] > 1 or p["dp_replicate"] > 1):
+        desc += ", FP8 all-gather" if p["fp8_all_gather"] else ", BF16 all-gather"
+    return desc
 
 
 def _model_desc(cfg: RunConfig) -> str:
@@ -136,6 +191,7 @@ def _print_start(setup: Setup, console: Console) -> None:
     )
     console.print(f"data: {info['corpus']}; {info['tokens']:,} tokens ({info['tokenizer']})")
     console.print(f"FP8: {setup.capability}")
+    console.print(f"parallel: {_parallel_desc(setup)}")
     console.print(f"optimizer: {_optim_desc(cfg)}; training state {format_state_bytes(info['training_state_bytes'])}")
     for w in setup.warnings:
         console.print(f"[bold yellow]warning:[/] {w}")

@@ -1,0 +1,232 @@
+"""Distributed training on CPU (gloo, 2 processes through torchrun): FSDP2 and TP against one process.
+
+One ``torchrun --nproc_per_node 2`` launch (tests/distributed_worker.py) trains five small runs of 10 steps
+(FSDP2 bf16, FSDP2 fp8 with FP8 all-gather and a DCP checkpoint at step 5, TP=2 bf16, TP=2 fp8, TP=2 with
+sequence parallel bf16); the
+single-process references run here with the same global batch (4 sequences). Tolerances (absolute, per
+step, on the training loss):
+
+- bf16: 2e-3 (measured 4e-4 FSDP2, 6e-4 TP; torch 2.13 CPU). FSDP2 reduce-scatters the gradients in
+  fp32 and each rank's matmuls see 2 of the 4 sequences; TP splits the matmul reductions: bf16
+  rounding differs from one process, nothing else.
+- fp8: 1e-2 (measured 4.3e-3 FSDP2, 2.4e-3 TP, 2.6e-3 DCP resume 2 -> 1). Also the tensorwise scales of
+  activations and gradients come from each rank's own rows under FSDP2 (dynamic scaling is per rank,
+  as on any data-parallel run).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8kit.config import load_config
+from fp8kit.distributed.mesh import resolve_dims
+from fp8kit.errors import ConfigError
+from fp8kit.train.metrics import read_metrics
+from fp8kit.train.trainer import train
+from tests.conftest import small_run_overrides
+
+ROOT = Path(__file__).resolve().parent.parent
+TOL = {"bf16": 2e-3, "fp8": 1e-2}
+BASE = ["train.steps=10", "train.eval_every=0", "train.checkpoint_every=0"]
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the torchrun ranks use one thread each; a shared 2-core box stalls otherwise
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def dist_runs(cache_dir, tmp_path_factory, one_thread):
+    """Output root of the four 2-rank runs (torchrun, the user's launcher)."""
+    # Prepare the tokenizer/token cache once in this process so the ranks only read it.
+    train(load_config(None, small_run_overrides(cache_dir) + ["train.steps=1", "train.final_checkpoint=false",
+                                                              "train.mixed_precision=bf16"]),
+          tmp_path_factory.mktemp("warm") / "r")
+    out = tmp_path_factory.mktemp("dist")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+           str(ROOT / "tests" / "distributed_worker.py"), str(out), str(cache_dir),
+           "fsdp_bf16", "fsdp_fp8", "tp_bf16", "tp_fp8", "tpsp_bf16", "fsdp_moe_fp8"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(cache_dir, tmp_path_factory, one_thread):
+    """Single-process losses (micro_batch_size 4 = the 2-rank runs' global batch) per precision."""
+    out = tmp_path_factory.mktemp("ref")
+    refs = {}
+    for prec in ("bf16", "fp8"):
+        cfg = load_config(None, small_run_overrides(cache_dir) + BASE + [f"train.mixed_precision={prec}",
+                                                                         "train.checkpoint_every=5"])
+        metrics = train(cfg, out / prec).metrics
+        refs[prec] = [r["loss"] for r in metrics]
+        refs[f"{prec}_val"] = metrics[-1]["val_loss"]
+    refs["dir"] = out
+    return refs
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")]
+
+
+def _close(got: list[float], want: list[float], tol: float, what: str) -> None:
+    diffs = [abs(a - b) for a, b in zip(got, want, strict=True)]
+    table = "\n".join(
+        f"  step {i + 1}: {a:.5f} vs {b:.5f} (diff {d:.2e})"
+        for i, (a, b, d) in enumerate(zip(got, want, diffs, strict=True))
+    )
+    assert max(diffs) <= tol, f"{what}: max |diff| {max(diffs):.2e} > {tol:.0e}\n{table}"
+
+
+@pytest.mark.parametrize("layout, prec", [("fsdp", "bf16"), ("fsdp", "fp8"), ("tp", "bf16"), ("tp", "fp8"),
+                                          ("tpsp", "bf16")])
+def test_two_ranks_match_one_process(dist_runs, references, layout, prec):
+    records = read_metrics(dist_runs / f"{layout}_{prec}" / "metrics.jsonl")
+    got = [r["loss"] for r in records]
+    assert len(got) == 10
+    _close(got, references[prec], TOL[prec], f"{layout} x2 {prec} vs 1 process")
+    # the validation loss (same windows: global batch 4) is averaged over the data-parallel ranks
+    _close([records[-1]["val_loss"]], [references[f"{prec}_val"]], TOL[prec], f"{layout} x2 {prec} val loss")
+
+
+def test_layout_is_recorded_in_the_summary(dist_runs):
+    import json
+
+    fsdp = json.loads((dist_runs / "fsdp_fp8" / "summary.json").read_text())
+    assert fsdp["parallel"] == "2 ranks: dp_replicate 1 x dp_shard 2 x tp 1 (fp8 -> fsdp2), FP8 all-gather", fsdp["parallel"]
+    assert fsdp["world_size"] == 2 and fsdp["tokens_per_s_per_gpu"] == pytest.approx(fsdp["tokens_per_s"] / 2)
+    tp = json.loads((dist_runs / "tp_fp8" / "summary.json").read_text())
+    assert tp["parallel"].startswith("2 ranks: dp_replicate 1 x dp_shard 1 x tp 2 (tp -> fp8)"), tp["parallel"]
+    # only rank 0 writes: one metrics line per step
+    assert len(read_metrics(dist_runs / "tp_fp8" / "metrics.jsonl")) == 10
+
+
+def test_dcp_two_ranks_resume_on_one_process(dist_runs, cache_dir, tmp_path, one_thread):
+    ck = dist_runs / "fsdp_fp8" / "checkpoints" / "step_000005"
+    assert (ck / "dcp" / ".metadata").is_file() and not (ck / "model.safetensors").exists()
+    cfg = load_config(None, small_run_overrides(cache_dir) + BASE + ["train.mixed_precision=fp8"])
+    resumed = [r["loss"] for r in train(cfg, tmp_path / "resumed", resume=ck).metrics]
+    uninterrupted = _losses(dist_runs / "fsdp_fp8")[5:]
+    assert len(resumed) == 5
+    _close(resumed, uninterrupted, TOL["fp8"], "2 ranks -> resume on 1 process vs the uninterrupted 2-rank run")
+
+
+def test_single_process_checkpoint_resumes_on_two_ranks(references, tmp_path):
+    """1 process (safetensors) -> torchrun 2 ranks (FSDP2), through the user's command."""
+    ck = references["dir"] / "fp8" / "checkpoints" / "step_000005"
+    out = tmp_path / "resumed"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+           "-m", "fp8kit", "train", "--resume", str(ck), "--out", str(out), "--set", "train.micro_batch_size=2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    _close(_losses(out), references["fp8"][5:], TOL["fp8"], "1 process -> resume on 2 ranks vs the uninterrupted run")
+
+
+def test_tp_with_fsdp2_and_fp8_all_gather_on_four_ranks(references, cache_dir, tmp_path):
+    """TP 2 x FSDP2 2 with FP8 all-gather (the combination seed 001 refuses), 3 steps on 4 gloo ranks.
+
+    The LR warmup (10 steps) does not depend on train.steps, so 3 steps equal the reference's first 3.
+    """
+    import json
+
+    out = tmp_path / "tp_fsdp"
+    sets = small_run_overrides(cache_dir) + ["train.steps=3", "train.eval_every=0", "train.checkpoint_every=0",
+                                             "train.final_checkpoint=false", "train.micro_batch_size=2",
+                                             "distributed.tp=2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--standalone",
+           "-m", "fp8kit", "train", "--out", str(out)] + [a for s in sets for a in ("--set", s)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["parallel"] == "4 ranks: dp_replicate 1 x dp_shard 2 x tp 2 (tp -> fp8 -> fsdp2), FP8 all-gather", (
+        summary["parallel"]
+    )
+    _close(_losses(out), references["fp8"][:3], TOL["fp8"], "tp 2 x dp_shard 2 fp8 vs 1 process")
+
+
+def test_export_from_dcp_checkpoint_loads_in_transformers(dist_runs, tmp_path, one_thread):
+    from transformers import AutoModelForCausalLM
+
+    from fp8kit.config import load_config as load
+    from fp8kit.models.build import build_model
+    from fp8kit.train import checkpoint as ckpt
+
+    run = dist_runs / "fsdp_fp8"
+    out = ckpt.export_checkpoint(run, tmp_path / "export")
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    hf = AutoModelForCausalLM.from_pretrained(out)
+    assert all(p.dtype == torch.bfloat16 for p in hf.parameters())
+    cfg = load(str(run / "resolved_config.toml"), [])
+    ours = build_model(cfg.model, cfg.data.vocab_size, device="cpu", seed=123)
+    ck = ckpt.find_checkpoint(run)
+    ckpt.load_into(ck, ours, None, ckpt.load_train_state(ck))
+    x = torch.randint(0, cfg.data.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = hf(input_ids=x).logits, ours(input_ids=x).logits
+    assert torch.equal(a, b), f"max |diff| {(a.float() - b.float()).abs().max().item()}"
+
+
+def test_moe_fp8_experts_under_fsdp2_match_one_process(dist_runs, cache_dir, tmp_path, one_thread):
+    """tiny-moe with FP8 grouped experts: FSDP2 on 2 ranks vs one process, same global batch."""
+    cfg = load_config(None, small_run_overrides(cache_dir) + BASE + ["model.preset=tiny-moe",
+                                                                     "train.mixed_precision=fp8"])
+    ref = [r["loss"] for r in train(cfg, tmp_path / "moe_ref").metrics]
+    records = read_metrics(dist_runs / "fsdp_moe_fp8" / "metrics.jsonl")
+    assert all(r["fp8_modules"] == 10 for r in records), [r["fp8_modules"] for r in records]
+    _close([r["loss"] for r in records], ref, TOL["fp8"], "fsdp2 tiny-moe fp8")
+
+
+def test_world_size_that_does_not_match_the_mesh():
+    with pytest.raises(ConfigError) as e:
+        resolve_dims(dp_shard=4, dp_replicate=1, tp=1, ep=1, world_size=2)
+    assert str(e.value) == (
+        "[distributed] dp_replicate = 1 x dp_shard = 4 x tp = 1 = 4 ranks, but the world size is 2 (torchrun "
+        "--nproc_per_node x --nnodes); set dp_shard = -1 to fill the mesh"
+    ), str(e.value)
+    with pytest.raises(ConfigError, match="tp = 3 = 3 does not divide the world size 2"):
+        resolve_dims(dp_shard=-1, dp_replicate=1, tp=3, ep=1, world_size=2)
+    with pytest.raises(ConfigError, match=r"expert parallelism .* is not implemented"):
+        resolve_dims(dp_shard=-1, dp_replicate=1, tp=1, ep=2, world_size=2)
+    d = resolve_dims(dp_shard=-1, dp_replicate=2, tp=2, ep=1, world_size=8)
+    assert (d.dp_replicate, d.dp_shard, d.tp, d.dp) == (2, 2, 2, 4)
+
+
+def test_torchrun_mismatch_is_one_clear_line(cache_dir, tmp_path):
+    """The user's command with a mesh that does not fit the launch: exit 2, the error, no run directory."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+           "-m", "fp8kit", "train", "--out", str(out), "--set", "distributed.tp=4", "--set", f"data.cache_dir={cache_dir}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert errors and "tp = 4 = 4 does not divide the world size 2" in errors[0], proc.stderr[-3000:]
+    assert not out.exists()
+
+
+def test_sequence_parallel_with_fp8_is_refused(small_run):
+    with pytest.raises(ConfigError, match="sequence parallel with FP8 linears is not supported yet"):
+        load_config(None, small_run + ["distributed.tp=2", "distributed.sequence_parallel=true"])
+
+
+def test_fp8_adamw_is_refused_under_torchrun(monkeypatch, small_run):
+    from fp8kit.train.setup import build_setup
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="FP8AdamW does not take the DTensor parameters"):
+        build_setup(load_config(None, small_run + ["optim.name=fp8_adamw"]))
