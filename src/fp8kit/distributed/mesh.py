@@ -26,12 +26,14 @@ class ParallelDims:
         dp_shard: FSDP2 sharding size (``-1`` resolved).
         tp: tensor-parallel size.
         world_size: the number of processes.
+        ep: expert-parallel size (ranks borrowed from data parallelism; ``fp8kit.moe.expert_parallel``).
     """
 
     dp_replicate: int
     dp_shard: int
     tp: int
     world_size: int
+    ep: int = 1
 
     @property
     def dp(self) -> int:
@@ -49,7 +51,7 @@ class ParallelDims:
 
     def describe(self) -> str:
         return (f"world {self.world_size} = dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} "
-                f"x tp {self.tp}")
+                f"x tp {self.tp}" + (f", ep {self.ep}" if self.ep > 1 else ""))
 
 
 def resolve_dims(dp_shard: int, dp_replicate: int, tp: int, ep: int, world_size: int) -> ParallelDims:
@@ -57,13 +59,9 @@ def resolve_dims(dp_shard: int, dp_replicate: int, tp: int, ep: int, world_size:
 
     Raises:
         ConfigError: the product of the sizes differs from the world size (naming the keys and the
-            world size), or ``ep > 1`` (expert parallelism is not implemented yet).
+            world size), ``ep`` that does not divide ``dp_replicate x dp_shard``, or ``ep > 1`` with
+            ``tp > 1``.
     """
-    if ep > 1:
-        raise ConfigError(
-            f"distributed.ep = {ep}: expert parallelism (all-to-all token dispatch) is not implemented in this "
-            f"version; train MoE models with distributed.ep = 1 (FSDP2 shards the experts like other weights)"
-        )
     if dp_shard == -1:
         rest = dp_replicate * tp
         if world_size % rest:
@@ -79,7 +77,15 @@ def resolve_dims(dp_shard: int, dp_replicate: int, tp: int, ep: int, world_size:
             f"but the world size is {world_size} (torchrun --nproc_per_node x --nnodes); set dp_shard = -1 to fill "
             f"the mesh"
         )
-    return ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, world_size=world_size)
+    if ep > 1 and (dp_replicate * dp_shard) % ep:
+        raise ConfigError(
+            f"[distributed] ep = {ep} does not divide the data-parallel size dp_replicate x dp_shard = "
+            f"{dp_replicate * dp_shard} (expert parallelism borrows its ranks from data parallelism)"
+        )
+    if ep > 1 and tp > 1:
+        raise ConfigError(f"[distributed] ep = {ep} with tp = {tp}: expert parallelism with tensor parallelism "
+                          f"is not supported; use tp = 1")
+    return ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, world_size=world_size, ep=ep)
 
 
 def launched_world_size() -> int:

@@ -3,7 +3,7 @@
 Order (seed 001 and torchtitan), each step's reason next to it in :func:`parallelize`::
 
     tensor parallel (DTensor styles; FP8 linears through torchao's Float8 styles)
-      -> expert parallel (not implemented yet: ep > 1 is refused; MoE models run with FSDP2 over the experts)
+      -> expert parallel (MoE: E / ep experts per rank, all-to-all token dispatch; fp8kit.moe.expert_parallel)
       -> FP8 conversion of the remaining FP8 linears
       -> activation checkpointing (torch's checkpoint_wrapper per block)
       -> FSDP2 (fully_shard per block, then the root), FP8 or BF16 all-gather
@@ -182,20 +182,54 @@ def apply_ac(model: nn.Module) -> None:
         blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=False)
 
 
-def apply_fsdp(model: nn.Module, dp_mesh, *, param_dtype: torch.dtype) -> None:
+def apply_fsdp(model: nn.Module, dp_mesh, *, param_dtype: torch.dtype, ignored_params: set | None = None) -> None:
     """``fully_shard`` every block, then the root (embeddings, final norm, lm_head).
 
     Mixed precision: compute in bf16 (a no-op cast for bf16 parameters), gradients reduce-scattered in
-    fp32 (torchtitan's default: the average over ranks does not round in bf16).
+    fp32 (torchtitan's default: the average over ranks does not round in bf16). ``ignored_params``
+    (expert-parallel experts, already sharded over ``ep``) are left to their own gradient handling.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kw = {"ignored_params": set(ignored_params)} if ignored_params else {}
     blocks = _blocks(model)
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at the start of backward: keep them gathered.
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1, **kw)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, **kw)
+
+
+def apply_ep(model: nn.Module, mesh, cfg, decisions: list[Decision]) -> set:
+    """Expert parallelism over ``distributed.ep`` ranks (``fp8kit.moe.expert_parallel``); returns the expert
+    parameters (for FSDP2 to ignore).
+
+    Every experts module with 3-D weights becomes a ``Float8GroupedExperts`` (BF16 until the FP8
+    conversion decides otherwise) holding this rank's ``E / ep`` experts.
+
+    Raises:
+        ConfigError: no MoE experts in the model, an experts layout fp8kit cannot run, or ``ep`` that
+            does not divide the experts / data-parallel size, or ``tp > 1``.
+    """
+    from fp8kit.fp8.options import grouped_gemm_config
+    from fp8kit.moe.expert_parallel import EPGroup, ep_mesh, shard_experts
+    from fp8kit.moe.experts import layout_problem, swap_in
+
+    ep = cfg.distributed.ep
+    fqns = list(dict.fromkeys(d.site.module_fqn for d in decisions if d.site.is_grouped_weight))
+    if not fqns:
+        raise ConfigError(f"distributed.ep = {ep}: the model has no MoE experts to split")
+    dp = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
+    group = EPGroup(ep_mesh(mesh.device_type, dp, ep, mesh["tp"].size()), ep, dp)
+    params: set = set()
+    for fqn in fqns:
+        problem = layout_problem(model.get_submodule(fqn))
+        if problem:
+            raise ConfigError(f"distributed.ep = {ep}: {fqn}: {problem}")
+        module = swap_in(model, fqn, frozenset(), grouped_gemm_config(cfg))
+        shard_experts(module, group)
+        params.update((module.gate_up_proj, module.down_proj))
+    return params
 
 
 def parallelize(model: nn.Module, mesh, cfg, decisions: list[Decision], *, float8_config, hf_cfg=None) -> Parallelized:
@@ -214,7 +248,7 @@ def parallelize(model: nn.Module, mesh, cfg, decisions: list[Decision], *, float
         :class:`Parallelized`.
 
     Raises:
-        ConfigError: ep > 1, or a model the TP plan does not fit.
+        ConfigError: a model the TP or EP plan does not fit.
     """
     from fp8kit.distributed.mesh import dp_mesh
 
@@ -231,11 +265,13 @@ def parallelize(model: nn.Module, mesh, cfg, decisions: list[Decision], *, float
         apply_tp(model, mesh["tp"], decisions, float8_config, sequence_parallel=sp)
         done.steps.append("tp+sp" if sp else "tp")
 
-    # 2. Expert parallel would shard the experts here (before FP8, so the grouped FP8 experts see their
-    #    local experts). Not implemented yet: ep > 1 is refused in resolve_dims; with ep = 1 FSDP2 shards
-    #    the 3-D expert weights like any other weight (all-gathered per block).
+    # 2. Expert parallel before FP8: the experts modules become fp8kit's grouped experts holding only this
+    #    rank's E / ep experts (DTensor Shard(0) over "ep"), so the FP8 conversion below and the grouped
+    #    FP8 GEMMs see the local experts; FSDP2 later leaves these weights alone (ignored_params).
+    expert_params: set[nn.Parameter] = set()
     if cfg.distributed.ep > 1:
-        raise ConfigError("distributed.ep > 1: expert parallelism is not implemented in this version")
+        expert_params = apply_ep(model, mesh, cfg, decisions)
+        done.steps.append(f"ep{cfg.distributed.ep}")
 
     # 3. FP8 conversion of the remaining linears, after TP (it sees the TP-sharded modules) and before AC
     #    (AC must recompute through Float8Linear) and FSDP2 (FP8 all-gather needs torchao's weight
@@ -261,7 +297,7 @@ def parallelize(model: nn.Module, mesh, cfg, decisions: list[Decision], *, float
     #    weight wrappers) and shards them over the data-parallel ranks.
     if dp_shard > 1 or dp_replicate > 1:
         param_dtype = torch.float32 if cfg.train.param_dtype == "fp32" else torch.bfloat16
-        apply_fsdp(model, dp_mesh(mesh), param_dtype=param_dtype)
+        apply_fsdp(model, dp_mesh(mesh), param_dtype=param_dtype, ignored_params=expert_params)
         done.steps.append("fsdp2" if dp_replicate == 1 else "hsdp")
 
     # 6. Compile each block last: it traces the final modules (FSDP2's hooks are skipped by dynamo and

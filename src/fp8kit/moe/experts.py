@@ -21,6 +21,7 @@ from torch import nn
 
 from fp8kit.errors import Fp8kitError
 from fp8kit.moe import routing
+from fp8kit.moe.expert_parallel import ep_experts_forward, local_weight
 from fp8kit.moe.grouped_mm import GroupedGemmConfig, bf16_grouped_mm, fp8_grouped_mm, resolve_backend
 
 WEIGHTS = ("gate_up_proj", "down_proj")
@@ -91,10 +92,12 @@ class Float8GroupedExperts(nn.Module):
         self.fp8_weights = frozenset(fp8_weights)
         self.config = config or GroupedGemmConfig()
         self._backends: dict[str, str] = {}
+        self.ep_group = None  # set by moe/expert_parallel.shard_experts
         self.__dict__["source"] = source  # not a submodule: its weights are ours
 
     def extra_repr(self) -> str:
         e, n, k = self.gate_up_proj.shape
+        e = self.num_experts
         return (f"experts={e}, hidden={k}, intermediate={n // 2}, fp8={sorted(self.fp8_weights)}, "
                 f"backend={self.config.backend} {self._backends or ''}".rstrip())
 
@@ -106,7 +109,7 @@ class Float8GroupedExperts(nn.Module):
         return self._backends[key]
 
     def _linear(self, name: str, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        w = getattr(self, name)
+        w = local_weight(getattr(self, name))
         if name in self.fp8_weights:
             return fp8_grouped_mm(x, w, offs, self.backend(x.device), compile_quantize=self.config.compile_quantize)
         return bf16_grouped_mm(x, w, offs)
@@ -119,6 +122,8 @@ class Float8GroupedExperts(nn.Module):
         return src.act_fn(gate) * up
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "ep_group", None) is not None:  # expert parallel: moe/expert_parallel.py
+            return ep_experts_forward(self, hidden_states, top_k_index, top_k_weights)
         d = routing.dispatch(top_k_index, self.num_experts)
         x = routing.gather(hidden_states, d)
         h = self._gate(self._linear("gate_up_proj", x, d.offs))

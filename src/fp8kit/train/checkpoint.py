@@ -205,6 +205,15 @@ def _is_main() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
+def _DCP_OPTIONS():  # noqa: N802 - a constant built lazily (imports torch.distributed)
+    """DCP state-dict options: the optimizer state flattened to per-parameter keys, so that a checkpoint
+    loads into an optimizer with other parameter groups (a run's groups depend on its layout: plain
+    tensors, FSDP2 DTensors and expert-parallel DTensors go to separate fused-AdamW groups)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def save_distributed_checkpoint(directory: Path, model: nn.Module, optimizer, state: dict) -> Path:
     """Write a DCP checkpoint from every rank (collective), atomically; returns ``directory``.
 
@@ -222,7 +231,7 @@ def save_distributed_checkpoint(directory: Path, model: nn.Module, optimizer, st
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     _barrier()
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=_DCP_OPTIONS())
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / DCP_DIR))
     shapes = {k: list(v.shape) for k, v in msd.items()}
     if _is_main():
@@ -265,9 +274,9 @@ def load_into(ckpt: Path, model: nn.Module, optimizer, state: dict, *, param_ord
                 dcp.load({"model": msd}, checkpoint_id=str(ckpt / DCP_DIR))
                 set_model_state_dict(model, msd)
                 return
-            msd, osd = get_state_dict(model, optimizer)
+            msd, osd = get_state_dict(model, optimizer, options=_DCP_OPTIONS())
             dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(ckpt / DCP_DIR))
-            set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+            set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd, options=_DCP_OPTIONS())
             return
         full = load_file(str(ckpt / MODEL_FILE))
         aliases = json.loads((safe_open(str(ckpt / MODEL_FILE), framework="pt").metadata() or {}).get("fp8kit_tied", "{}"))

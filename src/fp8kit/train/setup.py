@@ -147,10 +147,14 @@ def build_optimizer(cfg: RunConfig, model: nn.Module, device: torch.device):
 
     if any(isinstance(p, DTensor) for p in decay + no_decay):
         # Tensor parallel without FSDP2 leaves embeddings, norms and lm_head plain tensors beside the TP
-        # DTensors; a fused/foreach AdamW kernel takes one kind per group, so split each group by kind.
+        # DTensors, and expert parallelism puts the experts on their own mesh; a fused/foreach AdamW kernel
+        # takes one kind (plain, or DTensors of one mesh) per group, so split each group by kind.
+        def kind(p) -> str:
+            return repr(p.device_mesh) if isinstance(p, DTensor) else ""
+
         groups = [
-            {**g, "params": [p for p in g["params"] if isinstance(p, DTensor) == kind]}
-            for g in groups for kind in (True, False)
+            {**g, "params": [p for p in g["params"] if kind(p) == k]}
+            for g in groups for k in dict.fromkeys(kind(p) for p in g["params"])
         ]
     groups = [g for g in groups if g["params"]]
     if o.name == "fp8_adamw":
@@ -333,7 +337,16 @@ def restore(setup: Setup) -> None:
     else:
         ckpt.load_model_weights(setup.resume_from, setup.model)
         setup.optimizer.load_state_dict(state["optimizer"])
-    setup.scheduler.load_state_dict(state["scheduler"])
+    sched = dict(state["scheduler"])
+    n_groups = len(setup.optimizer.param_groups)
+    if len(sched.get("base_lrs", [])) != n_groups:
+        # Another layout splits the parameters into other groups (plain / FSDP2 / expert-parallel
+        # DTensors); every group has the same schedule (train.lr x lr_factor(step)), so the step count
+        # carries it over.
+        sched["base_lrs"] = [sched["base_lrs"][0]] * n_groups
+        sched["_last_lr"] = [sched["_last_lr"][0]] * n_groups
+        sched["lr_lambdas"] = [None] * n_groups  # plain functions are not saved (LambdaLR stores None)
+    setup.scheduler.load_state_dict(sched)
     setup.data.packed.load_state_dict(state["data"])
     ckpt.set_rng_state(state["rng"], setup.device)
     setup.start_step = int(state["step"])
