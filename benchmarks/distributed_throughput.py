@@ -8,6 +8,8 @@ Variants (each a fresh ``torchrun --nproc_per_node 2 -m fp8kit train`` process g
     fsdp-fp8-bf16ag       FSDP2, fp8 tensorwise, BF16 all-gather (fp8.enable_fsdp_float8_all_gather=false)
     fsdp-fp8-fp8ag        FSDP2, fp8 tensorwise, FP8 all-gather (the default)
     tp-bf16, tp-fp8       tensor parallel 2 (dp 1: micro-batch 4 so the global batch equals FSDP2's)
+    moe-fsdp-bf16/-fp8    Qwen3-30B-A3B layer shapes (128 experts, 8 per token), FSDP2 over all weights
+    moe-ep-bf16/-fp8      the same with expert parallel 2 (64 experts per GPU, all-to-all dispatch)
 
 Each run's ``summary.json`` gives the median tokens/s (all ranks) and per GPU; speed-ups are per GPU
 against fsdp-bf16 of the same invocation. All-gather bytes per step are counted from the parameter
@@ -45,6 +47,12 @@ VARIANTS = {
     "fsdp-fp8-fp8ag": ["train.mixed_precision=fp8", "train.micro_batch_size=2", "fp8.enable_fsdp_float8_all_gather=true"],
     "tp-bf16": ["train.mixed_precision=bf16", "train.micro_batch_size=4", "distributed.tp=2"],
     "tp-fp8": ["train.mixed_precision=fp8", "train.micro_batch_size=4", "distributed.tp=2"],
+    "moe-fsdp-bf16": ["model.preset=qwen3-30b-a3b", "train.mixed_precision=bf16", "train.micro_batch_size=2"],
+    "moe-fsdp-fp8": ["model.preset=qwen3-30b-a3b", "train.mixed_precision=fp8", "train.micro_batch_size=2"],
+    "moe-ep-bf16": ["model.preset=qwen3-30b-a3b", "train.mixed_precision=bf16", "train.micro_batch_size=2",
+                    "distributed.ep=2"],
+    "moe-ep-fp8": ["model.preset=qwen3-30b-a3b", "train.mixed_precision=fp8", "train.micro_batch_size=2",
+                   "distributed.ep=2"],
 }
 
 
@@ -129,12 +137,14 @@ def main() -> int:
         print(json.dumps(r)[:400], flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
-    base = next((r for r in results["runs"] if r["variant"] == "fsdp-bf16" and r["ok"]), None)
-    print(f"\n{'variant':<18} {'tok/s/GPU':>10} {'step ms':>8} {'MFU':>6} {'peak GiB':>9} {'vs fsdp-bf16':>12}")
+    bases = {fam: next((r for r in results["runs"] if r["variant"] == f"{fam}fsdp-bf16" and r["ok"]), None)
+             for fam in ("", "moe-")}
+    print(f"\n{'variant':<18} {'tok/s/GPU':>10} {'step ms':>8} {'MFU':>6} {'peak GiB':>9} {'vs (moe-)fsdp-bf16':>18}")
     for r in results["runs"]:
         if not r["ok"]:
             print(f"{r['variant']:<18} FAILED: {r['error'][:150]}")
             continue
+        base = bases["moe-" if r["variant"].startswith("moe-") else ""]
         sp = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"] if base else float("nan")
         r["speedup_per_gpu_vs_fsdp_bf16"] = sp
         mfu = f"{r['mfu']:.1%}" if r["mfu"] else "-"
