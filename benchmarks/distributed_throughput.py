@@ -28,19 +28,10 @@ import sys
 import time
 from pathlib import Path
 
-COMMON = [
-    "model.preset=llama3-8b",
-    "data.vocab_size=32000",
-    "data.seq_length=4096",
-    "train.compile=true",
-    "train.eval_every=0",
-    "train.eval_batches=1",
-    "train.checkpoint_every=0",
-    "train.final_checkpoint=false",
-    "train.log_every=5",
-    "train.warmup_steps=5",
-    "train.lr=3e-4",
-]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_throughput import COMMON as THROUGHPUT_COMMON  # noqa: E402 - the shared benchmark settings
+
+COMMON = ["model.preset=llama3-8b", "data.seq_length=4096", *THROUGHPUT_COMMON]
 VARIANTS = {
     "fsdp-bf16": ["train.mixed_precision=bf16", "train.micro_batch_size=2"],
     "fsdp-fp8-bf16ag": ["train.mixed_precision=fp8", "train.micro_batch_size=2", "fp8.enable_fsdp_float8_all_gather=false"],
