@@ -322,3 +322,15 @@ def test_other_hf_moe_architectures_swap(model_type):
     db = sqnr(ref, got)
     # FP8 must have changed the numbers (a no-op swap would give inf) and kept them close
     assert OUT_DB <= db < 60, f"{model_type}: logits SQNR {db:.1f} dB"
+
+
+def test_bucketed_rows_bound_the_layout_and_limit_distinct_shapes():
+    """Expert parallel: the received pair count changes every step; the padded buffer takes few sizes."""
+    sizes = {routing.bucketed_rows(r, 64, 65536) for r in range(60000, 72000, 97)}
+    assert len(sizes) <= 3, sorted(sizes)
+    assert all(routing.bucketed_rows(r, 64, 65536) >= routing.padded_rows(r, 64) for r in (1, 999, 65536, 70000))
+    idx = torch.randint(0, 4, (50, 1), generator=torch.Generator().manual_seed(0))
+    d = routing.dispatch(idx, 4, rows=256)
+    assert d.rows == 256 and int(d.offs[-1]) <= 256
+    with pytest.raises(ValueError, match="below"):
+        routing.dispatch(idx, 4, rows=64)

@@ -152,7 +152,9 @@ def ep_experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: tor
     send_splits, recv_splits = splits
     recv = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, group.group)
     local_ids = torch.repeat_interleave(torch.arange(local, device=ids.device).repeat(ep), recv_counts)
-    d = routing.dispatch(local_ids[:, None], local)
+    # The received row count changes every step: bucket the padded buffer so that shape-autotuned
+    # kernels see only a few shapes (measured: 9.6 s per step on 2 x H200 without it, tuning each step).
+    d = routing.dispatch(local_ids[:, None], local, rows=routing.bucketed_rows(local_ids.numel(), local, ids.numel()))
     x = routing.gather(recv, d)
     h = module._gate(module._linear("gate_up_proj", x, d.offs))
     y = module._linear("down_proj", h, d.offs)[d.pair_rows]

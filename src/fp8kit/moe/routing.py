@@ -45,13 +45,25 @@ def padded_rows(num_pairs: int, num_experts: int, align: int = ALIGN) -> int:
     return -(-(num_pairs + num_experts * (align - 1)) // align) * align
 
 
-def dispatch(top_k_index: torch.Tensor, num_experts: int, align: int = ALIGN) -> Dispatch:
+def bucketed_rows(num_pairs: int, num_experts: int, scale: int, align: int = ALIGN) -> int:
+    """``P`` for a pair count that changes from step to step (expert parallelism: the rows a rank receives),
+    rounded up to a multiple of ``max(256, next_pow2(scale) / 8)`` so that only a few distinct shapes occur.
+
+    Kernels autotuned per shape (torchao's Triton quantization kernels) would otherwise tune again at every
+    step; ``scale`` is the typical pair count (e.g. this rank's own ``tokens x topk``).
+    """
+    step = max(256, (1 << max(scale - 1, 1).bit_length()) // 8)
+    return -(-padded_rows(num_pairs, num_experts, align) // step) * step
+
+
+def dispatch(top_k_index: torch.Tensor, num_experts: int, align: int = ALIGN, rows: int | None = None) -> Dispatch:
     """Plan the expert-sorted, padded layout for a router's choices.
 
     Args:
         top_k_index: (T, topk) integer expert ids in ``[0, num_experts)``.
         num_experts: E.
         align: group alignment in rows (16 for FP8).
+        rows: ``P`` to use instead of :func:`padded_rows` (at least that; see :func:`bucketed_rows`).
 
     Returns:
         A :class:`Dispatch`. Pairs of one expert keep their token order (stable sort).
@@ -70,6 +82,10 @@ def dispatch(top_k_index: torch.Tensor, num_experts: int, align: int = ALIGN) ->
     dest = (ends - padded)[sorted_ids] + rank
     pair_rows = torch.empty_like(dest).scatter_(0, order, dest)
     p = padded_rows(s, num_experts, align)
+    if rows is not None:
+        if rows < p:
+            raise ValueError(f"dispatch: rows = {rows} is below the {p} rows {s} pairs over {num_experts} experts may need")
+        p = rows
     gather_idx = torch.full((p,), num_tokens, dtype=torch.long, device=dev).scatter_(0, dest, order // topk)
     return Dispatch(gather_idx, pair_rows, ends.to(torch.int32), counts)
 
