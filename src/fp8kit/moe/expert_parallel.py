@@ -160,5 +160,4 @@ def ep_experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: tor
     y = module._linear("down_proj", h, d.offs)[d.pair_rows]
     back = all_to_all_single_autograd(y, send_splits, recv_splits, group.group)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    pairs = back[inverse].view(t, topk, -1)
-    return (pairs.float() * top_k_weights.float()[..., None]).sum(dim=1).to(hidden.dtype)
+    return routing.weighted_sum(back[inverse], top_k_weights, hidden.dtype)

@@ -96,10 +96,14 @@ def gather(hidden: torch.Tensor, d: Dispatch) -> torch.Tensor:
 
 
 def combine(rows: torch.Tensor, d: Dispatch, top_k_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """(P, H) expert outputs -> (T, H): each token's outputs weighted by its router weights and summed.
+    """(P, H) expert outputs -> (T, H): each token's outputs weighted by its router weights and summed
+    (:func:`weighted_sum`)."""
+    return weighted_sum(rows[d.pair_rows], top_k_weights, out_dtype)
 
-    The sum over the topk experts runs in float32 (as transformers' grouped_mm experts do).
-    """
+
+def weighted_sum(pair_rows: torch.Tensor, top_k_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """(S, H) outputs of the pairs in ``top_k_index.reshape(-1)`` order -> (T, H): weighted by the router
+    weights (T, topk) and summed over the topk experts in float32 (as transformers' grouped_mm experts do)."""
     t, topk = top_k_weights.shape
-    picked = rows[d.pair_rows].view(t, topk, rows.shape[1])
+    picked = pair_rows.view(t, topk, pair_rows.shape[1])
     return (picked.float() * top_k_weights.float()[..., None]).sum(dim=1).to(out_dtype)
