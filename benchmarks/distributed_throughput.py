@@ -8,6 +8,7 @@ Variants (each a fresh ``torchrun --nproc_per_node 2 -m fp8kit train`` process g
     fsdp-fp8-bf16ag       FSDP2, fp8 tensorwise, BF16 all-gather (fp8.enable_fsdp_float8_all_gather=false)
     fsdp-fp8-fp8ag        FSDP2, fp8 tensorwise, FP8 all-gather (the default)
     tp-bf16, tp-fp8       tensor parallel 2 (dp 1: micro-batch 4 so the global batch equals FSDP2's)
+    tpsp-bf16, tpsp-fp8   the same with sequence parallel (norms and residual stream split over tokens)
     moe-fsdp-bf16/-fp8    Qwen3-30B-A3B layer shapes (128 experts, 8 per token), FSDP2 over all weights
     moe-ep-bf16/-fp8      the same with expert parallel 2 (64 experts per GPU, all-to-all dispatch)
 
@@ -16,7 +17,8 @@ against fsdp-bf16 of the same invocation. All-gather bytes per step are counted 
 shapes and dtypes (:func:`all_gather_bytes`), not measured on the wire.
 
     python benchmarks/distributed_throughput.py --out /tmp/dist --steps 20
-    python benchmarks/distributed_throughput.py --variants fsdp-bf16,fsdp-fp8-fp8ag --layers 8
+    python benchmarks/distributed_throughput.py --variants fsdp-bf16,fsdp-fp8-fp8ag --layers 8 \
+        --set train.micro_batch_size=4
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ VARIANTS = {
     "fsdp-fp8-fp8ag": ["train.mixed_precision=fp8", "train.micro_batch_size=2", "fp8.enable_fsdp_float8_all_gather=true"],
     "tp-bf16": ["train.mixed_precision=bf16", "train.micro_batch_size=4", "distributed.tp=2"],
     "tp-fp8": ["train.mixed_precision=fp8", "train.micro_batch_size=4", "distributed.tp=2"],
+    "tpsp-bf16": ["train.mixed_precision=bf16", "train.micro_batch_size=4", "distributed.tp=2",
+                  "distributed.sequence_parallel=true"],
+    "tpsp-fp8": ["train.mixed_precision=fp8", "train.micro_batch_size=4", "distributed.tp=2",
+                 "distributed.sequence_parallel=true"],
     "moe-fsdp-bf16": ["model.preset=qwen3-30b-a3b", "train.mixed_precision=bf16", "train.micro_batch_size=2"],
     "moe-fsdp-fp8": ["model.preset=qwen3-30b-a3b", "train.mixed_precision=fp8", "train.micro_batch_size=2"],
     "moe-ep-bf16": ["model.preset=qwen3-30b-a3b", "train.mixed_precision=bf16", "train.micro_batch_size=2",
@@ -78,8 +84,9 @@ def all_gather_bytes(layers: int, fp8_all_gather: bool, world: int = 2) -> dict:
             "root_bytes": root_bytes, "block_bytes": block_bytes[0]}
 
 
-def run_variant(name: str, out: Path, steps: int, layers: int, cache: Path, timeout: int) -> dict:
+def run_variant(name: str, out: Path, steps: int, layers: int, cache: Path, timeout: int, extra: list[str]) -> dict:
     sets = COMMON + VARIANTS[name] + [f"model.num_layers={layers}", f"train.steps={steps}", f"data.cache_dir={cache}"]
+    sets += extra  # --set overrides last: they win over the variant's settings
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "fp8kit", "train", "--out", str(out / name)] + [a for s in sets for a in ("--set", s)]
     t0 = time.time()
@@ -106,11 +113,14 @@ def main() -> int:
     ap.add_argument("--cache", default=None, help="data cache dir (default OUT/cache)")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per variant")
     ap.add_argument("--json", default=None, help="write all results to this JSON file")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override applied to every variant after its own (e.g. train.micro_batch_size=4)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cache = Path(args.cache) if args.cache else out / "cache"
     results = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "layers": args.layers, "steps": args.steps,
+               "sets": args.sets,
                "all_gather": {"bf16": all_gather_bytes(args.layers, False), "fp8": all_gather_bytes(args.layers, True)},
                "runs": []}
     from fp8kit.config import load_config
@@ -121,7 +131,7 @@ def main() -> int:
     print(f"data prepared in {time.time() - t0:.0f} s", flush=True)
     for name in args.variants.split(","):
         try:
-            r = run_variant(name, out, args.steps, args.layers, cache, args.timeout)
+            r = run_variant(name, out, args.steps, args.layers, cache, args.timeout, args.sets)
         except subprocess.TimeoutExpired:
             r = {"variant": name, "ok": False, "error": f"timeout after {args.timeout} s"}
         results["runs"].append(r)

@@ -20,6 +20,8 @@ SCENARIOS = {
     "tp_fp8": ["train.mixed_precision=fp8", "train.micro_batch_size=4", "distributed.tp=2"],
     "tpsp_bf16": ["train.mixed_precision=bf16", "train.micro_batch_size=4", "distributed.tp=2",
                   "distributed.sequence_parallel=true"],
+    "tpsp_fp8": ["train.mixed_precision=fp8", "train.micro_batch_size=4", "distributed.tp=2",
+                 "distributed.sequence_parallel=true"],
     # MoE: FP8 grouped experts under FSDP2 (the 3-D expert weights sharded on dim 0 like any weight)
     "fsdp_moe_fp8": ["model.preset=tiny-moe", "train.mixed_precision=fp8", "train.micro_batch_size=2"],
     # expert parallel: 4 of the 8 experts per rank, tokens by all-to-all, the rest FSDP2

@@ -37,6 +37,7 @@ def _fails(capsys, argv, expected: str):
         (["train.device=cuda"], "train.device = 'cuda', but CUDA is not available"),
         (["model.hf_config=/nope/config.json"], "model.hf_config: '/nope/config.json' does not exist"),
         (["distributed.tp=2"], "dp_replicate = 1 x tp = 2 = 2 does not divide the world size 1"),
+        (["distributed.etp=2"], "distributed.etp = 2: expert tensor parallelism is not executed by fp8kit train"),
     ],
 )
 def test_bad_config_and_data(capsys, tmp_path, sets, expected):

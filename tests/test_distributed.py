@@ -64,7 +64,7 @@ def dist_runs(cache_dir, tmp_path_factory, one_thread):
     out = tmp_path_factory.mktemp("dist")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
            str(ROOT / "tests" / "distributed_worker.py"), str(out), str(cache_dir),
-           "fsdp_bf16", "fsdp_fp8", "tp_bf16", "tp_fp8", "tpsp_bf16", "fsdp_moe_fp8", "ep_moe_fp8", "ep_moe_bf16"]
+           "fsdp_bf16", "fsdp_fp8", "tp_bf16", "tp_fp8", "tpsp_bf16", "tpsp_fp8", "fsdp_moe_fp8", "ep_moe_fp8", "ep_moe_bf16"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return out
@@ -99,7 +99,7 @@ def _close(got: list[float], want: list[float], tol: float, what: str) -> None:
 
 
 @pytest.mark.parametrize("layout, prec", [("fsdp", "bf16"), ("fsdp", "fp8"), ("tp", "bf16"), ("tp", "fp8"),
-                                          ("tpsp", "bf16")])
+                                          ("tpsp", "bf16"), ("tpsp", "fp8")])
 def test_two_ranks_match_one_process(dist_runs, references, layout, prec):
     records = read_metrics(dist_runs / f"{layout}_{prec}" / "metrics.jsonl")
     got = [r["loss"] for r in records]
@@ -142,26 +142,30 @@ def test_single_process_checkpoint_resumes_on_two_ranks(references, tmp_path):
     _close(_losses(out), references["fp8"][5:], TOL["fp8"], "1 process -> resume on 2 ranks vs the uninterrupted run")
 
 
-def test_tp_with_fsdp2_and_fp8_all_gather_on_four_ranks(references, cache_dir, tmp_path):
-    """TP 2 x FSDP2 2 with FP8 all-gather (the combination seed 001 refuses), 3 steps on 4 gloo ranks.
+@pytest.mark.parametrize("layout, sets, parallel", [
+    # TP 2 x FSDP2 2 with FP8 all-gather: the combination seed 001 refuses
+    ("tp_fsdp", ["distributed.tp=2"], "4 ranks: dp_replicate 1 x dp_shard 2 x tp 2 (tp -> fp8 -> fsdp2), FP8 all-gather"),
+    # HSDP: 2 replicas of a model sharded over 2 ranks (micro-batch 1 x 4 data-parallel ranks = global batch 4)
+    ("hsdp", ["distributed.dp_replicate=2", "distributed.dp_shard=2", "train.micro_batch_size=1"],
+     "4 ranks: dp_replicate 2 x dp_shard 2 x tp 1 (fp8 -> hsdp), FP8 all-gather"),
+])
+def test_four_rank_layouts_match_one_process(references, cache_dir, tmp_path, layout, sets, parallel):
+    """3 steps of fp8 on 4 gloo ranks against the single-process reference's first 3 losses.
 
     The LR warmup (10 steps) does not depend on train.steps, so 3 steps equal the reference's first 3.
     """
     import json
 
-    out = tmp_path / "tp_fsdp"
+    out = tmp_path / layout
     sets = small_run_overrides(cache_dir) + ["train.steps=3", "train.eval_every=0", "train.checkpoint_every=0",
-                                             "train.final_checkpoint=false", "train.micro_batch_size=2",
-                                             "distributed.tp=2"]
+                                             "train.final_checkpoint=false", "train.micro_batch_size=2"] + sets
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--standalone",
            "-m", "fp8kit", "train", "--out", str(out)] + [a for s in sets for a in ("--set", s)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["parallel"] == "4 ranks: dp_replicate 1 x dp_shard 2 x tp 2 (tp -> fp8 -> fsdp2), FP8 all-gather", (
-        summary["parallel"]
-    )
-    _close(_losses(out), references["fp8"][:3], TOL["fp8"], "tp 2 x dp_shard 2 fp8 vs 1 process")
+    assert summary["parallel"] == parallel, summary["parallel"]
+    _close(_losses(out), references["fp8"][:3], TOL["fp8"], f"{layout} on 4 ranks fp8 vs 1 process")
 
 
 def test_export_from_dcp_checkpoint_loads_in_transformers(dist_runs, tmp_path, one_thread):
@@ -248,11 +252,6 @@ def test_torchrun_mismatch_is_one_clear_line(cache_dir, tmp_path):
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
     assert errors and "tp = 4 = 4 does not divide the world size 2" in errors[0], proc.stderr[-3000:]
     assert not out.exists()
-
-
-def test_sequence_parallel_with_fp8_is_refused(small_run):
-    with pytest.raises(ConfigError, match="sequence parallel with FP8 linears is not supported yet"):
-        load_config(None, small_run + ["distributed.tp=2", "distributed.sequence_parallel=true"])
 
 
 def test_fp8_adamw_is_refused_under_torchrun(monkeypatch, small_run):

@@ -334,3 +334,31 @@ def test_bucketed_rows_bound_the_layout_and_limit_distinct_shapes():
     assert d.rows == 256 and int(d.offs[-1]) <= 256
     with pytest.raises(ValueError, match="below"):
         routing.dispatch(idx, 4, rows=64)
+
+
+def test_tune_once_without_the_triton_kernel_changes_nothing_and_says_so():
+    """On a machine without Triton (this CPU build) torchao defines no such kernel: the call must warn and
+    change nothing (the GPU effect is measured by benchmarks/ep_row_count_tuning.py)."""
+    import importlib
+
+    mod = importlib.import_module(gmm.TOKEN_KEYED_KERNELS[0][0])
+    if hasattr(mod, gmm.TOKEN_KEYED_KERNELS[0][1]):
+        pytest.skip("Triton kernels present: covered by the GPU benchmark")
+    with pytest.warns(UserWarning, match="not found"):
+        assert gmm.tune_once_for_all_row_counts() == []
+
+
+def test_flops_per_token_counts_the_active_experts_only():
+    """MoE MFU: the 3-D expert weights count with topk/E of their parameters (PaLM 6N on active params)."""
+    from fp8kit.models.build import count_params, flops_per_token
+    from tests.conftest import tiny_moe_model
+
+    model, cfg = tiny_moe_model()
+    experts = sum(p.numel() for p in model.parameters() if p.dim() == 3)
+    assert experts > 0
+    n_all = count_params(model)["non_embedding"] + (cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0)
+    attn = 12.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * 64
+    want = 6.0 * (n_all - experts * (1 - cfg.num_experts_per_tok / cfg.num_experts)) + attn
+    got = flops_per_token(model, cfg, 64)
+    assert got == pytest.approx(want, rel=1e-9), f"flops/token {got:.4e}, want {want:.4e}"
+    assert got < 6.0 * n_all + attn

@@ -248,7 +248,7 @@ class DistributedConfig:
         False,
         "With tp > 1, split the norms and the residual stream over tokens between the tensor-parallel "
         "linears (Megatron sequence parallel): reduce-scatter + all-gather instead of all-reduce, and 1/tp "
-        "of the norm activations per rank. BF16 runs only for now (see docs/distributed.md).",
+        "of the norm activations per rank; its communication is BF16 (see docs/distributed.md).",
     )
     ep: int = _f(1, "Expert-parallel size (MoE): experts are split over ep ranks.")
     etp: int = _f(1, "Expert tensor-parallel size (MoE): each expert's weights split over etp ranks.")
@@ -605,13 +605,6 @@ def validate(cfg: RunConfig, origins: dict[str, str] | None = None) -> None:
         positive(f"distributed.{key}", getattr(cfg.distributed, key))
     if cfg.distributed.dp_shard == 0 or cfg.distributed.dp_shard < -1:
         fail("distributed.dp_shard", f"must be -1 (fill the mesh) or > 0, got {cfg.distributed.dp_shard}")
-    if cfg.distributed.sequence_parallel and cfg.distributed.tp > 1 and t.mixed_precision == "fp8":
-        fail(
-            "distributed.sequence_parallel",
-            "sequence parallel with FP8 linears is not supported yet: torchao's Float8RowwiseParallel sends FP8 "
-            "gradients through the sequence all-gather, which gloo cannot carry and which is not verified on "
-            "GPUs here; use it with train.mixed_precision = \"bf16\" or set it to false",
-        )
     if f8.enable_fsdp_float8_all_gather and f8.recipe != "tensorwise":
         fail(
             "fp8.enable_fsdp_float8_all_gather",

@@ -17,9 +17,12 @@ TP plan for HF Llama / Qwen2 blocks (Megatron style)::
         input [B, T, in/tp], output all-reduced to replicated [B, T, out]
     embed_tokens, norms, lm_head                                 replicated (the same on every tp rank)
 
-``distributed.sequence_parallel`` (bf16 only) also splits the norms and the residual stream over tokens
+``distributed.sequence_parallel`` also splits the norms and the residual stream over tokens
 (``[B, T/tp, H]``) between the linears; the embeddings stay whole-sequence because HF's decoder computes
 the rotary positions and the causal mask from the embedding output's length (see :func:`apply_tp`).
+Sequence-parallel communication is BF16: the all-gather of the attention / MLP inputs in forward and of
+the row-parallel outputs' gradients in backward (``tp_styles.Float8RowwiseParallelSP``: the gradient is
+cast to E5M2 after that all-gather, on the whole sequence, as without SP).
 
 A linear decided FP8 that is tensor-parallel becomes a ``Float8Linear`` just before its TP style is
 applied, because torchao's ``Float8ColwiseParallel`` / ``Float8RowwiseParallel`` only accept
@@ -104,7 +107,8 @@ def apply_tp(model: nn.Module, tp_mesh, decisions: list[Decision], float8_config
     With ``sequence_parallel`` the residual stream between the attention and MLP halves is split over
     tokens (``[B, T/tp, H]``): the norms run on their token shard (``SequenceParallel``), the attention and
     MLP inputs are all-gathered (``PrepareModuleInput``, bf16), and the row-parallel outputs are
-    reduce-scattered instead of all-reduced. The first block's input is split (a local slice) and the final
+    reduce-scattered instead of all-reduced (FP8 linears: ``Float8RowwiseParallelSP``, whose backward
+    all-gathers the bf16 gradient before its E5M2 cast). The first block's input is split (a local slice) and the final
     norm's output is all-gathered before ``lm_head``; embeddings, rotary positions and the causal mask are
     computed on the whole sequence as without TP.
 
@@ -141,7 +145,10 @@ def apply_tp(model: nn.Module, tp_mesh, decisions: list[Decision], float8_config
             if fp8:
                 from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
-                col, row = Float8ColwiseParallel, Float8RowwiseParallel
+                from fp8kit.distributed.tp_styles import Float8RowwiseParallelSP
+
+                # under SP the row-parallel output's gradient is all-gathered before its E5M2 cast (tp_styles.py)
+                col, row = Float8ColwiseParallel, (Float8RowwiseParallelSP if sequence_parallel else Float8RowwiseParallel)
             else:
                 col, row = ColwiseParallel, RowwiseParallel
             if name in COLWISE:

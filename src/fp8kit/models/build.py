@@ -132,8 +132,17 @@ def flops_per_token(model: nn.Module, hf_cfg, seq_length: int) -> float:
     N is the number of matmul (non-embedding) parameters, lm_head included; L layers, H attention
     heads, Q head dim, T sequence length. Attention is counted in full (not halved for causality), as
     PaLM and torchtitan do, so MFU figures are comparable with theirs.
+
+    MoE: a token passes through ``num_experts_per_tok`` of the E experts, so the 3-D expert weights
+    ``(E, ., .)`` count with ``topk / E`` of their parameters (the active parameters, as in the DeepSeek-V3
+    and Qwen3 reports; the router counts in full).
     """
     n = count_params(model)["non_embedding"]
+    topk = getattr(hf_cfg, "num_experts_per_tok", None)
+    if topk:
+        for p in model.parameters():
+            if p.dim() == 3 and p.shape[0] > topk:
+                n -= p.numel() * (1 - topk / p.shape[0])
     if getattr(hf_cfg, "tie_word_embeddings", False):
         n += hf_cfg.vocab_size * hf_cfg.hidden_size  # the tied lm_head still does its matmul
     layers = hf_cfg.num_hidden_layers

@@ -22,7 +22,13 @@ from torch import nn
 from fp8kit.errors import Fp8kitError
 from fp8kit.moe import routing
 from fp8kit.moe.expert_parallel import ep_experts_forward, local_weight
-from fp8kit.moe.grouped_mm import GroupedGemmConfig, bf16_grouped_mm, fp8_grouped_mm, resolve_backend
+from fp8kit.moe.grouped_mm import (
+    GroupedGemmConfig,
+    bf16_grouped_mm,
+    fp8_grouped_mm,
+    resolve_backend,
+    tune_once_for_all_row_counts,
+)
 
 WEIGHTS = ("gate_up_proj", "down_proj")
 
@@ -102,10 +108,16 @@ class Float8GroupedExperts(nn.Module):
                 f"backend={self.config.backend} {self._backends or ''}".rstrip())
 
     def backend(self, device: torch.device) -> str:
-        """The FP8 grouped backend on ``device`` (resolved once per device)."""
+        """The FP8 grouped backend on ``device`` (resolved once per device).
+
+        Under expert parallelism with torchao's kernels, their token-keyed autotuning is made once per process
+        (``grouped_mm.tune_once_for_all_row_counts``): the received row count changes every step.
+        """
         key = str(device)
         if key not in self._backends:
             self._backends[key] = resolve_backend(self.config, device)
+            if self._backends[key] == "torchao" and self.ep_group is not None:
+                tune_once_for_all_row_counts()
         return self._backends[key]
 
     def _linear(self, name: str, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

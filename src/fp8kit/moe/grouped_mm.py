@@ -115,6 +115,52 @@ def _torchao_grouped() -> Callable | None:
     return _to_fp8_rowwise_then_scaled_grouped_mm
 
 
+# torchao's Triton kernels whose autotuning key holds the token (row) count of the grouped GEMM: the
+# per-group column scales of the wgrad operands (torchao 0.18 prototype/moe_training/kernels/
+# jagged_float8_scales.py, key ["K", "N_GROUPS"] with K = rows). (module, kernel, key argument)
+TOKEN_KEYED_KERNELS = (
+    ("torchao.prototype.moe_training.kernels.jagged_float8_scales",
+     "_triton_fp8_per_group_colwise_scales_dual_kernel", "K"),
+)
+
+
+def tune_once_for_all_row_counts() -> list[str]:
+    """Make torchao's token-keyed Triton kernels (:data:`TOKEN_KEYED_KERNELS`) autotune once per process
+    instead of once per row count; returns the kernels changed.
+
+    Why: Triton's ``@autotune`` benchmarks every config (36 for this kernel) again for each new key. Under
+    expert parallelism the rows a rank receives change every step, so it re-tuned at almost every step
+    (measured: 4.8-9.6 s steps on 2 x H200 instead of ~0.1 s; docs/benchmarks.md section 5). The kernel
+    reduces over rows inside each group, so its best tile does not depend on the row count; the first
+    tuning (at the first step's count) is kept for all counts. The single-process path pads to a fixed
+    row count and is unaffected.
+
+    This removes the token key from the autotuner's ``keys`` (Triton ``Autotuner.keys``) of torchao's
+    kernel object for the whole process. Where torchao or Triton changed shape (no such kernel, or no
+    ``keys`` list holding the key), nothing is changed and a warning says so.
+    """
+    import importlib
+
+    changed = []
+    for module_name, kernel_name, key in TOKEN_KEYED_KERNELS:
+        try:
+            kernel = getattr(importlib.import_module(module_name), kernel_name)
+        except (ImportError, AttributeError) as e:
+            warnings.warn(f"fp8kit: {module_name}.{kernel_name} not found ({e}); expert-parallel FP8 steps may "
+                          f"re-tune torchao's kernels when the received row count changes", stacklevel=2)
+            continue
+        keys = getattr(kernel, "keys", None)
+        if not isinstance(keys, list):
+            warnings.warn(f"fp8kit: {kernel_name} has no autotuning key list (Triton changed?); left as is: "
+                          f"expert-parallel FP8 steps may re-tune it when the received row count changes",
+                          stacklevel=2)
+            continue
+        if key in keys:  # (already removed by an earlier call otherwise)
+            kernel.keys = [k for k in keys if k != key]
+        changed.append(kernel_name)
+    return changed
+
+
 def emulated_scaled_grouped_mm(
     a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, offs: torch.Tensor,
     out_dtype: torch.dtype,

@@ -49,8 +49,9 @@ def bucketed_rows(num_pairs: int, num_experts: int, scale: int, align: int = ALI
     """``P`` for a pair count that changes from step to step (expert parallelism: the rows a rank receives),
     rounded up to a multiple of ``max(256, next_pow2(scale) / 8)`` so that only a few distinct shapes occur.
 
-    Kernels autotuned per shape (torchao's Triton quantization kernels) would otherwise tune again at every
-    step; ``scale`` is the typical pair count (e.g. this rank's own ``tokens x topk``).
+    Fewer distinct shapes for torch.compile and the caching allocator (torchao's token-keyed autotuning
+    is handled by ``grouped_mm.tune_once_for_all_row_counts``); ``scale`` is the typical pair count (e.g.
+    this rank's own ``tokens x topk``).
     """
     step = max(256, (1 << max(scale - 1, 1).bit_length()) // 8)
     return -(-padded_rows(num_pairs, num_experts, align) // step) * step

@@ -181,6 +181,11 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
     """
     say = status or (lambda _m: None)
     d = cfg.distributed
+    if d.etp > 1:  # planning key only: training with it would decide FP8 for shapes the run does not have
+        raise ConfigError(
+            f"distributed.etp = {d.etp}: expert tensor parallelism is not executed by fp8kit train (each rank holds "
+            f"whole experts); etp is a policy-lookup key for `fp8kit plan`. Set distributed.etp = 1 to train"
+        )
     dims = resolve_dims(d.dp_shard, d.dp_replicate, d.tp, d.ep, launched_world_size())
     if dims.distributed:
         check_distributed_config(cfg)
@@ -202,8 +207,6 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
     hf_cfg = build_hf_config(cfg.model, cfg.data.vocab_size)
     max_pos = getattr(hf_cfg, "max_position_embeddings", None)
     if max_pos is not None and cfg.data.seq_length > max_pos:
-        from fp8kit.errors import ConfigError
-
         raise ConfigError(
             f"data.seq_length = {cfg.data.seq_length} exceeds the model's max_position_embeddings = {max_pos}"
         )
