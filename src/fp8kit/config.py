@@ -251,7 +251,8 @@ class DistributedConfig:
         "of the norm activations per rank; its communication is BF16 (see docs/distributed.md).",
     )
     ep: int = _f(1, "Expert-parallel size (MoE): experts are split over ep ranks.")
-    etp: int = _f(1, "Expert tensor-parallel size (MoE): each expert's weights split over etp ranks.")
+    etp: int = _f(1, "Expert tensor-parallel size (MoE) for the policy lookup of `fp8kit plan`; `train` runs "
+                     "whole experts per rank and refuses etp > 1.")
 
 
 @dataclass

@@ -130,9 +130,10 @@ def tune_once_for_all_row_counts() -> list[str]:
 
     Why: Triton's ``@autotune`` benchmarks every config (36 for this kernel) again for each new key. Under
     expert parallelism the rows a rank receives change every step, so it re-tuned at almost every step
-    (measured: 4.8-9.6 s steps on 2 x H200 instead of ~0.1 s; docs/benchmarks.md section 5). The kernel
-    reduces over rows inside each group, so its best tile does not depend on the row count; the first
-    tuning (at the first step's count) is kept for all counts. The single-process path pads to a fixed
+    (measured: 4.8-9.6 s steps on 2 x H200 instead of ~0.1 s; docs/benchmarks.md section 5). The first
+    tuning (at the first step's count) is kept for all counts; measured on one H200
+    (benchmarks/ep_row_count_tuning.py), steps with that one tuning ran as fast as steps tuned for their own
+    bucket (8.2-9.1 vs 8.7-9.5 ms). The single-process path pads to a fixed
     row count and is unaffected.
 
     This removes the token key from the autotuner's ``keys`` (Triton ``Autotuner.keys``) of torchao's
