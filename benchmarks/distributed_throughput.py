@@ -1,14 +1,16 @@
-"""Distributed training throughput on 2 GPUs through the user's command (``torchrun -m fp8kit train``).
+"""Distributed training throughput on 2 (or --nproc) GPUs through the user's command (``torchrun -m fp8kit train``).
 
 Workload: Llama-3-8B layer shapes (``model.preset=llama3-8b``), ``--layers`` blocks (default 4), seq 4096,
 micro-batch 2 per data-parallel rank, vocab 32000, per-block torch.compile, AdamW, stdlib corpus.
-Variants (each a fresh ``torchrun --nproc_per_node 2 -m fp8kit train`` process group)::
+Variants (each a fresh ``torchrun --nproc_per_node NPROC -m fp8kit train`` process group)::
 
     fsdp-bf16             FSDP2 (dp_shard 2), bf16
     fsdp-fp8-bf16ag       FSDP2, fp8 tensorwise, BF16 all-gather (fp8.enable_fsdp_float8_all_gather=false)
     fsdp-fp8-fp8ag        FSDP2, fp8 tensorwise, FP8 all-gather (the default)
     tp-bf16, tp-fp8       tensor parallel 2 (dp 1: micro-batch 4 so the global batch equals FSDP2's)
     tpsp-bf16, tpsp-fp8   the same with sequence parallel (norms and residual stream split over tokens)
+    tpfsdp-bf16/-fp8      (--nproc 4) TP 2 x FSDP2 2, fp8 with FP8 all-gather (the default for tensorwise)
+    hsdp-bf16/-fp8        (--nproc 4) HSDP: 2 replicas x FSDP2 2
     moe-fsdp-bf16/-fp8    Qwen3-30B-A3B layer shapes (128 experts, 8 per token), FSDP2 over all weights
     moe-ep-bf16/-fp8      the same with expert parallel 2 (64 experts per GPU, all-to-all dispatch)
 
@@ -44,6 +46,11 @@ VARIANTS = {
                   "distributed.sequence_parallel=true"],
     "tpsp-fp8": ["train.mixed_precision=fp8", "train.micro_batch_size=4", "distributed.tp=2",
                  "distributed.sequence_parallel=true"],
+    # 4 GPUs (--nproc 4): TP 2 x FSDP2 2 and HSDP 2 x 2; global batch 8 sequences like fsdp-* on 4 ranks
+    "tpfsdp-bf16": ["train.mixed_precision=bf16", "train.micro_batch_size=4", "distributed.tp=2"],
+    "tpfsdp-fp8": ["train.mixed_precision=fp8", "train.micro_batch_size=4", "distributed.tp=2"],
+    "hsdp-bf16": ["train.mixed_precision=bf16", "train.micro_batch_size=2", "distributed.dp_replicate=2"],
+    "hsdp-fp8": ["train.mixed_precision=fp8", "train.micro_batch_size=2", "distributed.dp_replicate=2"],
     "moe-fsdp-bf16": ["model.preset=qwen3-30b-a3b", "train.mixed_precision=bf16", "train.micro_batch_size=2"],
     "moe-fsdp-fp8": ["model.preset=qwen3-30b-a3b", "train.mixed_precision=fp8", "train.micro_batch_size=2"],
     "moe-ep-bf16": ["model.preset=qwen3-30b-a3b", "train.mixed_precision=bf16", "train.micro_batch_size=2",
@@ -84,10 +91,11 @@ def all_gather_bytes(layers: int, fp8_all_gather: bool, world: int = 2) -> dict:
             "root_bytes": root_bytes, "block_bytes": block_bytes[0]}
 
 
-def run_variant(name: str, out: Path, steps: int, layers: int, cache: Path, timeout: int, extra: list[str]) -> dict:
+def run_variant(name: str, out: Path, steps: int, layers: int, cache: Path, timeout: int, extra: list[str],
+                nproc: int = 2) -> dict:
     sets = COMMON + VARIANTS[name] + [f"model.num_layers={layers}", f"train.steps={steps}", f"data.cache_dir={cache}"]
     sets += extra  # --set overrides last: they win over the variant's settings
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            "-m", "fp8kit", "train", "--out", str(out / name)] + [a for s in sets for a in ("--set", s)]
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -108,6 +116,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/distributed_throughput")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--nproc", type=int, default=2, help="GPUs (torchrun --nproc_per_node)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--cache", default=None, help="data cache dir (default OUT/cache)")
@@ -121,7 +130,9 @@ def main() -> int:
     cache = Path(args.cache) if args.cache else out / "cache"
     results = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "layers": args.layers, "steps": args.steps,
                "sets": args.sets,
-               "all_gather": {"bf16": all_gather_bytes(args.layers, False), "fp8": all_gather_bytes(args.layers, True)},
+               "nproc": args.nproc,
+               "all_gather": {"bf16": all_gather_bytes(args.layers, False, args.nproc),
+                              "fp8": all_gather_bytes(args.layers, True, args.nproc)},
                "runs": []}
     from fp8kit.config import load_config
     from fp8kit.data.prepare import prepare_data
@@ -131,7 +142,7 @@ def main() -> int:
     print(f"data prepared in {time.time() - t0:.0f} s", flush=True)
     for name in args.variants.split(","):
         try:
-            r = run_variant(name, out, args.steps, args.layers, cache, args.timeout, args.sets)
+            r = run_variant(name, out, args.steps, args.layers, cache, args.timeout, args.sets, args.nproc)
         except subprocess.TimeoutExpired:
             r = {"variant": name, "ok": False, "error": f"timeout after {args.timeout} s"}
         results["runs"].append(r)

@@ -168,6 +168,23 @@ def test_four_rank_layouts_match_one_process(references, cache_dir, tmp_path, la
     _close(_losses(out), references["fp8"][:3], TOL["fp8"], f"{layout} on 4 ranks fp8 vs 1 process")
 
 
+def test_tp_fp8_scales_come_from_the_whole_tensor(tmp_path):
+    """Amax/scale reductions use the tp group: TP 2 equals one process to float rounding (<= 1e-5 relative),
+    while per-shard scales of the same weights would differ by > 1e-4 (tests/tp_scale_worker.py)."""
+    import json
+
+    out = tmp_path / "scales.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+           str(ROOT / "tests" / "tp_scale_worker.py"), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    r = json.loads(out.read_text())
+    for key in ("output", "grad_col_weight", "grad_row_weight"):
+        assert r[key] <= 1e-5, f"TP 2 vs one process, {key}: relative max diff {r[key]:.2e} > 1e-5 ({r})"
+    assert r["global_scale_hidden_vs_torchao"] <= 1e-5, r  # the emulation below is torchao's tensorwise cast
+    assert r["per_shard_scale_hidden"] > 1e-4, f"per-shard scales not distinguishable: {r}"
+
+
 def test_export_from_dcp_checkpoint_loads_in_transformers(dist_runs, tmp_path, one_thread):
     from transformers import AutoModelForCausalLM
 

@@ -70,9 +70,9 @@ def fp8_all_gather_choice(fp8_all_gather: bool | None, recipe: str, fsdp: bool) 
         recipe: ``fp8.recipe``.
         fsdp: parameters are sharded with FSDP2 / HSDP (nothing is all-gathered otherwise).
 
-    Combined with tensor parallel this works with torch 2.13 + torchao 0.18 (tp 2 x dp_shard 2 on 4 gloo
-    ranks, tests/test_distributed.py): the ``aten.is_pinned`` failure on DTensor reported by seed 001 does
-    not occur.
+    Combined with tensor parallel this works with torchao 0.18 (tp 2 x dp_shard 2: torch 2.13 on 4 gloo
+    ranks, tests/test_distributed.py; torch 2.11 on 4 x H200 with NCCL, docs/benchmarks.md section 5): the
+    ``aten.is_pinned`` failure on DTensor reported by seed 001 does not occur.
     """
     want = (recipe == "tensorwise") if fp8_all_gather is None else fp8_all_gather
     return bool(want and fsdp)
