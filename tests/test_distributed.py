@@ -46,6 +46,19 @@ def _env() -> dict:
     return env
 
 
+def _torchrun(nproc: int, args: list[str], *, timeout: int = 300, ok: bool = True) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node NPROC ARGS`` (gloo ranks); asserts success when ``ok``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+    if ok:
+        assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def _sets(sets: list[str]) -> list[str]:
+    return [a for s in sets for a in ("--set", s)]
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     before = torch.get_num_threads()
@@ -62,11 +75,9 @@ def dist_runs(cache_dir, tmp_path_factory, one_thread):
                                                               "train.mixed_precision=bf16"]),
           tmp_path_factory.mktemp("warm") / "r")
     out = tmp_path_factory.mktemp("dist")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-           str(ROOT / "tests" / "distributed_worker.py"), str(out), str(cache_dir),
-           "fsdp_bf16", "fsdp_fp8", "tp_bf16", "tp_fp8", "tpsp_bf16", "tpsp_fp8", "fsdp_moe_fp8", "ep_moe_fp8", "ep_moe_bf16"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    _torchrun(2, [str(ROOT / "tests" / "distributed_worker.py"), str(out), str(cache_dir),
+                  "fsdp_bf16", "fsdp_fp8", "tp_bf16", "tp_fp8", "tpsp_bf16", "tpsp_fp8", "fsdp_moe_fp8", "ep_moe_fp8",
+                  "ep_moe_bf16"], timeout=600)
     return out
 
 
@@ -135,10 +146,7 @@ def test_single_process_checkpoint_resumes_on_two_ranks(references, tmp_path):
     """1 process (safetensors) -> torchrun 2 ranks (FSDP2), through the user's command."""
     ck = references["dir"] / "fp8" / "checkpoints" / "step_000005"
     out = tmp_path / "resumed"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-           "-m", "fp8kit", "train", "--resume", str(ck), "--out", str(out), "--set", "train.micro_batch_size=2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    _torchrun(2, ["-m", "fp8kit", "train", "--resume", str(ck), "--out", str(out), *_sets(["train.micro_batch_size=2"])])
     _close(_losses(out), references["fp8"][5:], TOL["fp8"], "1 process -> resume on 2 ranks vs the uninterrupted run")
 
 
@@ -159,10 +167,7 @@ def test_four_rank_layouts_match_one_process(references, cache_dir, tmp_path, la
     out = tmp_path / layout
     sets = small_run_overrides(cache_dir) + ["train.steps=3", "train.eval_every=0", "train.checkpoint_every=0",
                                              "train.final_checkpoint=false", "train.micro_batch_size=2"] + sets
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--standalone",
-           "-m", "fp8kit", "train", "--out", str(out)] + [a for s in sets for a in ("--set", s)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    _torchrun(4, ["-m", "fp8kit", "train", "--out", str(out), *_sets(sets)])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["parallel"] == parallel, summary["parallel"]
     _close(_losses(out), references["fp8"][:3], TOL["fp8"], f"{layout} on 4 ranks fp8 vs 1 process")
@@ -174,10 +179,7 @@ def test_tp_fp8_scales_come_from_the_whole_tensor(tmp_path):
     import json
 
     out = tmp_path / "scales.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-           str(ROOT / "tests" / "tp_scale_worker.py"), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    _torchrun(2, [str(ROOT / "tests" / "tp_scale_worker.py"), str(out)])
     r = json.loads(out.read_text())
     for key in ("output", "grad_col_weight", "grad_row_weight"):
         assert r[key] <= 1e-5, f"TP 2 vs one process, {key}: relative max diff {r[key]:.2e} > 1e-5 ({r})"
@@ -262,9 +264,8 @@ def test_world_size_that_does_not_match_the_mesh():
 def test_torchrun_mismatch_is_one_clear_line(cache_dir, tmp_path):
     """The user's command with a mesh that does not fit the launch: exit 2, the error, no run directory."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-           "-m", "fp8kit", "train", "--out", str(out), "--set", "distributed.tp=4", "--set", f"data.cache_dir={cache_dir}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    proc = _torchrun(2, ["-m", "fp8kit", "train", "--out", str(out),
+                         *_sets(["distributed.tp=4", f"data.cache_dir={cache_dir}"])], ok=False)
     assert proc.returncode != 0, proc.stdout[-2000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
     assert errors and "tp = 4 = 4 does not divide the world size 2" in errors[0], proc.stderr[-3000:]
