@@ -1,6 +1,7 @@
 """Check every shipped adaptive-FP8 policy against the reports it was merged from.
 
-For each ``src/fp8kit/policies/<name>.json`` and its ``reports/`` files: ``fp8.policy.grid_check`` (the
+For each ``src/fp8kit/policies/<name>.json`` and its reports in ``benchmarks/results/policy_reports/``:
+``selective.policy.grid_check`` (the
 chosen precision's time over the faster of bf16 and fp8 at every measured site x token point) and the
 rules in short form. Prints the markdown table used in ``docs/benchmarks.md``; runs on any machine.
 
@@ -11,8 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
-from fp8kit.fp8.policy import builtin_policy_dir, grid_check, load_policy
+from fp8kit.selective.policy import builtin_policy_dir, grid_check, load_policy
+
+REPORTS = Path(__file__).resolve().parent / "results" / "policy_reports"
 
 
 def main() -> int:
@@ -26,7 +30,7 @@ def main() -> int:
     for path in sorted(root.glob("*.json")):
         data = json.loads(path.read_text())
         names = [s["name"] for s in data.get("metadata", {}).get("reports", [])]
-        reports = [json.loads((root / "reports" / n).read_text()) for n in names]
+        reports = [json.loads((REPORTS / n).read_text()) for n in names]
         policy = load_policy(path)
         g = grid_check(reports, policy, args.tolerance)
         timing = ",".join(sorted({"v2" if str(r.get("timing", "")).startswith("device queue") else "v1" for r in reports}))

@@ -69,11 +69,11 @@ def all_gather_bytes(layers: int, fp8_all_gather: bool, world: int = 2) -> dict:
     the weights of FP8 linears travel as 1-byte E4M3 plus one fp32 scale each; all else bf16.
     """
     from fp8kit.config import load_config
-    from fp8kit.fp8.convert import fp8_fqns
-    from fp8kit.fp8.decide import decide
-    from fp8kit.fp8.options import options_from_config
-    from fp8kit.fp8.sites import find_sites
+    from fp8kit.config.options import options_from_config
     from fp8kit.models.build import build_model
+    from fp8kit.parallel.convert import fp8_fqns
+    from fp8kit.selective.decide import decide
+    from fp8kit.selective.sites import find_sites
 
     cfg = load_config(None, COMMON + [f"model.num_layers={layers}"])
     model = build_model(cfg.model, cfg.data.vocab_size, device="meta")

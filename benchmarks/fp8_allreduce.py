@@ -1,4 +1,4 @@
-"""FP8 gradient all-reduce (``fp8kit.distributed.fp8_all_reduce``) vs ``dist.all_reduce``, under torchrun.
+"""FP8 gradient all-reduce (``fp8kit.comm.fp8_all_reduce``) vs ``dist.all_reduce``, under torchrun.
 
     torchrun --nproc_per_node 2 benchmarks/fp8_allreduce.py --out DIR                 # NCCL, GPUs
     torchrun --nproc_per_node 2 benchmarks/fp8_allreduce.py --device cpu --sizes 100000 --out /tmp/x
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from fp8kit.bench.timing import time_ms
-from fp8kit.distributed import AutoScaleState, fp8_all_reduce, fp8_allreduce_bytes, ring_allreduce_bytes
+from fp8kit.comm import AutoScaleState, fp8_all_reduce, fp8_allreduce_bytes, ring_allreduce_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

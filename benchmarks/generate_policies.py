@@ -44,7 +44,8 @@ def bench(args) -> None:
                 t0 = time.time()
                 cfg = load_config(None, [f"model.preset={preset}", "model.num_layers=1"])
                 rep = run_bench_layers(BenchLayersArgs(
-                    config=cfg, tp=tp, simulate_tp=tp > 1, recipe=recipe, warmup=args.warmup,
+                    model=cfg.model, vocab_size=cfg.data.vocab_size, tp=tp, simulate_tp=tp > 1, recipe=recipe,
+                    warmup=args.warmup,
                     iters=args.iters, shape_sweep=auto_sweep(args.max_tokens),
                 ))
                 path.write_text(json.dumps(rep, indent=1) + "\n")
@@ -52,7 +53,7 @@ def bench(args) -> None:
 
 
 def merge(args) -> None:
-    from fp8kit.fp8.policy import builtin_policy_dir, merge_reports
+    from fp8kit.selective.policy import builtin_policy_dir, merge_reports
 
     src = Path(args.out) / "reports"
     dest = builtin_policy_dir()

@@ -111,7 +111,7 @@ def check_against_eager(params, grads, precision, steps: int = 3, lr: float = 1e
     for compile_ in (True, False):
         ps = [torch.nn.Parameter(p.detach().clone()) for p in params[:8]]
         opt = FP8AdamW(groups_of(ps), lr=lr, precision=precision, compile=compile_)
-        backend = backend or opt._flat[0].backend
+        backend = backend or opt._flat[0].step_impl
         for _ in range(steps):
             for p, g in zip(ps, grads[:8], strict=True):
                 p.grad = g.clone()

@@ -61,8 +61,8 @@ def variant_sets(name: str, preset: str, gpu: str) -> list[str]:
         return ["train.mixed_precision=bf16"]
     if name.startswith("adaptive-"):
         recipe = name.removeprefix("adaptive-")
-        return ["train.mixed_precision=fp8", f"fp8.recipe={recipe}", "fp8.selective_fp8=true",
-                f"fp8.fp8_dynamic_policy_path=builtin:{preset}_{recipe}_{gpu}"]
+        return ["train.mixed_precision=fp8", f"fp8.recipe={recipe}", "selective.selective_fp8=true",
+                f"selective.fp8_dynamic_policy_path=builtin:{preset}_{recipe}_{gpu}"]
     return ["train.mixed_precision=fp8", f"fp8.recipe={name}"]
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8kit.cli import main
+from fp8kit.base.errors import CapabilityError
+from fp8kit.cli.main import main
 from fp8kit.config import load_config
-from fp8kit.errors import CapabilityError
 from fp8kit.train import setup as setup_mod
 from fp8kit.train.trainer import train
 

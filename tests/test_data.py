@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
+from fp8kit.base.errors import DataError
 from fp8kit.config import DataConfig
 from fp8kit.data.corpus import load_corpus, stdlib_files
 from fp8kit.data.loader import PackedData
 from fp8kit.data.prepare import prepare_data
-from fp8kit.errors import DataError
 
 
 def test_default_corpus_is_the_stdlib():

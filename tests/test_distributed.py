@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from fp8kit.base.errors import ConfigError
 from fp8kit.config import load_config
-from fp8kit.distributed.mesh import resolve_dims
-from fp8kit.errors import ConfigError
+from fp8kit.parallel.mesh import resolve_dims
 from fp8kit.train.metrics import read_metrics
 from fp8kit.train.trainer import train
 from tests.conftest import small_run_overrides

@@ -9,7 +9,7 @@ import json
 
 import torch
 
-from fp8kit.cli import main
+from fp8kit.cli.main import main
 from fp8kit.config import load_config
 from fp8kit.models.build import build_model
 from fp8kit.train import checkpoint as ckpt

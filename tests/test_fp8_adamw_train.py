@@ -18,8 +18,8 @@ import statistics
 import pytest
 import torch
 
+from fp8kit.base.errors import ConfigError
 from fp8kit.config import load_config
-from fp8kit.errors import ConfigError
 from fp8kit.train.checkpoint import STATE_FILE
 from fp8kit.train.trainer import train
 from tests.conftest import small_run_overrides

@@ -14,7 +14,7 @@ from torch import nn
 
 from fp8kit import convert_to_fp8
 from fp8kit.config import FP8Config
-from fp8kit.fp8.convert import count_fp8_modules, restore_bf16
+from fp8kit.parallel.convert import count_fp8_modules, restore_bf16
 
 
 def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from fp8kit.cli import main
+from fp8kit.cli.main import main
 from fp8kit.config import load_config
 from fp8kit.train.trainer import train
 
@@ -56,12 +56,12 @@ def test_plan_shows_grouped_kinds_and_policy_decisions(capsys, tmp_path, cache_d
     path = tmp_path / "moe_policy.json"
     path.write_text(json.dumps(policy))
     # 512 tokens x topk 2 = 1024 pairs: both below; 2048 tokens x 2 = 4096 pairs: both at or above
-    argv = ["plan", "--set", "model.preset=tiny-moe", "--set", "data.vocab_size=1024", "--set", "fp8.selective_fp8=true",
-            "--set", f"fp8.fp8_dynamic_policy_path={path}", "--json"]
+    argv = ["plan", "--set", "model.preset=tiny-moe", "--set", "data.vocab_size=1024", "--set", "selective.selective_fp8=true",
+            "--set", f"selective.fp8_dynamic_policy_path={path}", "--json"]
     for tokens, want in ((512, {"column_grouped": "bf16", "row_grouped": "bf16"}),
                          (1024, {"column_grouped": "fp8", "row_grouped": "bf16"}),
                          (2048, {"column_grouped": "fp8", "row_grouped": "fp8"})):
-        assert main([*argv, "--set", f"fp8.fp8_dynamic_num_tokens={tokens}"]) == 0
+        assert main([*argv, "--set", f"selective.fp8_dynamic_num_tokens={tokens}"]) == 0
         rows = json.loads(capsys.readouterr().out)
         got = {r["module_kind"]: r["precision"] for r in rows if r["module_kind"] in want}
         assert got == want, f"{tokens} tokens: {got}"

@@ -1,4 +1,4 @@
-"""Adaptive FP8: merging reports into the seed's policy format, lookups, decisions, bad policies."""
+"""Adaptive FP8: merging reports into LoongForge's policy format, lookups, decisions, bad policies."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
+from fp8kit.base.errors import PolicyError
 from fp8kit.config import load_config
-from fp8kit.errors import PolicyError
-from fp8kit.fp8.decide import DecideOptions, Selective, decide
-from fp8kit.fp8.options import options_from_config
-from fp8kit.fp8.policy import (
+from fp8kit.config.options import options_from_config
+from fp8kit.selective.decide import DecideOptions, Selective, decide
+from fp8kit.selective.policy import (
     grid_check,
     list_builtin_policies,
     load_policy,
@@ -20,10 +20,10 @@ from fp8kit.fp8.policy import (
     min_tokens_for,
     policy_from_json,
 )
-from fp8kit.fp8.sites import find_sites
+from fp8kit.selective.sites import find_sites
 from tests.conftest import tiny_moe_model
 
-SEED_EXAMPLE = {  # shared/seeds/000, section 2.2, verbatim
+LOONGFORGE_EXAMPLE = {  # LoongForge adaptive FP8 docs, the "FP8 Dynamic Policy" example, verbatim
     "version": 1,
     "speedup_threshold": 1.0,
     "rules": {
@@ -66,7 +66,7 @@ def test_min_tokens_is_monotone():
     assert min_tokens_for(pts, 1.0) is None  # loses at the largest count: never FP8
 
 
-def test_merge_writes_the_seed_layout():
+def test_merge_writes_the_loongforge_layout():
     curves = {
         ("layernorm_column", "qkv", 1, None): {1024: 0.8, 4096: 0.97, 16384: 1.03},
         ("layernorm_column", "fc1", 1, None): {1024: 0.9, 4096: 1.18, 16384: 1.4},
@@ -103,8 +103,8 @@ def test_merge_refuses_mixed_devices_and_recipes():
     merge_reports([("a.json", a), ("b.json", b)], force=True)
 
 
-def test_seed_policy_lookups():
-    p = policy_from_json(SEED_EXAMPLE, "seed.json")
+def test_loongforge_policy_lookups():
+    p = policy_from_json(LOONGFORGE_EXAMPLE, "loongforge.json")
     assert p.decide("row", "fc2", num_tokens=16384, tp=1).reason == "fc2 tp=1 min_tokens=8192 <= 16384 -> fp8"
     v = p.decide("layernorm_column", "qkv", num_tokens=8192, tp=1)
     assert not v.use_fp8 and v.reason == "qkv tp=1 min_tokens=16384 > 8192 -> bf16"
@@ -132,7 +132,7 @@ def test_seed_policy_lookups():
     ],
 )
 def test_bad_policies_name_file_and_key(tmp_path, mutate, expected):
-    data = json.loads(json.dumps(SEED_EXAMPLE))
+    data = json.loads(json.dumps(LOONGFORGE_EXAMPLE))
     mutate(data)
     f = tmp_path / "p.json"
     f.write_text(json.dumps(data))
@@ -201,21 +201,21 @@ def test_decision_table_dense_moe_topk_and_explicit_tokens():
 
 def test_options_from_config_tokens_and_device_warning(tmp_path):
     f = tmp_path / "p.json"
-    data = json.loads(json.dumps(SEED_EXAMPLE))
+    data = json.loads(json.dumps(LOONGFORGE_EXAMPLE))
     data["metadata"] = {"device": "NVIDIA H100 80GB HBM3", "recipe": "rowwise"}
     f.write_text(json.dumps(data))
-    cfg = load_config(None, ["fp8.selective_fp8=true", f"fp8.fp8_dynamic_policy_path={f}",
+    cfg = load_config(None, ["selective.selective_fp8=true", f"selective.fp8_dynamic_policy_path={f}",
                              "data.seq_length=1024", "train.micro_batch_size=8"])
     opts = options_from_config(cfg, None, device_name="NVIDIA A100-SXM4-80GB")
     assert opts.num_tokens == 8192
     assert any("measured on 'NVIDIA H100 80GB HBM3', this run trains on 'NVIDIA A100-SXM4-80GB'" in w for w in opts.warnings)
     assert any("recipe 'rowwise'" in w for w in opts.warnings)
-    cfg2 = load_config(None, ["fp8.selective_fp8=true", f"fp8.fp8_dynamic_policy_path={f}", "fp8.fp8_dynamic_num_tokens=16384"])
+    cfg2 = load_config(None, ["selective.selective_fp8=true", f"selective.fp8_dynamic_policy_path={f}", "selective.fp8_dynamic_num_tokens=16384"])
     assert options_from_config(cfg2).num_tokens == 16384
 
 
 def test_per_component_policies_for_a_vlm(tmp_path):
-    """A vision encoder and an LLM take their own policy and token count (seed 000, section 2.3.2)."""
+    """A vision encoder and an LLM take their own policy and token count (LoongForge adaptive FP8, VLMs)."""
     from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
 
     cfg = AutoConfig.for_model(
@@ -232,8 +232,8 @@ def test_per_component_policies_for_a_vlm(tmp_path):
     llm_p.write_text(json.dumps(rule(4096)))
     vit_p.write_text(json.dumps(rule(1024)))
     run_cfg = load_config(None, [
-        "fp8.selective_fp8=true", f"fp8.fp8_dynamic_policy_path={llm_p}", f'fp8.component_policy_paths={{vision="{vit_p}"}}',
-        "fp8.component_num_tokens={vision=2048}", "data.seq_length=2048", "train.micro_batch_size=1",
+        "selective.selective_fp8=true", f"selective.fp8_dynamic_policy_path={llm_p}", f'selective.component_policy_paths={{vision="{vit_p}"}}',
+        "selective.component_num_tokens={vision=2048}", "data.seq_length=2048", "train.micro_batch_size=1",
     ])
     d = {x.fqn: x for x in decide(find_sites(model), options_from_config(run_cfg))}
     vis = [x for x in d.values() if x.site.component == "vision" and x.site.ub_name == "qkv"]

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
+from fp8kit.base.errors import ConfigError
 from fp8kit.config import ModelConfig
-from fp8kit.errors import ConfigError
-from fp8kit.fp8.decide import DecideOptions, decide, summarize
-from fp8kit.fp8.patterns import compile_pattern
-from fp8kit.fp8.sites import find_sites
 from fp8kit.models.build import build_model
+from fp8kit.selective.decide import DecideOptions, decide, summarize
+from fp8kit.selective.patterns import compile_pattern
+from fp8kit.selective.sites import find_sites
 from tests.conftest import tiny_moe_model
 
 
@@ -133,7 +133,7 @@ def test_moe_router_stays_bf16_and_experts_go_grouped_fp8():
     assert d["model.layers.1.self_attn.q_proj"].is_fp8
 
 
-def test_mla_projections_use_the_seed_vocabulary():
+def test_mla_projections_use_the_loongforge_vocabulary():
     """DeepSeek-V3 multi-head latent attention: down-projections are `duplicated` (TELinear)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM

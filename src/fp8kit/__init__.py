@@ -1,44 +1,56 @@
 """fp8kit: FP8 training for PyTorch that is never slower than BF16.
 
-A library first: :func:`convert_to_fp8` converts the linear layers of any PyTorch model (HF
-transformers models included) that pass the FP8 rules, and returns the per-module decisions. A
+A library first: :func:`convert_to_fp8` converts the layers of any PyTorch model (HF transformers
+models included) that pass the FP8 rules (and, optionally, a measured selective-FP8 policy), and returns
+the per-module decisions. A
 trainer on top: ``fp8kit train`` (see ``fp8kit.train.trainer.train``).
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from fp8kit.base.runtime import VERSION as __version__
 
 __all__ = ["__version__", "convert_to_fp8"]
 
 
-def convert_to_fp8(model, config=None, *, mixed_precision: str = "fp8", emulate: bool = False):
-    """Convert ``model``'s eligible ``nn.Linear`` layers to torchao ``Float8Linear`` in place.
+def convert_to_fp8(model, config=None, *, selective=None, num_tokens: int | None = None,
+                   mixed_precision: str = "fp8"):
+    """Convert ``model``'s eligible layers to FP8 in place and return the per-site decisions.
+
+    The same path as ``fp8kit train``: sites -> static rules (``[fp8]`` include / exclude, embeddings,
+    heads, routers, dims % 16) -> the measured policy (``[selective]``, if given) -> the one module swapper
+    (``fp8kit.parallel.convert.apply_fp8``: torchao ``Float8Linear`` for linears, fp8kit's grouped experts
+    for MoE experts).
 
     Args:
-        model: any ``torch.nn.Module``.
-        config: an :class:`fp8kit.config.FP8Config` (recipe, include / exclude patterns); default
-            tensorwise with no patterns.
+        model: any ``torch.nn.Module`` (HF transformers models included).
+        config: an :class:`fp8kit.config.FP8Config` (recipe, include / exclude patterns, ``emulate``);
+            default tensorwise with no patterns.
+        selective: an :class:`fp8kit.config.SelectiveConfig` (policy path(s) and token counts) for the
+            measured per-module choice, or None.
+        num_tokens: tokens per micro-batch (``seq_length x micro_batch_size``) for policy lookups, unless
+            ``selective.fp8_dynamic_num_tokens`` is set.
         mixed_precision: ``"fp8"`` converts; ``"bf16"`` only decides (every site BF16).
-        emulate: emulate FP8 matmuls (for GPUs without FP8 tensor cores).
 
     Returns:
-        The list of :class:`fp8kit.fp8.decide.Decision`, one per site (print it with
-        :func:`fp8kit.fp8.report.print_report`).
+        The list of :class:`fp8kit.selective.decide.Decision`, one per site (print it with
+        :func:`fp8kit.selective.report.print_report`).
 
     Raises:
-        ConfigError: an unknown recipe or an invalid pattern.
+        ConfigError: an invalid config, or a selective config without a token count.
+        PolicyError: a policy file is missing or invalid.
     """
     from fp8kit.config import FP8Config
-    from fp8kit.fp8.convert import apply_fp8
-    from fp8kit.fp8.decide import DecideOptions, decide
-    from fp8kit.fp8.recipes import float8_linear_config
-    from fp8kit.fp8.sites import find_sites
+    from fp8kit.config.options import decide_options
+    from fp8kit.moe.grouped_mm import GroupedGemmConfig
+    from fp8kit.parallel.convert import ConversionOptions, apply_fp8
+    from fp8kit.selective.decide import decide
+    from fp8kit.selective.sites import find_sites
 
     config = config or FP8Config()
-    options = DecideOptions(mixed_precision=mixed_precision, recipe=config.recipe,
-                            include=tuple(config.include), exclude=tuple(config.exclude))
+    options = decide_options(config, selective, mixed_precision=mixed_precision, num_tokens=num_tokens)
     decisions = decide(find_sites(model), options)
     if mixed_precision == "fp8":
-        apply_fp8(model, decisions, float8_linear_config(config.recipe, emulate=emulate))
+        conversion = ConversionOptions(emulate=config.emulate, grouped=GroupedGemmConfig(emulate=config.emulate))
+        apply_fp8(model, decisions, conversion)
     return decisions

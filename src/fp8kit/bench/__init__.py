@@ -1,1 +1,1 @@
-"""bench-layers: per-site BF16 vs FP8 timings for adaptive FP8."""
+"""bench-layers: per-site BF16 vs FP8 timings, the measurements behind a selective-FP8 policy."""

@@ -3,8 +3,13 @@
 For each site (``bench/sites.py``), precision and token count it times forward + backward of the
 site's linears (output, grad_input and grad_weight GEMMs plus, in FP8, every amax, scale and cast),
 with the per-rank shapes of the given TP / EP / ETP, and writes a report JSON with every
-measurement plus the device, library versions and recipe. ``merge-policy`` (``fp8/policy.py``)
-turns reports into a policy.
+measurement plus the device, library versions, the recipe and where the recipe and sizes came from.
+``merge-policy`` (``selective/policy.py``) turns reports into a selective-FP8 policy (the workflow and
+the policy format of LoongForge's adaptive FP8).
+
+The FP8 linears are torchao ``Float8Linear`` modules built from :attr:`BenchLayersArgs.recipe` (the
+config's ``fp8.recipe`` unless ``--recipe`` overrides it; resolved by ``fp8kit.cli.selective``); the
+report's ``fp8_linear_scaling`` is read back from the modules that were timed.
 
 Modules are compiled (``torch.compile``, the token dimension marked dynamic so one compilation serves
 the whole sweep), as ``train.compile`` compiles them in training; on the CPU they run eagerly unless
@@ -13,8 +18,9 @@ asked.
 Grouped (MoE expert) sites time the expert GEMMs as training runs them (``fp8kit.moe``): BF16 through
 ``torch._grouped_mm`` on the unpadded rows, FP8 through the FP8 grouped GEMM on rows padded to 16 per
 expert (its quantization compiled). Their token count is the number of routed (token, expert) pairs,
-``tokens x moe_router_topk`` (the unit of the seed's grouped ``min_tokens``), split evenly over the
-``num_gemms`` local experts.
+``tokens x moe_router_topk`` (the unit of the policy's grouped ``min_tokens``), split evenly over the
+``num_gemms`` local experts. The FP8 grouped GEMM scales its operands rowwise whatever the recipe, as in
+training (``fp8kit.moe.grouped_mm``).
 
 Three ways to run:
 
@@ -34,34 +40,62 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from fp8kit.base.errors import CapabilityError, ConfigError
+from fp8kit.base.runtime import device_name, resolve_device, versions
+from fp8kit.base.torchao_lib import torchao_float8
 from fp8kit.bench.sites import BenchSite, layer_sites
 from fp8kit.bench.timing import time_ms
-from fp8kit.config import RunConfig
-from fp8kit.errors import CapabilityError, ConfigError
-from fp8kit.fp8.backend import torchao_float8
-from fp8kit.fp8.recipes import float8_linear_config
-from fp8kit.moe.grouped_mm import GroupedGemmConfig, bf16_grouped_mm, fp8_grouped_mm, resolve_backend
+from fp8kit.config import ModelConfig
+from fp8kit.fp8.recipes import RECIPE_NAMES, float8_linear_config
+from fp8kit.moe.grouped_mm import GroupedGemmConfig, bf16_grouped_mm, fp8_grouped_mm, resolve_grouped_kernel
 
 PRECISIONS = ("bf16", "fp8")
 CPU_NOTE = "CPU timings: for testing the workflow only; not meant for a GPU policy"
+# The values whose origin the report records (BenchLayersArgs.sources keys).
+SOURCED = ("recipe", "tp", "ep", "etp")
 
 
 @dataclass
 class BenchLayersArgs:
-    """Inputs of a layer benchmark (the command-line flags / seed environment variables)."""
+    """What one layer benchmark measures, every value explicit.
 
-    config: RunConfig
+    ``fp8kit.cli.selective`` resolves it from the run config and the flags (``--recipe`` over
+    ``fp8.recipe``, ``--tp/--ep/--etp`` over ``[distributed]``); the measurement code reads no run config.
+
+    Attributes:
+        model: the ``[model]`` section (preset or HF ``config.json``, depth); its first layer's linears
+            are timed (the model is built on ``meta`` to find them).
+        vocab_size: ``data.vocab_size`` (the model is built with it; the embedding is not timed).
+        recipe: FP8 recipe of the timed ``Float8Linear`` modules, one of ``fp8.recipes.RECIPE_NAMES``.
+        tp / ep / etp: tensor-, expert- and expert-tensor-parallel sizes whose per-rank shapes are timed.
+        sources: where each of ``recipe``, ``tp``, ``ep``, ``etp`` came from (e.g. ``"--recipe"``,
+            ``"config file run.toml"``, ``"default"``); copied into the report and into error messages.
+        precisions: subset of :data:`PRECISIONS`.
+        warmup / iters: untimed and timed calls per measurement (median, ``bench/timing.py``).
+        shape_sweep: ``(seq_length, micro_batch_size)`` points; tokens = their product.
+        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        simulate_tp: time the per-rank shapes of ``tp > 1`` on one device, without communication.
+        compile: ``torch.compile`` the modules; ``None``: on CUDA, eager on the CPU.
+    """
+
+    model: ModelConfig
+    vocab_size: int
+    recipe: str = "tensorwise"
     tp: int = 1
     ep: int = 1
     etp: int = 1
+    sources: dict[str, str] = field(default_factory=dict)
     precisions: tuple[str, ...] = PRECISIONS
-    recipe: str = "tensorwise"
     warmup: int = 5
     iters: int = 10
     shape_sweep: list[tuple[int, int]] = field(default_factory=list)
     device: str = "auto"
     simulate_tp: bool = False
-    compile: bool | None = None  # None: compile on CUDA, eager on CPU
+    compile: bool | None = None
+
+    def source(self, key: str) -> str:
+        """Where ``key`` (one of :data:`SOURCED`) came from; ``"argument"`` when the caller did not say."""
+        return self.sources.get(key, "argument")
 
 
 def parse_shape_sweep(spec: str) -> list[tuple[int, int]]:
@@ -110,41 +144,78 @@ def _world() -> tuple[int, int]:
     return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
 
 
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: CUDA is not available here; use --device cpu")
-    return dev
+def build_site_module(
+    site: BenchSite, precision: str, recipe: str, device: torch.device, mesh=None
+) -> SiteModule:
+    """The bf16 :class:`SiteModule` of ``site``; for ``precision == "fp8"`` its linears become torchao
+    ``Float8Linear`` modules with ``float8_linear_config(recipe)`` (``fp8/recipes.py``).
+
+    Without ``mesh`` the linears have the per-rank shapes ``site.gemms``; with a 1-D ``("tp",)`` mesh they
+    have the whole shapes ``site.full_gemms`` and are parallelized in place (``bench/tensor_parallel.py``).
+    Weights: ``nn.Linear`` initialisation with ``torch.manual_seed(0)``, bf16.
+
+    Raises:
+        ConfigError: ``recipe`` is not a recipe name (FP8 only).
+    """
+    torch.manual_seed(0)
+    with torch.device(device):
+        module = SiteModule(site.full_gemms if mesh is not None else site.gemms).to(torch.bfloat16)
+    if precision == "fp8":
+        torchao_float8().convert_to_float8_training(module, config=float8_linear_config(recipe))
+    if mesh is not None:
+        from fp8kit.bench.tensor_parallel import parallelize_site
+
+        parallelize_site(module, site, mesh, fp8=precision == "fp8")
+    return module
+
+
+def float8_linear_scaling(module: nn.Module) -> dict[str, str] | None:
+    """How the torchao ``Float8Linear`` modules inside ``module`` scale each cast, read from their configs.
+
+    Returns ``None`` without a ``Float8Linear``; otherwise ``{cast: granularity}`` for torchao's six casts
+    (``input``, ``weight``, ``grad_output`` and the ``*_for_grad_*`` casts of dgrad / wgrad), each
+    ``"tensorwise"``, ``"axiswise"`` (torchao's name for rowwise) or ``"high precision"`` (cast disabled,
+    e.g. wgrad of ``rowwise_with_gw_hp``), plus ``round_scales_to_power_of_2`` (``"true"``/``"false"``).
+
+    Raises:
+        ConfigError: the modules' configs differ (one report covers one recipe).
+    """
+    float8 = torchao_float8()
+    found: dict[str, str] | None = None
+    for name, m in module.named_modules():
+        if not isinstance(m, float8.Float8Linear):
+            continue
+        cfg = m.config
+        out = {}
+        for cast in ("input", "weight", "grad_output", "input_for_grad_weight", "weight_for_grad_input",
+                     "grad_output_for_grad_weight"):
+            cc = getattr(cfg, f"cast_config_{cast}")
+            disabled = cc.scaling_type.value == "disabled"
+            out[cast] = "high precision" if disabled else cc.scaling_granularity.value
+        out["round_scales_to_power_of_2"] = str(bool(cfg.round_scales_to_power_of_2)).lower()
+        if found is not None and out != found:
+            raise ConfigError(f"bench-layers: Float8Linear {name} scales {out}, another linear {found}")
+        found = out
+    return found
 
 
 class _Timer:
     """Builds (and compiles) a site's module once per precision and times it at each token count."""
 
-    def __init__(self, site: BenchSite, precision: str, args: BenchLayersArgs, device: torch.device, mesh=None):
+    def __init__(
+        self, site: BenchSite, precision: str, args: BenchLayersArgs, device: torch.device, mesh=None
+    ):
         self.site, self.device, self.args, self.mesh = site, device, args, mesh
-        torch.manual_seed(0)
-        tp = mesh.size() if mesh is not None else 1
-        gemms = site.full_gemms if mesh is not None else site.gemms
-        with torch.device(device):
-            module = SiteModule(gemms).to(torch.bfloat16)
-        if precision == "fp8":
-            float8 = torchao_float8()
-            float8.convert_to_float8_training(module, config=float8_linear_config(args.recipe))
-        if mesh is not None:
-            from fp8kit.bench.tensor_parallel import parallelize_site
-
-            parallelize_site(module, site, mesh, fp8=precision == "fp8")
-        self.tp = tp
-        self.module = module
+        self.tp = mesh.size() if mesh is not None else 1
+        self.module = build_site_module(site, precision, args.recipe, device, mesh)
+        self.scaling = float8_linear_scaling(self.module) if precision == "fp8" else None
         if _compile(args, device):
             # Every site compiles SiteModule.forward: drop earlier entries so dynamo's per-code-object
             # cache limit never silently sends a site back to eager.
             torch._dynamo.reset()
-            self.fn = torch.compile(module)
+            self.fn = torch.compile(self.module)
         else:
-            self.fn = module
+            self.fn = self.module
 
     def __call__(self, num_tokens: int) -> float:
         k = self.site.gemms[0][0]
@@ -156,8 +227,10 @@ class _Timer:
             torch._dynamo.mark_dynamic(x, 0)
         # Output shapes per rank: column sites give [tokens, N/tp]; row sites [tokens, N], reduce-scattered
         # to [tokens/tp, N] under real TP. (Computed, not probed: a probe would compile a second graph.)
-        out_rows = num_tokens // self.tp if (self.mesh is not None and self.site.module_kind in ("row", "row_grouped")) else num_tokens
-        grads = [torch.randn(out_rows, n, device=self.device, dtype=torch.bfloat16) for _, n in self.site.gemms]
+        row_tp = self.mesh is not None and self.site.module_kind in ("row", "row_grouped")
+        out_rows = num_tokens // self.tp if row_tp else num_tokens
+        grads = [torch.randn(out_rows, n, device=self.device, dtype=torch.bfloat16)
+                 for _, n in self.site.gemms]
         params = list(self.module.parameters())
 
         def reset() -> None:
@@ -190,7 +263,8 @@ class _GroupedTimer:
         e = site.num_gemms
         self.weights = [(torch.randn(e, n, k, device=device) * k ** -0.5).to(torch.bfloat16).requires_grad_()
                         for k, n in site.gemms]
-        self.backend = resolve_backend(GroupedGemmConfig(), device) if precision == "fp8" else None
+        self.backend = resolve_grouped_kernel(GroupedGemmConfig(), device) if precision == "fp8" else None
+        self.scaling = None  # the FP8 grouped GEMM is rowwise whatever the recipe (moe/grouped_mm.py)
 
     def __call__(self, num_pairs: int) -> float:
         e, k = self.site.num_gemms, self.site.gemms[0][0]
@@ -218,40 +292,51 @@ def _compile(args: BenchLayersArgs, device: torch.device) -> bool:
     return args.compile if args.compile is not None else device.type == "cuda"
 
 
+def _named(args: BenchLayersArgs, key: str) -> str:
+    """``"--tp 2"`` when the value came from its flag, else ``"tp 2 (config file run.toml)"``."""
+    src, value = args.source(key), getattr(args, key)
+    return f"{src} {value}" if src == f"--{key}" else f"{key} {value} ({src})"
+
+
 def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
     """Run the benchmark and return the report (see the module docstring).
 
     Raises:
-        ConfigError: bad sizes, precisions or sweep; ``--tp N`` without N processes and without
-            ``--simulate-tp``.
+        ConfigError: bad sizes, precisions, recipe or sweep (the message names where the value came from);
+            ``tp > 1`` without ``tp`` processes and without ``simulate_tp``.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from fp8kit.console import make_console
-    from fp8kit.train.setup import device_name, versions
+    from fp8kit.base.console import make_console
 
     console = console or make_console()
     for p in args.precisions:
         if p not in PRECISIONS:
             raise ConfigError(f"--precisions: unknown precision {p!r}; use bf16 and/or fp8")
-    if "fp8" in args.precisions:
-        float8_linear_config(args.recipe)  # validates the recipe name
-    for name, v in (("--tp", args.tp), ("--ep", args.ep), ("--etp", args.etp), ("--warmup", args.warmup + 1),
-                    ("--iters", args.iters)):
-        if v < 1:
-            raise ConfigError(f"{name} must be >= 1, got {v}")
+    if args.recipe not in RECIPE_NAMES:
+        raise ConfigError(f"{args.source('recipe')}: unknown recipe {args.recipe!r}; "
+                          f"choose one of {', '.join(RECIPE_NAMES)}")
+    for key in ("tp", "ep", "etp"):
+        if getattr(args, key) < 1:
+            raise ConfigError(f"{_named(args, key)}: must be >= 1")
+    if args.warmup < 0:
+        raise ConfigError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.iters < 1:
+        raise ConfigError(f"--iters must be >= 1, got {args.iters}")
     world, rank = _world()
     real_tp = args.tp > 1 and not args.simulate_tp
     if real_tp and world != args.tp:
         raise ConfigError(
-            f"--tp {args.tp} times the real tensor-parallel layer and needs torchrun --nproc_per_node {args.tp} "
-            f"(this is {world} process(es)); or pass --simulate-tp to time the per-rank shapes on one device"
+            f"{_named(args, 'tp')} times the real tensor-parallel layer and needs torchrun "
+            f"--nproc_per_node {args.tp} (this is {world} process(es)); or pass --simulate-tp to time the "
+            "per-rank shapes on one device"
         )
-    device = _resolve_device(args.device)
+    device = resolve_device(args.device, "--device")
     if real_tp and device.type == "cpu" and "fp8" in args.precisions:
         raise ConfigError(
-            "--tp with real tensor parallelism on the CPU: gloo has no float8 collectives, so the FP8 layer "
-            "cannot all-gather; use --precisions bf16 on the CPU, --simulate-tp, or GPUs (NCCL)"
+            f"{_named(args, 'tp')} with real tensor parallelism on the CPU: gloo has no float8 "
+            "collectives, so the FP8 layer cannot all-gather; use --precisions bf16 on the CPU, "
+            "--simulate-tp, or GPUs (NCCL)"
         )
     mesh = None
     if real_tp:
@@ -259,17 +344,27 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
 
         mesh, device = init_tp_mesh(args.tp, device)
     sweep = args.shape_sweep or auto_sweep(32768)
-    sites, notes = layer_sites(args.config.model, args.config.data.vocab_size, tp=args.tp, ep=args.ep, etp=args.etp)
+    sites, notes = layer_sites(args.model, args.vocab_size, tp=args.tp, ep=args.ep, etp=args.etp)
     timed = sites
-    topk = _topk(args.config)
+    topk = moe_router_topk(args.model, args.vocab_size)
     if any(s.is_grouped for s in sites) and (real_tp or args.etp > 1 and not args.simulate_tp):
         timed = [s for s in sites if not s.is_grouped]
         notes.append("grouped sites: real expert / expert-tensor parallelism is not timed by this version "
                      "(use --simulate-tp for the per-rank shapes); not timed")
+    if mesh is not None and args.recipe != "tensorwise" and "fp8" in args.precisions:
+        notes.append(
+            f"real TP with recipe {args.recipe}: torchao's FP8 TP styles (float8_tensor_parallel: 'assumes "
+            "tensorwise scaling') cast each linear's input and output gradient tensorwise, so only the weight "
+            "casts follow the recipe (fp8_linear_scaling lists the Float8Linear configs); training's TP does "
+            "the same (parallel/parallelize.py)"
+        )
     measurements = []
+    scaling: dict[str, str] | None = None  # read back from the timed Float8Linear modules
+    grouped_note = "grouped sites: the FP8 grouped GEMM scales rowwise whatever the recipe, as in training"
     total = len(timed) * len(sweep) * len(args.precisions)
     show = rank == 0
-    progress = Progress(TextColumn("[bold]bench-layers"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    progress = Progress(TextColumn("[bold]bench-layers"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(),
                         TextColumn("{task.fields[info]}"), console=console, disable=not show)
     with progress:
         task = progress.add_task("bench", total=total, info="")
@@ -282,6 +377,9 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
                     notes.append(f"{site.name} {precision}: not timed: {e}")
                     progress.advance(task, len(sweep))
                     continue
+                scaling = scaling or timer.scaling
+                if site.is_grouped and precision == "fp8" and grouped_note not in notes:
+                    notes.append(grouped_note)
                 for seq, mbs in sweep:
                     tokens = seq * mbs * (topk if site.is_grouped else 1)
                     progress.update(task, info=f"{site.name} {precision} {tokens} tokens")
@@ -318,7 +416,9 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
         "device_type": device.type,
         "versions": versions(),
         "recipe": args.recipe,
-        "model": args.config.model.hf_config or args.config.model.preset,
+        "sources": {key: args.source(key) for key in SOURCED},
+        "fp8_linear_scaling": scaling,
+        "model": args.model.hf_config or args.model.preset,
         "moe_router_topk": topk,
         "tp": args.tp, "ep": args.ep, "etp": args.etp,
         "simulated_tp": bool(args.tp > 1 and args.simulate_tp),
@@ -337,11 +437,12 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
     return report
 
 
-def _topk(cfg: RunConfig) -> int:
-    from fp8kit.fp8.options import moe_topk
+def moe_router_topk(model: ModelConfig, vocab_size: int) -> int:
+    """Experts per token of the model's HF config (1 for dense models)."""
+    from fp8kit.config.options import moe_topk
     from fp8kit.models.build import build_hf_config
 
-    return moe_topk(build_hf_config(cfg.model, cfg.data.vocab_size))
+    return moe_topk(build_hf_config(model, vocab_size))
 
 
 def speedup_table(report: dict) -> list[tuple[str, int, float | None, float | None, float | None]]:

@@ -1,13 +1,13 @@
 """The benchmark sites of one transformer layer, with their per-rank GEMM shapes under TP / EP / ETP.
 
-A benchmark site is one entry of the policy: all linears of one transformer layer that share
-``(component, module_kind, ub_name)``. HF models keep q, k and v (and gate and up) as separate
-linears on the same input; together they are the seed's fused ``qkv`` (``fc1``) layer, so they are
-timed together and get one rule.
+A benchmark site is one entry of the selective-FP8 policy: all linears of one transformer layer that
+share ``(component, module_kind, ub_name)``. HF models keep q, k and v (and gate and up) as separate
+linears on the same input; together they are Megatron's fused ``qkv`` (``fc1``) layer, whose names
+the policy format of LoongForge's adaptive FP8 uses, so they are timed together and get one rule.
 
-Per-rank shapes (Megatron tensor parallelism with sequence parallelism, seed 000): a column-parallel
-layer (``layernorm_column`` / ``column``) splits its output features N over ``tp``; a row-parallel
-layer (``row``) splits its input features K; ``duplicated`` layers are not split. The GEMM's M is
+Per-rank shapes (Megatron-LM tensor parallelism with sequence parallelism, arXiv:2205.05198): a
+column-parallel layer (``layernorm_column`` / ``column``) splits its output features N over ``tp``; a
+row-parallel layer (``row``) splits its input features K; ``duplicated`` layers are not split. The GEMM's M is
 the token count ``seq_length x micro_batch_size`` on every rank (the sequence-parallel all-gather
 happens before the column GEMM and the reduce-scatter after the row GEMM). Grouped (MoE) sites split
 experts over ``ep`` (``num_gemms = experts / ep``) and each expert over ``etp`` like column/row.
@@ -18,11 +18,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from fp8kit.base.errors import ConfigError
 from fp8kit.config import ModelConfig
-from fp8kit.errors import ConfigError
-from fp8kit.fp8.rules import StaticRules
-from fp8kit.fp8.sites import Site, find_sites
 from fp8kit.models.build import build_model
+from fp8kit.selective.rules import StaticRules
+from fp8kit.selective.sites import Site, find_sites
 
 COLUMN_KINDS = ("layernorm_column", "column", "column_grouped")
 ROW_KINDS = ("row", "row_grouped")
@@ -83,7 +83,9 @@ def _split(kind: str, k: int, n: int, ways: int, where: str) -> tuple[int, int]:
     return k, n
 
 
-def layer_sites(model_cfg: ModelConfig, vocab_size: int, *, tp: int = 1, ep: int = 1, etp: int = 1) -> tuple[list[BenchSite], list[str]]:
+def layer_sites(
+    model_cfg: ModelConfig, vocab_size: int, *, tp: int = 1, ep: int = 1, etp: int = 1
+) -> tuple[list[BenchSite], list[str]]:
     """Benchmark sites of the first transformer layer of each component, and notes on skipped ones.
 
     Raises:
@@ -122,7 +124,9 @@ def layer_sites(model_cfg: ModelConfig, vocab_size: int, *, tp: int = 1, ep: int
             site = BenchSite(component, kind, ub, gemms, full, [m.fqn for m in members], tp=tp)
         bad = [(k, n) for k, n in site.gemms if k % 16 or n % 16]
         if bad:
-            notes.append(f"{site.name}: per-rank GEMM {bad[0]} is not divisible by 16 at this parallel size; not timed")
+            notes.append(
+                f"{site.name}: per-rank GEMM {bad[0]} is not divisible by 16 at this parallel size; not timed"
+            )
             continue
         out.append(site)
     return out, notes

@@ -48,8 +48,8 @@ def parallelize_site(module: torch.nn.Module, site: BenchSite, mesh, *, fp8: boo
 
     n = len(module.linears)
     # The sequence-parallel all-gather stays in bf16 also for FP8 sites: with torchao's
-    # PrepareFloat8ModuleInput (FP8 all-gather) the compiled site fails in backward on torch 2.11 /
-    # torchao 0.18 ("tensor subclass where we guessed its metadata incorrectly", H200 x2, 2026-11-21).
+    # PrepareFloat8ModuleInput (FP8 all-gather) the compiled site failed in backward ("tensor subclass
+    # where we guessed its metadata incorrectly"); see docs/benchmarks.md, "Real tensor parallelism".
     prepare = PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),))
     if fp8:
         from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
@@ -61,6 +61,5 @@ def parallelize_site(module: torch.nn.Module, site: BenchSite, mesh, *, fp8: boo
         parallelize_module(module, mesh, prepare)
         parallelize_module(module, mesh, {f"linears.{i}": col(input_layouts=Replicate()) for i in range(n)})
     elif site.module_kind in ROW_KINDS:
-        parallelize_module(
-            module, mesh, {f"linears.{i}": row(input_layouts=Shard(-1), output_layouts=Shard(0)) for i in range(n)}
-        )
+        plan = {f"linears.{i}": row(input_layouts=Shard(-1), output_layouts=Shard(0)) for i in range(n)}
+        parallelize_module(module, mesh, plan)

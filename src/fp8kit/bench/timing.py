@@ -1,12 +1,12 @@
 """Timing of a GPU or CPU function: device time with the host's launch overhead hidden.
 
 CUDA: a small site (a few linears, a few hundred tokens) issues its kernels faster than Python and
-autograd can launch them, so naive per-iteration events measure the host, not the GPU (first run of
-this benchmark: the FP8 qkv site of Llama-3-8B at TP 8 took a flat ~1.6 ms from 256 to 8192 tokens).
-In a training step the whole compiled block keeps the GPU busy and the host runs ahead, so the
-device time is what decides. We therefore hold the GPU with ``torch.cuda._sleep`` while the host
-enqueues all timed iterations, then take ``(end - start) / iters`` from one pair of CUDA events: the
-iterations run back to back on the device. The sleep is sized from the measured host time of one
+autograd can launch them, so naive per-iteration events measure the host, not the GPU (the "v1" timing
+in docs/benchmarks.md section 2 shows what that did to the first policies). In a training step the
+whole compiled block keeps the GPU busy and the host runs ahead, so the device time is what decides.
+We therefore hold the GPU with ``torch.cuda._sleep`` while the host enqueues all timed iterations,
+then take ``(end - start) / iters`` from one pair of CUDA events: the iterations run back to back on
+the device. The sleep is sized from the measured host time of one
 iteration. This is repeated ``repeats`` times and the median taken.
 
 CPU: ``time.perf_counter`` around each iteration, median.

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fp8kit.errors import DataError
+from fp8kit.base.errors import DataError
 
 _GLOB_CHARS = set("*?[")
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}

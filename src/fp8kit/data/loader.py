@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fp8kit.errors import DataError
+from fp8kit.base.errors import DataError
 
 
 @dataclass

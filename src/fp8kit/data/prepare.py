@@ -9,14 +9,17 @@ from __future__ import annotations
 import hashlib
 import io
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fp8kit.config import DataConfig
+from fp8kit.base.errors import DataError
 from fp8kit.data.corpus import load_corpus, read_token_files
 from fp8kit.data.loader import PackedData
 from fp8kit.data.tokenizer import atomic_write_bytes, load_or_train_tokenizer, resolve_cache_dir
-from fp8kit.errors import DataError
+
+if TYPE_CHECKING:  # the [data] section of the run config (a type only: config sits above this layer)
+    from fp8kit.config import DataConfig
 
 
 @dataclass

@@ -12,7 +12,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from fp8kit.errors import DataError
+from fp8kit.base.errors import DataError
 
 EOS_TOKEN = "<|endoftext|>"
 _EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")

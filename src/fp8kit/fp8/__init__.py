@@ -1,1 +1,1 @@
-"""FP8 numerics and decisions: sites, static rules, policies, recipes, conversion through torchao."""
+"""The FP8 engine: recipes, scaling (the one scale formula), the torchao import."""

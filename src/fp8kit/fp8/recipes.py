@@ -22,16 +22,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fp8kit.errors import ConfigError
+from fp8kit.base.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchao.float8 import Float8LinearConfig
 
 RECIPE_NAMES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-
-# E4M3 / E5M2 maxima (OCP FP8 spec; torch.finfo(torch.float8_e4m3fn).max etc.).
-E4M3_MAX = 448.0
-E5M2_MAX = 57344.0
 
 
 def float8_linear_config(
@@ -55,7 +51,7 @@ def float8_linear_config(
         raise ConfigError(
             f"fp8.enable_fsdp_float8_all_gather is only supported by torchao for the tensorwise recipe, not {recipe!r}"
         )
-    from fp8kit.fp8.backend import torchao_float8
+    from fp8kit.base.torchao_lib import torchao_float8
 
     float8 = torchao_float8()
     cfg = float8.Float8LinearConfig.from_recipe_name(recipe)

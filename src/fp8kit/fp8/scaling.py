@@ -1,13 +1,15 @@
 """Scaled low-precision storage: ``scale = dtype_max / max(amax, eps)``, per tensor or per block.
 
-The convention is FP8-LM's (Peng et al. 2023, arXiv:2310.18313, section 2; the seed
-``003_f6166ad1663d4d19``): a low-precision tensor is a pair ``(data, scale)`` whose value is
-``data / scale``, with ``scale`` in float32 chosen so the tensor's amax lands on the format's maximum.
-The ``eps`` floor on amax (the seeds' ``FP8_QUANT_*_AMAX_EPS`` idea) keeps all-zero and tiny tensors
-from producing an inf or NaN scale: an all-zero tensor gets ``scale = dtype_max / eps`` and quantizes to
-zeros. Used by the FP8 optimizer (``fp8kit.optim``) and the FP8 gradient all-reduce
-(``fp8kit.distributed``) and the FP8 grouped GEMM of MoE experts (``fp8kit.moe``); dense FP8 matmuls
-use torchao's own casts.
+This is the one place the scale formula lives; every PyTorch path of fp8kit (the FP8 optimizer
+``fp8kit.optim``, the FP8 gradient all-reduce ``fp8kit.comm``, the FP8 grouped GEMM of MoE experts
+``fp8kit.moe``) calls :func:`scale_from_amax`, and the Triton kernels call its twin in
+``fp8kit.fp8.triton_scale``. Dense FP8 matmuls use torchao's own casts.
+
+The convention is FP8-LM's (Peng et al. 2023, arXiv:2310.18313, section 2): a low-precision tensor is a
+pair ``(data, scale)`` whose value is ``data / scale``, with ``scale`` in float32 chosen so the tensor's
+amax lands on the format's maximum (dynamic "current" scaling, as in torchao and Transformer Engine).
+The ``eps`` floor on amax keeps all-zero and tiny tensors from producing an inf or NaN scale: an
+all-zero tensor gets ``scale = dtype_max / eps`` and quantizes to zeros.
 """
 
 from __future__ import annotations
@@ -52,9 +54,25 @@ def is_scaled(dtype: torch.dtype) -> bool:
     return dtype in DTYPE_MAX
 
 
+def clamp_amax(amax: torch.Tensor, eps: float = AMAX_EPS) -> torch.Tensor:
+    """``amax`` in float32 clamped to ``[eps, F32_MAX]``: the denominator of :func:`scale_from_amax`."""
+    return amax.float().clamp(min=eps, max=F32_MAX)
+
+
 def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, eps: float = AMAX_EPS) -> torch.Tensor:
-    """``dtype_max / max(amax, eps)`` in float32 (any shape; one scale per amax entry)."""
-    return DTYPE_MAX[dtype] / amax.float().clamp(min=eps, max=F32_MAX)
+    """``dtype_max / min(max(amax, eps), F32_MAX)`` in float32, one scale per entry of ``amax`` (any shape).
+
+    Args:
+        amax: absolute maxima (any float dtype and shape; inf allowed and clamped to ``F32_MAX``).
+        dtype: the storage format, a key of :data:`DTYPE_MAX` (E4M3, E5M2 or float16).
+        eps: amax floor (default :data:`AMAX_EPS`).
+
+    Raises:
+        KeyError: ``dtype`` has no entry in :data:`DTYPE_MAX` (bf16 and fp32 are stored unscaled).
+
+    The Triton twin is ``fp8kit.fp8.triton_scale.scale_from_amax`` (same formula, same float32 ops).
+    """
+    return DTYPE_MAX[dtype] / clamp_amax(amax, eps)
 
 
 def round_scale_pow2(scale: torch.Tensor) -> torch.Tensor:
@@ -66,10 +84,11 @@ def round_scale_pow2(scale: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(scale)))
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``saturate(x * scale)`` cast to ``dtype``; ``scale`` broadcasts against ``x``.
+def quantize(x: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
+    """``saturate(x * scale)`` cast to ``dtype`` (a key of :data:`DTYPE_MAX`); ``scale`` broadcasts against ``x``.
 
-    Values beyond the format's maximum saturate to it (no inf in storage), as torchao's casts do.
+    Computed in float32. Values beyond the format's maximum saturate to it (no inf in storage), as
+    torchao's casts do. The Triton twin is ``fp8kit.fp8.triton_scale.saturate``.
     """
     m = DTYPE_MAX[dtype]
     return (x.float() * scale).clamp(-m, m).to(dtype)
@@ -78,26 +97,3 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
 def dequantize(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``data / scale`` in float32."""
     return data.float() / scale
-
-
-def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype, eps: float = AMAX_EPS) -> tuple[torch.Tensor, torch.Tensor]:
-    """One scale for the whole tensor. Returns ``(data, scale)`` with ``scale`` a 0-d float32 tensor."""
-    scale = scale_from_amax(x.detach().abs().amax(), dtype, eps)
-    return quantize(x, scale, dtype), scale
-
-
-def quantize_blockwise(
-    x: torch.Tensor, dtype: torch.dtype, block: int, eps: float = AMAX_EPS
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One scale per ``block`` consecutive elements of a 1-D tensor whose length is a multiple of ``block``.
-
-    Returns ``(data, scales)``: ``data`` with ``x``'s shape, ``scales`` of shape ``(len(x) // block,)``.
-
-    Raises:
-        ValueError: when ``x`` is not 1-D or its length is not a multiple of ``block``.
-    """
-    if x.dim() != 1 or x.numel() % block:
-        raise ValueError(f"quantize_blockwise: need a 1-D tensor with length divisible by {block}, got {tuple(x.shape)}")
-    xb = x.view(-1, block)
-    scales = scale_from_amax(xb.detach().abs().amax(dim=1), dtype, eps)
-    return quantize(xb, scales[:, None], dtype).view(-1), scales

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from fp8kit.config import ModelConfig
-from fp8kit.errors import ConfigError
+from fp8kit.base.errors import ConfigError
 from fp8kit.models.presets import PRESETS
+
+if TYPE_CHECKING:  # the [model] section of the run config (a type only: config sits above this layer)
+    from fp8kit.config import ModelConfig
 
 
 def _config_kwargs(model_cfg: ModelConfig) -> tuple[dict[str, Any], str]:
@@ -87,7 +89,7 @@ def build_model(
     Raises:
         ConfigError: the config is not a causal-LM architecture known to transformers.
     """
-    from fp8kit.fp8.backend import quiet_torchao_imports
+    from fp8kit.base.torchao_lib import quiet_torchao_imports
 
     with quiet_torchao_imports():  # transformers imports torchao's quantizers when torchao is installed
         from transformers import AutoModelForCausalLM

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fp8kit.errors import ConfigError
+from fp8kit.base.errors import ConfigError
 from fp8kit.moe import routing
 
 
@@ -62,21 +62,43 @@ class EPGroup:
         return self.mesh["ep"].get_local_rank()
 
 
+def check_ep_layout(ep: int, dp: int, tp: int, key: str = "distributed.ep") -> None:
+    """Check that expert parallelism over ``ep`` ranks fits the mesh (the one place this rule lives).
+
+    ``ep`` must divide the data-parallel size ``dp = dp_replicate x dp_shard`` (its ranks are borrowed
+    from data parallelism, as in torchtitan), and ``ep > 1`` needs ``tp = 1``. ``ep = 1`` always fits.
+
+    Raises:
+        ConfigError: naming ``key`` (the setting, e.g. ``distributed.ep``) and the sizes.
+    """
+    if ep > 1 and dp % ep:
+        raise ConfigError(f"{key} = {ep} does not divide the data-parallel size dp_replicate x dp_shard = {dp} "
+                          f"(expert parallelism borrows its ranks from data parallelism)")
+    if ep > 1 and tp > 1:
+        raise ConfigError(f"{key} = {ep} with tp = {tp}: expert parallelism with tensor parallelism is not "
+                          f"supported; use tp = 1")
+
+
+def check_ep_divides_experts(ep: int, num_experts: int, where: str, key: str = "distributed.ep") -> None:
+    """Check that ``ep`` divides the ``num_experts`` experts of ``where`` (a module name, for the message).
+
+    Raises:
+        ConfigError: ``{key} = {ep} does not divide the {num_experts} experts of {where}``.
+    """
+    if num_experts % ep:
+        raise ConfigError(f"{key} = {ep} does not divide the {num_experts} experts of {where}")
+
+
 def ep_mesh(device_type: str, dp: int, ep: int, tp: int):
     """The ``("edp", "ep", "tp")`` DeviceMesh over the same ranks as the run's main mesh, and its 2-D
     ``("edp", "ep")`` part.
 
     Raises:
-        ConfigError: ``ep`` does not divide the data-parallel size, or ``tp > 1`` (expert parallelism with
-            tensor parallelism is not supported).
+        ConfigError: the sizes do not fit (:func:`check_ep_layout`).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    if dp % ep:
-        raise ConfigError(f"distributed.ep = {ep} does not divide the data-parallel size {dp} (dp_replicate x dp_shard)")
-    if tp > 1:
-        raise ConfigError(f"distributed.ep = {ep} with distributed.tp = {tp}: expert parallelism with tensor "
-                          f"parallelism is not supported; use tp = 1")
+    check_ep_layout(ep, dp, tp)
     mesh = init_device_mesh(device_type, (dp // ep, ep, tp), mesh_dim_names=("edp", "ep", "tp"))
     return mesh["edp", "ep"]
 
@@ -102,13 +124,11 @@ def shard_experts(module: nn.Module, group: EPGroup) -> None:
     """Keep this rank's ``E / ep`` experts of a ``Float8GroupedExperts`` as ``Shard(0)`` DTensors.
 
     Raises:
-        ConfigError: ``ep`` does not divide the module's experts.
+        ConfigError: ``ep`` does not divide the module's experts (:func:`check_ep_divides_experts`).
     """
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    e = module.num_experts
-    if e % group.ep:
-        raise ConfigError(f"distributed.ep = {group.ep} does not divide the {e} experts of this model")
+    check_ep_divides_experts(group.ep, module.num_experts, type(module).__name__)
     for name in ("gate_up_proj", "down_proj"):
         p = getattr(module, name)
         dt = distribute_tensor(p.detach(), group.mesh, [Replicate(), Shard(0)])
@@ -153,9 +173,9 @@ def ep_experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: tor
     recv = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, group.group)
     local_ids = torch.repeat_interleave(torch.arange(local, device=ids.device).repeat(ep), recv_counts)
     # The received row count changes every step. torchao's token-keyed autotuning is made once per process
-    # (Float8GroupedExperts.backend -> grouped_mm.tune_once_for_all_row_counts; without it 4.6 s of tuning
-    # per new count, 4.8-9.6 s steps on 2 x H200). The padded buffer is also bucketed (<= 1/8 extra rows) so
-    # that torch.compile and the caching allocator see a few shapes; the measured 88 ms steps had both.
+    # (Float8GroupedExperts.grouped_kernel -> grouped_mm.tune_once_for_all_row_counts; without it every new
+    # count re-tunes for seconds). The padded buffer is also bucketed (<= 1/8 extra rows) so that
+    # torch.compile and the caching allocator see a few shapes (step times: docs/benchmarks.md).
     d = routing.dispatch(local_ids[:, None], local, rows=routing.bucketed_rows(local_ids.numel(), local, ids.numel()))
     x = routing.gather(recv, d)
     h = module._gate(module._linear("gate_up_proj", x, d.offs))

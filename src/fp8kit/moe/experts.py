@@ -19,14 +19,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fp8kit.errors import Fp8kitError
+from fp8kit.base.errors import Fp8kitError
 from fp8kit.moe import routing
 from fp8kit.moe.expert_parallel import ep_experts_forward, local_weight
 from fp8kit.moe.grouped_mm import (
     GroupedGemmConfig,
     bf16_grouped_mm,
     fp8_grouped_mm,
-    resolve_backend,
+    resolve_grouped_kernel,
     tune_once_for_all_row_counts,
 )
 
@@ -77,15 +77,15 @@ class Float8GroupedExperts(nn.Module):
             reference to them, so FSDP2 can free the unsharded originals); ``source`` is kept,
             unregistered, for its ``_apply_gate`` and to be restored by :func:`swap_out`.
         fp8_weights: which of ``gate_up_proj`` / ``down_proj`` run in FP8.
-        config: how FP8 grouped GEMMs run; the backend is resolved on the first forward on each device
-            (``moe/grouped_mm.resolve_backend``), so a model converted on ``meta`` or on the CPU and then
+        config: how FP8 grouped GEMMs run; the grouped-GEMM kernel is resolved on the first forward on each
+            device (``moe/grouped_mm.resolve_grouped_kernel``), so a model converted on ``meta`` or on the CPU and then
             moved to a GPU uses the GPU kernel.
 
     Forward: ``(hidden (T, H), top_k_index (T, topk) int, top_k_weights (T, topk)) -> (T, H)`` in
     ``hidden``'s dtype, like the module it replaces.
 
     Raises (forward):
-        CapabilityError: FP8 weights on a device without an FP8 grouped GEMM (``resolve_backend``).
+        CapabilityError: FP8 weights on a device without an FP8 grouped GEMM (``resolve_grouped_kernel``).
     """
 
     def __init__(self, source: nn.Module, fp8_weights: frozenset[str], config: GroupedGemmConfig | None = None):
@@ -97,7 +97,7 @@ class Float8GroupedExperts(nn.Module):
         self.num_experts = self.gate_up_proj.shape[0]
         self.fp8_weights = frozenset(fp8_weights)
         self.config = config or GroupedGemmConfig()
-        self._backends: dict[str, str] = {}
+        self._kernels: dict[str, str] = {}  # device -> resolved grouped-GEMM kernel
         self.ep_group = None  # set by moe/expert_parallel.shard_experts
         self.__dict__["source"] = source  # not a submodule: its weights are ours
 
@@ -105,25 +105,26 @@ class Float8GroupedExperts(nn.Module):
         e, n, k = self.gate_up_proj.shape
         e = self.num_experts
         return (f"experts={e}, hidden={k}, intermediate={n // 2}, fp8={sorted(self.fp8_weights)}, "
-                f"backend={self.config.backend} {self._backends or ''}".rstrip())
+                f"kernel={self.config.kernel} {self._kernels or ''}".rstrip())
 
-    def backend(self, device: torch.device) -> str:
-        """The FP8 grouped backend on ``device`` (resolved once per device).
+    def grouped_kernel(self, device: torch.device) -> str:
+        """The FP8 grouped-GEMM kernel on ``device`` (``torchao``, ``scaled_grouped_mm`` or ``emulated``;
+        resolved once per device by ``grouped_mm.resolve_grouped_kernel``).
 
         Under expert parallelism with torchao's kernels, their token-keyed autotuning is made once per process
         (``grouped_mm.tune_once_for_all_row_counts``): the received row count changes every step.
         """
         key = str(device)
-        if key not in self._backends:
-            self._backends[key] = resolve_backend(self.config, device)
-            if self._backends[key] == "torchao" and self.ep_group is not None:
+        if key not in self._kernels:
+            self._kernels[key] = resolve_grouped_kernel(self.config, device)
+            if self._kernels[key] == "torchao" and self.ep_group is not None:
                 tune_once_for_all_row_counts()
-        return self._backends[key]
+        return self._kernels[key]
 
     def _linear(self, name: str, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         w = local_weight(getattr(self, name))
         if name in self.fp8_weights:
-            return fp8_grouped_mm(x, w, offs, self.backend(x.device), compile_quantize=self.config.compile_quantize)
+            return fp8_grouped_mm(x, w, offs, self.grouped_kernel(x.device), compile_quantize=self.config.compile_quantize)
         return bf16_grouped_mm(x, w, offs)
 
     def _gate(self, h: torch.Tensor) -> torch.Tensor:
@@ -153,7 +154,7 @@ def swap_in(model: nn.Module, fqn: str, fp8_weights: frozenset[str], config: Gro
     if isinstance(module, Float8GroupedExperts):
         module.fp8_weights = frozenset(fp8_weights)
         if config is not None and config != module.config:
-            module.config, module._backends = config, {}
+            module.config, module._kernels = config, {}
         return module
     check_supported(module, fqn)
     new = Float8GroupedExperts(module, fp8_weights, config)

@@ -1,22 +1,23 @@
 """FP8 grouped GEMM with BF16 master weights: ``y[g] = x[g] @ W[e]^T`` for every expert group, in E4M3.
 
 :func:`fp8_grouped_mm` is differentiable. Its three GEMMs (fprop, dgrad, wgrad) each quantize their
-operands rowwise (``moe/quantize.py``) and run one grouped GEMM through a *backend*:
+operands rowwise (``moe/quantize.py``) and run one grouped GEMM through a grouped-GEMM *kernel*
+(:data:`GROUPED_KERNELS`, chosen by :func:`resolve_grouped_kernel`):
 
 ``torchao``            torchao's ``_to_fp8_rowwise_then_scaled_grouped_mm``: the same
                        ``torch._scaled_grouped_mm`` GEMMs with torchao's fused Triton quantization
-                       kernels. The default on Hopper: measured 2-4x faster than ours end to end
-                       (``benchmarks/grouped_gemm.py``, docs/benchmarks.md section 4).
+                       kernels. The default on Hopper, the fastest end to end (``benchmarks/grouped_gemm.py``;
+                       figures in docs/benchmarks.md).
 ``scaled_grouped_mm``  ``torch._scaled_grouped_mm`` (CUTLASS, Hopper SM90) with fp8kit's own
                        quantization (``moe/quantize.py``, compiled): the reference CUDA path, the
                        same numerics as the emulation; slower (its per-group scales use a scatter).
 ``emulated``           the same quantized operands and scales, dequantized to float32 and multiplied
                        group by group (``torch._scaled_grouped_mm`` has no CPU kernel). The CUDA kernel
                        accumulates with ``use_fast_accum`` and writes bf16, the emulation accumulates
-                       and writes in the input's dtype: measured 54-58 dB apart on an H100
-                       (``benchmarks/grouped_gemm.py``). No speed-up.
+                       and writes in the input's dtype, so the two differ by rounding (SQNR between them
+                       in docs/benchmarks.md, from ``benchmarks/grouped_gemm.py``). No speed-up.
 
-Group layout (all backends): ``offs`` (E,) int32 holds the cumulative end row of each expert's
+Group layout (all kernels): ``offs`` (E,) int32 holds the cumulative end row of each expert's
 group; groups must start on multiples of 16 rows (``moe/routing.py`` pads them), because the wgrad
 GEMM groups along K. Rows past ``offs[-1]`` are not computed: the CUDA kernels leave them unwritten,
 the emulation writes zeros; nothing downstream may read them.
@@ -33,10 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
-from fp8kit.errors import CapabilityError, ConfigError
+from fp8kit.base.errors import CapabilityError, ConfigError
 from fp8kit.moe import quantize as q
 
-BACKENDS = ("auto", "scaled_grouped_mm", "torchao", "emulated")
+#: The grouped-GEMM kernels :func:`fp8_grouped_mm` can run (``auto``: let :func:`resolve_grouped_kernel` pick).
+GROUPED_KERNELS = ("auto", "scaled_grouped_mm", "torchao", "emulated")
 ALIGN = 16  # rows per group alignment the FP8 grouped GEMM needs (wgrad groups along K)
 
 
@@ -45,14 +47,15 @@ class GroupedGemmConfig:
     """How FP8 grouped GEMMs run.
 
     Attributes:
-        backend: one of :data:`BACKENDS`; ``auto`` = ``torchao`` on a Hopper GPU (``scaled_grouped_mm``
-            if torchao's MoE kernels cannot be imported), ``emulated`` on the CPU (see :func:`resolve_backend`).
+        kernel: the grouped-GEMM kernel, one of :data:`GROUPED_KERNELS`; ``auto`` = ``torchao`` on a Hopper
+            GPU (``scaled_grouped_mm`` if torchao's MoE kernels cannot be imported), ``emulated`` on the CPU
+            (see :func:`resolve_grouped_kernel`).
         compile_quantize: ``torch.compile`` the quantization functions on CUDA (fuses amax, scale and
             cast into one or two kernels per operand).
         emulate: allow the emulation on a CUDA GPU without an FP8 grouped kernel (``fp8.emulate``).
     """
 
-    backend: str = "auto"
+    kernel: str = "auto"
     compile_quantize: bool = True
     emulate: bool = False
 
@@ -70,8 +73,8 @@ def grouped_fp8_support(device: torch.device) -> tuple[bool, str]:
     return True, "torch._scaled_grouped_mm on Hopper"
 
 
-def resolve_backend(config: GroupedGemmConfig, device: torch.device) -> str:
-    """The backend that runs on ``device``.
+def resolve_grouped_kernel(config: GroupedGemmConfig, device: torch.device) -> str:
+    """The grouped-GEMM kernel (one of :data:`GROUPED_KERNELS` but ``auto``) that runs on ``device``.
 
     ``auto`` picks ``torchao`` where the kernel runs (falling back, with a warning, to
     ``scaled_grouped_mm`` when torchao's MoE kernels cannot be imported) and ``emulated`` on the CPU
@@ -79,14 +82,15 @@ def resolve_backend(config: GroupedGemmConfig, device: torch.device) -> str:
     (``fp8.emulate``).
 
     Raises:
-        ConfigError: an unknown backend name.
-        CapabilityError: a CUDA backend on a device that cannot run it, or an emulation on a GPU that was
+        ConfigError: an unknown kernel name.
+        CapabilityError: a CUDA kernel on a device that cannot run it, or an emulation on a GPU that was
             not asked for.
     """
-    if config.backend not in BACKENDS:
-        raise ConfigError(f"FP8 grouped GEMM: unknown backend {config.backend!r}; choose one of {', '.join(BACKENDS)}")
+    if config.kernel not in GROUPED_KERNELS:
+        raise ConfigError(f"FP8 grouped GEMM: unknown kernel {config.kernel!r}; choose one of "
+                          f"{', '.join(GROUPED_KERNELS)}")
     ok, reason = grouped_fp8_support(device)
-    if config.backend == "auto":
+    if config.kernel == "auto":
         if ok:
             if _torchao_grouped() is not None:
                 return "torchao"
@@ -99,11 +103,11 @@ def resolve_backend(config: GroupedGemmConfig, device: torch.device) -> str:
             f"FP8 MoE experts: {reason}. Fix: fp8.emulate = true (FP8 numerics, no speed-up), or keep the "
             f"experts in BF16 with fp8.exclude = [\"experts\"]"
         )
-    if config.backend in ("scaled_grouped_mm", "torchao") and not ok:
-        raise CapabilityError(f"FP8 grouped GEMM backend {config.backend!r}: {reason}")
-    if config.backend == "torchao" and _torchao_grouped() is None:
-        raise CapabilityError("FP8 grouped GEMM backend 'torchao': torchao.prototype.moe_training cannot be imported")
-    return config.backend
+    if config.kernel in ("scaled_grouped_mm", "torchao") and not ok:
+        raise CapabilityError(f"FP8 grouped GEMM kernel {config.kernel!r}: {reason}")
+    if config.kernel == "torchao" and _torchao_grouped() is None:
+        raise CapabilityError("FP8 grouped GEMM kernel 'torchao': torchao.prototype.moe_training cannot be imported")
+    return config.kernel
 
 
 def _torchao_grouped() -> Callable | None:
@@ -129,11 +133,11 @@ def tune_once_for_all_row_counts() -> list[str]:
     instead of once per row count; returns the kernels changed.
 
     Why: Triton's ``@autotune`` benchmarks every config (36 for this kernel) again for each new key. Under
-    expert parallelism the rows a rank receives change every step, so it re-tuned at almost every step
-    (measured: 4.8-9.6 s steps on 2 x H200 instead of ~0.1 s; docs/benchmarks.md section 5). The first
-    tuning (at the first step's count) is kept for all counts; measured on one H200
-    (benchmarks/ep_row_count_tuning.py), steps with that one tuning ran as fast as steps tuned for their own
-    bucket (8.2-9.1 vs 8.7-9.5 ms). The single-process path pads to a fixed
+    expert parallelism the rows a rank receives change every step, so it re-tuned at almost every step,
+    which made expert-parallel steps seconds long instead of a tenth of a second. The first tuning (at
+    the first step's count) is kept for all counts; ``benchmarks/ep_row_count_tuning.py`` checks that
+    steps with that one tuning run as fast as steps tuned for their own row count (figures for both in
+    docs/benchmarks.md, "MoE under FSDP2 and expert parallel"). The single-process path pads to a fixed
     row count and is unaffected.
 
     This removes the token key from the autotuner's ``keys`` (Triton ``Autotuner.keys``) of torchao's
@@ -254,7 +258,7 @@ def _check(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> None:
 
 
 def fp8_grouped_mm(
-    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, backend: str, *, compile_quantize: bool = True
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, kernel: str, *, compile_quantize: bool = True
 ) -> torch.Tensor:
     """Differentiable FP8 grouped GEMM ``out[rows of group e] = x[rows] @ w[e]^T``.
 
@@ -265,8 +269,8 @@ def fp8_grouped_mm(
             dtype; its gradient comes back in ``w``'s dtype. On CUDA the wgrad kernel writes bf16 first, so
             FP32 master weights receive bf16-rounded expert gradients (as with torchao's path).
         offs: (E,) int32 cumulative end rows of the groups (non-decreasing; equal ends = empty expert).
-        backend: a resolved backend (:func:`resolve_backend`), not ``auto``.
-        compile_quantize: compile the quantization functions (CUDA backends only).
+        kernel: a resolved grouped-GEMM kernel (:func:`resolve_grouped_kernel`), not ``auto``.
+        compile_quantize: compile the quantization functions (``scaled_grouped_mm`` only).
 
     Returns:
         (P, N) in bf16 on CUDA (the kernel's output dtype), in ``x.dtype`` when emulated; rows past
@@ -276,16 +280,17 @@ def fp8_grouped_mm(
         ValueError: shapes, dtypes or alignment that the kernel cannot take (message names them).
     """
     _check(x, w, offs)
-    if backend == "torchao":
+    if kernel == "torchao":
         return _torchao_grouped()(
             x.to(torch.bfloat16), w.to(torch.bfloat16).transpose(-2, -1), offs, torch.bfloat16,
             pad_token_groups_for_grouped_mm=False,
         )
-    if backend == "scaled_grouped_mm":
+    if kernel == "scaled_grouped_mm":
         return _FP8GroupedMM.apply(x, w, offs, _cuda_scaled_grouped_mm, compile_quantize, torch.bfloat16)
-    if backend == "emulated":
+    if kernel == "emulated":
         return _FP8GroupedMM.apply(x, w, offs, emulated_scaled_grouped_mm, False, x.dtype)
-    raise ValueError(f"fp8_grouped_mm: backend must be resolved first (scaled_grouped_mm, torchao, emulated), got {backend!r}")
+    raise ValueError(f"fp8_grouped_mm: kernel must be resolved first (scaled_grouped_mm, torchao, emulated), "
+                     f"got {kernel!r}")
 
 
 def bf16_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

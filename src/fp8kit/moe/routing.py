@@ -2,8 +2,9 @@
 
 The FP8 grouped GEMM needs every expert's group to start on a multiple of 16 rows (its wgrad GEMM
 groups along K). Instead of a separate pad step, the padding is folded into the gather that sorts the
-tokens by expert anyway (the "fused quantize-and-pad" question of the MoE issue: the pad costs
-nothing extra). Padding rows read an appended zero row, so they add nothing to any gradient.
+tokens by expert anyway, so the pad costs nothing extra (torchao's option
+``pad_token_groups_for_grouped_mm`` pads in a step of its own). Padding rows read an appended zero row,
+so they add nothing to any gradient.
 
 Shapes are static (no device-to-host sync, so it compiles and captures): with ``S = tokens x topk``
 pairs and ``E`` experts, the padded buffer has ``P = round_up(S + E * 15, 16)`` rows, enough for any

@@ -88,9 +88,10 @@ def grad_sq_sum(grad: torch.Tensor, scale: torch.Tensor | None, owner: torch.Ten
     return load(grad, scale, owner, spec).square().sum()
 
 
-def _step_backend(spec: StateSpec, master, device: torch.device, compile_step: bool):
-    """(step function, gradient square-sum function, name): Triton kernels on CUDA where they cover the
-    layout (``optim/triton_step.py``), else ``torch.compile`` of the reference math, else eager."""
+def _select_step(spec: StateSpec, master, device: torch.device, compile_step: bool):
+    """(step function, gradient square-sum function, step implementation name): ``"triton"`` (the Triton
+    kernels of ``optim/triton_step.py``, on CUDA where they cover the layout), else ``"torch.compile"`` of
+    the reference math, else ``"eager"``."""
     if not compile_step:
         return adamw_update, grad_sq_sum, "eager"
     sq = torch.compile(_own_code(grad_sq_sum), fullgraph=True, dynamic=False)
@@ -155,7 +156,7 @@ class _FlatGroup:
         self.has_grad = [False] * T
         self.grads_final = False  # _grads_ready ran since the last step / zero_grad / backward
         self.spec = self._spec(prec, T, master_dtype if self.master is not None else None)
-        self.step_fn, self.grad_sq_fn, self.backend = _step_backend(self.spec, self.master, device, compile_step)
+        self.step_fn, self.grad_sq_fn, self.step_impl = _select_step(self.spec, self.master, device, compile_step)
         # the backward hooks' quantization: one compiled graph for every parameter shape
         self.quantize_fn = (
             torch.compile(_own_code(accumulate_gradient), dynamic=True) if compile_step else accumulate_gradient

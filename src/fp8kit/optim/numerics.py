@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp8kit.fp8.scaling import AMAX_EPS, DTYPE_MAX, F32_MAX
+from fp8kit.fp8.scaling import AMAX_EPS, quantize, scale_from_amax
 
 
 @dataclass(frozen=True)
@@ -55,13 +55,14 @@ def load(data: torch.Tensor, scale: torch.Tensor | None, owner: torch.Tensor, sp
 
 
 def new_scale(x: torch.Tensor, dtype: torch.dtype, owner: torch.Tensor, spec: StateSpec) -> torch.Tensor:
-    """``dtype_max / max(amax, eps)`` per tensor ``(T,)`` or per block ``(num_blocks,)`` of ``x`` ``(num_blocks, block)``."""
+    """New scales of float32 ``x`` ``(num_blocks, block)`` for storage ``dtype``: per tensor ``(T,)`` or per
+    block ``(num_blocks,)`` float32 (``fp8kit.fp8.scaling.scale_from_amax`` with ``spec.eps``)."""
     amax = x.abs().amax(dim=1)
     if spec.granularity == "tensor":
         amax = torch.zeros(spec.num_tensors, device=x.device, dtype=amax.dtype).scatter_reduce(
             0, owner, amax, reduce="amax", include_self=True
         )
-    return DTYPE_MAX[dtype] / amax.clamp(min=spec.eps, max=F32_MAX)
+    return scale_from_amax(amax, dtype, spec.eps)
 
 
 def store(
@@ -72,8 +73,7 @@ def store(
         data.copy_(x.view(-1).to(data.dtype))
         return
     s = new_scale(x, data.dtype, owner, spec)
-    m = DTYPE_MAX[data.dtype]
-    data.copy_((x * expand_scale(s, owner, spec.granularity)).clamp(-m, m).view(-1).to(data.dtype))
+    data.copy_(quantize(x, expand_scale(s, owner, spec.granularity), data.dtype).view(-1))
     scale.copy_(s)
 
 
@@ -149,7 +149,6 @@ def accumulate_gradient(
     x = x.view(-1, block) if scale.numel() > 1 else x.view(1, -1)
     if accumulate:
         x = x + grad_seg.view(x.shape).float() / scale[:, None]
-    s = DTYPE_MAX[grad_seg.dtype] / x.abs().amax(dim=1).clamp(min=eps, max=F32_MAX)
-    m = DTYPE_MAX[grad_seg.dtype]
-    grad_seg.copy_((x * s[:, None]).clamp(-m, m).view(-1).to(grad_seg.dtype))
+    s = scale_from_amax(x.abs().amax(dim=1), grad_seg.dtype, eps)
+    grad_seg.copy_(quantize(x, s[:, None], grad_seg.dtype).view(-1))
     scale.copy_(s)

@@ -1,19 +1,21 @@
 """The FP8AdamW step as Triton kernels (CUDA): one pass per block, or two for per-tensor scales.
 
-Why our own kernel: ``torch.compile`` of ``numerics.adamw_update`` measured 2.5-6x the time of
-``torch.optim.AdamW(fused=True)`` on an H200 (docs/benchmarks.md, "FP8AdamW"): inductor splits the three
+Why our own kernel: ``torch.compile`` of ``numerics.adamw_update`` is several times slower than
+``torch.optim.AdamW(fused=True)`` (figures in docs/benchmarks.md, "FP8AdamW"): inductor splits the three
 scaled stores (m, v, master) into separate reduction and pointwise kernels that each re-read the inputs,
 and the per-tensor amax went through a scatter with atomics per block. Here each program loads
 ``ROWS`` blocks of every state once, computes the AdamW update in registers and:
 
 - ``granularity="block"``: takes each block's amax in registers and stores the quantized states (1 pass);
 - ``granularity="tensor"``: pass 1 reduces the amax of the new m, v and master over the program's
-  rows and does one atomic max per program and tensor (per-block atomics on one address per tensor
-  measured 3x fused AdamW's time, a per-block store + ``torch.segment_reduce`` 7x); pass 2 recomputes the update (inputs are unchanged) and stores with
-  the per-tensor scales. 19 bytes/param of traffic against 14 for fused AdamW on bf16 parameters.
+  rows and does one atomic max per program and tensor (per-block atomics on one address per tensor,
+  or a per-block store + ``torch.segment_reduce``, were slower; docs/benchmarks.md); pass 2 recomputes
+  the update (inputs are unchanged) and stores with the per-tensor scales. 19 bytes/param of traffic
+  against 14 for fused AdamW on bf16 parameters.
 
-The math is ``numerics.adamw_update``'s (same formula, same ``scale = max / max(amax, eps)``), which stays
-the reference (and the CPU path); ``benchmarks/optimizer_step.py`` checks the two agree on the GPU.
+The math is ``numerics.adamw_update``'s (same formula; the scale is ``fp8kit.fp8.triton_scale``'s
+``scale_from_amax``, the Triton twin of ``fp8kit.fp8.scaling.scale_from_amax``), which stays the
+reference (and the CPU path); ``benchmarks/optimizer_step.py`` checks the two agree on the GPU.
 Supported: scaled FP8/FP16 gradient, m, v; master scaled FP16 or unscaled FP32 (separate from the working
 weights). Other combinations (bf16 states, stochastic rounding) use ``torch.compile``.
 """
@@ -24,7 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8kit.fp8.scaling import DTYPE_MAX, F32_MAX
+from fp8kit.fp8.scaling import DTYPE_MAX, is_scaled, scale_from_amax
+from fp8kit.fp8.triton_scale import saturate as tl_saturate
+from fp8kit.fp8.triton_scale import scale_from_amax as tl_scale_from_amax
 from fp8kit.optim.numerics import StateSpec
 
 ROWS = 8  # blocks per program
@@ -70,11 +74,11 @@ def _update(grad, gs, m, ms, v, vs, w, ws, offs, srow, hp, M_SCALED: tl.constexp
 @triton.jit
 def _store_scaled(x, ptr, out_s, offs, srow, MAX: tl.constexpr, AMAX_EPS: tl.constexpr, OWN_SCALE: tl.constexpr):
     if OWN_SCALE:  # per-block: this row's amax gives its new scale
-        s = MAX / tl.minimum(tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_EPS), 3.4028234663852886e38)
+        s = tl_scale_from_amax(tl.max(tl.abs(x), axis=1), MAX, AMAX_EPS)
         tl.store(out_s + srow, s)
     else:  # per-tensor: the new scale from pass 1's amax
         s = tl.load(out_s + srow)
-    y = tl.minimum(tl.maximum(x * s[:, None], -MAX), MAX)
+    y = tl_saturate(x * s[:, None], MAX)
     tl.store(ptr + offs, y.to(ptr.dtype.element_ty))
 
 
@@ -147,9 +151,11 @@ def adamw_update_triton(
     if per_tensor:
         amax = torch.zeros(3, spec.num_tensors, device=grad.device, dtype=torch.float32)
         _fp8_adamw_kernel[grid](*args, amax[0], amax[1], amax[2], PASS=1, **consts)
-        new = (DTYPE_MAX.get(m.dtype, 1.0) / amax.clamp(min=spec.eps, max=F32_MAX)).contiguous()
-        new[1] = DTYPE_MAX[v.dtype] / amax[1].clamp(min=spec.eps, max=F32_MAX)
-        new[2] = DTYPE_MAX.get(master.dtype, 1.0) / amax[2].clamp(min=spec.eps, max=F32_MAX)
+        # the per-tensor scales of pass 1's amax (an unscaled state's row is never read: ones)
+        new = torch.stack([
+            scale_from_amax(a, t.dtype, spec.eps) if is_scaled(t.dtype) else torch.ones_like(a)
+            for a, t in zip(amax, (m, v, master), strict=True)
+        ])
         _fp8_adamw_kernel[grid](*args, new[0], new[1], new[2], PASS=2, **consts)
         for s, n in ((m_scale, new[0]), (v_scale, new[1]), (master_scale, new[2])):
             if s is not None:

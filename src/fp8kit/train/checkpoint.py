@@ -32,7 +32,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from fp8kit.errors import CheckpointError
+from fp8kit.base.errors import CheckpointError
+from fp8kit.base.runtime import barrier, is_main
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
@@ -192,19 +193,6 @@ def load_model_weights(ckpt: Path, model: nn.Module) -> None:
 # Distributed checkpoints (torch.distributed.checkpoint)
 
 
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def _is_main() -> bool:
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
 def _DCP_OPTIONS():  # noqa: N802 - a constant built lazily (imports torch.distributed)
     """DCP state-dict options: the optimizer state flattened to per-parameter keys, so that a checkpoint
     loads into an optimizer with other parameter groups (a run's groups depend on its layout: plain
@@ -226,20 +214,20 @@ def save_distributed_checkpoint(directory: Path, model: nn.Module, optimizer, st
 
     directory = Path(directory)
     tmp = directory.with_name(f".{directory.name}.tmp")
-    if _is_main():
+    if is_main():
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-    _barrier()
+    barrier()
     msd, osd = get_state_dict(model, optimizer, options=_DCP_OPTIONS())
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / DCP_DIR))
     shapes = {k: list(v.shape) for k, v in msd.items()}
-    if _is_main():
+    if is_main():
         torch.save({**state, "format": "dcp", "param_shapes": shapes}, tmp / STATE_FILE)
         if directory.exists():
             shutil.rmtree(directory)
         os.replace(tmp, directory)
-    _barrier()
+    barrier()
     return directory
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from fp8kit.base.console import make_console
 from fp8kit.config import RunConfig
-from fp8kit.console import make_console
 from fp8kit.train.rundir import check_writable
 from fp8kit.train.trainer import TrainResult, train
 

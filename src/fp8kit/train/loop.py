@@ -4,18 +4,20 @@ One optimizer step (``grad_accum`` micro-batches)::
 
     phase = precision_at(step)              # switch FP8 <-> BF16 modules when it changes
     for each micro-batch: logits = model(x); loss = CE(logits.float(), y); (loss / grad_accum).backward()
-    grad_norm = clip_grad_norm(params, grad_clip)     # folded into fused AdamW on CUDA (train/clip.py)
+    grad_norm = clip_grad_norm(params, grad_clip, opt)  # folded into fused AdamW on CUDA (train/clip.py)
     optimizer.step(); scheduler.step(); zero_grad
     loss.item()                             # the one host sync of the step; time is taken after it
 
-Transformer blocks are compiled once (``train.compile``); a precision switch swaps modules inside
-them, so the compiled code is dropped (``torch._dynamo.reset``) and rebuilt on the next step.
+The model arrives prepared (``fp8kit.parallel.prepare.prepare_model``, called by ``train.setup``: TP -> EP
+-> FP8 -> AC -> FSDP2 -> compile). A precision switch swaps modules inside compiled blocks through the same
+conversion functions (``fp8kit.parallel.convert``), so the compiled code is dropped
+(``torch._dynamo.reset``) and rebuilt on the next step.
 
 Distributed (torchrun, ``setup.distributed``): ``train.micro_batch_size`` is per data-parallel rank. Every
 rank draws the same global micro-batch of ``micro_batch_size x dp`` windows and takes its own rows, so the
 data order (and its resumable position) is the same for any layout with the same global batch. The loss
 and the validation loss are averaged over the data-parallel ranks, the gradient norm is taken over the
-DTensor shards (``fp8kit.distributed.parallelize.grad_norm_and_clip``), and tokens/s counts all ranks.
+DTensor shards (``fp8kit.train.clip``), and tokens/s counts all ranks.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -37,16 +38,13 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from fp8kit.distributed.parallelize import after_optimizer_step, grad_norm_and_clip
-from fp8kit.errors import Fp8kitError
-from fp8kit.fp8.convert import apply_fp8, count_fp8_modules, restore_bf16
-from fp8kit.fp8.options import grouped_gemm_config
-from fp8kit.models.build import transformer_blocks
+from fp8kit.base.errors import Fp8kitError
+from fp8kit.parallel.convert import apply_fp8, count_fp8_modules, restore_bf16
+from fp8kit.parallel.parallelize import after_optimizer_step
 from fp8kit.train import checkpoint as ckpt
 from fp8kit.train.clip import clip_grad_norm
 from fp8kit.train.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
-from fp8kit.train.schedule import precision_at
-from fp8kit.train.setup import Setup
+from fp8kit.train.setup import Setup, phase_at
 
 
 class TrainingDiverged(Fp8kitError):
@@ -65,39 +63,12 @@ class LoopResult:
 def set_precision(setup: Setup, phase: str) -> int:
     """Put the model in ``phase`` (``fp8``/``bf16``); returns how many modules were swapped."""
     if phase == "fp8":
-        n = apply_fp8(setup.model, setup.decisions, setup.float8_config, grouped_gemm_config(setup.cfg))
+        n = apply_fp8(setup.model, setup.decisions, setup.prepared.conversion)
     else:
         n = restore_bf16(setup.model)
     if n and setup.cfg.train.compile:
         torch._dynamo.reset()  # the swapped modules live inside compiled blocks
     return n
-
-
-def prepare_model(setup: Setup, phase: str) -> None:
-    """FP8 conversion -> activation checkpointing -> compile (the order of seed 001 and torchtitan).
-
-    A distributed run was already transformed by ``fp8kit.distributed.parallelize`` in setup (TP -> FP8
-    -> AC -> FSDP2 -> compile); only the loss function is chosen here.
-    """
-    t = setup.cfg.train
-    if setup.distributed:
-        setup.loss_fn = torch.compile(cross_entropy) if t.compile else cross_entropy
-        return
-    set_precision(setup, phase)
-    if t.activation_checkpointing:
-        # HF's own per-block checkpointing (non-reentrant), which recomputes through Float8Linear.
-        setup.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    setup.loss_fn = cross_entropy
-    if t.compile:
-        for block in transformer_blocks(setup.model):
-            block.compile()
-        # The fp32 upcast, log-softmax and NLL fuse into one pass over the bf16 logits.
-        setup.loss_fn = torch.compile(cross_entropy)
-
-
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy in fp32: logits ``[B, T, V]`` (bf16), labels ``[B, T]`` (int64)."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 def _loss(setup: Setup, batch: torch.Tensor) -> torch.Tensor:
@@ -113,7 +84,7 @@ def _dp(setup: Setup) -> tuple[int, int]:
     """(data-parallel size, this rank's data-parallel index); (1, 0) for a single process."""
     if not setup.distributed:
         return 1, 0
-    from fp8kit.distributed.mesh import dp_rank
+    from fp8kit.parallel.mesh import dp_rank
 
     return setup.dims.dp, dp_rank(setup.mesh)
 
@@ -125,7 +96,7 @@ def _dp_mean(setup: Setup, values: torch.Tensor) -> torch.Tensor:
         return values
     import torch.distributed as dist
 
-    from fp8kit.distributed.mesh import dp_group
+    from fp8kit.parallel.mesh import dp_group
 
     values = values.clone()
     dist.all_reduce(values, op=dist.ReduceOp.SUM, group=dp_group(setup.mesh))
@@ -192,19 +163,15 @@ def _save(setup: Setup, out_dir: Path, step: int, phase: str) -> str:
 
 def run_loop(setup: Setup, out_dir: Path, writer: MetricsWriter, console: Console) -> LoopResult:
     """Train from ``setup.start_step`` to ``train.steps``; see the module docstring."""
-    cfg, t, f8 = setup.cfg, setup.cfg.train, setup.cfg.fp8
+    cfg, t = setup.cfg, setup.cfg.train
     model, opt, sched = setup.model, setup.optimizer, setup.scheduler
     params = [p for p in model.parameters() if p.requires_grad]
     dp, _ = _dp(setup)
     world = setup.dims.world_size if setup.dims else 1
     tokens_per_step = t.micro_batch_size * t.grad_accum * cfg.data.seq_length * dp  # all ranks
-    phase_of = lambda s: precision_at(  # noqa: E731
-        s, mixed_precision=t.mixed_precision, steps=t.steps,
-        bf16_warmup_steps=f8.bf16_warmup_steps, bf16_cooldown_steps=f8.bf16_cooldown_steps,
-    )
     result = LoopResult()
-    phase = phase_of(setup.start_step) if setup.start_step < t.steps else phase_of(t.steps - 1)
-    prepare_model(setup, phase)
+    # the phase prepare_model converted for (the resume step's phase); switches happen below
+    phase = phase_at(cfg, setup.start_step)
     model.train()
     start = time.perf_counter()
     progress = Progress(
@@ -214,7 +181,7 @@ def run_loop(setup: Setup, out_dir: Path, writer: MetricsWriter, console: Consol
     with progress:
         task = progress.add_task("train", total=t.steps, completed=setup.start_step, info="")
         for step in range(setup.start_step, t.steps):
-            want = phase_of(step)
+            want = phase_at(cfg, step)
             if want != phase:
                 n = set_precision(setup, want)
                 result.switches.append((step, want))
@@ -227,13 +194,9 @@ def run_loop(setup: Setup, out_dir: Path, writer: MetricsWriter, console: Consol
                 loss = _loss(setup, next_micro_batch(setup))
                 (loss / t.grad_accum).backward()
                 loss_sum += loss.detach()
-            if setup.distributed:
-                grad_norm = grad_norm_and_clip(params, t.grad_clip)
-            else:
-                grad_norm = clip_grad_norm(params, t.grad_clip, opt)
+            grad_norm = clip_grad_norm(params, t.grad_clip, opt)
             opt.step()
-            if setup.parallel is not None:
-                after_optimizer_step(model, setup.parallel)  # FP8 all-gather: next step's weight scales
+            after_optimizer_step(model, setup.prepared)  # FP8 all-gather: next step's weight scales
             lr = sched.get_last_lr()[0]
             sched.step()
             opt.zero_grad(set_to_none=True)

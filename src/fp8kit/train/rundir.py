@@ -10,7 +10,7 @@ import os
 import time
 from pathlib import Path
 
-from fp8kit.errors import Fp8kitError
+from fp8kit.base.errors import Fp8kitError
 
 RUN_MARKER = "metrics.jsonl"
 

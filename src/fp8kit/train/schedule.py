@@ -1,8 +1,8 @@
 """Schedules: the learning rate (linear warmup + cosine decay) and the precision phases.
 
-Precision phases (seed 001, "Accuracy notes": BF16 warmup, FP8 bulk, optional BF16 cooldown; the
-reference trainers make users restart to switch, fp8kit switches inside one run): for a run of
-``steps`` steps (0-based step index ``s``)::
+Precision phases (the usual pattern for tensorwise FP8, as KempnerForge's FP8 accuracy notes give it:
+BF16 warmup, FP8 bulk, optional BF16 cooldown; KempnerForge makes users restart to switch, fp8kit
+switches inside one run): for a run of ``steps`` steps (0-based step index ``s``)::
 
     s <  bf16_warmup_steps                         -> "bf16"
     s >= steps - bf16_cooldown_steps               -> "bf16"

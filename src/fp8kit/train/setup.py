@@ -1,38 +1,42 @@
 """Everything a run needs, built and checked before the run directory is written.
 
-Order (one place): parallel layout checked against the world size (and, under torchrun, the process
-group and DeviceMesh started) -> device and FP8 capability -> resume checkpoint located -> data
-(corpus, tokenizer, packing; rank 0 first, the others read its cache) -> model on the device -> sites
-and decisions -> resume compatibility -> (distributed) ``parallelize``: TP -> FP8 -> AC -> FSDP2 ->
-compile -> optimizer and LR schedule (after ``parallelize``: FSDP2 replaces the parameters). Every
-step can fail with a one-line :class:`~fp8kit.errors.Fp8kitError`; none of them writes into the run
-directory (the tokenizer cache is the only thing written, and it is atomic).
+Order (one place, for one process and for torchrun alike): parallel layout checked against the world
+size (and, under torchrun, the process group and DeviceMesh started) -> device and FP8 capability ->
+resume checkpoint located -> data (corpus, tokenizer, packing; rank 0 first, the others read its cache)
+-> model on the device -> sites and decisions -> resume compatibility -> ``prepare_model`` (TP -> EP ->
+FP8 -> AC -> FSDP2 -> compile; ``fp8kit.parallel.prepare``) -> optimizer and LR schedule (after
+``prepare_model``: FSDP2 replaces the parameters) -> (``restore``) the checkpoint loaded into the
+prepared model and optimizer. Every step can fail with a one-line
+:class:`~fp8kit.base.errors.Fp8kitError`; none of them writes into the run directory (the tokenizer
+cache is the only thing written, and it is atomic).
 """
 
 from __future__ import annotations
 
-import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from fp8kit.base.capability import fp8_support
+from fp8kit.base.errors import CapabilityError, ConfigError
+from fp8kit.base.runtime import device_name, is_main, launched_world_size, resolve_device, versions
 from fp8kit.config import RunConfig
+from fp8kit.config.options import grouped_gemm_config, options_from_config
+from fp8kit.config.prepare_options import prepare_options
 from fp8kit.data.prepare import PreparedData, prepare_data
-from fp8kit.distributed.mesh import ParallelDims, launched_world_size, resolve_dims
-from fp8kit.errors import CapabilityError, ConfigError
-from fp8kit.fp8.capability import fp8_support
-from fp8kit.fp8.decide import Decision, decide
-from fp8kit.fp8.options import grouped_gemm_config, options_from_config
-from fp8kit.fp8.recipes import float8_linear_config
-from fp8kit.fp8.sites import find_sites
 from fp8kit.models.build import build_hf_config, build_model, count_params, flops_per_token
 from fp8kit.optim.memory import training_state_bytes
+from fp8kit.parallel.mesh import ParallelDims, resolve_dims
+from fp8kit.parallel.prepare import Prepared, prepare_model
+from fp8kit.selective.decide import Decision, decide
+from fp8kit.selective.sites import find_sites
 from fp8kit.train import checkpoint as ckpt
 from fp8kit.train.metrics import bf16_peak_flops
-from fp8kit.train.schedule import lr_factor
+from fp8kit.train.schedule import lr_factor, precision_at
 
 
 @dataclass
@@ -45,7 +49,7 @@ class Setup:
     model: nn.Module
     hf_cfg: object
     decisions: list[Decision]
-    float8_config: object | None
+    prepared: Prepared
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     flops_per_token: float
@@ -57,14 +61,13 @@ class Setup:
     resume_state: dict | None = None
     info: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
-    loss_fn: object = None  # set by loop.prepare_model (compiled when train.compile)
+    loss_fn: object = None  # the token cross-entropy (compiled when train.compile)
     dims: ParallelDims | None = None  # the resolved [distributed] sizes (world size 1: all 1)
     mesh: object = None  # DeviceMesh ("dp_replicate", "dp_shard", "tp") of a distributed run, else None
-    parallel: object = None  # fp8kit.distributed.parallelize.Parallelized of a distributed run, else None
 
     @property
     def distributed(self) -> bool:
-        """Launched on more than one process (torchrun): FSDP2 / TP through ``parallelize``."""
+        """Launched on more than one process (torchrun): FSDP2 / TP / EP over the mesh."""
         return self.mesh is not None
 
     @property
@@ -72,25 +75,6 @@ class Setup:
         """FQNs of the optimizer's parameters in its order (maps index-keyed optimizer states to FQNs)."""
         names = {id(p): n.replace("_checkpoint_wrapped_module.", "") for n, p in self.model.named_parameters()}
         return [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> ``cuda`` when available else ``cpu``; checks that a CUDA device exists.
-
-    Raises:
-        CapabilityError: CUDA asked for but unavailable, or the index is out of range.
-    """
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise CapabilityError(
-                f"train.device = {name!r}, but CUDA is not available (torch {torch.__version__}); use train.device = \"cpu\""
-            )
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise CapabilityError(f"train.device = {name!r}, but only {torch.cuda.device_count()} CUDA device(s) exist")
-    return dev
 
 
 def check_fp8_capability(cfg: RunConfig, device: torch.device) -> str:
@@ -108,29 +92,23 @@ def check_fp8_capability(cfg: RunConfig, device: torch.device) -> str:
     return reason
 
 
-def versions() -> dict[str, str]:
-    """Library versions recorded with every run and benchmark."""
-    import tokenizers
-    import transformers
-
-    from fp8kit import __version__
-    from fp8kit.fp8.backend import torchao_version
-
-    return {
-        "fp8kit": __version__,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torchao": torchao_version(),
-        "transformers": transformers.__version__,
-        "tokenizers": tokenizers.__version__,
-        "cuda": str(torch.version.cuda),
-    }
+def phase_at(cfg: RunConfig, step: int) -> str:
+    """The precision phase (``fp8`` / ``bf16``) of optimizer step ``step`` (0-based; the last step's phase
+    for ``step >= train.steps``), from ``train.mixed_precision`` and the BF16 warm-up / cool-down."""
+    t, f8 = cfg.train, cfg.fp8
+    return precision_at(
+        min(step, t.steps - 1), mixed_precision=t.mixed_precision, steps=t.steps,
+        bf16_warmup_steps=f8.bf16_warmup_steps, bf16_cooldown_steps=f8.bf16_cooldown_steps,
+    )
 
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy in fp32: logits ``[B, T, V]`` (bf16), labels ``[B, T]`` (int64).
+
+    Under ``train.compile`` it is compiled: the fp32 upcast, log-softmax and NLL fuse into one pass over
+    the bf16 logits.
+    """
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 def build_optimizer(cfg: RunConfig, model: nn.Module, device: torch.device):
@@ -195,7 +173,7 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
     resume_state = ckpt.load_train_state(resume_ckpt) if resume_ckpt is not None else None
     mesh = None
     if dims.distributed:
-        from fp8kit.distributed.mesh import init_distributed
+        from fp8kit.parallel.mesh import init_distributed
 
         say(f"starting the process group ({dims.describe()})")
         mesh, device = init_distributed(dims, device)
@@ -219,27 +197,19 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
     decisions = decide(find_sites(model), options)
     if any(d.is_fp8 and d.site.is_grouped_weight for d in decisions):
         # FP8 MoE experts need an FP8 grouped GEMM on this device (or fp8.emulate): fail now, not mid-run.
-        from fp8kit.moe.grouped_mm import resolve_backend
+        from fp8kit.moe.grouped_mm import resolve_grouped_kernel
 
-        resolve_backend(grouped_gemm_config(cfg), device)
-    float8_config = None
-    if cfg.train.mixed_precision == "fp8":
-        from fp8kit.distributed.parallelize import fp8_all_gather_choice
-
-        float8_config = float8_linear_config(
-            cfg.fp8.recipe,
-            emulate=cfg.fp8.emulate and not fp8_support(device)[0],
-            enable_fsdp_float8_all_gather=fp8_all_gather_choice(
-                cfg.fp8.enable_fsdp_float8_all_gather, cfg.fp8.recipe, dims.fsdp and dims.distributed
-            ),
-        )
+        resolve_grouped_kernel(grouped_gemm_config(cfg), device)
     params = count_params(model)
-    parallel = None
-    if dims.distributed:
-        from fp8kit.distributed.parallelize import parallelize
-
-        say("parallelizing the model")
-        parallel = parallelize(model, mesh, cfg, decisions, float8_config=float8_config, hf_cfg=hf_cfg)
+    fpt = flops_per_token(model, hf_cfg, cfg.data.seq_length)
+    start_step = int(resume_state["step"]) if resume_state is not None else 0
+    say("preparing the model")
+    prepared = prepare_model(
+        model, decisions,
+        prepare_options(cfg, fp8_now=phase_at(cfg, start_step) == "fp8",
+                        emulate=cfg.fp8.emulate and not fp8_support(device)[0]),
+        mesh, hf_cfg=hf_cfg,
+    )
     optimizer, scheduler = build_optimizer(cfg, model, device)
     setup = Setup(
         cfg=cfg,
@@ -248,10 +218,10 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
         model=model,
         hf_cfg=hf_cfg,
         decisions=decisions,
-        float8_config=float8_config,
+        prepared=prepared,
         optimizer=optimizer,
         scheduler=scheduler,
-        flops_per_token=flops_per_token(model, hf_cfg, cfg.data.seq_length),
+        flops_per_token=fpt,
         peak_flops=bf16_peak_flops(device),
         params=params,
         capability=capability,
@@ -260,7 +230,7 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
         warnings=list(options.warnings),
         dims=dims,
         mesh=mesh,
-        parallel=parallel,
+        loss_fn=torch.compile(cross_entropy) if cfg.train.compile else cross_entropy,
     )
     setup.info = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -285,13 +255,12 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
             "dp_replicate": dims.dp_replicate,
             "dp_shard": dims.dp_shard,
             "tp": dims.tp,
-            "steps": parallel.steps if parallel else [],
-            "fp8_all_gather": bool(parallel and parallel.fp8_all_gather),
-            "notes": parallel.notes if parallel else [],
+            "steps": prepared.steps,
+            "fp8_all_gather": prepared.fp8_all_gather,
+            "notes": prepared.notes,
         },
     }
-    if parallel is not None:
-        setup.warnings.extend(parallel.notes)
+    setup.warnings.extend(prepared.notes)
     return setup
 
 
@@ -324,7 +293,7 @@ def _prepare_data_rank0_first(cfg: RunConfig, say, *, distributed: bool) -> Prep
         return prepare_data(cfg.data, **kw)
     import torch.distributed as dist
 
-    data = prepare_data(cfg.data, **kw) if dist.get_rank() == 0 else None
+    data = prepare_data(cfg.data, **kw) if is_main() else None
     dist.barrier()
     return data if data is not None else prepare_data(cfg.data, **kw)
 

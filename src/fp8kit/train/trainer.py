@@ -12,12 +12,12 @@ from pathlib import Path
 
 from rich.console import Console
 
+from fp8kit.base.console import make_console
+from fp8kit.base.runtime import is_main, launched_world_size
 from fp8kit.config import RunConfig, save_config
-from fp8kit.console import make_console
-from fp8kit.distributed.mesh import launched_world_size
-from fp8kit.fp8.decide import summarize
-from fp8kit.fp8.report import print_report, save_report
 from fp8kit.optim.memory import format_state_bytes
+from fp8kit.selective.decide import summarize
+from fp8kit.selective.report import print_report, save_report
 from fp8kit.train.loop import LoopResult, TrainingDiverged, run_loop
 from fp8kit.train.metrics import MetricsWriter, read_metrics
 from fp8kit.train.rundir import check_writable, create_run_dir, default_run_dir
@@ -74,7 +74,7 @@ def train(
     if setup.distributed:
         import torch.distributed as dist
 
-        main = dist.get_rank() == 0
+        main = is_main()
         box = [str(out_dir)]
         dist.broadcast_object_list(box, src=0)  # the default name holds the time: take rank 0's
         out_dir = Path(box[0])
@@ -91,8 +91,8 @@ def train(
         "mixed_precision": cfg.train.mixed_precision,
         "recipe": cfg.fp8.recipe,
         "device": setup.info["device"],
-        "selective_fp8": cfg.fp8.selective_fp8,
-        "policy": cfg.fp8.fp8_dynamic_policy_path,
+        "selective_fp8": cfg.selective.selective_fp8,
+        "policy": cfg.selective.fp8_dynamic_policy_path,
         "warnings": "; ".join(setup.warnings) or "none",
     }
     save_report(setup.decisions, out_dir, header)
@@ -152,7 +152,7 @@ def _train_other_rank(setup: Setup, out_dir: Path, console: Console) -> TrainRes
 def _parallel_desc(setup: Setup) -> str:
     p = setup.info["parallel"]
     if p["world_size"] == 1:
-        return "single process"
+        return "single process" + (f" ({' -> '.join(p['steps'])})" if p["steps"] else "")
     desc = f"{p['world_size']} ranks: dp_replicate {p['dp_replicate']} x dp_shard {p['dp_shard']} x tp {p['tp']}"
     desc += f" ({' -> '.join(p['steps'])})"
     if setup.cfg.train.mixed_precision == "fp8" and (p["dp_shard"] > 1 or p["dp_replicate"] > 1):

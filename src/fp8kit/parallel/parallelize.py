@@ -1,6 +1,7 @@
-"""``parallelize``: the one place where a model becomes a distributed FP8 training model.
+"""The steps of model preparation: tensor parallel, expert parallel, activation checkpointing, FSDP2.
 
-Order (seed 001 and torchtitan), each step's reason next to it in :func:`parallelize`::
+``fp8kit.parallel.prepare.prepare_model`` applies them in this order (torchtitan's ``parallelize``), each
+step's reason next to it there::
 
     tensor parallel (DTensor styles; FP8 linears through torchao's Float8 styles)
       -> expert parallel (MoE: E / ep experts per rank, all-to-all token dispatch; fp8kit.moe.expert_parallel)
@@ -38,9 +39,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fp8kit.errors import ConfigError
-from fp8kit.fp8.convert import apply_fp8, fp8_fqns
-from fp8kit.fp8.decide import Decision
+from fp8kit.base.errors import ConfigError
+from fp8kit.moe.grouped_mm import GroupedGemmConfig
+from fp8kit.parallel.convert import ConversionOptions, apply_fp8, fp8_fqns
+from fp8kit.selective.decide import Decision
 
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
@@ -48,7 +50,7 @@ ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 @dataclass
 class Parallelized:
-    """What :func:`parallelize` did (recorded in the run's summary).
+    """What ``prepare_model`` did (recorded in the run's summary).
 
     Attributes:
         steps: the applied steps, in order, e.g. ``["tp", "fp8", "fsdp2"]``.
@@ -101,7 +103,8 @@ def check_tp(hf_cfg, tp: int) -> None:
         )
 
 
-def apply_tp(model: nn.Module, tp_mesh, decisions: list[Decision], float8_config, *, sequence_parallel: bool) -> int:
+def apply_tp(model: nn.Module, tp_mesh, decisions: list[Decision], conversion: ConversionOptions | None, *,
+             sequence_parallel: bool) -> int:
     """Shard the linears of every block over ``tp_mesh`` (see the module docstring); returns FP8 linears sharded.
 
     With ``sequence_parallel`` the residual stream between the attention and MLP halves is split over
@@ -124,13 +127,13 @@ def apply_tp(model: nn.Module, tp_mesh, decisions: list[Decision], float8_config
         parallelize_module,
     )
 
-    fp8_names = fp8_fqns(decisions) if float8_config is not None else set()
+    fp8_names = fp8_fqns(decisions) if conversion is not None else set()
     blocks = _blocks(model)
     prefix = next(n for n, m in model.named_modules() if m is blocks)
     # The FP8 TP styles require Float8Linear modules: convert those linears first (decisions are data).
     tp_fp8 = [d for d in decisions if d.fqn in fp8_names and d.fqn.rsplit(".", 2)[-2] in ("self_attn", "mlp")]
     if tp_fp8:
-        apply_fp8(model, tp_fp8, float8_config)
+        apply_fp8(model, tp_fp8, conversion)
     n_fp8 = 0
     for i, block in enumerate(blocks):
         plan = {}
@@ -145,7 +148,7 @@ def apply_tp(model: nn.Module, tp_mesh, decisions: list[Decision], float8_config
             if fp8:
                 from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
-                from fp8kit.distributed.tp_styles import Float8RowwiseParallelSP
+                from fp8kit.parallel.tp_styles import Float8RowwiseParallelSP
 
                 # under SP the row-parallel output's gradient is all-gathered before its E5M2 cast (tp_styles.py)
                 col, row = Float8ColwiseParallel, (Float8RowwiseParallelSP if sequence_parallel else Float8RowwiseParallel)
@@ -207,7 +210,7 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, param_dtype: torch.dtype, ignored_p
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, **kw)
 
 
-def apply_ep(model: nn.Module, mesh, cfg, decisions: list[Decision]) -> set:
+def apply_ep(model: nn.Module, mesh, ep: int, decisions: list[Decision], grouped: GroupedGemmConfig) -> set:
     """Expert parallelism over ``distributed.ep`` ranks (``fp8kit.moe.expert_parallel``); returns the expert
     parameters (for FSDP2 to ignore).
 
@@ -218,11 +221,9 @@ def apply_ep(model: nn.Module, mesh, cfg, decisions: list[Decision]) -> set:
         ConfigError: no MoE experts in the model, an experts layout fp8kit cannot run, or ``ep`` that
             does not divide the experts / data-parallel size, or ``tp > 1``.
     """
-    from fp8kit.fp8.options import grouped_gemm_config
     from fp8kit.moe.expert_parallel import EPGroup, ep_mesh, shard_experts
     from fp8kit.moe.experts import layout_problem, swap_in
 
-    ep = cfg.distributed.ep
     fqns = list(dict.fromkeys(d.site.module_fqn for d in decisions if d.site.is_grouped_weight))
     if not fqns:
         raise ConfigError(f"distributed.ep = {ep}: the model has no MoE experts to split")
@@ -233,87 +234,10 @@ def apply_ep(model: nn.Module, mesh, cfg, decisions: list[Decision]) -> set:
         problem = layout_problem(model.get_submodule(fqn))
         if problem:
             raise ConfigError(f"distributed.ep = {ep}: {fqn}: {problem}")
-        module = swap_in(model, fqn, frozenset(), grouped_gemm_config(cfg))
+        module = swap_in(model, fqn, frozenset(), grouped)
         shard_experts(module, group)
         params.update((module.gate_up_proj, module.down_proj))
     return params
-
-
-def parallelize(model: nn.Module, mesh, cfg, decisions: list[Decision], *, float8_config, hf_cfg=None) -> Parallelized:
-    """Make ``model`` a distributed training model in place (the order of the module docstring).
-
-    Args:
-        model: an HF causal LM, fully materialised on this rank's device (the same weights on every rank).
-        mesh: the 3-D ``("dp_replicate", "dp_shard", "tp")`` DeviceMesh (:func:`fp8kit.distributed.mesh.init_distributed`).
-        cfg: the run config (``train.activation_checkpointing``, ``train.compile``, ``train.param_dtype``).
-        decisions: the FP8/BF16 decision of every site (decided on the unsharded model).
-        float8_config: torchao ``Float8LinearConfig`` (None for bf16 runs); its
-            ``enable_fsdp_float8_all_gather`` decides FP8 all-gather (see :func:`fp8_all_gather_choice`).
-        hf_cfg: the model's HF config (for the TP divisibility check).
-
-    Returns:
-        :class:`Parallelized`.
-
-    Raises:
-        ConfigError: a model the TP or EP plan does not fit.
-    """
-    from fp8kit.distributed.mesh import dp_mesh
-
-    done = Parallelized()
-    tp = mesh["tp"].size()
-    dp_shard, dp_replicate = mesh["dp_shard"].size(), mesh["dp_replicate"].size()
-
-    # 1. Tensor parallel first: it changes the shapes the later steps see (per-rank weight shards), and
-    #    the FP8 TP styles must own the linear's input/output hooks before FSDP2 wraps the block.
-    if tp > 1:
-        if hf_cfg is not None:
-            check_tp(hf_cfg, tp)
-        sp = cfg.distributed.sequence_parallel
-        apply_tp(model, mesh["tp"], decisions, float8_config, sequence_parallel=sp)
-        done.steps.append("tp+sp" if sp else "tp")
-
-    # 2. Expert parallel before FP8: the experts modules become fp8kit's grouped experts holding only this
-    #    rank's E / ep experts (DTensor Shard(0) over "ep"), so the FP8 conversion below and the grouped
-    #    FP8 GEMMs see the local experts; FSDP2 later leaves these weights alone (ignored_params).
-    expert_params: set[nn.Parameter] = set()
-    if cfg.distributed.ep > 1:
-        expert_params = apply_ep(model, mesh, cfg, decisions)
-        done.steps.append(f"ep{cfg.distributed.ep}")
-
-    # 3. FP8 conversion of the remaining linears, after TP (it sees the TP-sharded modules) and before AC
-    #    (AC must recompute through Float8Linear) and FSDP2 (FP8 all-gather needs torchao's weight
-    #    wrapper in place when fully_shard takes the parameters).
-    if float8_config is not None:
-        from fp8kit.fp8.options import grouped_gemm_config
-
-        apply_fp8(model, decisions, float8_config, grouped_gemm_config(cfg))
-        done.steps.append("fp8")
-        done.fp8_all_gather = bool(getattr(float8_config, "enable_fsdp_float8_all_gather", False)) and (
-            dp_shard > 1 or dp_replicate > 1
-        )
-        if cfg.fp8.enable_fsdp_float8_all_gather and not (dp_shard > 1 or dp_replicate > 1):
-            done.notes.append("fp8.enable_fsdp_float8_all_gather = true has no effect: no FSDP2 (dp_shard = 1)")
-
-    # 4. Activation checkpointing per block, inside FSDP2's unit, so that the recomputation in backward
-    #    runs on the already all-gathered parameters of that block.
-    if cfg.train.activation_checkpointing:
-        apply_ac(model)
-        done.steps.append("ac")
-
-    # 5. FSDP2 last among the module transformations: it takes the final parameters (TP DTensors, FP8
-    #    weight wrappers) and shards them over the data-parallel ranks.
-    if dp_shard > 1 or dp_replicate > 1:
-        param_dtype = torch.float32 if cfg.train.param_dtype == "fp32" else torch.bfloat16
-        apply_fsdp(model, dp_mesh(mesh), param_dtype=param_dtype, ignored_params=expert_params)
-        done.steps.append("fsdp2" if dp_replicate == 1 else "hsdp")
-
-    # 6. Compile each block last: it traces the final modules (FSDP2's hooks are skipped by dynamo and
-    #    run eagerly around the compiled block).
-    if cfg.train.compile:
-        for block in _blocks(model):
-            block.compile()
-        done.steps.append("compile")
-    return done
 
 
 def after_optimizer_step(model: nn.Module, done: Parallelized) -> None:
@@ -323,36 +247,3 @@ def after_optimizer_step(model: nn.Module, done: Parallelized) -> None:
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         precompute_float8_dynamic_scale_for_fsdp(model)
-
-
-def grad_norm_and_clip(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Global L2 gradient norm over DTensor (FSDP2/TP) and plain gradients, then clip in place.
-
-    Gradients are grouped by their device mesh and placements; each group's norm is taken with
-    ``torch.nn.utils.get_total_norm`` (a DTensor for sharded groups, made whole with ``full_tensor``:
-    DTensor does the reduction over the right ranks), and the group norms combine as
-    ``sqrt(sum(norm_g ** 2))``. Clipping uses ``clip_grads_with_norm_`` per group.
-
-    Returns:
-        The total norm before clipping (0-dim float32 tensor, the same on every rank).
-    """
-    from torch.distributed.tensor import DTensor
-
-    groups: dict[object, list[torch.Tensor]] = {}
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
-        groups.setdefault(key, []).append(p)
-    norms = []
-    for ps in groups.values():
-        n = torch.nn.utils.get_total_norm([p.grad for p in ps], norm_type=2.0, foreach=True)
-        if isinstance(n, DTensor):
-            n = n.full_tensor()
-        norms.append(n.float())
-    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
-    if max_norm and max_norm != float("inf"):
-        for ps in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total, foreach=True)
-    return total

@@ -4,8 +4,8 @@
 ``fp8_allreduce_hook`` is the same as a DDP communication hook; ``AutoScaleState`` keeps the factor mu.
 """
 
-from fp8kit.distributed.autoscale import AutoScaleState, fp8_allreduce_bytes, ring_allreduce_bytes
-from fp8kit.distributed.fp8_allreduce import fp8_all_reduce, fp8_allreduce_hook
+from fp8kit.comm.autoscale import AutoScaleState, fp8_allreduce_bytes, ring_allreduce_bytes
+from fp8kit.comm.fp8_allreduce import fp8_all_reduce, fp8_allreduce_hook
 
 __all__ = [
     "AutoScaleState",

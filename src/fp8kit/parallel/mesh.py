@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fp8kit.errors import ConfigError
+from fp8kit.base.errors import ConfigError
+from fp8kit.moe.expert_parallel import check_ep_layout
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,8 @@ def resolve_dims(dp_shard: int, dp_replicate: int, tp: int, ep: int, world_size:
 
     Raises:
         ConfigError: the product of the sizes differs from the world size (naming the keys and the
-            world size), ``ep`` that does not divide ``dp_replicate x dp_shard``, or ``ep > 1`` with
-            ``tp > 1``.
+            world size), or ``ep`` does not fit (``moe.expert_parallel.check_ep_layout``: ``ep`` must
+            divide ``dp_replicate x dp_shard``, and ``ep > 1`` needs ``tp = 1``).
     """
     if dp_shard == -1:
         rest = dp_replicate * tp
@@ -77,32 +78,8 @@ def resolve_dims(dp_shard: int, dp_replicate: int, tp: int, ep: int, world_size:
             f"but the world size is {world_size} (torchrun --nproc_per_node x --nnodes); set dp_shard = -1 to fill "
             f"the mesh"
         )
-    if ep > 1 and (dp_replicate * dp_shard) % ep:
-        raise ConfigError(
-            f"[distributed] ep = {ep} does not divide the data-parallel size dp_replicate x dp_shard = "
-            f"{dp_replicate * dp_shard} (expert parallelism borrows its ranks from data parallelism)"
-        )
-    if ep > 1 and tp > 1:
-        raise ConfigError(f"[distributed] ep = {ep} with tp = {tp}: expert parallelism with tensor parallelism "
-                          f"is not supported; use tp = 1")
+    check_ep_layout(ep, dp_replicate * dp_shard, tp, key="[distributed] ep")
     return ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, world_size=world_size, ep=ep)
-
-
-def launched_world_size() -> int:
-    """``WORLD_SIZE`` of a torchrun launch (1 when not launched by torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def rank() -> int:
-    """This process's global rank (0 without a process group)."""
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def is_main() -> bool:
-    """True on the process that writes the run directory and prints (global rank 0)."""
-    return rank() == 0
 
 
 def init_distributed(dims: ParallelDims, device: torch.device):

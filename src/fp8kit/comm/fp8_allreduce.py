@@ -1,7 +1,7 @@
 """FP8 gradient all-reduce with automatic scaling (FP8-LM), standalone and as a DDP communication hook.
 
 FP8-LM (Peng et al. 2023, arXiv:2310.18313, section 2, "FP8 gradient and all-reduce communication";
-seed ``003_f6166ad1663d4d19``) sends gradients in FP8. Summing FP8 values across N ranks overflows
+the paper's code is Microsoft's MS-AMP) sends gradients in FP8. Summing FP8 values across N ranks overflows
 (post-scaling, ``(g_1 + ... + g_N) / N``) and dividing first underflows (pre-scaling,
 ``g_1/N + ... + g_N/N``); the paper's fix is a shared factor ``mu`` (auto-scaling, ``g'_i = mu * g_i``)
 and one scale for all ranks (scale unification, ``s'_g = min(s'_1, ..., s'_N)``). Per call, on every rank::
@@ -39,7 +39,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from fp8kit.distributed.autoscale import (
+from fp8kit.comm.autoscale import (
     GROWTHS,
     HALVINGS,
     INITIALIZED,
@@ -50,7 +50,7 @@ from fp8kit.distributed.autoscale import (
     fp8_allreduce_bytes,
     ring_allreduce_bytes,
 )
-from fp8kit.fp8.scaling import AMAX_EPS, DTYPE_MAX, dequantize, quantize, scale_from_amax
+from fp8kit.fp8.scaling import DTYPE_MAX, clamp_amax, dequantize, quantize, scale_from_amax
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # torch >= 2.13 names it all_gather_single; all_gather_into_tensor is the older (deprecated) name.
@@ -189,9 +189,8 @@ def _initial_mu(amax: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
     Rounded down by one float32 ulp when ``mu0 * amax`` rounds above FP8_MAX in float32 (one step is
     enough: then ``mu0 <= FP8_MAX / amax`` exactly), so the first call saturates nothing.
     """
-    a = amax.float().clamp(min=AMAX_EPS)
     mu0 = scale_from_amax(amax, fp8)
-    mu0 = torch.where(mu0 * a > DTYPE_MAX[fp8], torch.nextafter(mu0, torch.zeros_like(mu0)), mu0)
+    mu0 = torch.where(mu0 * clamp_amax(amax) > DTYPE_MAX[fp8], torch.nextafter(mu0, torch.zeros_like(mu0)), mu0)
     return mu0.to(torch.float64)
 
 

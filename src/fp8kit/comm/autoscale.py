@@ -1,7 +1,7 @@
 """The auto-scale state of the FP8 gradient all-reduce: the factor ``mu`` per key and its counters.
 
-FP8-LM (Peng et al. 2023, arXiv:2310.18313, section 2, "FP8 gradient and all-reduce communication";
-seed ``003_f6166ad1663d4d19``, "Auto-Scaling for FP8 Gradient Communication") multiplies each rank's
+FP8-LM (Peng et al. 2023, arXiv:2310.18313, section 2, "FP8 gradient and all-reduce communication",
+auto-scaling; the paper's code is Microsoft's MS-AMP) multiplies each rank's
 gradient by a factor ``mu`` before casting it to FP8 (``g'_i = mu * g_i``) and adapts ``mu``:
 
 - if more than ``delta`` (0.1 %) of the values of ``mu * g_i`` saturate the FP8 maximum, ``mu <- mu / 2``;

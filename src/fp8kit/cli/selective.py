@@ -1,7 +1,10 @@
-"""Command-line parts of adaptive FP8: ``plan``, ``bench-layers``, ``merge-policy``.
+"""Command-line parts of selective FP8: ``plan``, ``bench-layers``, ``merge-policy``.
 
-``bench-layers`` also reads the adaptive-FP8 seed's environment variables (``TE_LAYER_PERF_*``,
-seed 000 section 2.1.4) at call time; a command-line flag wins over its variable.
+The bench-layers -> merge-policy workflow and the policy format are those of LoongForge's adaptive FP8.
+``bench-layers`` measures the run config's FP8 recipe (``fp8.recipe``) at its ``[distributed]`` sizes
+(``tp``, ``ep``, ``etp``) unless ``--recipe`` / ``--tp`` / ``--ep`` / ``--etp`` override them. It also reads
+LoongForge's ``TE_LAYER_PERF_*`` environment variables at call time; a variable counts as its flag, and
+the flag wins over it.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from fp8kit.errors import ConfigError, PolicyError
+from fp8kit.base.errors import ConfigError, PolicyError
 
 ENV_PREFIX = "TE_LAYER_PERF_"
 # flag dest -> (variable suffix, type)
@@ -29,8 +32,12 @@ ENV_FLAGS = {
     "speedup_threshold": ("SPEEDUP_THRESHOLD", float),
     "shape_sweep": ("SHAPE_SWEEP", str),
 }
-BENCH_DEFAULTS = {"tp": 1, "ep": 1, "etp": 1, "precisions": "bf16,fp8", "recipe": "tensorwise", "warmup": 5,
-                  "iters": 10, "speedup_threshold": 1.0}
+# flags without a config key behind them; recipe / tp / ep / etp default to the run config
+BENCH_DEFAULTS = {"precisions": "bf16,fp8", "warmup": 5, "iters": 10, "speedup_threshold": 1.0}
+# flag dest -> the config key it overrides
+CONFIG_KEYS = {
+    "recipe": "fp8.recipe", "tp": "distributed.tp", "ep": "distributed.ep", "etp": "distributed.etp",
+}
 
 
 def add_parsers(sub) -> None:
@@ -40,18 +47,24 @@ def add_parsers(sub) -> None:
     p.add_argument("--json", action="store_true", help="print a JSON list of decisions instead of a table")
     p.add_argument("--list-policies", action="store_true", help="list the policies shipped with fp8kit")
 
-    p = sub.add_parser("bench-layers", help="time each linear site of one layer in bf16 and fp8 (adaptive FP8, step 1)")
-    p.add_argument("config", nargs="?", help="run config file (its [model] section); or $TE_LAYER_PERF_OMNI_CONFIG_PATH")
+    p = sub.add_parser("bench-layers",
+                       help="time each linear site of one layer in bf16 and fp8 (selective FP8, step 1)")
+    p.add_argument("config", nargs="?", help="run config file (its [model], fp8.recipe and [distributed]); "
+                   "or $TE_LAYER_PERF_OMNI_CONFIG_PATH")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--tp", type=int)
-    p.add_argument("--ep", type=int)
-    p.add_argument("--etp", type=int)
+    p.add_argument("--tp", type=int, help="tensor-parallel size; default the config's distributed.tp")
+    p.add_argument("--ep", type=int, help="expert-parallel size; default the config's distributed.ep")
+    p.add_argument("--etp", type=int,
+                   help="expert tensor-parallel size; default the config's distributed.etp")
     p.add_argument("--precisions", help="comma-separated, default bf16,fp8")
-    p.add_argument("--recipe", help="FP8 recipe, default tensorwise")
+    p.add_argument("--recipe", help="FP8 recipe (tensorwise, rowwise, rowwise_with_gw_hp); default the "
+                   "config's fp8.recipe")
     p.add_argument("--warmup", type=int, help="warm-up iterations, default 5")
     p.add_argument("--iters", type=int, help="timed iterations (median), default 10")
-    p.add_argument("--shape-sweep", dest="shape_sweep", help='"SEQxMBS,..." e.g. "1024x1,4096x2"; default powers of two')
-    p.add_argument("--max-tokens", dest="max_tokens", type=int, default=32768, help="top of the automatic sweep")
+    p.add_argument("--shape-sweep", dest="shape_sweep",
+                   help='"SEQxMBS,..." e.g. "1024x1,4096x2"; default powers of two')
+    p.add_argument("--max-tokens", dest="max_tokens", type=int, default=32768,
+                   help="top of the automatic sweep")
     p.add_argument("--report", help="where to write the report JSON")
     p.add_argument("--policy", help="also merge this report into a policy JSON here")
     p.add_argument("--speedup-threshold", dest="speedup_threshold", type=float)
@@ -62,18 +75,28 @@ def add_parsers(sub) -> None:
                    help="time eager modules (default: compiled on CUDA, eager on CPU)")
     p.add_argument("--compile", dest="compile", action="store_true", help="compile also on CPU")
 
-    p = sub.add_parser("merge-policy", help="merge bench-layers reports into a policy JSON (adaptive FP8, step 2)")
+    p = sub.add_parser("merge-policy",
+                       help="merge bench-layers reports into a policy JSON (selective FP8, step 2)")
     p.add_argument("--reports", nargs="+", required=True)
     p.add_argument("--output", required=True)
     p.add_argument("--speedup-threshold", dest="speedup_threshold", type=float, default=1.0)
     p.add_argument("--component", default=None, help="only this component's sites (llm, vision); default all")
-    p.add_argument("--force", action="store_true", help="merge reports of different devices or recipes anyway")
+    p.add_argument("--force", action="store_true",
+                   help="merge reports of different devices or recipes anyway")
 
 
-def _env(args: argparse.Namespace) -> None:
-    """Fill unset flags from the seed's environment variables, then from the defaults."""
+def _env(args: argparse.Namespace) -> dict[str, str]:
+    """Fill unset flags from LoongForge's ``TE_LAYER_PERF_*`` variables, then from :data:`BENCH_DEFAULTS`.
+
+    Returns ``{dest: "--flag" or "$VARIABLE"}`` for every flag that is set now by either.
+
+    Raises:
+        ConfigError: a variable's value is not of the flag's type.
+    """
+    given = {}
     for dest, (suffix, cast) in ENV_FLAGS.items():
         if getattr(args, dest, None) is not None:
+            given[dest] = "--" + dest.replace("_", "-")
             continue
         raw = os.environ.get(ENV_PREFIX + suffix)
         if raw is not None and raw.strip():
@@ -81,8 +104,47 @@ def _env(args: argparse.Namespace) -> None:
                 setattr(args, dest, cast(raw))
             except ValueError:
                 raise ConfigError(f"${ENV_PREFIX}{suffix}={raw!r}: expected {cast.__name__}") from None
+            given[dest] = f"${ENV_PREFIX}{suffix}"
         elif dest in BENCH_DEFAULTS:
             setattr(args, dest, BENCH_DEFAULTS[dest])
+    return given
+
+
+def _config_origin(path: str | None, data: dict, overrides: list[str], key: str) -> str:
+    """Where the run config's ``key`` (``"section.name"``) came from: the last ``--set`` of it, else the
+    config file when it has the key (``data``: the file's parsed sections), else ``"default"``."""
+    for text in reversed(overrides):
+        if text.split("=", 1)[0].strip() == key:
+            return f"--set {text}"
+    section, name = key.split(".")
+    body = data.get(section)
+    if path is not None and isinstance(body, dict) and name in body:
+        return f"config file {path}"
+    return "default"
+
+
+def resolve_bench_values(args: argparse.Namespace, given: dict[str, str], cfg) -> tuple[dict, dict[str, str]]:
+    """The recipe and tp / ep / etp that ``bench-layers`` measures, and where each came from.
+
+    A flag (or its ``TE_LAYER_PERF_*`` variable, ``given`` by :func:`_env`) wins; otherwise the run
+    config's ``fp8.recipe`` / ``distributed.tp|ep|etp`` (from the config file, a ``--set`` or the
+    config default). Returns ``({"recipe": str, "tp": int, "ep": int, "etp": int}, {same keys: source})``.
+
+    Raises:
+        ConfigError: the config file cannot be read (``fp8kit.config.read_config_file``).
+    """
+    from fp8kit.config import read_config_file
+
+    data = read_config_file(args.config) if args.config is not None else {}
+    values, sources = {}, {}
+    for dest, key in CONFIG_KEYS.items():
+        if getattr(args, dest) is not None:
+            values[dest], sources[dest] = getattr(args, dest), given[dest]
+        else:
+            section, name = key.split(".")
+            values[dest] = getattr(getattr(cfg, section), name)
+            sources[dest] = _config_origin(args.config, data, args.overrides, key)
+    return values, sources
 
 
 def load_report(path: str) -> dict:
@@ -104,20 +166,20 @@ def load_report(path: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fp8kit.base.console import make_console
     from fp8kit.config import load_config
-    from fp8kit.console import make_console
 
     console = make_console()
     if args.command == "plan":
         if args.list_policies:
-            from fp8kit.fp8.policy import list_builtin_policies
+            from fp8kit.selective.policy import list_builtin_policies
 
             for name in list_builtin_policies():
                 print(f"builtin:{name}")
             return 0
         return _plan(load_config(args.config, args.overrides), args.json, console)
     if args.command == "merge-policy":
-        from fp8kit.fp8.policy import merge_reports
+        from fp8kit.selective.policy import merge_reports
 
         reports = [(r, load_report(r)) for r in args.reports]
         policy = merge_reports(reports, args.speedup_threshold, force=args.force, component=args.component)
@@ -131,11 +193,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plan(cfg, as_json: bool, console) -> int:
-    from fp8kit.fp8.decide import decide
-    from fp8kit.fp8.options import options_from_config
-    from fp8kit.fp8.report import print_report
-    from fp8kit.fp8.sites import find_sites
+    from fp8kit.config.options import options_from_config
     from fp8kit.models.build import build_hf_config, build_model
+    from fp8kit.selective.decide import decide
+    from fp8kit.selective.report import print_report
+    from fp8kit.selective.sites import find_sites
 
     hf_cfg = build_hf_config(cfg.model, cfg.data.vocab_size)
     model = build_model(cfg.model, cfg.data.vocab_size, device="meta")
@@ -150,7 +212,7 @@ def _plan(cfg, as_json: bool, console) -> int:
     console.print(
         f"plan: {cfg.model.hf_config or cfg.model.preset}, {cfg.train.mixed_precision} {cfg.fp8.recipe}, "
         f"tp={d.tp} ep={d.ep} etp={d.etp}, num_tokens={options.num_tokens}"
-        + (f", policy {cfg.fp8.fp8_dynamic_policy_path}" if cfg.fp8.selective_fp8 else "")
+        + (f", policy {cfg.selective.fp8_dynamic_policy_path}" if cfg.selective.selective_fp8 else "")
     )
     print_report(decisions, console, title="FP8 plan", detail=True)
     return 0
@@ -159,10 +221,11 @@ def _plan(cfg, as_json: bool, console) -> int:
 def _bench(args: argparse.Namespace, console) -> int:
     from fp8kit.bench.layers import BenchLayersArgs, auto_sweep, parse_shape_sweep, run_bench_layers
     from fp8kit.config import load_config
-    from fp8kit.fp8.policy import merge_reports
+    from fp8kit.selective.policy import merge_reports
 
-    _env(args)
+    given = _env(args)
     cfg = load_config(args.config, args.overrides)
+    values, sources = resolve_bench_values(args, given, cfg)
     for key in ("report", "policy"):
         path = getattr(args, key)
         if path:
@@ -173,14 +236,20 @@ def _bench(args: argparse.Namespace, console) -> int:
             if not probe.is_dir() or not os.access(probe, os.W_OK):
                 raise ConfigError(f"--{key} {path!r} cannot be written")
     bench_args = BenchLayersArgs(
-        config=cfg, tp=args.tp, ep=args.ep, etp=args.etp,
+        model=cfg.model, vocab_size=cfg.data.vocab_size, **values, sources=sources,
         precisions=tuple(p.strip() for p in args.precisions.split(",") if p.strip()),
-        recipe=args.recipe, warmup=args.warmup, iters=args.iters,
+        warmup=args.warmup, iters=args.iters,
         shape_sweep=parse_shape_sweep(args.shape_sweep) if args.shape_sweep else auto_sweep(args.max_tokens),
         device=args.device, simulate_tp=args.simulate_tp, compile=args.compile,
     )
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    if main_rank:
+        simulated = "; simulated on one device" if args.simulate_tp and values["tp"] > 1 else ""
+        console.print("bench-layers measures " + ", ".join(
+            f"{k} {values[k]} ({sources[k]}{simulated if k == 'tp' else ''})" for k in CONFIG_KEYS),
+            soft_wrap=True, markup=False, highlight=False)
     report = run_bench_layers(bench_args, console)
-    if int(os.environ.get("RANK", "0")) != 0:
+    if not main_rank:
         return 0
     _print_speedups(report, console)
     if args.report:
@@ -203,7 +272,8 @@ def _print_speedups(report: dict, console) -> None:
     from fp8kit.bench.layers import speedup_table
 
     t = Table(title=f"bench-layers: {report['model']} tp={report['tp']}"
-              + (" (simulated)" if report["simulated_tp"] else "") + f", {report['recipe']}, {report['device']}",
+              + (" (simulated)" if report["simulated_tp"] else "")
+              + f", {report['recipe']}, {report['device']}",
               header_style="bold")
     for c in ("site", "tokens", "bf16 ms", "fp8 ms", "fp8 speed-up"):
         t.add_column(c)
@@ -228,5 +298,6 @@ def _print_policy(policy, console) -> None:
                 t.add_row(kind, ub, f"tp={r.tp}", str(r.min_tokens), f"{r.measured_speedup:.3f}")
     for kind, rules in policy.grouped.items():
         for r in rules:
-            t.add_row(kind, "", f"etp={r.etp},num_gemms={r.num_gemms}", str(r.min_tokens), f"{r.measured_speedup:.3f}")
+            t.add_row(kind, "", f"etp={r.etp},num_gemms={r.num_gemms}", str(r.min_tokens),
+                      f"{r.measured_speedup:.3f}")
     console.print(t)

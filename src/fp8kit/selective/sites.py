@@ -1,8 +1,8 @@
-"""Find every linear-like "site" of a model and label it with the adaptive-FP8 seed's vocabulary.
+"""Find every linear-like "site" of a model and label it with LoongForge adaptive FP8's vocabulary.
 
 A :class:`Site` is plain data: ``plan`` prints sites, ``train`` converts them, ``bench-layers`` times
-them. The vocabulary is the one of the adaptive-FP8 seed (``shared/seeds/000``, Megatron / TE module
-classes) so that its policy files work unchanged:
+them. The vocabulary (``module_kind``, ``ub_name``) is the one of LoongForge's adaptive (selective) FP8,
+named after Megatron-LM / Transformer Engine module classes, so that its policy files work unchanged:
 
 ================  ====================  =========================================================
 module_kind       Megatron/TE class      HF modules (last name part, with its parent's role)
@@ -16,7 +16,7 @@ column_grouped    TEColumnParallelGr...  MoE expert gate/up (``fc1``), ``num_gem
 row_grouped       TERowParallelGrouped   MoE expert down (``fc2``)
 ================  ====================  =========================================================
 
-Sites that are never FP8 candidates get descriptive kinds outside the seed's set: ``embedding``,
+Sites that are never FP8 candidates get descriptive kinds outside LoongForge's set: ``embedding``,
 ``head`` (lm_head / output / classifier), ``router`` (MoE gate) and ``linear`` (a linear layer whose
 role we do not recognise; static rules may still convert it, a policy never has a rule for it).
 """
@@ -78,7 +78,7 @@ _ROUTER_NAMES = {"gate", "router", "wg"}
 _VISION_PARTS = {"visual", "vision_tower", "vision_model", "vision_encoder", "image_encoder", "vit"}
 _LAYER_CONTAINERS = {"layers", "h", "blocks", "layer", "block"}
 
-# The seed's module kinds (shared/seeds/000, section 3.2).
+# LoongForge adaptive FP8's module kinds (Megatron-LM / Transformer Engine classes).
 DENSE_KINDS = ("layernorm_column", "column", "row", "duplicated")
 GROUPED_KINDS = ("column_grouped", "row_grouped")
 MODULE_KINDS = DENSE_KINDS + GROUPED_KINDS
@@ -93,8 +93,8 @@ class Site:
         fqn: fully qualified module name (for a 3-D expert weight: module FQN + "." + parameter name).
         module_type: the module's class name.
         role: ``attention``, ``mlp``, ``expert``, ``head``, ``router``, ``embedding`` or ``other``.
-        module_kind: the seed's kind (see the module docstring) or a descriptive kind.
-        ub_name: the seed's TE tp-comm buffer name (``qkv`` / ``proj`` / ``fc1`` / ``fc2`` / ...) or None.
+        module_kind: LoongForge's kind (see the module docstring) or a descriptive kind.
+        ub_name: LoongForge's (Transformer Engine tp-comm) buffer name (``qkv`` / ``proj`` / ``fc1`` / ``fc2`` / ...) or None.
         weight_shape: shape of the weight: ``(out_features, in_features)`` for a linear layer,
             ``(num_experts, out, in)`` for grouped experts.
         in_features / out_features: the GEMM's K and N (per expert for grouped sites), or None.
@@ -170,7 +170,7 @@ def _classify_linear(parts: list[str], module: nn.Linear) -> tuple[str, str, str
     elif name in _ATTENTION_NAMES and name not in _CONTEXT_ONLY:
         role, (kind, ub) = "attention", _ATTENTION_NAMES[name]
     if in_expert and "shared_expert" not in parents and "shared_experts" not in parents:
-        # Seed, section 3.3: expert column/layernorm_column -> column_grouped, row -> row_grouped.
+        # LoongForge adaptive FP8: expert column/layernorm_column -> column_grouped, row -> row_grouped.
         role = "expert"
         kind = "row_grouped" if kind == "row" else "column_grouped"
     return role, kind, ub

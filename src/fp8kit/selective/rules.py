@@ -1,8 +1,8 @@
 """The static module filter: which sites may run in FP8 at all, and why not.
 
-The rules follow the reference FP8 trainers (``shared/seeds/001`` and ``002``; torchao's
-``convert_to_float8_training`` filter; LLaMA-Factory's ``module_filter_func``), in this order, the
-first that applies giving the reason:
+The rules follow the FP8 trainers built on torchao (torchao's ``convert_to_float8_training`` filter as
+torchtitan and KempnerForge use it; LLaMA-Factory's ``module_filter_func`` behind its HF Trainer FP8
+flags), in this order, the first that applies giving the reason:
 
 1. embeddings are not linear layers;
 2. output heads (``lm_head`` / ``output`` / ``classifier`` ...) stay BF16 for accuracy;
@@ -16,16 +16,16 @@ first that applies giving the reason:
    ``torch._scaled_grouped_mm`` need it);
 7. ``fp8.exclude`` patterns; 8. ``fp8.include`` patterns (when any are given).
 
-Patterns match whole dotted name parts (``fp8/patterns.py``). A site that passes every rule is an FP8
-*candidate*; whether it then runs in FP8 is decided in ``fp8/decide.py`` (precision, policy).
+Patterns match whole dotted name parts (``selective/patterns.py``). A site that passes every rule is an FP8
+*candidate*; whether it then runs in FP8 is decided in ``selective/decide.py`` (precision, policy).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fp8kit.fp8.patterns import FqnPattern, compile_patterns, first_match
-from fp8kit.fp8.sites import Site
+from fp8kit.selective.patterns import FqnPattern, compile_patterns, first_match
+from fp8kit.selective.sites import Site
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ class CheckpointError(Fp8kitError):
 
 
 class PolicyError(Fp8kitError):
-    """An adaptive-FP8 policy or benchmark report is invalid (names the file and the key path)."""
+    """A selective-FP8 policy or benchmark report is invalid (names the file and the key path)."""
 
 
 class CapabilityError(Fp8kitError):

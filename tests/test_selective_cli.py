@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from fp8kit.cli import main
+from fp8kit.cli.main import main
 from fp8kit.config import load_config
 from fp8kit.train.trainer import train
 
@@ -40,6 +40,8 @@ def test_bench_layers_report(cpu_reports):
     rep = json.loads((cpu_reports / "r1.json").read_text())
     assert rep["device_type"] == "cpu" and "not meant for a GPU policy" in rep["note"]
     assert rep["recipe"] == "tensorwise" and rep["versions"]["torchao"]
+    assert rep["sources"] == {"recipe": "default", "tp": "--tp", "ep": "default", "etp": "default"}, rep["sources"]
+    assert rep["fp8_linear_scaling"]["input"] == "tensorwise", rep["fp8_linear_scaling"]
     sites = {s["name"]: s for s in rep["sites"]}
     assert set(sites) == {"qkv", "proj", "fc1", "fc2"}
     assert sites["qkv"]["module_kind"] == "layernorm_column" and sites["qkv"]["gemms"] == [[256, 256], [256, 128], [256, 128]]
@@ -64,7 +66,7 @@ def test_merge_then_plan_then_train(cpu_reports, capsys, tmp_path, small_run):
     # makes every measured point pass, so every timed site gets a rule from the smallest token count
     assert {r["tp"] for r in p["rules"]["layernorm_column"]["qkv"]} == {1, 2}
     assert all(r["min_tokens"] == 128 for r in p["rules"]["layernorm_column"]["qkv"])
-    sets = ["--set", "fp8.selective_fp8=true", "--set", f"fp8.fp8_dynamic_policy_path={policy}",
+    sets = ["--set", "selective.selective_fp8=true", "--set", f"selective.fp8_dynamic_policy_path={policy}",
             "--set", "data.seq_length=64", "--set", "train.micro_batch_size=2"]  # 128 tokens
     rows = json.loads(_ok(capsys, ["plan", *TINY, *sets, "--json"]))
     q = next(r for r in rows if r["fqn"] == "model.layers.0.self_attn.q_proj")
@@ -76,11 +78,11 @@ def test_merge_then_plan_then_train(cpu_reports, capsys, tmp_path, small_run):
     rows4 = json.loads(_ok(capsys, ["plan", *TINY, *sets, "--set", "distributed.tp=4", "--json"]))
     assert all(r["precision"] == "bf16" for r in rows4)
     assert next(r for r in rows4 if r["ub_name"] == "fc2")["reason"] == "no rule for fc2 tp=4 -> bf16"
-    table = _ok(capsys, ["plan", *TINY, *sets, "--set", "fp8.fp8_dynamic_num_tokens=512"])
+    table = _ok(capsys, ["plan", *TINY, *sets, "--set", "selective.fp8_dynamic_num_tokens=512"])
     assert "FP8 plan" in table and "num_tokens=512" in table
     # train with the policy: the decisions of plan are applied, and recorded in the conversion report
-    cfg = load_config(None, [*small_run, "train.steps=2", "fp8.selective_fp8=true",
-                             f"fp8.fp8_dynamic_policy_path={policy}", "fp8.fp8_dynamic_num_tokens=512"])
+    cfg = load_config(None, [*small_run, "train.steps=2", "selective.selective_fp8=true",
+                             f"selective.fp8_dynamic_policy_path={policy}", "selective.fp8_dynamic_num_tokens=512"])
     res = train(cfg, tmp_path / "run")
     rep = json.loads((tmp_path / "run" / "conversion_report.json").read_text())
     policy_rows = [s for s in rep["sites"] if s["rule"] == "policy"]
@@ -104,7 +106,7 @@ def test_seed_environment_variables(capsys, tmp_path, monkeypatch):
     "argv, expected",
     [
         (["--tp", "2"], "--tp 2 times the real tensor-parallel layer and needs torchrun --nproc_per_node 2"),
-        (["--recipe", "blockwise"], "fp8.recipe: unknown recipe 'blockwise'"),
+        (["--recipe", "blockwise"], "--recipe: unknown recipe 'blockwise'"),
         (["--precisions", "fp16"], "unknown precision 'fp16'"),
         (["--shape-sweep", "4096by2"], "--shape-sweep: '4096by2' is not SEQxMBS"),
         (["--tp", "3", "--simulate-tp"], "is not divisible by the parallel size 3"),
@@ -127,7 +129,7 @@ def test_train_refuses_a_bad_policy_before_writing(capsys, tmp_path):
     bad = tmp_path / "p.json"
     bad.write_text(json.dumps({"version": 3, "rules": {}}))
     out = tmp_path / "run"
-    code = main(["train", "--out", str(out), "--set", "fp8.selective_fp8=true", "--set", f"fp8.fp8_dynamic_policy_path={bad}"])
+    code = main(["train", "--out", str(out), "--set", "selective.selective_fp8=true", "--set", f"selective.fp8_dynamic_policy_path={bad}"])
     assert code == 2 and "unknown policy version 3" in capsys.readouterr().err
     assert not out.exists()
 

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fp8kit.errors import Fp8kitError
+from fp8kit.base.errors import Fp8kitError
 
 
 def _add_config_args(p: argparse.ArgumentParser, *, config_required: bool) -> None:
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, config_required=True)
     p.add_argument("--out", help="output directory (default: runs/<time>-compare)")
 
-    from fp8kit.adaptive_cli import add_parsers
+    from fp8kit.cli.selective import add_parsers
 
     add_parsers(sub)
 
@@ -63,7 +63,10 @@ def _load(args) -> object:
         candidate = ck.parent.parent / "resolved_config.toml"
         if candidate.is_file():
             config = str(candidate)
-    return load_config(config, args.overrides)
+    cfg = load_config(config, args.overrides)
+    for note in cfg.notes:  # e.g. seed-compatible keys read from their old [fp8] place
+        print(f"note: {note}", file=sys.stderr)
+    return cfg
 
 
 def _run(args) -> int:
@@ -91,8 +94,8 @@ def _run(args) -> int:
         print(f"exported {args.checkpoint} -> {out} (bf16 safetensors, HF layout)")
         return 0
     if args.command == "compare":
-        from fp8kit.distributed.mesh import launched_world_size
-        from fp8kit.errors import ConfigError
+        from fp8kit.base.errors import ConfigError
+        from fp8kit.base.runtime import launched_world_size
 
         if launched_world_size() > 1:
             raise ConfigError(
@@ -103,9 +106,9 @@ def _run(args) -> int:
 
         compare(_load(args), args.out)
         return 0
-    from fp8kit import adaptive_cli
+    from fp8kit.cli import selective as selective_cli
 
-    return adaptive_cli.run(args)
+    return selective_cli.run(args)
 
 
 def _end_process_group() -> None:

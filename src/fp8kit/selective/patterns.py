@@ -19,7 +19,7 @@ import fnmatch
 import re
 from dataclasses import dataclass
 
-from fp8kit.errors import ConfigError
+from fp8kit.base.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""Adaptive-FP8 policies: the seed's JSON format, validation, lookup, and merging layer reports.
+"""Adaptive-FP8 policies: LoongForge's JSON format, validation, lookup, and merging layer reports.
 
-Format (``shared/seeds/000``, section 2.2; files written for that workflow load here unchanged)::
+Format (LoongForge adaptive FP8's "FP8 Dynamic Policy" file; files written for it load here unchanged)::
 
     {"version": 1, "speedup_threshold": 1.0,
      "rules": {
@@ -10,7 +10,7 @@ Format (``shared/seeds/000``, section 2.2; files written for that workflow load 
        "row_grouped":      [...]},
      "metadata": {...}}          # optional, fp8kit's: device, recipe, versions, source reports
 
-Decision (seed, "Decision logic"):
+Decision (LoongForge adaptive FP8's decision logic):
 
 - dense kinds (layernorm_column / column / row / duplicated): the rule for ``(module_kind, ub_name,
   tp)``; FP8 when ``num_tokens >= min_tokens`` with ``num_tokens = seq_length x micro_batch_size``.
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8kit.errors import PolicyError
-from fp8kit.fp8.sites import DENSE_KINDS, GROUPED_KINDS, MODULE_KINDS
+from fp8kit.base.errors import PolicyError
+from fp8kit.selective.sites import DENSE_KINDS, GROUPED_KINDS, MODULE_KINDS
 
 POLICY_VERSION = 1
 BUILTIN_PREFIX = "builtin:"
@@ -341,8 +341,8 @@ def grid_check(reports: list[dict], policy: Policy, tolerance: float = 0.02, com
 
     For each site key and token count of the reports: the chosen precision's time over
     ``min(bf16_ms, fp8_ms)``. Returns the worst ratio, the number of points, and the points where the
-    choice is more than ``tolerance`` slower than the faster precision (the seed's "never slower than
-    BF16, as close to full FP8 as possible", checked per layer).
+    choice is more than ``tolerance`` slower than the faster precision (LoongForge adaptive FP8's goal,
+    "never slower than BF16, as close to full FP8 as possible", checked per layer).
     """
     worst, points, misses = 1.0, 0, []
     for key, curve in speedup_curves(reports, component).items():

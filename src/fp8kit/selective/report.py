@@ -15,8 +15,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from fp8kit.console import make_console
-from fp8kit.fp8.decide import Decision, summarize
+from fp8kit.base.console import make_console
+from fp8kit.selective.decide import Decision, summarize
 
 
 def _ranges(values: list[int]) -> str:

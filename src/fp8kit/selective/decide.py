@@ -1,15 +1,15 @@
-"""Decide FP8 or BF16 for every site: static rules, then the run's precision, then the adaptive policy.
+"""Decide FP8 or BF16 for every site: static rules, then the run's precision, then the selective-FP8 policy.
 
 Deciding is pure: sites and options in, :class:`Decision` rows out. ``plan`` prints them, ``train``
-applies them through ``fp8/convert.py``; nothing here touches a module, and nothing is decided per
-step (the seed's "Runtime overhead: none": the decision happens once, at model build).
+applies them through ``parallel/convert.py``; nothing here touches a module, and nothing is decided per
+step (as in LoongForge adaptive FP8, no runtime overhead: the decision happens once, at model build).
 
 Order for one site:
 
-1. the static filter (``fp8/rules.py``): embeddings, heads, routers, experts, non-2-D, dims % 16,
+1. the static filter (``selective/rules.py``): embeddings, heads, routers, experts, non-2-D, dims % 16,
    ``fp8.include`` / ``fp8.exclude``;
 2. ``train.mixed_precision = "bf16"``: everything BF16;
-3. with ``fp8.selective_fp8``: the policy of the site's component (``fp8/policy.py``) at the
+3. with ``fp8.selective_fp8``: the policy of the site's component (``selective/policy.py``) at the
    component's token count, with the run's ``tp`` (dense) or ``etp`` and local experts (grouped);
 4. otherwise FP8.
 """
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fp8kit.errors import ConfigError
-from fp8kit.fp8.policy import Policy
-from fp8kit.fp8.rules import StaticRules
-from fp8kit.fp8.sites import Site
+from fp8kit.moe.expert_parallel import check_ep_divides_experts
+from fp8kit.selective.policy import Policy
+from fp8kit.selective.rules import StaticRules
+from fp8kit.selective.sites import Site
 
 #: The recipe of every FP8 grouped expert weight (``fp8kit.moe``): rowwise E4M3 in all three GEMMs.
 GROUPED_RECIPE = "rowwise"
@@ -84,7 +84,7 @@ class Decision:
 
 @dataclass(frozen=True)
 class Selective:
-    """Adaptive-FP8 inputs: one policy and token count per component (``"*"``: every other component)."""
+    """Selective-FP8 inputs: one policy and token count per component (``"*"``: every other component)."""
 
     policies: dict[str, Policy]
     num_tokens: dict[str, int]
@@ -123,10 +123,7 @@ def decide(sites: list[Site], options: DecideOptions) -> list[Decision]:
         recipe = GROUPED_RECIPE if site.is_grouped_weight else options.recipe
         num_gemms = None
         if site.num_gemms is not None:
-            if site.num_gemms % options.ep:
-                raise ConfigError(
-                    f"distributed.ep = {options.ep} does not divide the {site.num_gemms} experts of {site.fqn}"
-                )
+            check_ep_divides_experts(options.ep, site.num_gemms, site.fqn)
             num_gemms = site.num_gemms // options.ep
         tokens = options.num_tokens
         if options.selective is not None:

@@ -1,0 +1,1 @@
+"""The command line: ``fp8kit train | compare | plan | bench-layers | merge-policy | export | config-docs``."""

@@ -1,0 +1,108 @@
+"""Run config -> :class:`~fp8kit.selective.decide.DecideOptions` (policies loaded and checked here).
+
+The selective (measured) choice follows LoongForge adaptive FP8: ``num_tokens`` defaults to
+``data.seq_length x train.micro_batch_size`` as there; ``selective.fp8_dynamic_num_tokens`` and
+``selective.component_num_tokens`` override it. ``moe_router_topk`` comes from the HF config
+(``num_experts_per_tok``).
+"""
+
+from __future__ import annotations
+
+from fp8kit.base.errors import ConfigError
+from fp8kit.config.schema import FP8Config, RunConfig, SelectiveConfig
+from fp8kit.selective.decide import DecideOptions, Selective
+from fp8kit.selective.policy import load_policy
+
+
+def grouped_gemm_config(cfg: RunConfig):
+    """How the run's FP8 MoE experts compute (``fp8kit.moe.grouped_mm.GroupedGemmConfig``): automatic
+    backend; the emulation on GPUs without an FP8 grouped GEMM only with ``fp8.emulate = true``."""
+    from fp8kit.moe.grouped_mm import GroupedGemmConfig
+
+    return GroupedGemmConfig(emulate=cfg.fp8.emulate)
+
+
+def moe_topk(hf_cfg) -> int:
+    """Experts per token of an HF MoE config (1 for dense models)."""
+    for key in ("num_experts_per_tok", "moe_router_topk", "num_experts_per_token", "top_k"):
+        v = getattr(hf_cfg, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return 1
+
+
+def options_from_config(cfg: RunConfig, hf_cfg=None, device_name: str | None = None) -> DecideOptions:
+    """Build the decision options of a run.
+
+    Args:
+        cfg: the run config.
+        hf_cfg: the model's HF config (for ``moe_router_topk``), or None.
+        device_name: the device the run trains on; a policy measured on another device gives a
+            warning naming both.
+
+    Raises:
+        PolicyError: a policy file is missing or invalid.
+    """
+    d = cfg.distributed
+    return decide_options(
+        cfg.fp8, cfg.selective, mixed_precision=cfg.train.mixed_precision,
+        num_tokens=cfg.data.seq_length * cfg.train.micro_batch_size, tp=d.tp, ep=d.ep, etp=d.etp,
+        topk=moe_topk(hf_cfg) if hf_cfg is not None else 1, device_name=device_name,
+    )
+
+
+def decide_options(fp8: FP8Config, selective: SelectiveConfig | None, *, mixed_precision: str = "fp8",
+                   num_tokens: int | None = None, tp: int = 1, ep: int = 1, etp: int = 1, topk: int = 1,
+                   device_name: str | None = None) -> DecideOptions:
+    """The decision options from the ``[fp8]`` and ``[selective]`` sections and the run's sizes.
+
+    Args:
+        fp8: the FP8 numerics section (recipe, include / exclude).
+        selective: the measured-choice section, or None (no policy).
+        mixed_precision: ``fp8`` or ``bf16`` (everything BF16).
+        num_tokens: the default token count for policy lookups (``seq_length x micro_batch_size``);
+            ``selective.fp8_dynamic_num_tokens`` overrides it.
+        tp, ep, etp: the parallel sizes the policy is looked up at.
+        topk: experts per token (grouped sites look up ``num_tokens x topk``).
+        device_name: the training device (a policy measured elsewhere gives a warning).
+
+    Raises:
+        PolicyError: a policy file is missing or invalid.
+        ConfigError: ``selective_fp8`` without any token count.
+    """
+    sel = selective
+    tokens_now = (sel.fp8_dynamic_num_tokens if sel is not None else None) or num_tokens
+    decide_selective = None
+    warnings: list[str] = []
+    if sel is not None and sel.selective_fp8:
+        if tokens_now is None:
+            raise ConfigError("selective.selective_fp8: no token count; set selective.fp8_dynamic_num_tokens")
+        paths = dict(sel.component_policy_paths)
+        if sel.fp8_dynamic_policy_path:
+            paths["*"] = sel.fp8_dynamic_policy_path
+        policies = {comp: load_policy(p) for comp, p in paths.items()}
+        tokens = {"*": tokens_now, **sel.component_num_tokens}
+        decide_selective = Selective(policies, tokens, topk)
+        for pol in policies.values():
+            meta = pol.metadata
+            if meta.get("recipe") and meta["recipe"] != fp8.recipe:
+                warnings.append(
+                    f"policy {pol.source} was measured with recipe {meta['recipe']!r}, this run uses {fp8.recipe!r}"
+                )
+            if device_name and meta.get("device") and meta["device"] != device_name:
+                warnings.append(
+                    f"policy {pol.source} was measured on {meta['device']!r}, this run trains on {device_name!r}: "
+                    f"its thresholds may not hold here"
+                )
+    return DecideOptions(
+        mixed_precision=mixed_precision,
+        recipe=fp8.recipe,
+        include=tuple(fp8.include),
+        exclude=tuple(fp8.exclude),
+        tp=tp,
+        ep=ep,
+        etp=etp,
+        num_tokens=tokens_now,
+        selective=decide_selective,
+        warnings=tuple(warnings),
+    )

@@ -1,0 +1,37 @@
+"""Run config -> :class:`~fp8kit.parallel.prepare.PrepareOptions` (what ``prepare_model`` applies).
+
+The config is the only reader of the whole :class:`~fp8kit.config.RunConfig`; the parallel layer gets this
+small options object.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8kit.config.options import grouped_gemm_config
+from fp8kit.config.schema import RunConfig
+from fp8kit.parallel.prepare import PrepareOptions
+
+
+def prepare_options(cfg: RunConfig, *, fp8_now: bool, emulate: bool) -> PrepareOptions:
+    """The model-preparation options of a run.
+
+    Args:
+        cfg: the run config.
+        fp8_now: convert the FP8 decisions at preparation (the run is FP8 and its first step is in an FP8
+            phase of the precision schedule).
+        emulate: emulate FP8 matmuls (``fp8.emulate`` on a device without FP8 tensor cores).
+    """
+    t, d = cfg.train, cfg.distributed
+    return PrepareOptions(
+        fp8=fp8_now,
+        recipe=cfg.fp8.recipe,
+        emulate=emulate,
+        fp8_all_gather=cfg.fp8.enable_fsdp_float8_all_gather,
+        grouped=grouped_gemm_config(cfg),
+        activation_checkpointing=t.activation_checkpointing,
+        compile=t.compile,
+        sequence_parallel=d.sequence_parallel,
+        ep=d.ep,
+        param_dtype=torch.float32 if t.param_dtype == "fp32" else torch.bfloat16,
+    )

@@ -1,0 +1,150 @@
+"""Apply FP8 decisions to a model, and undo them: the one module swapper.
+
+:func:`apply_fp8` swaps the ``nn.Linear`` modules decided ``fp8`` for torchao ``Float8Linear`` (through
+torchao's own ``convert_to_float8_training`` with a filter that admits exactly those FQNs; the
+``Float8LinearConfig`` is built from each decision's own ``recipe``, so the decision is the one source of
+truth for how a layer computes), and the MoE experts modules with a 3-D weight decided ``fp8`` for
+``fp8kit.moe``'s ``Float8GroupedExperts``. :func:`restore_bf16` swaps both back. All swaps keep the very
+same ``Parameter`` objects, so optimizer state (keyed by parameter) survives every switch, and
+``state_dict`` keys do not change.
+
+``prepare_model`` (the first conversion of a run), the precision schedule (BF16 <-> FP8 phases) and the
+library entry point ``fp8kit.convert_to_fp8`` all go through these two functions. Decisions name modules
+by their plain FQN (``model.layers.0.mlp.up_proj``); wrappers added later (``checkpoint_wrapper``'s
+``_checkpoint_wrapped_module``, ``torch.compile``'s ``_orig_mod``) are looked through.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from fp8kit.base.errors import Fp8kitError
+from fp8kit.base.torchao_lib import torchao_float8
+from fp8kit.fp8.recipes import float8_linear_config
+from fp8kit.moe import experts as moe_experts
+from fp8kit.moe.grouped_mm import GroupedGemmConfig
+from fp8kit.selective.decide import Decision
+
+#: Name parts inserted by module wrappers; decisions use FQNs without them.
+WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+
+@dataclass(frozen=True)
+class ConversionOptions:
+    """How the FP8 modules compute (the recipe itself comes from each :class:`Decision`).
+
+    Attributes:
+        emulate: run FP8 matmuls as a high-precision emulation (GPUs without FP8 tensor cores; same
+            numerics, no speed-up).
+        fsdp_float8_all_gather: FSDP2 all-gathers FP8 weights plus scales (tensorwise only, torchao).
+        grouped: how FP8 MoE experts compute (grouped-GEMM kernel choice, emulation).
+    """
+
+    emulate: bool = False
+    fsdp_float8_all_gather: bool = False
+    grouped: GroupedGemmConfig = field(default_factory=GroupedGemmConfig)
+
+
+def plain_fqn(fqn: str) -> str:
+    """``fqn`` without wrapper parts (:data:`WRAPPER_PARTS`): the name decisions use."""
+    return ".".join(p for p in fqn.split(".") if p not in WRAPPER_PARTS)
+
+
+def plain_named_modules(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
+    """``{plain fqn: (real fqn, module)}`` for every module (the innermost module under each plain name)."""
+    out: dict[str, tuple[str, nn.Module]] = {}
+    for real, module in model.named_modules():
+        out[plain_fqn(real)] = (real, module)
+    return out
+
+
+def fp8_fqns(decisions: list[Decision]) -> set[str]:
+    """FQNs of the sites decided FP8 (linear layers only)."""
+    return {d.fqn for d in decisions if d.is_fp8 and not d.site.is_grouped}
+
+
+def fp8_expert_weights(decisions: list[Decision]) -> dict[str, frozenset[str]]:
+    """Experts module FQN -> names of its 3-D weights decided FP8 (modules with none are left out)."""
+    out: dict[str, set[str]] = {}
+    for d in decisions:
+        if d.is_fp8 and d.site.is_grouped_weight:
+            out.setdefault(d.site.module_fqn, set()).add(d.fqn.rpartition(".")[2])
+    return {k: frozenset(v) for k, v in out.items()}
+
+
+def apply_fp8(model: nn.Module, decisions: list[Decision], options: ConversionOptions | None = None) -> int:
+    """Swap every module decided FP8 for its FP8 form; returns how many modules were swapped.
+
+    ``nn.Linear`` -> torchao ``Float8Linear`` with the ``Float8LinearConfig`` of the decision's recipe;
+    an experts module with a 3-D weight decided FP8 -> ``Float8GroupedExperts`` (``options.grouped``).
+    Modules already converted are left as they are, so this is idempotent.
+
+    Raises:
+        Fp8kitError: a decided FQN is not an ``nn.Linear`` / supported experts module of this model, or a
+            decision has no recipe.
+        ConfigError: a decision's recipe is unknown to torchao's float8 (``fp8.recipes``).
+    """
+    options = options or ConversionOptions()
+    modules = plain_named_modules(model)
+    count = _apply_grouped(model, decisions, options, modules)
+    float8 = torchao_float8()
+    by_recipe: dict[str, set[str]] = {}
+    for d in decisions:
+        if not (d.is_fp8 and not d.site.is_grouped):
+            continue
+        real = modules.get(d.fqn)
+        if real is None or not isinstance(real[1], nn.Linear):
+            raise Fp8kitError(f"FP8 decision for {d.fqn!r}, which is not an nn.Linear of this model")
+        if isinstance(real[1], float8.Float8Linear):
+            continue
+        if not d.recipe:
+            raise Fp8kitError(f"FP8 decision for {d.fqn!r} carries no recipe")
+        by_recipe.setdefault(d.recipe, set()).add(real[0])
+    for recipe, todo in by_recipe.items():
+        config = float8_linear_config(
+            recipe, emulate=options.emulate, enable_fsdp_float8_all_gather=options.fsdp_float8_all_gather
+        )
+        float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda _m, fqn, t=todo: fqn in t)
+        count += len(todo)
+    return count
+
+
+def _apply_grouped(model: nn.Module, decisions: list[Decision], options: ConversionOptions,
+                   modules: dict[str, tuple[str, nn.Module]]) -> int:
+    wanted = fp8_expert_weights(decisions)
+    count = 0
+    for fqn, weights in wanted.items():
+        if fqn not in modules:
+            raise Fp8kitError(f"FP8 decision for experts {fqn!r}, which is not a module of this model")
+        real, module = modules[fqn]
+        if isinstance(module, moe_experts.Float8GroupedExperts) and module.fp8_weights == weights:
+            continue
+        moe_experts.swap_in(model, real, weights, options.grouped)
+        count += 1
+    return count
+
+
+def restore_bf16(model: nn.Module) -> int:
+    """Swap every FP8 module back to its BF16 form sharing the same parameters; returns the count."""
+    float8 = torchao_float8()
+    count = moe_experts.swap_out(model)
+    for fqn, module in list(model.named_modules()):
+        if not isinstance(module, float8.Float8Linear):
+            continue
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        plain = nn.Linear(module.in_features, module.out_features, bias=False, device="meta")
+        plain.weight = module.weight
+        plain.bias = module.bias
+        setattr(parent, child, plain)
+        count += 1
+    return count
+
+
+def count_fp8_modules(model: nn.Module) -> int:
+    """Number of ``Float8Linear`` and FP8 grouped-experts modules in ``model``."""
+    float8 = torchao_float8()
+    return sum(isinstance(m, float8.Float8Linear)
+               or (isinstance(m, moe_experts.Float8GroupedExperts) and bool(m.fp8_weights)) for m in model.modules())

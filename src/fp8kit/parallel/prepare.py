@@ -1,0 +1,162 @@
+"""``prepare_model``: the one path by which a built model becomes a training model, for 1..N ranks.
+
+It runs once per run, after the per-site decisions and before the optimizer is built and a checkpoint
+is restored (FSDP2 replaces the parameters by sharded DTensors, which the optimizer must hold). The order
+is torchtitan's ``parallelize`` and the PyTorch FP8 trainer recipe (TP -> EP -> FP8 -> AC -> FSDP2 ->
+compile); a single process is the same path with every parallel size 1 (``mesh=None``)::
+
+    1. tensor parallel    (mesh tp > 1)   DTensor styles per block; FP8 linears get torchao's Float8 styles
+    2. expert parallel    (ep > 1)        E / ep experts per rank, all-to-all token dispatch
+    3. FP8 conversion     (options.fp8)   parallel.convert.apply_fp8 of the decisions not yet converted
+    4. activation ckpt    (options.ac)    torch checkpoint_wrapper per transformer block
+    5. FSDP2 / HSDP       (mesh dp > 1)   fully_shard per block, then the root; FP8 or BF16 all-gather
+    6. torch.compile      (options.compile) per block, last: it traces the final modules
+
+The precision schedule (BF16 warm-up / cool-down phases) later swaps modules with the same
+``apply_fp8`` / ``restore_bf16`` and the :class:`~fp8kit.parallel.convert.ConversionOptions` recorded in
+the returned :class:`Prepared`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fp8kit.moe.grouped_mm import GroupedGemmConfig
+from fp8kit.parallel.convert import ConversionOptions, apply_fp8
+from fp8kit.parallel.parallelize import (
+    Parallelized,
+    apply_ac,
+    apply_ep,
+    apply_fsdp,
+    apply_tp,
+    check_tp,
+    fp8_all_gather_choice,
+)
+from fp8kit.selective.decide import Decision
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    """What :func:`prepare_model` applies (built from the run config by ``fp8kit.config.options``).
+
+    Attributes:
+        fp8: convert the sites decided FP8 now (False for a BF16 run, or a run that starts in a BF16 phase
+            of the precision schedule: the modules are converted later by the schedule).
+        recipe: the run's FP8 recipe (the FP8 all-gather default depends on it).
+        emulate: emulate FP8 matmuls (GPUs without FP8 tensor cores).
+        fp8_all_gather: ``fp8.enable_fsdp_float8_all_gather`` (None: on for tensorwise under FSDP2).
+        grouped: how FP8 MoE experts compute.
+        activation_checkpointing: recompute each block in backward.
+        compile: ``torch.compile`` each block.
+        sequence_parallel: with tp > 1, split norms and the residual stream over tokens.
+        ep: expert-parallel size.
+        param_dtype: the parameters' dtype (FSDP2's mixed precision computes in bf16 either way).
+    """
+
+    fp8: bool = True
+    recipe: str = "tensorwise"
+    emulate: bool = False
+    fp8_all_gather: bool | None = None
+    grouped: GroupedGemmConfig = field(default_factory=GroupedGemmConfig)
+    activation_checkpointing: bool = False
+    compile: bool = False
+    sequence_parallel: bool = False
+    ep: int = 1
+    param_dtype: torch.dtype = torch.bfloat16
+
+
+@dataclass
+class Prepared(Parallelized):
+    """What :func:`prepare_model` did, plus the conversion options the precision schedule reuses."""
+
+    conversion: ConversionOptions = field(default_factory=ConversionOptions)
+
+
+def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareOptions, mesh=None,
+                  *, hf_cfg=None) -> Prepared:
+    """Make ``model`` a training model in place (the order of the module docstring).
+
+    Args:
+        model: an HF causal LM, fully materialised on this rank's device (the same weights on every rank).
+        decisions: the FP8/BF16 decision of every site (decided on the unsharded model).
+        options: :class:`PrepareOptions`.
+        mesh: the 3-D ``("dp_replicate", "dp_shard", "tp")`` DeviceMesh of a torchrun launch
+            (``fp8kit.parallel.mesh.init_distributed``), or None for one process.
+        hf_cfg: the model's HF config (for the TP divisibility check).
+
+    Returns:
+        :class:`Prepared`: the applied steps (e.g. ``["tp", "fp8", "ac", "fsdp2", "compile"]``), whether
+        FSDP2 all-gathers FP8 weights, loud notes, and the conversion options.
+
+    Raises:
+        ConfigError: a model the TP or EP plan does not fit.
+        Fp8kitError: a decision names a module this model lacks.
+    """
+    tp = mesh["tp"].size() if mesh is not None else 1
+    dp_shard = mesh["dp_shard"].size() if mesh is not None else 1
+    dp_replicate = mesh["dp_replicate"].size() if mesh is not None else 1
+    fsdp = dp_shard > 1 or dp_replicate > 1
+    conversion = ConversionOptions(
+        emulate=options.emulate,
+        fsdp_float8_all_gather=fp8_all_gather_choice(options.fp8_all_gather, options.recipe, fsdp),
+        grouped=options.grouped,
+    )
+    done = Prepared(conversion=conversion)
+
+    # 1. Tensor parallel first: it changes the shapes the later steps see (per-rank weight shards), and
+    #    the FP8 TP styles must own the linear's input/output hooks before FSDP2 wraps the block.
+    if tp > 1:
+        if hf_cfg is not None:
+            check_tp(hf_cfg, tp)
+        apply_tp(model, mesh["tp"], decisions, conversion if options.fp8 else None,
+                 sequence_parallel=options.sequence_parallel)
+        done.steps.append("tp+sp" if options.sequence_parallel else "tp")
+
+    # 2. Expert parallel before FP8: the experts modules become fp8kit's grouped experts holding only this
+    #    rank's E / ep experts (DTensor Shard(0) over "ep"), so the FP8 conversion below and the grouped
+    #    FP8 GEMMs see the local experts; FSDP2 later leaves these weights alone (ignored_params).
+    expert_params: set[nn.Parameter] = set()
+    if options.ep > 1:
+        expert_params = apply_ep(model, mesh, options.ep, decisions, options.grouped)
+        done.steps.append(f"ep{options.ep}")
+
+    # 3. FP8 conversion of the remaining linears and experts, after TP (it sees the TP-sharded modules)
+    #    and before AC (AC must recompute through the FP8 modules) and FSDP2 (FP8 all-gather needs
+    #    torchao's weight wrapper in place when fully_shard takes the parameters).
+    if options.fp8:
+        apply_fp8(model, decisions, conversion)
+        done.steps.append("fp8")
+        done.fp8_all_gather = conversion.fsdp_float8_all_gather
+        if options.fp8_all_gather and not fsdp:
+            done.notes.append("fp8.enable_fsdp_float8_all_gather = true has no effect: no FSDP2 (dp_shard = 1)")
+
+    # 4. Activation checkpointing per block, inside FSDP2's unit, so that the recomputation in backward
+    #    runs on the already all-gathered parameters of that block.
+    if options.activation_checkpointing:
+        apply_ac(model)
+        done.steps.append("ac")
+
+    # 5. FSDP2 last among the module transformations: it takes the final parameters (TP DTensors, FP8
+    #    weight wrappers) and shards them over the data-parallel ranks.
+    if fsdp:
+        apply_fsdp(model, _dp_mesh(mesh), param_dtype=options.param_dtype, ignored_params=expert_params)
+        done.steps.append("fsdp2" if dp_replicate == 1 else "hsdp")
+
+    # 6. Compile each block last: it traces the final modules (FSDP2's hooks are skipped by dynamo and
+    #    run eagerly around the compiled block).
+    if options.compile:
+        from fp8kit.models.build import transformer_blocks
+
+        for block in transformer_blocks(model):
+            block.compile()
+        done.steps.append("compile")
+    return done
+
+
+def _dp_mesh(mesh):
+    from fp8kit.parallel.mesh import dp_mesh
+
+    return dp_mesh(mesh)

@@ -1,0 +1,148 @@
+"""bench-layers measures the run config's recipe and [distributed] sizes unless a flag overrides them (CPU).
+
+Every run is the tiny preset with one layer, one sweep point of 64 tokens and one timed iteration: the
+tests check what is measured (the recipe of the timed Float8Linear modules, the per-rank shapes, the
+policy key), not how fast.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fp8kit.bench.layers import (
+    BenchLayersArgs,
+    build_site_module,
+    float8_linear_scaling,
+    run_bench_layers,
+)
+from fp8kit.bench.sites import layer_sites
+from fp8kit.cli.main import main
+from fp8kit.config import ModelConfig
+from fp8kit.fp8.recipes import RECIPE_NAMES
+
+TINY = ["--set", "model.num_layers=1", "--set", "data.vocab_size=1024"]
+FAST = ["--device", "cpu", "--shape-sweep", "64x1", "--warmup", "0", "--iters", "1"]
+CPU = torch.device("cpu")
+# torchao Float8LinearConfig per recipe: (input, grad_output, input_for_grad_weight) casts
+EXPECTED_CASTS = {
+    "tensorwise": ("tensorwise", "tensorwise", "tensorwise"),
+    "rowwise": ("axiswise", "axiswise", "axiswise"),
+    "rowwise_with_gw_hp": ("axiswise", "axiswise", "high precision"),
+}
+
+
+def _config(tmp_path, text: str):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return path
+
+
+def _bench(capsys, tmp_path, argv) -> tuple[dict, str]:
+    report = tmp_path / "report.json"
+    code = main(["bench-layers", *argv, *TINY, *FAST, "--report", str(report)])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return json.loads(report.read_text()), out.out
+
+
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_site_module_is_built_from_the_recipe(recipe):
+    """The FP8 site module's Float8Linear casts are the recipe's (torchao Float8LinearConfig.from_recipe_name)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    sites, _ = layer_sites(ModelConfig(num_layers=1), 1024)
+    qkv = next(s for s in sites if s.name == "qkv")
+    module = build_site_module(qkv, "fp8", recipe, CPU)
+    assert len(module.linears) == 3 and all(isinstance(lin, Float8Linear) for lin in module.linears), module
+    cfg = module.linears[0].config
+    got = (cfg.cast_config_input.scaling_granularity.value, cfg.cast_config_grad_output.scaling_granularity.value,
+           "high precision" if cfg.cast_config_input_for_grad_weight.scaling_type.value == "disabled"
+           else cfg.cast_config_input_for_grad_weight.scaling_granularity.value)
+    assert got == EXPECTED_CASTS[recipe], f"{recipe}: casts {got}"
+    scaling = float8_linear_scaling(module)
+    assert (scaling["input"], scaling["grad_output"], scaling["input_for_grad_weight"]) == EXPECTED_CASTS[recipe]
+    assert float8_linear_scaling(build_site_module(qkv, "bf16", recipe, CPU)) is None
+    # the module runs forward + backward in its recipe (gradients reach the input)
+    x = torch.randn(32, 256, dtype=torch.bfloat16, requires_grad=True)
+    torch.autograd.backward(module(x), [torch.ones(32, n, dtype=torch.bfloat16) for _, n in qkv.gemms])
+    assert x.grad is not None and torch.isfinite(x.grad.float()).all()
+
+
+def test_run_bench_layers_times_the_recipe_it_is_given():
+    """The report's fp8_linear_scaling is read back from the Float8Linear modules that were timed."""
+    args = BenchLayersArgs(model=ModelConfig(num_layers=1), vocab_size=1024, recipe="rowwise",
+                           sources={"recipe": "test"}, precisions=("fp8",), warmup=0, iters=1,
+                           shape_sweep=[(64, 1)], device="cpu")
+    rep = run_bench_layers(args)
+    assert rep["recipe"] == "rowwise" and rep["sources"]["recipe"] == "test", rep["sources"]
+    assert rep["fp8_linear_scaling"]["input"] == "axiswise", rep["fp8_linear_scaling"]
+    assert {m["site"] for m in rep["measurements"]} == {"qkv", "proj", "fc1", "fc2"}
+
+
+def test_config_recipe_is_measured_without_recipe_flag(capsys, tmp_path):
+    cfg = _config(tmp_path, '[fp8]\nrecipe = "rowwise"\n')
+    rep, out = _bench(capsys, tmp_path, [str(cfg), "--precisions", "fp8"])
+    assert rep["recipe"] == "rowwise", rep["recipe"]
+    assert rep["sources"] == {"recipe": f"config file {cfg}", "tp": "default", "ep": "default",
+                              "etp": "default"}, rep["sources"]
+    assert rep["fp8_linear_scaling"]["input"] == "axiswise", rep["fp8_linear_scaling"]
+    assert rep["fp8_linear_scaling"]["weight"] == "axiswise", rep["fp8_linear_scaling"]
+    assert len(rep["measurements"]) == 4 and all(m["ms"] > 0 for m in rep["measurements"])
+    assert f"recipe rowwise (config file {cfg})" in " ".join(out.split()), out
+
+
+def test_recipe_flag_overrides_the_config(capsys, tmp_path):
+    cfg = _config(tmp_path, '[fp8]\nrecipe = "rowwise"\n')
+    rep, out = _bench(capsys, tmp_path, [str(cfg), "--recipe", "tensorwise", "--precisions", "fp8"])
+    assert rep["recipe"] == "tensorwise" and rep["sources"]["recipe"] == "--recipe", rep["sources"]
+    assert rep["fp8_linear_scaling"]["input"] == "tensorwise", rep["fp8_linear_scaling"]
+    assert "recipe tensorwise (--recipe)" in " ".join(out.split()), out
+
+
+def test_recipe_sources_set_variable_default(capsys, tmp_path, monkeypatch):
+    cfg = _config(tmp_path, '[fp8]\nrecipe = "rowwise"\n')
+    rep, _ = _bench(capsys, tmp_path, [str(cfg), "--set", "fp8.recipe=rowwise_with_gw_hp", "--precisions", "bf16"])
+    assert rep["recipe"] == "rowwise_with_gw_hp", rep["recipe"]
+    assert rep["sources"]["recipe"] == "--set fp8.recipe=rowwise_with_gw_hp", rep["sources"]
+    assert rep["fp8_linear_scaling"] is None  # no FP8 module timed
+    rep, _ = _bench(capsys, tmp_path, ["--precisions", "bf16"])
+    assert rep["recipe"] == "tensorwise" and rep["sources"]["recipe"] == "default", rep["sources"]
+    monkeypatch.setenv("TE_LAYER_PERF_FP8_RECIPE", "rowwise")  # the variable counts as the flag
+    rep, _ = _bench(capsys, tmp_path, ["--precisions", "bf16"])
+    assert rep["recipe"] == "rowwise" and rep["sources"]["recipe"] == "$TE_LAYER_PERF_FP8_RECIPE", rep["sources"]
+
+
+def test_config_tp_is_the_policy_key(capsys, tmp_path):
+    """[distributed] tp = 2 without --tp: the per-rank shapes of TP 2 are timed and the policy rules say tp=2."""
+    cfg = _config(tmp_path, "[distributed]\ntp = 2\n")
+    policy = tmp_path / "policy.json"
+    rep, out = _bench(capsys, tmp_path, [str(cfg), "--simulate-tp", "--policy", str(policy),
+                                         "--speedup-threshold", "0.001"])
+    assert rep["tp"] == 2 and rep["simulated_tp"] is True and rep["sources"]["tp"] == f"config file {cfg}", rep
+    qkv = next(s for s in rep["sites"] if s["name"] == "qkv")
+    assert qkv["gemms"] == [[256, 128], [256, 64], [256, 64]], qkv  # column-parallel: N / 2
+    assert {m["tp"] for m in rep["measurements"]} == {2}
+    p = json.loads(policy.read_text())
+    assert {r["tp"] for r in p["rules"]["layernorm_column"]["qkv"]} == {2}, p["rules"]
+    assert f"tp 2 (config file {cfg}; simulated on one device)" in " ".join(out.split()), out
+    # --tp wins over the config
+    rep, _ = _bench(capsys, tmp_path, [str(cfg), "--simulate-tp", "--tp", "1", "--precisions", "bf16"])
+    assert rep["tp"] == 1 and rep["sources"]["tp"] == "--tp", rep["sources"]
+
+
+def test_config_ep_splits_the_experts(capsys, tmp_path):
+    cfg = _config(tmp_path, '[model]\npreset = "tiny-moe"\n[distributed]\nep = 2\n')
+    rep, _ = _bench(capsys, tmp_path, [str(cfg), "--precisions", "bf16"])
+    assert rep["ep"] == 2 and rep["sources"]["ep"] == f"config file {cfg}", rep["sources"]
+    grouped = [s for s in rep["sites"] if s["num_gemms"] is not None]
+    assert grouped and all(s["num_gemms"] == 4 for s in grouped), grouped  # 8 experts / ep 2
+
+
+def test_config_tp_without_processes_names_its_source(capsys, tmp_path):
+    cfg = _config(tmp_path, "[distributed]\ntp = 2\n")
+    code = main(["bench-layers", str(cfg), *TINY, *FAST])
+    err = capsys.readouterr().err
+    assert code == 2 and f"tp 2 (config file {cfg}) times the real tensor-parallel layer" in err, err
