@@ -31,7 +31,7 @@ def _fails(capsys, argv, expected: str):
         (["train.mixed_precison=fp8"], "did you mean 'train.mixed_precision'?"),
         (["train.steps=1.5"], "train.steps=1.5: expected an integer, got '1.5'"),
         (["model.preset=llama9"], "--set model.preset=llama9: unknown value 'llama9'"),
-        (["fp8.recipe=blockwise"], "unknown value 'blockwise' (did you mean 'rowwise'?); choose one of tensorwise, rowwise, rowwise_with_gw_hp"),
+        (["fp8.recipe=rowwize"], "unknown value 'rowwize' (did you mean 'rowwise'?); choose one of tensorwise, rowwise, rowwise_with_gw_hp, blockwise, delayed"),
         (["data.paths=/nonexistent/corpus/*.txt"], "data.paths[0] '/nonexistent/corpus/*.txt' matches no file"),
         (["data.paths=/nonexistent/file.txt"], "data.paths[0] '/nonexistent/file.txt' does not exist"),
         (["train.device=cuda"], "train.device = 'cuda', but CUDA is not available"),
@@ -70,6 +70,20 @@ def test_unwritable_output_directory(capsys, tmp_path):
     blocker.write_text("x")
     _fails(capsys, ["train", "--out", str(blocker / "run")], "cannot be written")
     _fails(capsys, ["train", "--out", str(blocker)], "is a file, not a directory")
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_output_directory_the_file_system_refuses(capsys):
+    """/proc passes permission checks for root but refuses mkdir: one line before setup, no traceback."""
+    _fails(capsys, ["train", "--out", "/proc/fp8kit-run", "--set", "train.steps=1"],
+           "--out '/proc/fp8kit-run' cannot be written")
+
+
+def test_export_without_checkpoints_names_export(capsys, tmp_path):
+    line = _fails(capsys, ["export", str(tmp_path), str(tmp_path / "hf")],
+                  f"export {str(tmp_path)!r}: no checkpoint found")
+    assert "--resume" not in line, line
+    assert not (tmp_path / "hf").exists()
 
 
 def test_config_file_errors(capsys, tmp_path):

@@ -21,7 +21,7 @@ from fp8kit.bench.layers import (
 from fp8kit.bench.sites import layer_sites
 from fp8kit.cli.main import main
 from fp8kit.config import ModelConfig
-from fp8kit.fp8.recipes import RECIPE_NAMES
+from fp8kit.fp8.recipes import RECIPE_NAMES, RECIPES
 
 TINY = ["--set", "model.num_layers=1", "--set", "data.vocab_size=1024"]
 FAST = ["--device", "cpu", "--shape-sweep", "64x1", "--warmup", "0", "--iters", "1"]
@@ -48,7 +48,7 @@ def _bench(capsys, tmp_path, argv) -> tuple[dict, str]:
     return json.loads(report.read_text()), out.out
 
 
-@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+@pytest.mark.parametrize("recipe", [r for r in RECIPE_NAMES if RECIPES[r].engine == "torchao"])
 def test_site_module_is_built_from_the_recipe(recipe):
     """The FP8 site module's Float8Linear casts are the recipe's (torchao Float8LinearConfig.from_recipe_name)."""
     from torchao.float8.float8_linear import Float8Linear
@@ -66,6 +66,20 @@ def test_site_module_is_built_from_the_recipe(recipe):
     assert (scaling["input"], scaling["grad_output"], scaling["input_for_grad_weight"]) == EXPECTED_CASTS[recipe]
     assert float8_linear_scaling(build_site_module(qkv, "bf16", recipe, CPU)) is None
     # the module runs forward + backward in its recipe (gradients reach the input)
+    x = torch.randn(32, 256, dtype=torch.bfloat16, requires_grad=True)
+    torch.autograd.backward(module(x), [torch.ones(32, n, dtype=torch.bfloat16) for _, n in qkv.gemms])
+    assert x.grad is not None and torch.isfinite(x.grad.float()).all()
+
+
+def test_blockwise_site_module_is_fp8kits_blockwise_linear():
+    """recipe blockwise builds fp8kit's Float8BlockwiseLinear (1x128 / 128x128) and runs fwd + bwd."""
+    from fp8kit.fp8.linear import Float8BlockwiseLinear
+
+    sites, _ = layer_sites(ModelConfig(num_layers=1), 1024)
+    qkv = next(s for s in sites if s.name == "qkv")
+    module = build_site_module(qkv, "fp8", "blockwise", CPU)
+    assert all(isinstance(lin, Float8BlockwiseLinear) for lin in module.linears), module
+    assert float8_linear_scaling(module)["weight"] == "128x128"
     x = torch.randn(32, 256, dtype=torch.bfloat16, requires_grad=True)
     torch.autograd.backward(module(x), [torch.ones(32, n, dtype=torch.bfloat16) for _, n in qkv.gemms])
     assert x.grad is not None and torch.isfinite(x.grad.float()).all()

@@ -99,7 +99,7 @@ def test_user_tokenizer_file(tmp_path, cache_dir):
     data = prepare_data(DataConfig(paths=[str(tmp_path / "doc.txt")], seq_length=32, vocab_size=1024,
                                    tokenizer=str(path), cache_dir=str(tmp_path / "c")), micro_batch_size=2, seed=0)
     assert data.tokenizer == f"tokenizer file {path}"
-    with pytest.raises(DataError, match="the tokenizer has 1024 tokens, more than data.vocab_size = 512"):
+    with pytest.raises(DataError, match="tokenizer.json' has 1024 tokens, more than data.vocab_size = 512"):
         prepare_data(DataConfig(paths=[str(tmp_path / "doc.txt")], vocab_size=512, tokenizer=str(path),
                                 cache_dir=str(tmp_path / "c")), micro_batch_size=2, seed=0)
     with pytest.raises(DataError, match="does not exist"):

@@ -193,9 +193,10 @@ def test_export_from_dcp_checkpoint_loads_in_transformers(dist_runs, tmp_path, o
     from fp8kit.config import load_config as load
     from fp8kit.models.build import build_model
     from fp8kit.train import checkpoint as ckpt
+    from fp8kit.train.export import export_checkpoint
 
     run = dist_runs / "fsdp_fp8"
-    out = ckpt.export_checkpoint(run, tmp_path / "export")
+    out = export_checkpoint(run, tmp_path / "export")
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     hf = AutoModelForCausalLM.from_pretrained(out)
     assert all(p.dtype == torch.bfloat16 for p in hf.parameters())

@@ -106,7 +106,7 @@ def test_seed_environment_variables(capsys, tmp_path, monkeypatch):
     "argv, expected",
     [
         (["--tp", "2"], "--tp 2 times the real tensor-parallel layer and needs torchrun --nproc_per_node 2"),
-        (["--recipe", "blockwise"], "--recipe: unknown recipe 'blockwise'"),
+        (["--recipe", "blockwize"], "--recipe: unknown recipe 'blockwize'"),
         (["--precisions", "fp16"], "unknown precision 'fp16'"),
         (["--shape-sweep", "4096by2"], "--shape-sweep: '4096by2' is not SEQxMBS"),
         (["--tp", "3", "--simulate-tp"], "is not divisible by the parallel size 3"),

@@ -46,7 +46,8 @@ from fp8kit.base.torchao_lib import torchao_float8
 from fp8kit.bench.sites import BenchSite, layer_sites
 from fp8kit.bench.timing import time_ms
 from fp8kit.config import ModelConfig
-from fp8kit.fp8.recipes import RECIPE_NAMES, float8_linear_config
+from fp8kit.fp8.linear import Float8BlockwiseLinear
+from fp8kit.fp8.recipes import RECIPE_NAMES, float8_linear_config, recipe_info
 from fp8kit.moe.grouped_mm import GroupedGemmConfig, bf16_grouped_mm, fp8_grouped_mm, resolve_grouped_kernel
 
 PRECISIONS = ("bf16", "fp8")
@@ -148,19 +149,29 @@ def build_site_module(
     site: BenchSite, precision: str, recipe: str, device: torch.device, mesh=None
 ) -> SiteModule:
     """The bf16 :class:`SiteModule` of ``site``; for ``precision == "fp8"`` its linears become torchao
-    ``Float8Linear`` modules with ``float8_linear_config(recipe)`` (``fp8/recipes.py``).
+    ``Float8Linear`` modules with ``float8_linear_config(recipe)`` (``fp8/recipes.py``), or fp8kit's
+    ``Float8BlockwiseLinear`` for the ``blockwise`` recipe.
 
     Without ``mesh`` the linears have the per-rank shapes ``site.gemms``; with a 1-D ``("tp",)`` mesh they
     have the whole shapes ``site.full_gemms`` and are parallelized in place (``bench/tensor_parallel.py``).
     Weights: ``nn.Linear`` initialisation with ``torch.manual_seed(0)``, bf16.
 
     Raises:
-        ConfigError: ``recipe`` is not a recipe name (FP8 only).
+        ConfigError: ``recipe`` is not a recipe name (FP8 only), a blockwise site whose K or N is not a
+            multiple of 128, or a blockwise site under real tensor parallel.
     """
     torch.manual_seed(0)
     with torch.device(device):
         module = SiteModule(site.full_gemms if mesh is not None else site.gemms).to(torch.bfloat16)
-    if precision == "fp8":
+    if precision == "fp8" and recipe_info(recipe, "--recipe").engine == "fp8kit":
+        if mesh is not None:
+            raise ConfigError(f"bench-layers: recipe {recipe!r} has no tensor-parallel styles yet; use --simulate-tp")
+        for i, lin in enumerate(module.linears):
+            try:
+                module.linears[i] = Float8BlockwiseLinear.from_linear(lin, name=f"{site.name} gemm {i}")
+            except ValueError as e:
+                raise ConfigError(f"bench-layers: {e}") from None
+    elif precision == "fp8":
         torchao_float8().convert_to_float8_training(module, config=float8_linear_config(recipe))
     if mesh is not None:
         from fp8kit.bench.tensor_parallel import parallelize_site
@@ -172,7 +183,8 @@ def build_site_module(
 def float8_linear_scaling(module: nn.Module) -> dict[str, str] | None:
     """How the torchao ``Float8Linear`` modules inside ``module`` scale each cast, read from their configs.
 
-    Returns ``None`` without a ``Float8Linear``; otherwise ``{cast: granularity}`` for torchao's six casts
+    Returns ``{"recipe": "blockwise", ...}`` for fp8kit's ``Float8BlockwiseLinear``, ``None`` without an FP8
+    linear; otherwise ``{cast: granularity}`` for torchao's six casts
     (``input``, ``weight``, ``grad_output`` and the ``*_for_grad_*`` casts of dgrad / wgrad), each
     ``"tensorwise"``, ``"axiswise"`` (torchao's name for rowwise) or ``"high precision"`` (cast disabled,
     e.g. wgrad of ``rowwise_with_gw_hp``), plus ``round_scales_to_power_of_2`` (``"true"``/``"false"``).
@@ -182,6 +194,9 @@ def float8_linear_scaling(module: nn.Module) -> dict[str, str] | None:
     """
     float8 = torchao_float8()
     found: dict[str, str] | None = None
+    if any(isinstance(m, Float8BlockwiseLinear) for m in module.modules()):
+        return {"recipe": "blockwise", "input": "1x128", "weight": "128x128", "grad_output": "1x128",
+                "input_for_grad_weight": "128x1", "grad_output_for_grad_weight": "128x1"}
     for name, m in module.named_modules():
         if not isinstance(m, float8.Float8Linear):
             continue

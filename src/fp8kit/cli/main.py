@@ -1,7 +1,9 @@
 """The ``fp8kit`` command line.
 
 Every user error is one line on stderr (``error: ...``) and exit status 2, with nothing written; a
-diverged training run exits with status 1 after writing its metrics and summary.
+diverged training run exits with status 1 after writing its metrics and summary; a training run stopped
+by SIGTERM / SIGINT / SIGUSR1 (preemption, ``fp8kit.train.preempt``) exits with 128 + the signal number
+after its checkpoint, metrics and summary.
 """
 
 from __future__ import annotations
@@ -31,7 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a decoder-only LLM (default: tiny preset on the stdlib corpus, fp8)")
     _add_config_args(p, config_required=False)
     p.add_argument("--out", help="run directory (default: runs/<time>-<preset>-<precision>)")
-    p.add_argument("--resume", help="continue from a run directory (its latest checkpoint) or a checkpoint directory")
+    p.add_argument(
+        "--resume",
+        help="continue from a run directory (its latest checkpoint) or a checkpoint directory; 'auto': continue "
+        "from --out's latest complete checkpoint if it has one, else start there (torchrun --max-restarts, "
+        "SLURM requeue); default: train.resume",
+    )
 
     p = sub.add_parser("compare", help="run a config in bf16 and in fp8 and plot both loss curves")
     _add_config_args(p, config_required=True)
@@ -41,10 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_parsers(sub)
 
-    p = sub.add_parser("export", help="write a checkpoint (any layout) as plain BF16 safetensors in the HF layout")
+    p = sub.add_parser("export", help="write a checkpoint (any layout) as a Hugging Face model directory (bf16)")
     p.add_argument("checkpoint", help="a run directory (its latest checkpoint) or a checkpoint directory")
-    p.add_argument("out_dir", help="output directory: model.safetensors + config.json (from_pretrained loads it)")
+    p.add_argument("out_dir", help="output directory: safetensors, config.json, tokenizer files, generation "
+                   "config (AutoModelForCausalLM / AutoTokenizer.from_pretrained load it)")
     p.add_argument("--config", help="the run config (default: the run's resolved_config.toml)")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="largest safetensors file; larger models are sharded with an index (default 5GB)")
 
     p = sub.add_parser("config-docs", help="print the config reference (Markdown) generated from the dataclasses")
     p.add_argument("--output", help="write to this file instead of stdout")
@@ -55,7 +65,7 @@ def _load(args) -> object:
     from fp8kit.config import load_config
 
     config = args.config
-    if config is None and getattr(args, "resume", None):
+    if config is None and getattr(args, "resume", None) and args.resume != "auto":
         # Continuing a run: its own resolved config, unless another one is given.
         from fp8kit.train.checkpoint import find_checkpoint
 
@@ -83,15 +93,21 @@ def _run(args) -> int:
         from fp8kit.train.trainer import train
 
         try:
-            train(_load(args), args.out, resume=args.resume)
+            result = train(_load(args), args.out, resume=args.resume)
         finally:
             _end_process_group()
-        return 0
+        return 128 + result.interrupted if result.interrupted else 0  # stopped by a signal: as the shell reports it
     if args.command == "export":
-        from fp8kit.train.checkpoint import export_checkpoint
+        from fp8kit.train.export import export_checkpoint, exported_files
 
-        out = export_checkpoint(Path(args.checkpoint), Path(args.out_dir), config=args.config)
-        print(f"exported {args.checkpoint} -> {out} (bf16 safetensors, HF layout)")
+        out = export_checkpoint(Path(args.checkpoint), Path(args.out_dir), config=args.config,
+                                max_shard_size=args.max_shard_size)
+        f = exported_files(out)
+        weights = f"{len(f['weights'])} shards + index" if f["sharded"] else "model.safetensors"
+        extras = ", tokenizer" if f["tokenizer"] else ", no tokenizer (pre-tokenized data)"
+        extras += ", generation_config.json" if f["generation_config"] else ""
+        print(f"exported {args.checkpoint} -> {out} (bf16 safetensors, {weights}, config.json{extras}); "
+              f"AutoModelForCausalLM / AutoTokenizer.from_pretrained load it")
         return 0
     if args.command == "compare":
         from fp8kit.base.errors import ConfigError

@@ -29,6 +29,7 @@ from fp8kit.config.messages import (
     unknown_section_message,
     unwrap_optional,
 )
+from fp8kit.config.pretrained import resolve_pretrained
 from fp8kit.config.schema import RunConfig, SelectiveConfig, section_class, section_names
 
 #: ``[selective]`` keys that are still accepted under ``[fp8]`` (where they were before the split).
@@ -213,11 +214,15 @@ def build_config(
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Load a config file (or the defaults when ``path`` is None) and apply ``--set`` overrides.
 
+    With ``model.pretrained`` set, ``data.vocab_size`` and ``data.tokenizer`` come from that directory
+    (:func:`fp8kit.config.pretrained.resolve_pretrained`).
+
     Raises:
-        ConfigError: see :func:`read_config_file` and :func:`build_config`.
+        ConfigError: see :func:`read_config_file`, :func:`build_config` and ``resolve_pretrained``.
     """
     data = read_config_file(path) if path is not None else {}
-    return build_config(data, overrides, source=str(path) if path is not None else "defaults")
+    # model.pretrained fixes data.vocab_size and data.tokenizer (fp8kit.config.pretrained)
+    return resolve_pretrained(build_config(data, overrides, source=str(path) if path is not None else "defaults"))
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:

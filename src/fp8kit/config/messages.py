@@ -70,8 +70,10 @@ def unwrap_optional(tp: Any) -> tuple[Any, bool]:
 
 
 def choices_of(tp: Any) -> tuple[str, ...] | None:
-    """The allowed values of a ``Literal[...]`` field type, else None."""
+    """The allowed values of a ``Literal[...]`` (or ``list[Literal[...]]``) field type, else None."""
     base, _ = unwrap_optional(tp)
+    if typing.get_origin(base) is list and typing.get_args(base):
+        base = typing.get_args(base)[0]
     return tuple(typing.get_args(base)) if typing.get_origin(base) is Literal else None
 
 

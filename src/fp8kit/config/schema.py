@@ -13,166 +13,26 @@ pydantic's ``ValidationError``::
     cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": 10})})
 """
 
-import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     PrivateAttr,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
 from fp8kit.base.errors import ConfigError
-from fp8kit.config.messages import FieldProblem, ModelConfigError, error_line
+from fp8kit.config.messages import FieldProblem
+from fp8kit.config.section_base import ConfigModel
+from fp8kit.config.sections_run import DataConfig, ModelConfig, TrainConfig
 from fp8kit.fp8.recipes import RECIPE_NAMES
-from fp8kit.models.presets import PRESET_NAMES
 from fp8kit.selective.patterns import compile_patterns
 
 Recipe = Literal[RECIPE_NAMES]  # the one list of recipes: fp8kit.fp8.recipes
-Preset = Literal[PRESET_NAMES]
 PositiveInt = Annotated[int, Field(gt=0)]
 
-
-class ConfigModel(BaseModel):
-    """Base of every config model: strict types, no unknown keys, one-line :class:`ConfigError`."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, allow_inf_nan=False)
-    section: ClassVar[str | None] = None
-
-    def __init__(self, **data: Any) -> None:
-        try:
-            super().__init__(**data)
-        except ValidationError as e:
-            raise self._error(e, data) from None
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        try:
-            super().__setattr__(name, value)
-        except ValidationError as e:
-            raise self._error(e, {name: value}) from None
-
-    @classmethod
-    def _error(cls, e: ValidationError, data: dict[str, Any]) -> ModelConfigError:
-        root = (cls.section,) if cls.section else ()
-        line = error_line(e, cls, data, default_where=cls.__name__, root=root, run_model=RunConfig)
-        return ModelConfigError(line, e, cls, data, root)
-
-
-class ModelConfig(ConfigModel):
-    """``[model]``: which architecture to build (random initialisation, never downloaded)."""
-
-    section: ClassVar[str] = "model"
-    preset: Preset = Field(
-        "tiny",
-        description="Named preset with real shapes: tiny (about 5M parameters, trains on a CPU in minutes), "
-        "llama-125m, llama3-1b, llama3-8b, qwen2.5-72b; MoE: tiny-moe (CPU, minutes), qwen3-30b-a3b, "
-        "deepseek-v3. Ignored when hf_config is set.",
-    )
-    num_layers: int | None = Field(
-        None, ge=1, description="Override the number of transformer layers (so that large presets fit one GPU)."
-    )
-    hf_config: str | None = Field(
-        None,
-        description="Path to a Hugging Face config.json of any causal LM; replaces the preset. Its vocab_size "
-        "is replaced by data.vocab_size.",
-    )
-    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel of the HF model.")
-
-
-class DataConfig(ConfigModel):
-    """``[data]``: corpus, tokenizer and sequence packing."""
-
-    section: ClassVar[str] = "data"
-    paths: list[str] = Field(
-        default_factory=list,
-        description="Text files or globs (.txt, .py, .md, ...), .jsonl files (one JSON object a line, text in "
-        "text_field) or pre-tokenized .bin files (token_dtype). Empty: the Python standard library's own "
-        "source files of the running interpreter (about 12 MB of real text).",
-    )
-    seq_length: int = Field(256, ge=2, description="Tokens per packed training sequence.")
-    vocab_size: int = Field(
-        4096,
-        description="Vocabulary size: of the byte-level BPE trained on the corpus, and of the model's "
-        "embedding and output layers; at least 260 (256 byte tokens plus specials). For .bin files: must "
-        "exceed the largest token id.",
-    )
-    tokenizer: str | None = Field(
-        None,
-        description="Path to a tokenizer.json to use instead of training one (its size must be <= vocab_size).",
-    )
-    text_field: str = Field("text", description="Field holding the text in .jsonl files.")
-    token_dtype: Literal["uint16", "uint32"] = Field("uint16", description="Element type of .bin token files.")
-    val_fraction: float = Field(
-        0.02, gt=0, le=0.5,
-        description="Fraction of packed sequences held out for validation (every k-th sequence).",
-    )
-    cache_dir: str | None = Field(
-        None,
-        description="Where trained tokenizers and tokenized corpora are cached. Default: $XDG_CACHE_HOME/fp8kit "
-        "or ~/.cache/fp8kit.",
-    )
-
-    @field_validator("vocab_size")
-    @classmethod
-    def _vocab_holds_bytes(cls, v: int) -> int:
-        if v < 260:
-            raise ValueError(f"must be >= 260 (256 byte tokens plus specials), got {v}")
-        return v
-
-
-class TrainConfig(ConfigModel):
-    """``[train]``: the training loop."""
-
-    section: ClassVar[str] = "train"
-    steps: int = Field(100, gt=0, description="Optimizer steps to train.")
-    micro_batch_size: int = Field(4, gt=0, description="Sequences per micro-batch (per forward/backward).")
-    grad_accum: int = Field(1, gt=0, description="Micro-batches accumulated per optimizer step.")
-    lr: float = Field(2e-3, gt=0, description="Peak learning rate (AdamW).")
-    min_lr_ratio: float = Field(
-        0.1, ge=0, le=1, description="Final learning rate of the cosine decay, as a fraction of lr."
-    )
-    warmup_steps: int = Field(10, ge=0, description="Steps of linear learning-rate warmup before the cosine decay.")
-    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay of AdamW, on weight matrices only.")
-    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
-    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
-    grad_clip: float = Field(
-        1.0, ge=0, description="Clip the global gradient norm to this value (0 disables clipping)."
-    )
-    mixed_precision: Literal["bf16", "fp8"] = Field(
-        "fp8",
-        description="bf16: bf16 weights and matmuls. fp8: bf16 master weights, FP8 matmuls (E4M3 forward, E5M2 "
-        "gradients) in the layers the [fp8] rules select.",
-    )
-    param_dtype: Literal["bf16", "fp32"] = Field(
-        "bf16",
-        description="dtype of the model's parameters. bf16: bf16 weights updated in place (with optim.name = "
-        "adamw its states are bf16 too). fp32: FP32 master weights, gradients and AdamW states, the forward in "
-        "bf16 through torch.autocast (standard mixed precision, 16 bytes/param of training state).",
-    )
-    compile: bool = Field(False, description="torch.compile each transformer block (as torchtitan does).")
-    activation_checkpointing: bool = Field(
-        False, description="Recompute each transformer block in backward instead of keeping its activations."
-    )
-    seed: int = Field(0, ge=0, description="Seed of initialisation and data order.")
-    eval_every: int = Field(
-        50, ge=0, description="Evaluate on the validation split every N steps (0: only at the end)."
-    )
-    eval_batches: int = Field(8, gt=0, description="Micro-batches of the validation split per evaluation.")
-    checkpoint_every: int = Field(50, ge=0, description="Save a checkpoint every N steps (0: none on the way).")
-    final_checkpoint: bool = Field(True, description="Save a checkpoint after the last step.")
-    log_every: int = Field(10, gt=0, description="Print a metrics line every N steps.")
-    device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda or cuda:N.")
-
-    @field_validator("device")
-    @classmethod
-    def _known_device(cls, v: str) -> str:
-        if not re.fullmatch(r"auto|cpu|cuda|cuda:\d+", v):
-            raise ValueError(f"unknown device {v!r}; use auto, cpu, cuda or cuda:N")
-        return v
+__all__ = ["ConfigModel", "DataConfig", "ModelConfig", "TrainConfig"]
 
 
 class FP8Config(ConfigModel):
@@ -180,7 +40,11 @@ class FP8Config(ConfigModel):
 
     section: ClassVar[str] = "fp8"
     recipe: Recipe = Field(
-        "tensorwise", description="Scaling recipe of torchao's Float8Linear (see fp8kit.fp8.recipes)."
+        "tensorwise",
+        description="FP8 scaling recipe (the table in fp8kit.fp8.recipes): tensorwise, rowwise, rowwise_with_gw_hp "
+        "(torchao Float8Linear; E4M3 forward, E5M2 gradients) or blockwise (fp8kit's own: 1x128 activation "
+        "and gradient blocks, 128x128 weight blocks, E4M3 throughout, DeepSeek-V3; layers whose dims are "
+        "not multiples of 128 stay BF16).",
     )
     include: list[str] = Field(
         default_factory=list,
@@ -207,6 +71,24 @@ class FP8Config(ConfigModel):
         "instead of BF16 weights (half the bytes; torchao). Unset: on for the tensorwise recipe, off for the "
         "rowwise ones (torchao supports it for tensorwise only). Combined with tensor parallel it falls back "
         "to BF16 all-gather with a warning (see docs/distributed.md).",
+    )
+    amax_history_len: int = Field(
+        16, ge=1, description="recipe = delayed: steps of amax history per operand (Transformer Engine's "
+        "DelayedScaling; 16 as LLaMA-Factory sets it).",
+    )
+    amax_compute_algo: Literal["max", "most_recent"] = Field(
+        "max", description="recipe = delayed: the amax a scale is computed from: the max over the history, or "
+        "the most recent step's.",
+    )
+    margin: int = Field(
+        0, ge=0, description="recipe = delayed: scales are divided by 2 ** margin (headroom against growth).",
+    )
+    stats_every: int = Field(
+        0, ge=0,
+        description="Every N steps record, per FP8 linear layer and operand (input, weight, output gradient), "
+        "amax, scale, and the fractions of values that underflow to zero or saturate in FP8, in the metrics "
+        "(fp8_health) and as the worst five layers in summary.md (fp8kit.train.health). 0: off (no hooks). "
+        "One process only.",
     )
 
     @field_validator("include", "exclude")
@@ -378,6 +260,13 @@ class RunConfig(ConfigModel):
                 "fp8.bf16_cooldown_steps" if f8.bf16_cooldown_steps else "fp8.bf16_warmup_steps",
                 f"bf16_warmup_steps ({f8.bf16_warmup_steps}) + bf16_cooldown_steps ({f8.bf16_cooldown_steps}) "
                 f"exceed train.steps ({steps})",
+            )
+        if self.train.async_checkpoint and self.optim.name == "fp8_adamw":
+            raise FieldProblem(
+                "train.async_checkpoint",
+                "async checkpoints save the optimizer through torch.distributed.checkpoint's get_state_dict, which "
+                "does not hold FP8AdamW's flat FP8 states; set train.async_checkpoint = false with optim.name = "
+                "\"fp8_adamw\"",
             )
         return self
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from fp8kit.base.errors import DataError
+from fp8kit.data.tables import RECORD_SUFFIXES, read_records, read_text
 
 _GLOB_CHARS = set("*?[")
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -29,7 +29,8 @@ class Corpus:
 
     Attributes:
         description: for logs and run metadata.
-        names: one name per document or token file (relative path, or ``file:line`` for jsonl).
+        names: one name per document or token file (relative path; ``file:line`` / ``file[i]`` /
+            ``file:row i`` for .jsonl / .json / .parquet records, see :mod:`fp8kit.data.tables`).
         texts: the documents' text (empty for token files).
         token_files: paths of ``.bin`` token files.
         fingerprint: sha256 over names and contents (of texts) or over paths and sizes (token files).
@@ -76,27 +77,34 @@ def _expand(entry: str, index: int) -> list[Path]:
     return [p]
 
 
+def expand_paths(paths: list[str]) -> list[Path]:
+    """The files named by ``data.paths`` (globs expanded and sorted, directories walked), in order.
+
+    Raises:
+        DataError: an entry matches no file, is an empty directory, or does not exist.
+    """
+    return [f for i, entry in enumerate(paths) for f in _expand(entry, i)]
+
+
 def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8", errors="replace")
-    except OSError as e:
-        raise DataError(f"data file {str(path)!r} cannot be read: {e}") from None
+    return read_text(path)
 
 
-def _read_jsonl(path: Path, text_field: str) -> list[tuple[str, str]]:
+def _read_text_records(path: Path, text_field: str) -> list[tuple[str, str]]:
+    """``(name, text)`` of every record of a ``.jsonl`` / ``.json`` / ``.parquet`` file (``text_field``)."""
+
+    def pick(columns: list[str]) -> list[str]:
+        if text_field not in columns:
+            raise DataError(f"{path}: no column {text_field!r} (columns: {', '.join(columns)}; set data.text_field)")
+        return [text_field]
+
     docs = []
-    for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or text_field not in obj:
-            raise DataError(f"{path}:{lineno}: no field {text_field!r} (set data.text_field)")
+    for where, obj in read_records(path, pick):
+        if text_field not in obj:
+            raise DataError(f"{where}: no field {text_field!r} (set data.text_field)")
         if not isinstance(obj[text_field], str):
-            raise DataError(f"{path}:{lineno}: field {text_field!r} is not a string")
-        docs.append((f"{path}:{lineno}", obj[text_field]))
+            raise DataError(f"{where}: field {text_field!r} is not a string")
+        docs.append((where, obj[text_field]))
     return docs
 
 
@@ -104,8 +112,9 @@ def load_corpus(paths: list[str], text_field: str = "text") -> Corpus:
     """Read the corpus named by ``data.paths`` (see the module docstring for the default).
 
     Raises:
-        DataError: a path or glob matches nothing, a file is empty or unreadable, a jsonl line is
-            invalid, ``.bin`` token files are mixed with text, or the whole corpus is empty.
+        DataError: a path or glob matches nothing, a file is empty or unreadable, a JSON line is
+            invalid, a record or parquet file lacks ``text_field``, ``.bin`` token files are mixed with
+            text, or the whole corpus is empty.
     """
     h = hashlib.sha256()
     if not paths:
@@ -120,9 +129,7 @@ def load_corpus(paths: list[str], text_field: str = "text") -> Corpus:
             corpus.texts.append(text)
         return _finish(corpus, h)
 
-    files: list[Path] = []
-    for i, entry in enumerate(paths):
-        files.extend(_expand(entry, i))
+    files = expand_paths(paths)
     bins = [f for f in files if f.suffix == ".bin"]
     if bins and len(bins) != len(files):
         raise DataError("data.paths mixes pre-tokenized .bin files with text files; use one kind per run")
@@ -135,8 +142,8 @@ def load_corpus(paths: list[str], text_field: str = "text") -> Corpus:
                       fingerprint=h.hexdigest())
     corpus = Corpus(f"{len(files)} file(s) from data.paths")
     for f in files:
-        if f.suffix == ".jsonl":
-            docs = _read_jsonl(f, text_field)
+        if f.suffix in RECORD_SUFFIXES:
+            docs = _read_text_records(f, text_field)
             if not docs:
                 raise DataError(f"data file {str(f)!r} holds no documents")
             for name, text in docs:

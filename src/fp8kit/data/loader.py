@@ -32,6 +32,13 @@ class LoaderState:
         return {"epoch": self.epoch, "cursor": self.cursor}
 
 
+def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The training order of epoch ``epoch``: a permutation of ``range(n)`` (``torch.randperm`` with its own
+    generator seeded from ``seed`` and ``epoch``; the same on every machine and rank)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=g).numpy()
+
+
 class PackedData:
     """Packed windows of one token stream with a train/validation split.
 
@@ -73,8 +80,7 @@ class PackedData:
     # -- training order ---------------------------------------------------------------------------
     def _permutation(self, epoch: int) -> np.ndarray:
         if self._perm_epoch != epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm = torch.randperm(len(self.train_windows), generator=g).numpy()
+            self._perm = epoch_permutation(self.seed, epoch, len(self.train_windows))
             self._perm_epoch = epoch
         return self._perm
 

@@ -1,5 +1,8 @@
 """Corpus -> tokenizer -> token stream (cached) -> :class:`PackedData`: everything ``train`` needs.
 
+``data.format = "chat"`` (fine-tuning on chat / instruction records) goes through
+:mod:`fp8kit.data.prepare_chat` instead and gives a :class:`fp8kit.data.sft.SFTData`.
+
 Tokenized corpora are cached as ``.npy`` files (uint16 when the vocabulary fits, else uint32) keyed
 by the corpus fingerprint and the tokenizer's own serialisation, so a second run starts at once.
 """
@@ -16,6 +19,7 @@ import numpy as np
 from fp8kit.base.errors import DataError
 from fp8kit.data.corpus import load_corpus, read_token_files
 from fp8kit.data.loader import PackedData
+from fp8kit.data.sft import SFTData
 from fp8kit.data.tokenizer import atomic_write_bytes, load_or_train_tokenizer, resolve_cache_dir
 
 if TYPE_CHECKING:  # the [data] section of the run config (a type only: config sits above this layer)
@@ -33,14 +37,18 @@ class PreparedData:
         corpus_fingerprint: sha256 of the corpus (names + contents).
         tokenizer: description of the tokenizer (or of the token files).
         tokenizer_obj: the ``tokenizers.Tokenizer`` (None for pre-tokenized data).
+        chat: ``data.format = "chat"`` only: the counts of :class:`fp8kit.data.chat.ChatStats` (records,
+            skipped without an assistant turn, truncated, supervised tokens, ...), ``pack``, ``fill`` and the
+            chat template; ``packed`` is then a :class:`fp8kit.data.sft.SFTData`.
     """
 
-    packed: PackedData
+    packed: PackedData | SFTData
     num_tokens: int
     corpus: str
     corpus_fingerprint: str
     tokenizer: str
     tokenizer_obj: object | None = None
+    chat: dict | None = None
 
 
 def tokenize(texts: list[str], tokenizer, eos_id: int | None, vocab_size: int) -> np.ndarray:
@@ -64,8 +72,13 @@ def prepare_data(cfg: DataConfig, *, micro_batch_size: int, seed: int, status=No
         status: optional callable ``status(message)`` for progress messages.
 
     Raises:
-        DataError: see :func:`fp8kit.data.corpus.load_corpus`, the tokenizer and :class:`PackedData`.
+        DataError: see :func:`fp8kit.data.corpus.load_corpus`, the tokenizer and :class:`PackedData` (and
+            :func:`fp8kit.data.prepare_chat.prepare_chat_data` for ``data.format = "chat"``).
     """
+    if cfg.format == "chat":  # fine-tuning records: fp8kit.data.prepare_chat
+        from fp8kit.data.prepare_chat import prepare_chat_data
+
+        return prepare_chat_data(cfg, micro_batch_size=micro_batch_size, seed=seed, status=status)
     say = status or (lambda _msg: None)
     corpus = load_corpus(cfg.paths, cfg.text_field)
     cache_dir = resolve_cache_dir(cfg.cache_dir)

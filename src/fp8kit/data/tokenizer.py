@@ -1,4 +1,5 @@
-"""The tokenizer: a byte-level BPE trained locally with HF ``tokenizers`` (cached), or a user's file.
+"""The tokenizer: a byte-level BPE trained locally with HF ``tokenizers`` (cached), or a user's file or
+Hugging Face model directory (``model.pretrained``'s tokenizer).
 
 Byte-level BPE (the GPT-2 / Llama-3 family's scheme) needs no unknown token: every byte is in the
 initial alphabet, so any text round-trips. One special token, ``<|endoftext|>``, separates documents.
@@ -52,13 +53,45 @@ def train_bpe(texts: list[str], vocab_size: int):
     return tok
 
 
+def load_tokenizer_file(tokenizer_path: str | Path):
+    """``(tokenizers.Tokenizer, path read)`` from a ``tokenizer.json`` file or a Hugging Face model / tokenizer
+    directory (its ``tokenizer.json``; without one, transformers' ``AutoTokenizer`` converts the slow
+    tokenizer files, e.g. ``tokenizer.model``, to a fast tokenizer when it can).
+
+    Raises:
+        DataError: nothing there, or no fast tokenizer can be made of it (one line naming the path).
+    """
+    from tokenizers import Tokenizer
+
+    p = Path(tokenizer_path).expanduser()
+    if p.is_dir() and (p / "tokenizer.json").is_file():
+        p = p / "tokenizer.json"
+    if p.is_file():
+        try:
+            return Tokenizer.from_file(str(p)), p
+        except Exception as e:  # tokenizers raises a plain Exception on bad files
+            raise DataError(f"data.tokenizer {str(p)!r} is not a valid tokenizer.json: {e}") from None
+    if not p.is_dir():
+        raise DataError(f"data.tokenizer {str(p)!r} does not exist")
+    try:
+        from transformers import AutoTokenizer
+
+        fast = AutoTokenizer.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
+        return fast.backend_tokenizer, p
+    except Exception as e:  # transformers raises OSError / ValueError / ImportError for unusable dirs
+        first = " ".join(str(e).split())[:200]
+        raise DataError(
+            f"data.tokenizer {str(p)!r}: no tokenizer.json and no fast tokenizer can be built from it: {first}"
+        ) from None
+
+
 def load_or_train_tokenizer(
     texts: list[str], corpus_fingerprint: str, vocab_size: int, cache_dir: Path, tokenizer_path: str | None
 ):
     """Return ``(tokenizer, eos_id, description)``.
 
-    With ``tokenizer_path`` the file is loaded; otherwise a BPE is trained on ``texts`` (or taken from
-    the cache).
+    With ``tokenizer_path`` (a ``tokenizer.json``, or a model / tokenizer directory: :func:`load_tokenizer_file`)
+    that tokenizer is used; otherwise a BPE is trained on ``texts`` (or taken from the cache).
 
     Raises:
         DataError: the tokenizer file is missing or invalid, or its vocabulary exceeds ``vocab_size``.
@@ -66,13 +99,7 @@ def load_or_train_tokenizer(
     from tokenizers import Tokenizer
 
     if tokenizer_path:
-        p = Path(tokenizer_path)
-        if not p.is_file():
-            raise DataError(f"data.tokenizer {str(p)!r} does not exist")
-        try:
-            tok = Tokenizer.from_file(str(p))
-        except Exception as e:  # tokenizers raises a plain Exception on bad files
-            raise DataError(f"data.tokenizer {str(p)!r} is not a valid tokenizer.json: {e}") from None
+        tok, p = load_tokenizer_file(tokenizer_path)
         desc = f"tokenizer file {p}"
     else:
         key = hashlib.sha256(f"{_ALGO_VERSION}:{corpus_fingerprint}:{vocab_size}".encode()).hexdigest()[:20]
@@ -86,6 +113,11 @@ def load_or_train_tokenizer(
             desc = f"byte-level BPE trained on the corpus (saved {path})"
     size = tok.get_vocab_size()
     if size > vocab_size:
+        if tokenizer_path:
+            raise DataError(
+                f"data.tokenizer {str(p)!r} has {size} tokens, more than data.vocab_size = {vocab_size} (the "
+                f"model's vocabulary; with model.pretrained its config.json vocab_size)"
+            )
         raise DataError(
             f"the tokenizer has {size} tokens, more than data.vocab_size = {vocab_size}; raise data.vocab_size"
         )

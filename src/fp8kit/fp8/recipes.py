@@ -1,25 +1,38 @@
-"""FP8 recipes: a recipe name -> torchao ``Float8LinearConfig``.
+"""FP8 recipes: the one table of how each recipe computes, and its torchao config where torchao runs it.
 
-Numerics (torchao ``float8/config.py``, Micikevicius et al. 2022, arXiv:2209.05433):
+Formats (OCP FP8; Micikevicius et al. 2022, arXiv:2209.05433): E4M3 (max 448, 3 mantissa bits) for the
+forward operands, E5M2 (max 57344, 2 mantissa bits: more range) for gradients: the HYBRID format. Every
+scale is ``scale = fp8_max / max(amax, eps)`` (``fp8.scaling.scale_from_amax``), computed from the tensor
+being cast ("dynamic" / current scaling), at the recipe's granularity. The three GEMMs of a linear
+``y = x @ w.T`` are fprop (``y``), dgrad (``dx = dy @ w``) and wgrad (``dw = dy.T @ x``).
 
-- Inputs and weights are cast to E4M3 (max 448: more mantissa for the forward values), the output
-  gradient to E5M2 (max 57344: more range for gradients). This is the HYBRID format.
-- Scaling is dynamic ("current"): ``scale = fp8_max / max(amax, eps)`` computed from the tensor being
-  cast, at the granularity the recipe names:
+=====================  ===========  ================================================  ==============
+recipe                 runs on      granularity (fprop / dgrad / wgrad)               K, N multiple of
+=====================  ===========  ================================================  ==============
+tensorwise             torchao      one scale per tensor; E4M3 x, w; E5M2 dy          16
+rowwise                torchao      per row of each operand (token / channel),        16
+                                    power-of-two scales; E4M3 x, w; E5M2 dy
+rowwise_with_gw_hp     torchao      rowwise fprop / dgrad, wgrad in bf16              16
+blockwise              fp8kit       x, dy per 1x128 block along the reduction dim     128
+                                    (per 128x1 block along tokens for wgrad), w per
+                                    128x128 block (one copy serves fprop and dgrad);
+                                    E4M3 for every operand (DeepSeek-V3,
+                                    arXiv:2412.19437 section 3.3); ``fp8.linear``
+delayed                fp8kit       one scale per tensor from an amax history of      16
+                                    earlier steps (Transformer Engine DelayedScaling,
+                                    HYBRID); E4M3 x, w; E5M2 dy; ``fp8.delayed``
+=====================  ===========  ================================================  ==============
 
-  ``tensorwise``          one scale per tensor for all three GEMMs (output / fprop, grad_input /
-                          dgrad, grad_weight / wgrad). Fastest; torchao's default.
-  ``rowwise``             one scale per row of each operand (per token for activations, per output
-                          channel for weights), scales rounded to powers of two. More accurate with
-                          outliers, slower (extra transposed casts).
-  ``rowwise_with_gw_hp``  rowwise for output and grad_input, but grad_weight stays in high precision
-                          (bf16): the most accurate of the three.
+torchao's recipes: ``torchao.float8.Float8LinearConfig.from_recipe_name``; FSDP2 FP8 all-gather only for
+tensorwise. fp8kit's blockwise: ``fp8kit.fp8.linear.Float8BlockwiseLinear`` (numerics in
+``fp8kit.fp8.blockwise``; GEMMs through cuBLAS blockwise ``scaled_mm`` on Hopper, emulated in fp32 on CPU).
 
-Importing this module does not import torchao; only :func:`float8_linear_config` does.
+Importing this module imports neither torchao nor Triton; only :func:`float8_linear_config` imports torchao.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fp8kit.base.errors import ConfigError
@@ -27,27 +40,71 @@ from fp8kit.base.errors import ConfigError
 if TYPE_CHECKING:  # pragma: no cover
     from torchao.float8 import Float8LinearConfig
 
-RECIPE_NAMES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+@dataclass(frozen=True)
+class Recipe:
+    """One row of the recipe table (module docstring).
+
+    Attributes:
+        name: the ``fp8.recipe`` value.
+        engine: ``"torchao"`` (torchao ``Float8Linear``) or ``"fp8kit"`` (fp8kit's own FP8 linear).
+        dims_multiple: in_features and out_features must be multiples of this (else the site stays BF16).
+        fsdp_fp8_all_gather: FSDP2 can all-gather FP8 weights with this recipe.
+        tensor_parallel: the recipe runs under tensor parallel (DTensor styles exist for its module).
+    """
+
+    name: str
+    engine: str
+    dims_multiple: int
+    fsdp_fp8_all_gather: bool
+    tensor_parallel: bool
+
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        Recipe("tensorwise", "torchao", 16, True, True),
+        Recipe("rowwise", "torchao", 16, False, True),
+        Recipe("rowwise_with_gw_hp", "torchao", 16, False, True),
+        Recipe("blockwise", "fp8kit", 128, False, False),
+        Recipe("delayed", "fp8kit", 16, False, False),
+    )
+}
+RECIPE_NAMES: tuple[str, ...] = tuple(RECIPES)
+
+
+def recipe_info(recipe: str, where: str = "fp8.recipe") -> Recipe:
+    """The table row of ``recipe``.
+
+    Raises:
+        ConfigError: the recipe is unknown (naming ``where`` and the valid names).
+    """
+    try:
+        return RECIPES[recipe]
+    except KeyError:
+        raise ConfigError(f"{where}: unknown recipe {recipe!r}; choose one of {', '.join(RECIPE_NAMES)}") from None
 
 
 def float8_linear_config(
     recipe: str, *, emulate: bool = False, enable_fsdp_float8_all_gather: bool = False
 ) -> Float8LinearConfig:
-    """Build the torchao ``Float8LinearConfig`` for a recipe name.
+    """Build the torchao ``Float8LinearConfig`` of a torchao recipe.
 
     Args:
-        recipe: one of :data:`RECIPE_NAMES`.
+        recipe: a recipe of :data:`RECIPES` whose engine is torchao.
         emulate: run the FP8 matmul as an emulation in high precision (for GPUs without FP8
             tensor cores; numerically FP8, no speed-up).
         enable_fsdp_float8_all_gather: let FSDP2 all-gather FP8 weights plus scales (tensorwise only,
             as in torchao).
 
     Raises:
-        ConfigError: the recipe is unknown, or FP8 all-gather is asked for a rowwise recipe.
+        ConfigError: the recipe is unknown or not a torchao recipe, or FP8 all-gather is asked for a recipe
+            that cannot all-gather FP8.
     """
-    if recipe not in RECIPE_NAMES:
-        raise ConfigError(f"fp8.recipe: unknown recipe {recipe!r}; choose one of {', '.join(RECIPE_NAMES)}")
-    if enable_fsdp_float8_all_gather and recipe != "tensorwise":
+    info = recipe_info(recipe)
+    if info.engine != "torchao":
+        raise ConfigError(f"fp8.recipe = {recipe!r} runs on fp8kit's own FP8 linear, not torchao's Float8Linear")
+    if enable_fsdp_float8_all_gather and not info.fsdp_fp8_all_gather:
         raise ConfigError(
             f"fp8.enable_fsdp_float8_all_gather is only supported by torchao for the tensorwise recipe, not {recipe!r}"
         )

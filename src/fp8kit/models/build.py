@@ -1,4 +1,7 @@
-"""Build an HF transformers causal LM from a preset or a user's config.json, randomly initialised.
+"""Build an HF transformers causal LM from a preset, a user's config.json or a pretrained directory's config.
+
+``build_model`` initialises randomly; the weights of ``model.pretrained`` are loaded by
+``fp8kit.models.pretrained``.
 
 Models are built directly on the target device (``meta`` for planning: shapes only, no memory) with
 the run's seed, so initialisation is reproducible. Nothing is downloaded.
@@ -22,6 +25,11 @@ if TYPE_CHECKING:  # the [model] section of the run config (a type only: config 
 
 def _config_kwargs(model_cfg: ModelConfig) -> tuple[dict[str, Any], str]:
     """(kwargs including model_type, where they came from)."""
+    if getattr(model_cfg, "pretrained", None):
+        from fp8kit.models.pretrained import CONFIG_FILE, inspect_pretrained
+
+        pd = inspect_pretrained(model_cfg.pretrained)
+        return dict(pd.config), f"{pd.where} ({CONFIG_FILE})"
     if model_cfg.hf_config:
         p = Path(model_cfg.hf_config)
         if p.is_dir():

@@ -4,7 +4,8 @@
 torchao's own ``convert_to_float8_training`` with a filter that admits exactly those FQNs; the
 ``Float8LinearConfig`` is built from each decision's own ``recipe``, so the decision is the one source of
 truth for how a layer computes), and the MoE experts modules with a 3-D weight decided ``fp8`` for
-``fp8kit.moe``'s ``Float8GroupedExperts``. :func:`restore_bf16` swaps both back. All swaps keep the very
+``fp8kit.moe``'s ``Float8GroupedExperts``; recipes that fp8kit runs itself (``blockwise``) swap the
+linear for ``fp8kit.fp8.linear.Float8BlockwiseLinear``. :func:`restore_bf16` swaps all of them back. All swaps keep the very
 same ``Parameter`` objects, so optimizer state (keyed by parameter) survives every switch, and
 ``state_dict`` keys do not change.
 
@@ -22,7 +23,9 @@ from torch import nn
 
 from fp8kit.base.errors import Fp8kitError
 from fp8kit.base.torchao_lib import torchao_float8
-from fp8kit.fp8.recipes import float8_linear_config
+from fp8kit.fp8.delayed import DelayedScalingState, Float8DelayedLinear
+from fp8kit.fp8.linear import Float8BlockwiseLinear
+from fp8kit.fp8.recipes import float8_linear_config, recipe_info
 from fp8kit.moe import experts as moe_experts
 from fp8kit.moe.grouped_mm import GroupedGemmConfig
 from fp8kit.selective.decide import Decision
@@ -40,11 +43,18 @@ class ConversionOptions:
             numerics, no speed-up).
         fsdp_float8_all_gather: FSDP2 all-gathers FP8 weights plus scales (tensorwise only, torchao).
         grouped: how FP8 MoE experts compute (grouped-GEMM kernel choice, emulation).
+        delayed: the amax histories of the ``delayed`` recipe's modules (kept across precision switches and
+            saved with checkpoints); None: created on first use with the default settings.
     """
 
     emulate: bool = False
     fsdp_float8_all_gather: bool = False
     grouped: GroupedGemmConfig = field(default_factory=GroupedGemmConfig)
+    delayed: DelayedScalingState = field(default_factory=DelayedScalingState)
+
+
+#: fp8kit's own FP8 linear modules (recipes whose engine is fp8kit).
+FP8_LINEARS = (Float8BlockwiseLinear, Float8DelayedLinear)
 
 
 def plain_fqn(fqn: str) -> str:
@@ -97,18 +107,38 @@ def apply_fp8(model: nn.Module, decisions: list[Decision], options: ConversionOp
         real = modules.get(d.fqn)
         if real is None or not isinstance(real[1], nn.Linear):
             raise Fp8kitError(f"FP8 decision for {d.fqn!r}, which is not an nn.Linear of this model")
-        if isinstance(real[1], float8.Float8Linear):
+        if isinstance(real[1], (*FP8_LINEARS, float8.Float8Linear)):
             continue
         if not d.recipe:
             raise Fp8kitError(f"FP8 decision for {d.fqn!r} carries no recipe")
         by_recipe.setdefault(d.recipe, set()).add(real[0])
     for recipe, todo in by_recipe.items():
+        if recipe_info(recipe).engine == "fp8kit":
+            count += _swap_own(model, todo, recipe, options)
+            continue
         config = float8_linear_config(
             recipe, emulate=options.emulate, enable_fsdp_float8_all_gather=options.fsdp_float8_all_gather
         )
         float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda _m, fqn, t=todo: fqn in t)
         count += len(todo)
     return count
+
+
+def _swap_own(model: nn.Module, todo: set[str], recipe: str, options: ConversionOptions) -> int:
+    """``nn.Linear`` -> fp8kit's FP8 linear of ``recipe`` (same Parameters) at the real FQNs ``todo``."""
+    for real in sorted(todo):
+        parent_name, _, child = real.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        linear = getattr(parent, child)
+        try:
+            if recipe == "delayed":
+                new = Float8DelayedLinear.from_linear(linear, options.delayed, plain_fqn(real))
+            else:
+                new = Float8BlockwiseLinear.from_linear(linear, emulate=options.emulate, name=plain_fqn(real))
+        except ValueError as e:
+            raise Fp8kitError(str(e)) from None
+        setattr(parent, child, new)
+    return len(todo)
 
 
 def _apply_grouped(model: nn.Module, decisions: list[Decision], options: ConversionOptions,
@@ -126,25 +156,35 @@ def _apply_grouped(model: nn.Module, decisions: list[Decision], options: Convers
     return count
 
 
-def restore_bf16(model: nn.Module) -> int:
-    """Swap every FP8 module back to its BF16 form sharing the same parameters; returns the count."""
+def restore_bf16(model: nn.Module, fqns: set[str] | None = None) -> int:
+    """Swap every FP8 module back to its BF16 form sharing the same parameters; returns the count.
+
+    With ``fqns`` (plain FQNs): only the FP8 linear modules named there (MoE experts stay as they are);
+    the divergence guard (``fp8kit.train.guard``) moves single layers to BF16 this way.
+    """
     float8 = torchao_float8()
-    count = moe_experts.swap_out(model)
+    count = moe_experts.swap_out(model) if fqns is None else 0
     for fqn, module in list(model.named_modules()):
-        if not isinstance(module, float8.Float8Linear):
+        if fqns is not None and plain_fqn(fqn) not in fqns:
+            continue
+        if isinstance(module, FP8_LINEARS):
+            plain = module.to_linear()
+        elif isinstance(module, float8.Float8Linear):
+            plain = nn.Linear(module.in_features, module.out_features, bias=False, device="meta")
+            plain.weight = module.weight
+            plain.bias = module.bias
+        else:
             continue
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        plain = nn.Linear(module.in_features, module.out_features, bias=False, device="meta")
-        plain.weight = module.weight
-        plain.bias = module.bias
         setattr(parent, child, plain)
         count += 1
     return count
 
 
 def count_fp8_modules(model: nn.Module) -> int:
-    """Number of ``Float8Linear`` and FP8 grouped-experts modules in ``model``."""
+    """Number of FP8 linear (torchao ``Float8Linear``, ``Float8BlockwiseLinear``) and FP8 grouped-experts
+    modules in ``model``."""
     float8 = torchao_float8()
-    return sum(isinstance(m, float8.Float8Linear)
+    return sum(isinstance(m, (*FP8_LINEARS, float8.Float8Linear))
                or (isinstance(m, moe_experts.Float8GroupedExperts) and bool(m.fp8_weights)) for m in model.modules())

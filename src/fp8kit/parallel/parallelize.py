@@ -74,7 +74,8 @@ def fp8_all_gather_choice(fp8_all_gather: bool | None, recipe: str, fsdp: bool) 
 
     Combined with tensor parallel this works with torchao 0.18 (tp 2 x dp_shard 2: torch 2.13 on 4 gloo
     ranks, tests/test_distributed.py; torch 2.11 on 4 x H200 with NCCL, docs/benchmarks.md section 5): the
-    ``aten.is_pinned`` failure on DTensor reported by seed 001 does not occur.
+    ``aten.is_pinned`` failure on DTensor reported for TP + FP8 all-gather in torchtitan-style trainers does not
+    occur.
     """
     want = (recipe == "tensorwise") if fp8_all_gather is None else fp8_all_gather
     return bool(want and fsdp)

@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from fp8kit.base.errors import ConfigError
+from fp8kit.fp8.delayed import DelayedScaling, DelayedScalingState
+from fp8kit.fp8.recipes import recipe_info
 from fp8kit.moe.grouped_mm import GroupedGemmConfig
 from fp8kit.parallel.convert import ConversionOptions, apply_fp8
 from fp8kit.parallel.parallelize import (
@@ -49,6 +52,7 @@ class PrepareOptions:
         emulate: emulate FP8 matmuls (GPUs without FP8 tensor cores).
         fp8_all_gather: ``fp8.enable_fsdp_float8_all_gather`` (None: on for tensorwise under FSDP2).
         grouped: how FP8 MoE experts compute.
+        delayed: the ``delayed`` recipe's amax-history settings.
         activation_checkpointing: recompute each block in backward.
         compile: ``torch.compile`` each block.
         sequence_parallel: with tp > 1, split norms and the residual stream over tokens.
@@ -61,6 +65,7 @@ class PrepareOptions:
     emulate: bool = False
     fp8_all_gather: bool | None = None
     grouped: GroupedGemmConfig = field(default_factory=GroupedGemmConfig)
+    delayed: DelayedScaling = field(default_factory=DelayedScaling)
     activation_checkpointing: bool = False
     compile: bool = False
     sequence_parallel: bool = False
@@ -103,6 +108,7 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
         emulate=options.emulate,
         fsdp_float8_all_gather=fp8_all_gather_choice(options.fp8_all_gather, options.recipe, fsdp),
         grouped=options.grouped,
+        delayed=DelayedScalingState(options.delayed),
     )
     done = Prepared(conversion=conversion)
 
@@ -111,6 +117,11 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     if tp > 1:
         if hf_cfg is not None:
             check_tp(hf_cfg, tp)
+        if options.fp8 and not recipe_info(options.recipe).tensor_parallel:
+            raise ConfigError(
+                f"fp8.recipe = {options.recipe!r} with distributed.tp = {tp}: this recipe has no tensor-parallel "
+                f"styles yet; use distributed.tp = 1 (FSDP2) or fp8.recipe = \"tensorwise\" / \"rowwise\""
+            )
         apply_tp(model, mesh["tp"], decisions, conversion if options.fp8 else None,
                  sequence_parallel=options.sequence_parallel)
         done.steps.append("tp+sp" if options.sequence_parallel else "tp")
@@ -142,6 +153,9 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     # 5. FSDP2 last among the module transformations: it takes the final parameters (TP DTensors, FP8
     #    weight wrappers) and shards them over the data-parallel ranks.
     if fsdp:
+        from fp8kit.parallel.mesh import dp_group
+
+        conversion.delayed.group = dp_group(mesh)  # one delayed scale per tensor across the dp ranks
         apply_fsdp(model, _dp_mesh(mesh), param_dtype=options.param_dtype, ignored_params=expert_params)
         done.steps.append("fsdp2" if dp_replicate == 1 else "hsdp")
 

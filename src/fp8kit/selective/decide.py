@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fp8kit.fp8.recipes import recipe_info
 from fp8kit.moe.expert_parallel import check_ep_divides_experts
 from fp8kit.selective.policy import Policy
 from fp8kit.selective.rules import StaticRules
@@ -117,7 +118,8 @@ def decide(sites: list[Site], options: DecideOptions) -> list[Decision]:
     Raises:
         ConfigError: an invalid pattern, or ``ep`` that does not divide a site's experts.
     """
-    rules = StaticRules.from_lists(list(options.include), list(options.exclude))
+    rules = StaticRules.from_lists(list(options.include), list(options.exclude),
+                                   recipe_info(options.recipe).dims_multiple)
     out: list[Decision] = []
     for site in sites:
         recipe = GROUPED_RECIPE if site.is_grouped_weight else options.recipe

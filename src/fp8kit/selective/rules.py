@@ -13,7 +13,8 @@ flags), in this order, the first that applies giving the reason:
    experts built as one ``nn.Linear`` per expert stay BF16, with the reason;
 5. the weight must be 2-D;
 6. in_features and out_features must be divisible by 16 (``torch._scaled_mm`` and
-   ``torch._scaled_grouped_mm`` need it);
+   ``torch._scaled_grouped_mm`` need it), or by the recipe's block (128 for ``blockwise``:
+   ``fp8.recipes.RECIPES[...].dims_multiple``);
 7. ``fp8.exclude`` patterns; 8. ``fp8.include`` patterns (when any are given).
 
 Patterns match whole dotted name parts (``selective/patterns.py``). A site that passes every rule is an FP8
@@ -43,10 +44,12 @@ class StaticRules:
 
     include: tuple[FqnPattern, ...] = ()
     exclude: tuple[FqnPattern, ...] = ()
+    dims_multiple: int = 16  # of linear layers: the recipe's (grouped expert weights: always 16)
 
     @classmethod
-    def from_lists(cls, include: list[str], exclude: list[str]) -> StaticRules:
-        return cls(tuple(compile_patterns(include, "fp8.include")), tuple(compile_patterns(exclude, "fp8.exclude")))
+    def from_lists(cls, include: list[str], exclude: list[str], dims_multiple: int = 16) -> StaticRules:
+        return cls(tuple(compile_patterns(include, "fp8.include")), tuple(compile_patterns(exclude, "fp8.exclude")),
+                   dims_multiple)
 
     def check(self, site: Site) -> StaticVerdict:
         """Apply the rules of the module docstring, in order, to one site."""
@@ -67,6 +70,12 @@ class StaticRules:
             return StaticVerdict(
                 False, "dims%16", f"in_features={k}, out_features={n}: not both divisible by 16"
             )
+        m = self.dims_multiple
+        if not site.is_grouped_weight and m != 16 and (k % m or n % m):
+            return StaticVerdict(
+                False, f"dims%{m}", f"in_features={k}, out_features={n}: not both divisible by {m} "
+                f"(the recipe's {m}-element blocks)"
+            )
         hit = first_match(list(self.exclude), site.fqn)
         if hit is not None:
             return StaticVerdict(False, "exclude", f"matches fp8.exclude {hit.text!r}")
@@ -77,4 +86,4 @@ class StaticRules:
             return StaticVerdict(True, "include", f"matches fp8.include {hit.text!r}")
         if site.is_grouped_weight:
             return StaticVerdict(True, "grouped", "MoE expert weights with dims divisible by 16: FP8 grouped GEMM")
-        return StaticVerdict(True, "linear", "linear layer with dims divisible by 16")
+        return StaticVerdict(True, "linear", f"linear layer with dims divisible by {self.dims_multiple}")

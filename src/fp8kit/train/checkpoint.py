@@ -14,8 +14,12 @@ and of a distributed run (FSDP2 / TP; ``train_state.pt`` has ``"format": "dcp"``
     train_state.pt      LR scheduler, data position, rank 0's RNG states, step, phase, parameter shapes,
                         and the layout it was saved from (``"layout"``)
 
-A checkpoint is written into a temporary directory and renamed into place, so a crash never leaves a
-half-written checkpoint. ``train_state.pt`` is loaded with ``torch.load(weights_only=True)``: it holds
+A checkpoint is written into a temporary directory (``checkpoints/.step_000100.tmp``) and renamed into
+place once every file is written (:func:`replace_dir`): the rename is the completeness marker, so a crash
+(``kill -9``, a lost node) during a write leaves the previous checkpoints the latest complete ones
+(:func:`latest_checkpoint`). Asynchronous checkpoints (``train.async_checkpoint``,
+:mod:`fp8kit.train.async_checkpoint`) use the DCP layout in one process too, and are renamed after the
+background write. ``train_state.pt`` is loaded with ``torch.load(weights_only=True)``: it holds
 only tensors, numbers, strings and containers, and no pickled objects are ever constructed.
 """
 
@@ -49,6 +53,39 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
+def is_complete(ckpt: Path) -> bool:
+    """True for a checkpoint directory holding ``train_state.pt`` and its weights (safetensors or DCP)."""
+    ckpt = Path(ckpt)
+    return (ckpt / STATE_FILE).is_file() and ((ckpt / MODEL_FILE).is_file() or is_dcp(ckpt))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The complete checkpoint of ``run_dir`` with the most steps (``checkpoints/step_N``), or None.
+
+    Temporary directories of writes that did not finish (``checkpoints/.step_N.tmp``) never count.
+    """
+    ckdir = Path(run_dir) / "checkpoints"
+    if not ckdir.is_dir():
+        return None
+    steps = [p for p in ckdir.glob("step_*") if p.name[5:].isdigit() and is_complete(p)]
+    return max(steps, key=lambda p: int(p.name[5:]), default=None)
+
+
+def replace_dir(tmp: Path, directory: Path) -> None:
+    """Put the fully written ``tmp`` in place of ``directory`` with renames only (atomic on POSIX).
+
+    An existing ``directory`` (the same step saved again after a resume) is first renamed aside and
+    removed after, so a crash at any point leaves either the old or the new checkpoint complete.
+    """
+    old = directory.with_name(f".{directory.name}.old")
+    if old.exists():
+        shutil.rmtree(old)
+    if directory.exists():
+        os.replace(directory, old)
+    os.replace(tmp, directory)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def rng_state(device: torch.device) -> dict:
     state = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -75,26 +112,29 @@ def save_checkpoint(directory: Path, model: nn.Module, state: dict) -> Path:
     tmp.mkdir(parents=True)
     save_model_weights(model, tmp / MODEL_FILE)
     torch.save({**state, "param_shapes": param_shapes(model)}, tmp / STATE_FILE)
-    if directory.exists():
-        shutil.rmtree(directory)
-    os.replace(tmp, directory)
+    replace_dir(tmp, directory)
     return directory
 
 
-def find_checkpoint(path: Path) -> Path:
-    """A checkpoint directory from a run directory (its latest checkpoint) or a checkpoint directory.
+def find_checkpoint(path: Path, *, what: str = "--resume") -> Path:
+    """A checkpoint directory from a run directory (its latest complete checkpoint) or a checkpoint directory.
+
+    Args:
+        path: a run directory or a checkpoint directory.
+        what: the flag or command the path came from, for the error message (``--resume``, ``export``).
 
     Raises:
-        CheckpointError: no checkpoint there.
+        CheckpointError: no complete checkpoint there.
     """
     path = Path(path)
-    if (path / STATE_FILE).is_file() and ((path / MODEL_FILE).is_file() or is_dcp(path)):
+    if is_complete(path):
         return path
-    ckdir = path / "checkpoints"
-    candidates = sorted(p for p in ckdir.glob("step_*") if (p / STATE_FILE).is_file()) if ckdir.is_dir() else []
-    if not candidates:
-        raise CheckpointError(f"--resume {str(path)!r}: no checkpoint found (expected {ckdir}/step_*/{STATE_FILE})")
-    return candidates[-1]
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise CheckpointError(
+            f"{what} {str(path)!r}: no checkpoint found (expected {path / 'checkpoints'}/step_*/{STATE_FILE})"
+        )
+    return latest
 
 
 def load_train_state(ckpt: Path) -> dict:
@@ -193,7 +233,7 @@ def load_model_weights(ckpt: Path, model: nn.Module) -> None:
 # Distributed checkpoints (torch.distributed.checkpoint)
 
 
-def _DCP_OPTIONS():  # noqa: N802 - a constant built lazily (imports torch.distributed)
+def dcp_options():
     """DCP state-dict options: the optimizer state flattened to per-parameter keys, so that a checkpoint
     loads into an optimizer with other parameter groups (a run's groups depend on its layout: plain
     tensors, FSDP2 DTensors and expert-parallel DTensors go to separate fused-AdamW groups)."""
@@ -219,14 +259,12 @@ def save_distributed_checkpoint(directory: Path, model: nn.Module, optimizer, st
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     barrier()
-    msd, osd = get_state_dict(model, optimizer, options=_DCP_OPTIONS())
+    msd, osd = get_state_dict(model, optimizer, options=dcp_options())
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / DCP_DIR))
     shapes = {k: list(v.shape) for k, v in msd.items()}
     if is_main():
         torch.save({**state, "format": "dcp", "param_shapes": shapes}, tmp / STATE_FILE)
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
+        replace_dir(tmp, directory)
     barrier()
     return directory
 
@@ -262,9 +300,9 @@ def load_into(ckpt: Path, model: nn.Module, optimizer, state: dict, *, param_ord
                 dcp.load({"model": msd}, checkpoint_id=str(ckpt / DCP_DIR))
                 set_model_state_dict(model, msd)
                 return
-            msd, osd = get_state_dict(model, optimizer, options=_DCP_OPTIONS())
+            msd, osd = get_state_dict(model, optimizer, options=dcp_options())
             dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(ckpt / DCP_DIR))
-            set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd, options=_DCP_OPTIONS())
+            set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd, options=dcp_options())
             return
         full = load_file(str(ckpt / MODEL_FILE))
         aliases = json.loads((safe_open(str(ckpt / MODEL_FILE), framework="pt").metadata() or {}).get("fp8kit_tied", "{}"))
@@ -295,53 +333,3 @@ def _optimizer_state_by_fqn(osd: dict, param_order: list[str]) -> dict:
         "state": {name[i]: v for i, v in osd["state"].items()},
         "param_groups": [{**g, "params": [name[i] for i in g["params"]]} for g in osd["param_groups"]],
     }
-
-
-# ----------------------------------------------------------------------------------------------
-# Export
-
-
-def export_checkpoint(path: Path, out_dir: Path, *, config: str | Path | None = None) -> Path:
-    """Write a checkpoint of any format as a plain BF16 HF model: ``model.safetensors`` + ``config.json``.
-
-    The model is rebuilt from the run's ``resolved_config.toml`` (or ``config``), the weights are loaded
-    (safetensors, or DCP files of any layout, read in this one process), cast to bfloat16 and written
-    with transformers' ``save_pretrained`` (safetensors, HF key layout, tied weights once), so
-    ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it.
-
-    Args:
-        path: a run directory (its latest checkpoint) or a checkpoint directory.
-        out_dir: the output directory (created; must be empty if it exists).
-        config: the run config; default: the ``resolved_config.toml`` of the checkpoint's run.
-
-    Returns:
-        ``out_dir``.
-
-    Raises:
-        CheckpointError: no checkpoint, no config, weights that do not fit, or a non-empty ``out_dir``.
-    """
-    from fp8kit.config import load_config
-    from fp8kit.models.build import build_model
-
-    ck = find_checkpoint(Path(path))
-    cfg_path = Path(config) if config is not None else ck.parent.parent / "resolved_config.toml"
-    if not cfg_path.is_file():
-        raise CheckpointError(
-            f"export {str(path)!r}: no run config at {str(cfg_path)!r}; pass the run's config with --config"
-        )
-    out_dir = Path(out_dir)
-    if out_dir.is_file() or (out_dir.is_dir() and any(out_dir.iterdir())):
-        raise CheckpointError(f"export: the output directory {str(out_dir)!r} exists and is not empty")
-    cfg = load_config(str(cfg_path), [])
-    state = load_train_state(ck)
-    model = build_model(cfg.model, cfg.data.vocab_size, device="cpu", dtype=torch.bfloat16, seed=cfg.train.seed)
-    check_compatible(ck, model, state)
-    if is_dcp(ck):
-        load_into(ck, model, None, state)
-    else:
-        load_model_weights(ck, model)
-    model = model.to(torch.bfloat16)
-    model.config.use_cache = True  # the exported model is for inference
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out_dir))
-    return out_dir

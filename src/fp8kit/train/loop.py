@@ -8,6 +8,10 @@ One optimizer step (``grad_accum`` micro-batches)::
     optimizer.step(); scheduler.step(); zero_grad
     loss.item()                             # the one host sync of the step; time is taken after it
 
+Fine-tuning (``data.format = "chat"``): a micro-batch is an :class:`fp8kit.data.sft.SFTBatch` (labels ``-100``
+off the assistant tokens, position ids restarting per packed sample), and the step's loss is the mean over
+its assistant tokens on all ranks (:func:`_loss_scales`: token-weighted micro-batches, one all-reduce).
+
 The model arrives prepared (``fp8kit.parallel.prepare.prepare_model``, called by ``train.setup``: TP -> EP
 -> FP8 -> AC -> FSDP2 -> compile). A precision switch swaps modules inside compiled blocks through the same
 conversion functions (``fp8kit.parallel.convert``), so the compiled code is dropped
@@ -22,10 +26,12 @@ DTensor shards (``fp8kit.train.clip``), and tokens/s counts all ranks.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from rich.console import Console
@@ -42,9 +48,15 @@ from fp8kit.base.errors import Fp8kitError
 from fp8kit.parallel.convert import apply_fp8, count_fp8_modules, restore_bf16
 from fp8kit.parallel.parallelize import after_optimizer_step
 from fp8kit.train import checkpoint as ckpt
+from fp8kit.train.async_checkpoint import AsyncCheckpointer
 from fp8kit.train.clip import clip_grad_norm
 from fp8kit.train.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
+from fp8kit.train.preempt import StopSignals, agreed_stop, signal_name
 from fp8kit.train.setup import Setup, phase_at
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fp8kit.train.guard import DivergenceGuard
+    from fp8kit.train.health import FP8HealthMonitor
 
 
 class TrainingDiverged(Fp8kitError):
@@ -58,6 +70,8 @@ class LoopResult:
     checkpoints: list[str] = field(default_factory=list)
     wall_s: float = 0.0
     diverged: str | None = None
+    interrupted: int = 0  # the signal number the run stopped for after its last step (0: not stopped)
+    events: list[dict] = field(default_factory=list)  # divergence-guard events (fp8kit.train.guard)
 
 
 def set_precision(setup: Setup, phase: str) -> int:
@@ -71,13 +85,46 @@ def set_precision(setup: Setup, phase: str) -> int:
     return n
 
 
-def _loss(setup: Setup, batch: torch.Tensor) -> torch.Tensor:
-    batch = batch.to(setup.device, non_blocking=True)
-    x, y = batch[:, :-1], batch[:, 1:]
+def _loss(setup: Setup, batch) -> torch.Tensor:
+    """Mean cross-entropy of one micro-batch: pretraining windows ``[B, T + 1]`` (labels: the inputs shifted),
+    or fine-tuning rows (:class:`fp8kit.data.sft.SFTBatch`: labels given, ``-100`` not learnt, position ids
+    restarting per packed sample); the mean is over the learnt labels."""
+    if isinstance(batch, torch.Tensor):
+        batch = batch.to(setup.device, non_blocking=True)
+        x, y, extra = batch[:, :-1], batch[:, 1:], {}
+    else:
+        batch = batch.to(setup.device)
+        x, y, extra = batch.input_ids, batch.labels, batch.model_kwargs()
     # train.param_dtype = fp32: FP32 master weights, bf16 matmuls through autocast (standard AMP)
     with torch.autocast(setup.device.type, dtype=torch.bfloat16, enabled=setup.cfg.train.param_dtype == "fp32"):
-        logits = setup.model(input_ids=x).logits  # [B, T, V]
+        logits = setup.model(input_ids=x, **extra).logits  # [B, T, V]
     return setup.loss_fn(logits, y)
+
+
+def _num_labels(batch) -> int:
+    """Learnt labels of a micro-batch: every position of pretraining windows, the assistant tokens of SFT rows."""
+    return batch.shape[0] * (batch.shape[1] - 1) if isinstance(batch, torch.Tensor) else batch.num_supervised
+
+
+def _loss_scales(setup: Setup, micro: list) -> tuple[list[float] | None, int]:
+    """``(per micro-batch loss factors, learnt labels of the step on all dp ranks)``.
+
+    Pretraining: ``None`` (each micro-batch loss is divided by ``grad_accum``: every window has the same
+    number of labels). Fine-tuning: micro-batches hold different numbers of assistant tokens, so the step's
+    loss is the mean over all of them, on all dp ranks: micro-batch ``i`` (a mean over its ``n_i`` labels) is
+    weighted ``n_i * dp / N`` with ``N`` the step's labels summed over the ranks (one all-reduce; FSDP2 averages
+    gradients over dp). This is the token-weighted gradient accumulation of Hugging Face's Trainer
+    (``num_items_in_batch``).
+    """
+    dp, _ = _dp(setup)
+    if isinstance(micro[0], torch.Tensor):
+        return None, sum(_num_labels(b) for b in micro) * dp
+    counts = [_num_labels(b) for b in micro]  # >= 1 each: every SFT row holds a sample with an assistant token
+    total = sum(counts)
+    if dp > 1:
+        total = round(float(_dp_mean(setup, torch.tensor([float(total)], dtype=torch.float64,
+                                                         device=setup.device))[0]) * dp)
+    return [n * dp / total for n in counts], total
 
 
 def _dp(setup: Setup) -> tuple[int, int]:
@@ -114,8 +161,9 @@ def _max_over_ranks(setup: Setup, value: float) -> float:
     return float(t[0])
 
 
-def next_micro_batch(setup: Setup) -> torch.Tensor:
-    """This rank's ``[micro_batch_size, seq_length + 1]`` rows of the next global micro-batch."""
+def next_micro_batch(setup: Setup):
+    """This rank's ``[micro_batch_size, seq_length + 1]`` rows of the next global micro-batch (fine-tuning:
+    an :class:`fp8kit.data.sft.SFTBatch` of ``micro_batch_size`` rows)."""
     mbs = setup.cfg.train.micro_batch_size
     dp, r = _dp(setup)
     batch = setup.data.packed.next_batch(mbs * dp)
@@ -132,11 +180,11 @@ def evaluate(setup: Setup) -> float:
     for batch in setup.data.packed.val_batches(mbs * dp, setup.cfg.train.eval_batches):
         if dp > 1:
             batch = batch[r * mbs : (r + 1) * mbs]
-            if batch.shape[0] == 0:  # a short last batch: keep every rank in the collectives
+            if len(batch) == 0:  # a short last batch: keep every rank in the collectives
                 batch = setup.data.packed.val_batches(1, 1)[0]
                 _loss(setup, batch)
                 continue
-        n = batch.shape[0] * (batch.shape[1] - 1)
+        n = _num_labels(batch)
         total += _loss(setup, batch).item() * n
         count += n
     setup.model.train()
@@ -144,7 +192,7 @@ def evaluate(setup: Setup) -> float:
     return float(sums[0] / sums[1])
 
 
-def _save(setup: Setup, out_dir: Path, step: int, phase: str) -> str:
+def _save(setup: Setup, out_dir: Path, step: int, phase: str, saver: AsyncCheckpointer | None = None) -> str:
     state = {
         "step": step,
         "phase": phase,
@@ -152,17 +200,29 @@ def _save(setup: Setup, out_dir: Path, step: int, phase: str) -> str:
         "scheduler": setup.scheduler.state_dict(),
         "data": setup.data.packed.state_dict(),
         "rng": ckpt.rng_state(setup.device),
+        "recipe": setup.cfg.fp8.recipe if setup.cfg.train.mixed_precision == "fp8" else None,
+        "fp8_delayed": setup.prepared.conversion.delayed.state_dict(),  # amax histories (recipe delayed)
     }
     directory = out_dir / "checkpoints" / ckpt.checkpoint_name(step)
-    if setup.distributed:
+    if setup.distributed or saver is not None:
         del state["optimizer"]  # in the DCP files, sharded
         state["layout"] = setup.info["parallel"]
+        if saver is not None:  # train.async_checkpoint: DCP files written in the background
+            return saver.save(directory, setup.model, setup.optimizer, state).name
         return ckpt.save_distributed_checkpoint(directory, setup.model, setup.optimizer, state).name
     return ckpt.save_checkpoint(directory, setup.model, state).name
 
 
-def run_loop(setup: Setup, out_dir: Path, writer: MetricsWriter, console: Console) -> LoopResult:
-    """Train from ``setup.start_step`` to ``train.steps``; see the module docstring."""
+def run_loop(
+    setup: Setup, out_dir: Path, writer: MetricsWriter, console: Console, stop: StopSignals | None = None, *,
+    guard: DivergenceGuard | None = None, health: FP8HealthMonitor | None = None,
+) -> LoopResult:
+    """Train from ``setup.start_step`` to ``train.steps``; see the module docstring.
+
+    With ``stop`` (:mod:`fp8kit.train.preempt`), a stop signal ends the run after the current step with a
+    checkpoint at that step (``LoopResult.interrupted``: the signal number). ``guard`` and ``health``:
+    the divergence guard and FP8 health stats (:func:`fp8kit.train.guard.run_training` passes them).
+    """
     cfg, t = setup.cfg, setup.cfg.train
     model, opt, sched = setup.model, setup.optimizer, setup.scheduler
     params = [p for p in model.parameters() if p.requires_grad]
@@ -178,7 +238,8 @@ def run_loop(setup: Setup, out_dir: Path, writer: MetricsWriter, console: Consol
         TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
         TextColumn("{task.fields[info]}"), console=console, transient=False,
     )
-    with progress:
+    saver = AsyncCheckpointer(setup.device) if t.async_checkpoint else None
+    with progress, _finishing(saver):
         task = progress.add_task("train", total=t.steps, completed=setup.start_step, info="")
         for step in range(setup.start_step, t.steps):
             want = phase_at(cfg, step)
@@ -187,20 +248,32 @@ def run_loop(setup: Setup, out_dir: Path, writer: MetricsWriter, console: Consol
                 result.switches.append((step, want))
                 progress.console.print(f"step {step}: precision switch {phase} -> {want} ({n} modules swapped)")
                 phase = want
+            if guard is not None:
+                guard.before_step(step, phase, progress.console.print)  # forced-BF16 layers, test fault
+            if health is not None:
+                health.arm(step + 1)  # hooks armed on stats steps (fp8.stats_every)
             reset_peak_memory(setup.device)
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), device=setup.device)
-            for _ in range(t.grad_accum):
-                loss = _loss(setup, next_micro_batch(setup))
-                (loss / t.grad_accum).backward()
-                loss_sum += loss.detach()
+            micro = [next_micro_batch(setup) for _ in range(t.grad_accum)]
+            scales, supervised = _loss_scales(setup, micro)  # None: pretraining; SFT: token-weighted
+            probe = None
+            for i, batch in enumerate(micro):
+                loss = _loss(setup, batch)
+                (loss / t.grad_accum if scales is None else loss * scales[i]).backward()
+                loss_sum += loss.detach() if scales is None else loss.detach() * scales[i]
+                if i == 0 and health is not None:
+                    probe = health.collect()  # FP8 health of the first micro-batch (None off stats steps)
+            if saver is not None:
+                saver.before_update()  # the last save's copy of the weights must be complete
             grad_norm = clip_grad_norm(params, t.grad_clip, opt)
             opt.step()
             after_optimizer_step(model, setup.prepared)  # FP8 all-gather: next step's weight scales
             lr = sched.get_last_lr()[0]
             sched.step()
             opt.zero_grad(set_to_none=True)
-            loss_val = _dp_mean(setup, loss_sum / t.grad_accum).item()
+            loss_val = _dp_mean(setup, loss_sum / t.grad_accum if scales is None else loss_sum).item()
+            health_rows = probe.rows() if probe is not None else None  # read inside the step's time
             dt = time.perf_counter() - t0
             done = step + 1
             tps = tokens_per_step / dt
@@ -210,6 +283,7 @@ def run_loop(setup: Setup, out_dir: Path, writer: MetricsWriter, console: Consol
                 "lr": lr,
                 "grad_norm": float(grad_norm),
                 "tokens_per_s": tps,
+                "supervised_tokens": supervised,  # learnt labels of the step, all ranks (SFT: assistant tokens)
                 "tokens_per_s_per_gpu": tps / world,
                 "step_ms": dt * 1e3,
                 "peak_mem_gib": _max_over_ranks(setup, peak_memory_gib(setup.device)),
@@ -221,13 +295,23 @@ def run_loop(setup: Setup, out_dir: Path, writer: MetricsWriter, console: Consol
             }
             if not (math.isfinite(loss_val) and math.isfinite(record["grad_norm"])):
                 result.diverged = f"loss {loss_val} / grad norm {record['grad_norm']} at step {done}"
+            elif guard is not None:
+                result.diverged = guard.observe(done, loss_val)  # a loss spike (train.on_divergence = recover)
+            if health_rows is not None:
+                record["fp8_health"] = health_rows
+            # a stop signal (preemption), agreed by all ranks: checkpoint this step and end
+            halt = 0 if done == t.steps else agreed_stop(stop, distributed=setup.distributed, device=setup.device)
+            if halt:
+                record.update(status="interrupted", signal=signal_name(halt))
+                result.interrupted = halt
             if (t.eval_every and done % t.eval_every == 0) or done == t.steps or result.diverged:
                 record["val_loss"] = evaluate(setup) if not result.diverged else None
             writer.write(record)
             result.records.append(record)
-            if (t.checkpoint_every and done % t.checkpoint_every == 0) or (done == t.steps and t.final_checkpoint):
+            every = t.checkpoint_every and done % t.checkpoint_every == 0
+            if every or (done == t.steps and t.final_checkpoint) or halt:
                 if not result.diverged:
-                    result.checkpoints.append(_save(setup, out_dir, done, phase))
+                    result.checkpoints.append(_save(setup, out_dir, done, phase, saver))
             info = f"loss {loss_val:.4f} {phase} {tps / 1e3:.1f}K tok/s"
             progress.update(task, completed=done, info=info)
             if done % t.log_every == 0 or done == t.steps or "val_loss" in record:
@@ -237,7 +321,22 @@ def run_loop(setup: Setup, out_dir: Path, writer: MetricsWriter, console: Consol
                     f"{phase} {dt * 1e3:.0f} ms {tps / 1e3:.1f}K tok/s"
                     + (f" ({tps / world / 1e3:.1f}K/GPU)" if world > 1 else "")
                 )
-            if result.diverged:
+            if result.diverged or halt:
                 break
     result.wall_s = time.perf_counter() - start
     return result
+
+
+@contextlib.contextmanager
+def _finishing(saver: AsyncCheckpointer | None):
+    """At the end of the loop: wait for the last background checkpoint write (also after an error)."""
+    try:
+        yield
+    except BaseException:
+        if saver is not None:
+            with contextlib.suppress(Exception):
+                saver.wait()  # a staged checkpoint is consistent: finish it
+            saver.close()
+        raise
+    if saver is not None:
+        saver.finish()

@@ -74,6 +74,16 @@ class MetricsWriter:
         self._fh.close()
 
 
-def read_metrics(path: Path) -> list[dict]:
-    """All records of a ``metrics.jsonl``."""
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+def read_metrics(path: Path, *, events: bool = False) -> list[dict]:
+    """The step records of a ``metrics.jsonl``, one per step in step order.
+
+    A run that recovered from a divergence (``train.on_divergence = "recover"``, ``fp8kit.train.guard``)
+    holds the records of the rolled-back steps, then an event record (``{"step", "event": ...}``), then the
+    redone steps: the redone record of a step replaces the rolled-back one, and event records are left out.
+    With ``events=True``: every record as written, events included, in file order.
+    """
+    records = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    if events:
+        return records
+    steps = {r["step"]: r for r in records if "event" not in r}  # the last record of a step wins
+    return [steps[s] for s in sorted(steps)]

@@ -3,7 +3,9 @@
 Order (one place, for one process and for torchrun alike): parallel layout checked against the world
 size (and, under torchrun, the process group and DeviceMesh started) -> device and FP8 capability ->
 resume checkpoint located -> data (corpus, tokenizer, packing; rank 0 first, the others read its cache)
--> model on the device -> sites and decisions -> resume compatibility -> ``prepare_model`` (TP -> EP ->
+-> model on the device (``model.pretrained``: its weights; under torchrun built on ``meta``, then
+materialised and loaded after ``prepare_model``, each rank its own shards) -> sites and decisions -> resume
+compatibility -> ``prepare_model`` (TP -> EP ->
 FP8 -> AC -> FSDP2 -> compile; ``fp8kit.parallel.prepare``) -> optimizer and LR schedule (after
 ``prepare_model``: FSDP2 replaces the parameters) -> (``restore``) the checkpoint loaded into the
 prepared model and optimizer. Every step can fail with a one-line
@@ -22,13 +24,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8kit.base.capability import fp8_support
-from fp8kit.base.errors import CapabilityError, ConfigError
+from fp8kit.base.errors import CapabilityError, CheckpointError, ConfigError
 from fp8kit.base.runtime import device_name, is_main, launched_world_size, resolve_device, versions
 from fp8kit.config import RunConfig
 from fp8kit.config.options import grouped_gemm_config, options_from_config
 from fp8kit.config.prepare_options import prepare_options
+from fp8kit.config.pretrained import resolve_pretrained
 from fp8kit.data.prepare import PreparedData, prepare_data
 from fp8kit.models.build import build_hf_config, build_model, count_params, flops_per_token
+from fp8kit.models.pretrained import (
+    check_weights,
+    inspect_pretrained,
+    load_pretrained,
+    load_sharded,
+    materialize,
+)
 from fp8kit.optim.memory import training_state_bytes
 from fp8kit.parallel.mesh import ParallelDims, resolve_dims
 from fp8kit.parallel.prepare import Prepared, prepare_model
@@ -81,15 +91,66 @@ def check_fp8_capability(cfg: RunConfig, device: torch.device) -> str:
     """The capability sentence for the run; raises when fp8 is asked for where it cannot run.
 
     Raises:
-        CapabilityError: ``mixed_precision = "fp8"`` on a device without FP8 support and without
+        CapabilityError: ``mixed_precision = "fp8"`` on a device without FP8 support (or, for
+            ``fp8.recipe = "blockwise"``, a CUDA device without cuBLAS blockwise FP8 GEMMs) and without
             ``fp8.emulate = true``.
     """
+    return _capability(cfg, device)[0]
+
+
+def fp8_emulated(cfg: RunConfig, device: torch.device) -> bool:
+    """Whether this run's FP8 GEMMs are emulated (``fp8.emulate`` on a GPU that cannot run them natively)."""
+    return _capability(cfg, device)[1]
+
+
+def _capability(cfg: RunConfig, device: torch.device) -> tuple[str, bool]:
     ok, reason = fp8_support(device)
-    if cfg.train.mixed_precision == "fp8" and not ok:
+    if cfg.train.mixed_precision != "fp8":
+        return reason, False
+    if ok and cfg.fp8.recipe == "blockwise" and device.type == "cuda":
+        from fp8kit.fp8.kernels.ops import blockwise_gemm_support
+
+        ok, reason = blockwise_gemm_support(device)
+    if not ok:
         if cfg.fp8.emulate and device.type == "cuda":
-            return f"{reason} (emulating FP8: fp8.emulate = true)"
+            return f"{reason} (emulating FP8: fp8.emulate = true)", True
         raise CapabilityError(f"train.mixed_precision = \"fp8\": {reason}")
-    return reason
+    return reason, False
+
+
+def check_async_checkpoint(cfg: RunConfig, device: torch.device) -> None:
+    """Refuse ``train.async_checkpoint`` where it is known to fail.
+
+    On the project's H100 with torch 2.11 + CUDA, ``torch.distributed.checkpoint.async_save``'s staging of a
+    Llama model's state dict failed in the background write (``KeyError: <class 'type'>`` in
+    ``_state_dict_stager.deepcopy_with_tensor_offload``, docs/resilience.md); it passes on torch 2.13 on the
+    CPU. Refusing at start beats a failure at the first save after hours of training.
+
+    Raises:
+        CapabilityError: async checkpoints on CUDA with torch older than 2.12.
+    """
+    if not cfg.train.async_checkpoint or device.type != "cuda":
+        return
+    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+    if (major, minor) < (2, 12):
+        raise CapabilityError(
+            f"train.async_checkpoint = true: torch {torch.__version__}'s async DCP staging fails on CUDA "
+            f"(KeyError in the state-dict stager, docs/resilience.md); set train.async_checkpoint = false"
+        )
+
+
+def check_resume_recipe(cfg: RunConfig, resume_ckpt: Path, state: dict) -> None:
+    """Refuse to continue an FP8 run with another FP8 recipe (its scales, histories and numerics differ).
+
+    Raises:
+        CheckpointError: the checkpoint was saved by an FP8 run of another ``fp8.recipe``.
+    """
+    saved = state.get("recipe")
+    if saved and cfg.train.mixed_precision == "fp8" and saved != cfg.fp8.recipe:
+        raise CheckpointError(
+            f"--resume {str(resume_ckpt)!r}: the checkpoint was trained with fp8.recipe = {saved!r}, this run asks "
+            f"for {cfg.fp8.recipe!r}; resume with --set fp8.recipe={saved}"
+        )
 
 
 def phase_at(cfg: RunConfig, step: int) -> str:
@@ -104,6 +165,9 @@ def phase_at(cfg: RunConfig, step: int) -> str:
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy in fp32: logits ``[B, T, V]`` (bf16), labels ``[B, T]`` (int64).
+
+    Labels ``-100`` (fine-tuning: prompt, template and padding tokens) are ignored, and the mean is over the
+    other labels only (``F.cross_entropy``'s ``ignore_index`` with ``reduction="mean"``; NaN when none).
 
     Under ``train.compile`` it is compiled: the fp32 upcast, log-softmax and NLL fuse into one pass over
     the bf16 logits.
@@ -158,6 +222,7 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
         Fp8kitError: any bad input, as one line.
     """
     say = status or (lambda _m: None)
+    cfg = resolve_pretrained(cfg)  # model.pretrained fixes data.vocab_size / data.tokenizer (idempotent)
     d = cfg.distributed
     if d.etp > 1:  # planning key only: training with it would decide FP8 for shapes the run does not have
         raise ConfigError(
@@ -168,6 +233,7 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
     if dims.distributed:
         check_distributed_config(cfg)
     device = resolve_device(cfg.train.device)
+    check_async_checkpoint(cfg, device)
     capability = check_fp8_capability(cfg, device)
     resume_ckpt = ckpt.find_checkpoint(resume) if resume is not None else None
     resume_state = ckpt.load_train_state(resume_ckpt) if resume_ckpt is not None else None
@@ -177,6 +243,15 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
 
         say(f"starting the process group ({dims.describe()})")
         mesh, device = init_distributed(dims, device)
+
+    pretrained = None
+    if cfg.model.pretrained:  # its files checked (config, weights, shapes) before the data is prepared
+        say(f"checking {cfg.model.pretrained}")
+        pretrained = inspect_pretrained(cfg.model.pretrained)
+        with torch.device("meta"):
+            skeleton = build_model(cfg.model, cfg.data.vocab_size, device="meta")
+        check_weights(pretrained, skeleton, require_all=dims.distributed)
+        del skeleton
 
     say("preparing data")
     data = _prepare_data_rank0_first(cfg, say, distributed=dims.distributed)
@@ -189,9 +264,19 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
             f"data.seq_length = {cfg.data.seq_length} exceeds the model's max_position_embeddings = {max_pos}"
         )
     param_dtype = torch.float32 if cfg.train.param_dtype == "fp32" else torch.bfloat16
-    model = build_model(cfg.model, cfg.data.vocab_size, device=device, dtype=param_dtype, seed=cfg.train.seed)
+    load_weights = pretrained is not None and resume_ckpt is None  # a resumed run loads its checkpoint
+    # Distributed + pretrained: build on meta, shard (prepare_model), then each rank reads its own slices.
+    meta_init = pretrained is not None and dims.distributed
+    if load_weights and not meta_init:
+        say(f"loading {cfg.model.pretrained}")
+        torch.manual_seed(cfg.train.seed)
+        model = load_pretrained(pretrained, hf_cfg, device=device, dtype=param_dtype)
+    else:
+        model = build_model(cfg.model, cfg.data.vocab_size, device="meta" if meta_init else device,
+                            dtype=param_dtype, seed=cfg.train.seed)
     if resume_ckpt is not None:
         ckpt.check_compatible(resume_ckpt, model, resume_state)
+        check_resume_recipe(cfg, resume_ckpt, resume_state)
 
     options = options_from_config(cfg, hf_cfg, device_name(device))
     decisions = decide(find_sites(model), options)
@@ -207,9 +292,14 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
     prepared = prepare_model(
         model, decisions,
         prepare_options(cfg, fp8_now=phase_at(cfg, start_step) == "fp8",
-                        emulate=cfg.fp8.emulate and not fp8_support(device)[0]),
+                        emulate=fp8_emulated(cfg, device)),
         mesh, hf_cfg=hf_cfg,
     )
+    if meta_init:
+        materialize(model, device)  # this rank's shards, uninitialised; rotary buffers recomputed
+        if load_weights:
+            say(f"loading {cfg.model.pretrained} (each rank its own shards)")
+            load_sharded(pretrained, model)
     optimizer, scheduler = build_optimizer(cfg, model, device)
     setup = Setup(
         cfg=cfg,
@@ -244,7 +334,10 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
         "tokens": data.num_tokens,
         "train_sequences": int(len(data.packed.train_windows)),
         "val_sequences": int(len(data.packed.val_windows)),
+        "data_format": cfg.data.format,
+        "chat": data.chat,  # data.format = "chat": records, skipped (no assistant turn), truncated, packing, template
         "model_type": hf_cfg.model_type,
+        "pretrained": cfg.model.pretrained,
         "params": params,
         "flops_per_token": setup.flops_per_token,
         "bf16_peak_flops": setup.peak_flops,
@@ -269,7 +362,8 @@ def check_distributed_config(cfg: RunConfig) -> None:
 
     Raises:
         ConfigError: ``optim.name = "fp8_adamw"`` (FP8AdamW flattens plain tensors and does not take
-            DTensor parameters), or a precision schedule (it swaps modules that FSDP2/TP have wrapped).
+            DTensor parameters), a precision schedule (it swaps modules that FSDP2/TP have wrapped),
+            ``train.on_divergence = "recover"`` or ``fp8.stats_every > 0`` (single-process features).
     """
     if cfg.optim.name == "fp8_adamw":
         raise ConfigError(
@@ -282,6 +376,17 @@ def check_distributed_config(cfg: RunConfig) -> None:
             f"fp8.bf16_warmup_steps = {f8.bf16_warmup_steps} / fp8.bf16_cooldown_steps = {f8.bf16_cooldown_steps}: "
             f"the precision schedule swaps modules that FSDP2 / tensor parallel hold, which is not supported in a "
             f"distributed run; set both to 0"
+        )
+    if cfg.train.on_divergence == "recover":
+        raise ConfigError(
+            "train.on_divergence = \"recover\": the divergence guard rolls back host-memory copies of a "
+            "single process's state and swaps modules that FSDP2 / tensor parallel hold; it runs in one process "
+            "only: set train.on_divergence = \"stop\" for a torchrun launch"
+        )
+    if f8.stats_every:
+        raise ConfigError(
+            f"fp8.stats_every = {f8.stats_every}: FP8 health statistics are measured in one process only (the "
+            f"operands of FSDP2 / tensor-parallel layers are shards); set fp8.stats_every = 0 for a torchrun launch"
         )
 
 
@@ -320,5 +425,13 @@ def restore(setup: Setup) -> None:
         sched["lr_lambdas"] = [None] * n_groups  # plain functions are not saved (LambdaLR stores None)
     setup.scheduler.load_state_dict(sched)
     setup.data.packed.load_state_dict(state["data"])
+    if state.get("fp8_delayed"):
+        try:
+            setup.prepared.conversion.delayed.load_state_dict(state["fp8_delayed"], setup.device)
+        except ValueError as e:
+            raise CheckpointError(f"--resume {str(setup.resume_from)!r}: {e}") from None
     ckpt.set_rng_state(state["rng"], setup.device)
+    from fp8kit.fp8.kernels.ops import clear_weight_cache
+
+    clear_weight_cache()  # blockwise FP8 weights were quantized from the weights before the load
     setup.start_step = int(state["step"])

@@ -14,6 +14,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from fp8kit.train.health import health_markdown, worst_layers
+
 
 def _steady(records: list[dict], switches: list[int]) -> list[dict]:
     if not records:
@@ -34,7 +36,9 @@ def summarize_run(records: list[dict], *, switches: list[int], info: dict, setup
         **setup_desc,
         "steps_done": records[-1]["step"] if records else 0,
         "final_loss": records[-1]["loss"] if records else None,
-        "final_loss_avg_last10pct": statistics.fmean(r["loss"] for r in last) if last else None,
+        # a diverged run's last loss is null (NaN / inf): average the finite ones
+        "final_loss_avg_last10pct": statistics.fmean(finite) if (finite := [
+            r["loss"] for r in last if r["loss"] is not None]) else None,
         "final_val_loss": vals[-1] if vals else None,
         "tokens_per_s": med("tokens_per_s"),
         "tokens_per_s_per_gpu": med("tokens_per_s_per_gpu"),
@@ -43,6 +47,9 @@ def summarize_run(records: list[dict], *, switches: list[int], info: dict, setup
         "peak_mem_gib": max((r["peak_mem_gib"] for r in records), default=None),
         "device": info.get("device"),
         "versions": info.get("versions"),
+        "fp8_health_worst": worst_layers(records),  # fp8.stats_every: each layer's worst operand, worst first
+        "chat": info.get("chat"),  # data.format = "chat": record counts (skipped, truncated), packing
+        "supervised_tokens": sum(r.get("supervised_tokens") or 0 for r in records),
     }
 
 
@@ -58,8 +65,11 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
         ("precision", s["precision"]),
         ("FP8 sites", s["fp8_sites"]),
         ("steps", _fmt(s["steps_done"])),
+        *([("status", f"interrupted by {s.get('signal')} after step {s.get('interrupted_at_step')}")]
+          if s.get("status") == "interrupted" else []),
         ("final train loss", _fmt(s["final_loss"])),
         ("final val loss", _fmt(s["final_val_loss"])),
+        *([("chat records", _chat_row(s["chat"]))] if s.get("chat") else []),
         ("parallel", s.get("parallel", "single process")),
         *[("parallel note", n) for n in s.get("parallel_notes", [])],
         ("tokens/s (median)", _fmt(s["tokens_per_s"], ",.0f")),
@@ -69,7 +79,42 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
         ("peak memory GiB", _fmt(s["peak_mem_gib"], ".2f")),
         ("device", s["device"]),
         ("wall time s", _fmt(s["wall_s"], ".1f")),
+        *([("FP8 health, worst layer", _worst_row(s["fp8_health_worst"][0]))] if s.get("fp8_health_worst") else []),
+        *([("divergence events", _events_row(s["recoveries"]))] if s.get("recoveries") else []),
     ]
+
+
+def _chat_row(c: dict) -> str:
+    return (f"{c['samples']} trained of {c['records']}: {c['no_assistant']} skipped (no assistant turn), "
+            f"{c['truncated_away']} dropped by truncation; {'packed' if c['pack'] else 'one per row'} "
+            f"({c['fill']:.0%} filled)")
+
+
+def _worst_row(r: dict) -> str:
+    return (f"{r['layer']} {r['operand']} at step {r['step']}: underflow {_fmt(r['underflow'], '.2%')}, "
+            f"saturation {_fmt(r['saturation'], '.2%')}")
+
+
+def _events_row(events: list[dict]) -> str:
+    rec = [e for e in events if e["event"] == "recovery"]
+    stopped = [e for e in events if e["event"] != "recovery"]
+    return (f"{len(rec)} recoveries (steps {', '.join(str(e['step']) for e in rec) or '-'})"
+            + (f"; stopped at step {stopped[-1]['step']}" if stopped else ""))
+
+
+def _events_markdown(events: list[dict]) -> list[str]:
+    """The divergence guard's events (``train.on_divergence = "recover"``) as a table."""
+    if not events:
+        return []
+    lines = ["", "## Divergence events", "", "| step | event | cause | rolled back to | micro-batches skipped "
+             "| layers moved to BF16 | BF16 until step |", "|---|---|---|---|---|---|---|"]
+    for e in events:
+        layers = e.get("layers_to_bf16") or []
+        lines.append(f"| {e['step']} | {e['event']} | {e['cause']} | {e.get('rolled_back_to', '-')} | "
+                     f"{e.get('skipped_micro_batches', '-')} | {len(layers)}: {', '.join(layers) or '-'} | "
+                     f"{e.get('bf16_until_step') or '-'} |" if e["event"] == "recovery" else
+                     f"| {e['step']} | {e['event']} | {e['cause']} | {e.get('note', '')} | | | |")
+    return lines
 
 
 def print_summary(s: dict, console: Console) -> None:
@@ -88,4 +133,6 @@ def save_summary(s: dict, out_dir: Path) -> None:
     lines += [f"| {k} | {v} |" for k, v in summary_rows(s)]
     if s.get("versions"):
         lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in s["versions"].items())]
+    lines += health_markdown(s.get("fp8_health_worst") or [], s.get("fp8_stats_every"))
+    lines += _events_markdown(s.get("recoveries") or [])
     (out_dir / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")

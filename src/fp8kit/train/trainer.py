@@ -13,14 +13,18 @@ from pathlib import Path
 from rich.console import Console
 
 from fp8kit.base.console import make_console
-from fp8kit.base.runtime import is_main, launched_world_size
+from fp8kit.base.runtime import barrier, is_main, launched_world_size
 from fp8kit.config import RunConfig, save_config
 from fp8kit.optim.memory import format_state_bytes
 from fp8kit.selective.decide import summarize
 from fp8kit.selective.report import print_report, save_report
+from fp8kit.train.export import save_run_files
+from fp8kit.train.guard import LrSpike, run_training
+from fp8kit.train.loggers import RunLoggers, check_loggers
 from fp8kit.train.loop import LoopResult, TrainingDiverged, run_loop
-from fp8kit.train.metrics import MetricsWriter, read_metrics
-from fp8kit.train.rundir import check_writable, create_run_dir, default_run_dir
+from fp8kit.train.metrics import read_metrics
+from fp8kit.train.preempt import StopSignals, signal_name
+from fp8kit.train.rundir import check_writable, create_run_dir, default_run_dir, plan_resume
 from fp8kit.train.setup import Setup, build_setup, restore
 from fp8kit.train.summary import print_summary, save_summary, summarize_run
 
@@ -34,6 +38,11 @@ class TrainResult:
     metrics: list[dict]
     loop: LoopResult
 
+    @property
+    def interrupted(self) -> int:
+        """The signal number the run stopped for (preemption; 0: it ran to its end)."""
+        return self.loop.interrupted
+
 
 def train(
     cfg: RunConfig,
@@ -41,12 +50,21 @@ def train(
     *,
     resume: str | Path | None = None,
     console: Console | None = None,
+    fault: LrSpike | list[LrSpike] | None = None,
 ) -> TrainResult:
     """Train ``cfg`` into ``out_dir`` (default ``runs/<time>-<preset>-<precision>``).
 
-    With ``resume`` (a run directory or a checkpoint directory) training continues from that
-    checkpoint exactly: model, optimizer, LR schedule, data position, RNG and precision phase; the
-    run directory defaults to the resumed one.
+    With ``resume`` (a run directory or a checkpoint directory; default ``train.resume``) training
+    continues from that checkpoint exactly: model, optimizer, LR schedule, data position, RNG and
+    precision phase; the run directory defaults to the resumed one. ``resume="auto"``: continue from
+    ``out_dir``'s latest complete checkpoint if it has one, else start fresh there
+    (:func:`fp8kit.train.rundir.plan_resume`).
+
+    SIGTERM, SIGINT or SIGUSR1 during the loop stop the run after the current step with a checkpoint
+    and status ``interrupted`` (:mod:`fp8kit.train.preempt`); the result's ``interrupted`` is then the
+    signal number (``fp8kit train`` exits with 128 + it).
+
+    ``fault``: deterministic faults for tests of the divergence guard (:class:`fp8kit.train.guard.LrSpike`).
 
     Raises:
         Fp8kitError: bad input of any kind, before anything is written; TrainingDiverged when the
@@ -56,20 +74,23 @@ def train(
     launched = launched_world_size() > 1
     if launched and not _env_rank0():
         console = Console(quiet=True)  # only rank 0 prints
-    resume_path = Path(resume) if resume is not None else None
-    resume_run = None
-    if resume_path is not None:
-        resume_run = resume_path if (resume_path / "checkpoints").is_dir() else resume_path.parent.parent
+    from_config = resume is None and bool(cfg.train.resume)
+    plan = plan_resume(cfg.train.resume if from_config else resume,
+                       Path(out_dir) if out_dir is not None else None,
+                       where="train.resume =" if from_config else "--resume")
+    resume_path, resume_run = plan.checkpoint, plan.into_run
+    check_loggers(cfg.train.log_to)  # a missing tensorboard / wandb package: one line, nothing written
     if out_dir is None:
-        out_dir = resume_run or default_run_dir(
-            cfg.model.preset if not cfg.model.hf_config else "custom", cfg.train.mixed_precision
-        )
+        name = Path(cfg.model.pretrained).name if cfg.model.pretrained else (
+            cfg.model.preset if not cfg.model.hf_config else "custom")
+        out_dir = resume_run or default_run_dir(name, cfg.train.mixed_precision)
     out_dir = Path(out_dir)
     resuming_here = resume_run is not None and out_dir.resolve() == resume_run.resolve()
     check_writable(out_dir, resuming_here=resuming_here)
 
     with console.status("setting up") as status:
         setup = build_setup(cfg, resume=resume_path, status=lambda m: status.update(m))
+    cfg = setup.cfg  # resolved (model.pretrained sets data.vocab_size / data.tokenizer)
     main = True
     if setup.distributed:
         import torch.distributed as dist
@@ -84,6 +105,7 @@ def train(
         create_run_dir(out_dir)
         save_config(cfg, out_dir / "resolved_config.toml")
         (out_dir / "run_info.json").write_text(json.dumps(setup.info, indent=1) + "\n", encoding="utf-8")
+        save_run_files(setup, out_dir)  # tokenizer/ (HF layout) + model_config.json, for `fp8kit export`
     if not main:
         return _train_other_rank(setup, out_dir, console)
     header = {
@@ -97,10 +119,15 @@ def train(
     }
     save_report(setup.decisions, out_dir, header)
     _print_start(setup, console)
+    if plan.auto:
+        start = f"continuing from {resume_path}" if resume_path else f"no checkpoint in {out_dir}: step 0"
+        console.print(f"--resume auto: {start}")
 
-    writer = MetricsWriter(out_dir / "metrics.jsonl", truncate_after_step=setup.start_step if resuming_here else None)
+    writer = RunLoggers(out_dir, cfg.train.log_to, truncate_after_step=setup.start_step if resuming_here else None,
+                        run_name=out_dir.name, config=cfg.to_dict())
     try:
-        loop = run_loop(setup, out_dir, writer, console)
+        with StopSignals() as stop:  # SIGTERM / SIGINT / SIGUSR1: checkpoint after this step and stop
+            loop = run_training(setup, out_dir, writer, console, stop, fault=fault)  # + health stats, guard
     finally:
         writer.close()
     records = read_metrics(out_dir / "metrics.jsonl")
@@ -112,18 +139,30 @@ def train(
         "state_bytes_per_param": setup.info["training_state_bytes"]["total"],
         "fp8_sites": f"{summarize(setup.decisions)['fp8_sites']} of {len(setup.decisions)}",
         "wall_s": loop.wall_s,
-        "status": "diverged" if loop.diverged else "ok",
+        "status": "diverged" if loop.diverged else ("interrupted" if loop.interrupted else "ok"),
         "switches": loop.switches,
         "parallel": _parallel_desc(setup),
         "parallel_notes": setup.info["parallel"]["notes"],
         "world_size": setup.info["parallel"]["world_size"],
+        "fp8_stats_every": cfg.fp8.stats_every,
+        "recoveries": [r for r in read_metrics(out_dir / "metrics.jsonl", events=True) if "event" in r],
     }
     summary = summarize_run(records, switches=[s for s, _ in loop.switches], info=setup.info, setup_desc=desc)
+    if loop.interrupted:
+        summary["interrupted_at_step"] = records[-1]["step"] if records else setup.start_step
+        summary["signal"] = signal_name(loop.interrupted)
     save_summary(summary, out_dir)
     print_summary(summary, console)
     console.print(f"run directory: {out_dir}")
+    if loop.interrupted:
+        console.print(
+            f"[bold yellow]interrupted[/] by {summary['signal']} after step {summary['interrupted_at_step']} "
+            f"(checkpoint {loop.checkpoints[-1] if loop.checkpoints else '-'}); the same command with "
+            f"--resume auto, or --resume {out_dir}, continues it"
+        )
     if loop.diverged:
         raise TrainingDiverged(f"training diverged: {loop.diverged}; metrics and summary are in {out_dir}")
+    barrier()  # torchrun: no rank ends (and gets the others stopped) before rank 0 has written the run
     return TrainResult(out_dir, summary, records, loop)
 
 
@@ -143,9 +182,11 @@ def _train_other_rank(setup: Setup, out_dir: Path, console: Console) -> TrainRes
         def close(self) -> None:
             pass
 
-    loop = run_loop(setup, out_dir, _NoWriter(), console)
+    with StopSignals() as stop:
+        loop = run_loop(setup, out_dir, _NoWriter(), console, stop)
     if loop.diverged:
         raise TrainingDiverged(f"training diverged: {loop.diverged}")
+    barrier()  # until rank 0 has written the summary
     return TrainResult(out_dir, {}, loop.records, loop)
 
 
@@ -161,7 +202,10 @@ def _parallel_desc(setup: Setup) -> str:
 
 
 def _model_desc(cfg: RunConfig) -> str:
-    name = f"hf_config {cfg.model.hf_config}" if cfg.model.hf_config else cfg.model.preset
+    if cfg.model.pretrained:
+        name = f"pretrained {cfg.model.pretrained}"
+    else:
+        name = f"hf_config {cfg.model.hf_config}" if cfg.model.hf_config else cfg.model.preset
     if cfg.model.num_layers is not None:
         name += f" ({cfg.model.num_layers} layers)"
     return name

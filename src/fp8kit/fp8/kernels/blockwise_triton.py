@@ -1,0 +1,158 @@
+"""Triton kernels of the blockwise FP8 recipe (CUDA): the fused activation cast and the 128x128 weight cast.
+
+Both reproduce :mod:`fp8kit.fp8.blockwise` bit for bit (same amax; the scale of
+:func:`fp8kit.fp8.scaling.scale_from_amax` with the same float32 roundings, IEEE ``div_rn`` for its
+reciprocal; the same round-to-nearest-even saturating E4M3 conversion; the same ``1 / scale``); the GPU
+test checks it. Layouts are documented there.
+
+- :func:`quantize_act`: one program per 128x128 tile of ``x[M, K]`` reads the tile from HBM once and
+  writes both FP8 copies: the 1x128 copy ``q[Mp, K]`` (row amax) and the 128x1 copy transposed,
+  ``qt[K, Mp]`` (column amax), with their decoding scales. Rows past ``M`` read as zero. The tile is
+  walked in slices of ``CHUNK`` rows (few live registers, high occupancy); the column copy re-reads the
+  slices while they are still in L2.
+- :func:`quantize_weight`: one program per 128x128 block of ``w[N, K]`` writes ``wq[N, K]`` and
+  ``wtq[K, N]`` with the block's scale in both padded scale layouts (padding included).
+
+Both are autotuned over ``CHUNK`` and ``num_warps`` (key: the feature dimensions); every configuration
+computes the same bits.
+
+Bytes moved per element of the input: 2 read (bf16) + 2 written (two E4M3 copies) + 8/128 of scales.
+Imported only on CUDA (triton is absent from CPU installs).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp8kit.fp8.blockwise import BLOCK, FP8, padded_rows, round_up4
+from fp8kit.fp8.scaling import AMAX_EPS, DTYPE_MAX, F32_MAX
+
+_FP8_MAX = DTYPE_MAX[FP8]
+
+
+@triton.jit
+def _scale_of(amax, EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr):
+    # fp8kit.fp8.scaling.scale_from_amax is `dtype_max / clamp(amax, eps, f32_max)` with a Python scalar
+    # numerator, which PyTorch evaluates as `reciprocal(a) * dtype_max` (Tensor.__rdiv__): two float32
+    # roundings. The same two here (IEEE 1/a, then the product); Triton's plain `/` would be div.full.f32.
+    a = tl.minimum(tl.maximum(amax, EPS), AMAX_MAX)
+    return tl.div_rn(tl.full(a.shape, 1.0, tl.float32), a) * FP8_MAX
+
+
+_CONFIGS = [triton.Config({"CHUNK": c}, num_warps=w) for c in (16, 32, 64, 128) for w in (4, 8)]
+
+
+@triton.autotune(configs=_CONFIGS, key=["K"])
+@triton.jit
+def _act_quant_kernel(
+    x_ptr, q_ptr, s_t_ptr, qt_ptr, st_ptr,
+    M, MP, K, stride_xm,
+    BLOCK_SIZE: tl.constexpr, EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    # One program per 128x128 tile, walked in CHUNK-row slices so few registers stay live (occupancy
+    # hides the memory latency). Pass 1 reads each slice from HBM: 1x128 row scales and the row copy,
+    # and the running column amax. Pass 2 re-reads the slices (L2-resident) for the 128x1 copy.
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = (pid_k * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)).to(tl.int64)
+    col_amax = tl.zeros((BLOCK_SIZE,), tl.float32)
+    for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
+        offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
+        rows = offs_m.to(tl.int64)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=offs_m[:, None] < M, other=0.0,
+                    eviction_policy="evict_last").to(tl.float32)
+        ax = tl.abs(x)
+        col_amax = tl.maximum(col_amax, tl.max(ax, axis=0))
+        # 1x128 along K: one scale per row -> q[Mp, K], s_t[K/128, Mp].
+        scale_r = _scale_of(tl.max(ax, axis=1), EPS, AMAX_MAX, FP8_MAX)
+        q = tl.clamp(x * scale_r[:, None], -FP8_MAX, FP8_MAX).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + rows[:, None] * K + cols[None, :], q)
+        tl.store(s_t_ptr + pid_k * MP + rows, tl.div_rn(tl.full((CHUNK,), 1.0, tl.float32), scale_r))
+    # 128x1 along M: one scale per column of the tile -> qt[K, Mp] (x transposed), st[Mp/128, K].
+    scale_c = _scale_of(col_amax, EPS, AMAX_MAX, FP8_MAX)
+    tl.store(st_ptr + pid_m * K + cols, tl.div_rn(tl.full((BLOCK_SIZE,), 1.0, tl.float32), scale_c))
+    for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
+        offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
+        rows = offs_m.to(tl.int64)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=offs_m[:, None] < M, other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+        qc = tl.clamp(x * scale_c[None, :], -FP8_MAX, FP8_MAX).to(qt_ptr.dtype.element_ty)
+        tl.store(qt_ptr + cols[:, None] * MP + rows[None, :], tl.trans(qc))
+
+
+@triton.autotune(configs=_CONFIGS, key=["N", "K"])
+@triton.jit
+def _weight_quant_kernel(
+    w_ptr, wq_ptr, ws_ptr, wtq_ptr, wts_ptr,
+    N, K, stride_wn, WS_LD, WTS_LD,
+    BLOCK_SIZE: tl.constexpr, EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    # One program per 128x128 block: pass 1 the block amax, pass 2 (L2-resident) both layouts.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_k = (pid_k * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)).to(tl.int64)
+    amax_rows = tl.zeros((CHUNK,), tl.float32)
+    for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
+        offs_n = (pid_n * BLOCK_SIZE + c + tl.arange(0, CHUNK)).to(tl.int64)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], eviction_policy="evict_last")
+        amax_rows = tl.maximum(amax_rows, tl.max(tl.abs(w.to(tl.float32)), axis=1))
+    scale = _scale_of(tl.max(amax_rows, axis=0), EPS, AMAX_MAX, FP8_MAX)
+    for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
+        offs_n = (pid_n * BLOCK_SIZE + c + tl.arange(0, CHUNK)).to(tl.int64)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], eviction_policy="evict_first")
+        q = tl.clamp(w.to(tl.float32) * scale, -FP8_MAX, FP8_MAX).to(wq_ptr.dtype.element_ty)
+        tl.store(wq_ptr + offs_n[:, None] * K + offs_k[None, :], q)
+        tl.store(wtq_ptr + offs_k[:, None] * N + offs_n[None, :], tl.trans(q))
+    inv = tl.div_rn(1.0 + tl.zeros((), tl.float32), scale)
+    tl.store(ws_ptr + pid_n * WS_LD + pid_k, inv)
+    tl.store(wts_ptr + pid_k * WTS_LD + pid_n, inv)
+    # The scale tensors' padding columns (cuBLAS's 16-byte alignment) hold 1.0.
+    pad = tl.arange(0, 4)
+    ones = tl.full((4,), 1.0, tl.float32)
+    if pid_k == 0:
+        tl.store(ws_ptr + pid_n * WS_LD + K // BLOCK_SIZE + pad, ones, mask=K // BLOCK_SIZE + pad < WS_LD)
+    if pid_n == 0:
+        tl.store(wts_ptr + pid_k * WTS_LD + N // BLOCK_SIZE + pad, ones, mask=N // BLOCK_SIZE + pad < WTS_LD)
+
+
+def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`fp8kit.fp8.blockwise.quantize_act` (same outputs, bit for bit).
+
+    Args:
+        x: CUDA ``[M, K]`` bf16 / fp16 / fp32 tensor with unit stride along K, ``K % 128 == 0``.
+    """
+    m, k = x.shape
+    mp = padded_rows(m)
+    q = torch.empty(mp, k, dtype=FP8, device=x.device)
+    qt = torch.empty(k, mp, dtype=FP8, device=x.device)
+    s_t = torch.empty(k // BLOCK, mp, dtype=torch.float32, device=x.device)
+    st = torch.empty(mp // BLOCK, k, dtype=torch.float32, device=x.device)
+    if mp:
+        _act_quant_kernel[(mp // BLOCK, k // BLOCK)](
+            x, q, s_t, qt, st, m, mp, k, x.stride(0),
+            BLOCK_SIZE=BLOCK, EPS=AMAX_EPS, AMAX_MAX=F32_MAX, FP8_MAX=_FP8_MAX,
+        )
+    return q, s_t, qt, st
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`fp8kit.fp8.blockwise.quantize_weight` (same outputs, bit for bit).
+
+    Args:
+        w: CUDA ``[N, K]`` float tensor with unit stride along K, both dimensions multiples of 128.
+    """
+    n, k = w.shape
+    nb, kb = n // BLOCK, k // BLOCK
+    wq = torch.empty(n, k, dtype=FP8, device=w.device)
+    wtq = torch.empty(k, n, dtype=FP8, device=w.device)
+    ws = torch.empty(nb, round_up4(kb), dtype=torch.float32, device=w.device)
+    wts = torch.empty(kb, round_up4(nb), dtype=torch.float32, device=w.device)
+    _weight_quant_kernel[(nb, kb)](
+        w, wq, ws, wtq, wts, n, k, w.stride(0), ws.stride(0), wts.stride(0),
+        BLOCK_SIZE=BLOCK, EPS=AMAX_EPS, AMAX_MAX=F32_MAX, FP8_MAX=_FP8_MAX,
+    )
+    return wq, ws, wtq, wts

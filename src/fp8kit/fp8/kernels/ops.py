@@ -1,0 +1,319 @@
+"""``torch.library`` custom ops of the blockwise FP8 recipe: ``torch.ops.fp8kit.*``.
+
+Each op has one schema and two implementations: CUDA runs the Triton kernels
+(:mod:`fp8kit.fp8.kernels.blockwise_triton`) or cuBLAS, every other device the PyTorch reference
+(:mod:`fp8kit.fp8.blockwise`), so CPU CI runs the same op as the GPU. ``register_fake`` gives
+``torch.compile`` the output shapes; the ops are opaque to Inductor (it neither fuses nor reorders
+them), which is what keeps compiled and eager results bit-identical.
+
+- ``fp8kit::blockwise_quant_act(x[M, K])`` -> the 1x128 copy and the transposed 128x1 copy with scales.
+- ``fp8kit::blockwise_quant_weight(w[N, K])`` -> the 128x128 copy in the fprop and dgrad layouts.
+- ``fp8kit::blockwise_quant_weight_cached(w)`` -> the same, computed once per weight version (below).
+- ``fp8kit::blockwise_mm(a, a_scale_t, b, b_scale, b_block, out_dtype, emulate)`` -> ``a @ b^T``.
+
+Weight cache. The quantized weight depends only on the weight's values, which change once per
+optimizer step; with gradient accumulation a linear runs its forward several times per step and its
+dgrad once per micro-batch. ``blockwise_quant_weight_cached`` keys an entry on the weight's device,
+data pointer, shape, stride and dtype, and reuses it while all three hold:
+
+(a) the weight's storage is the same object (a weak reference: a new tensor at a recycled address,
+    or ``param.data = new_tensor``, misses);
+(b) ``weight._version`` is unchanged (in-place updates through autograd-visible ops bump it:
+    ``copy_``, ``load_state_dict``, foreach / for-loop optimizers);
+(c) no ``torch.optim.Optimizer.step()`` ran since the entry was made: a global optimizer step
+    post-hook (``register_optimizer_step_post_hook``, installed on first use) bumps a generation
+    counter. This is needed: the fused AdamW / SGD kernels (``fused=True``) update parameters in place
+    WITHOUT bumping ``_version``, and FSDP2 writes unsharded parameters under
+    ``_unsafe_preserve_version_counter``.
+
+An update that bypasses all three (``weight.data.copy_(...)`` outside an optimizer step, e.g. a
+hand-written EMA) is not seen: call :func:`clear_weight_cache` after it. The lookup runs inside the op,
+so it works the same eagerly and under ``torch.compile``; the op is tagged ``cudagraph_unsafe`` (a CUDA
+graph replay would skip the lookup). Memory: an entry holds 2 bytes per weight element (two E4M3
+layouts), as much as the BF16 weight; during forward + backward those copies are alive anyway (saved
+for dgrad), the cache keeps them through the optimizer step too, until the weight is freed, the next
+lookup replaces them, or :func:`clear_weight_cache` runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from fp8kit.base.errors import CapabilityError
+from fp8kit.fp8 import blockwise
+from fp8kit.fp8.blockwise import BLOCK, FP8, padded_rows, round_up4
+
+Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+_CUDAGRAPH_UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)
+
+
+# --------------------------------------------------------------------------- capability
+
+def blockwise_gemm_support(device: torch.device | str) -> tuple[bool, str]:
+    """Whether cuBLAS blockwise FP8 GEMMs (1x128 x 128x128, 1x128 x 1x128) run on ``device``.
+
+    Needs ``torch.nn.functional.scaled_mm`` with ``ScalingType.BlockWise1x128`` (torch >= 2.10), CUDA
+    >= 12.9 and a Hopper GPU (compute capability 9.x: cuBLAS's blockwise FP8 kernels).
+
+    Returns:
+        ``(ok, reason)``; on failure ``reason`` names the GPU, the torch and CUDA versions and the fix.
+    """
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return False, f"device {dev} is not a CUDA GPU: blockwise GEMMs run emulated in float32 there"
+    fix = ('Fix: use fp8.recipe = "tensorwise" or "rowwise", or fp8.emulate = true (blockwise numerics '
+           "without the speed-up)")
+    scaling = getattr(torch.nn.functional, "ScalingType", None)
+    if scaling is None or not hasattr(scaling, "BlockWise128x128") or not hasattr(torch.nn.functional, "scaled_mm"):
+        return False, (f"torch {torch.__version__} has no torch.nn.functional.scaled_mm with ScalingType."
+                       f"BlockWise128x128 (needs torch >= 2.10). {fix}, or upgrade torch")
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    name = torch.cuda.get_device_name(index)
+    cap = torch.cuda.get_device_capability(index)
+    cuda = torch.version.cuda or "none"
+    cuda_ok = torch.version.cuda is not None and tuple(int(p) for p in cuda.split(".")[:2]) >= (12, 9)
+    if cap[0] != 9 or not cuda_ok:
+        return False, (f"blockwise FP8 GEMMs need a Hopper GPU (compute capability 9.x) and CUDA >= 12.9; this is "
+                       f"{name} (cuda:{index}, capability {cap[0]}.{cap[1]}) with torch {torch.__version__} "
+                       f"(CUDA {cuda}). {fix}")
+    return True, f"{name} (cuda:{index}, capability {cap[0]}.{cap[1]}), torch {torch.__version__}: blockwise FP8 GEMMs"
+
+
+@functools.cache
+def _require_blockwise_gemm(device: torch.device) -> None:
+    ok, reason = blockwise_gemm_support(device)
+    if not ok:
+        raise CapabilityError(f'fp8.recipe = "blockwise": {reason}')
+
+
+@functools.cache
+def _triton_kernels():
+    """The Triton module, or None (then the CUDA ops run the reference, with one warning)."""
+    try:
+        from fp8kit.fp8.kernels import blockwise_triton
+    except ImportError as e:  # pragma: no cover - CUDA torch ships triton
+        warnings.warn(f"fp8kit blockwise: triton unavailable ({e}); quantizing with the slow PyTorch reference",
+                      stacklevel=3)
+        return None
+    return blockwise_triton
+
+
+def _prepare(t: torch.Tensor, what: str, where: str, rows_blocked: bool) -> torch.Tensor:
+    """Validate a 2-D operand (last dim, and rows when ``rows_blocked``, multiples of 128); unit stride."""
+    if t.dim() != 2 or t.shape[1] % BLOCK or (rows_blocked and t.shape[0] % BLOCK):
+        dims = "both dimensions" if rows_blocked else "the last dimension"
+        raise ValueError(f"{where}: {what} must be 2-D with {dims} divisible by {BLOCK}, got {tuple(t.shape)}")
+    t = t.detach()
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def _quantize_act_ref(x: torch.Tensor) -> Quantized:
+    return blockwise.quantize_act(_prepare(x, "x", "fp8kit::blockwise_quant_act", False))
+
+
+def _quantize_act_cuda(x: torch.Tensor) -> Quantized:
+    x = _prepare(x, "x", "fp8kit::blockwise_quant_act", False)
+    kernels = _triton_kernels()
+    if kernels is None:
+        return blockwise.quantize_act(x)
+    with torch.cuda.device(x.device):
+        return kernels.quantize_act(x)
+
+
+def _quantize_weight_ref(w: torch.Tensor) -> Quantized:
+    return blockwise.quantize_weight(_prepare(w, "weight", "fp8kit::blockwise_quant_weight", True))
+
+
+def _quantize_weight_cuda(w: torch.Tensor) -> Quantized:
+    w = _prepare(w, "weight", "fp8kit::blockwise_quant_weight", True)
+    kernels = _triton_kernels()
+    if kernels is None:
+        return blockwise.quantize_weight(w)
+    with torch.cuda.device(w.device):
+        return kernels.quantize_weight(w)
+
+
+def _quantize_weight_any(w: torch.Tensor) -> Quantized:
+    return _quantize_weight_cuda(w) if w.is_cuda else _quantize_weight_ref(w)
+
+
+# --------------------------------------------------------------------------- quantization ops
+
+@torch.library.custom_op("fp8kit::blockwise_quant_act", mutates_args=())
+def _quant_act_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _quantize_act_ref(x)
+
+
+@_quant_act_op.register_kernel("cuda")
+def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _quantize_act_cuda(x)
+
+
+@_quant_act_op.register_fake
+def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    mp = padded_rows(m)
+    f32 = torch.float32
+    return (x.new_empty(mp, k, dtype=FP8), x.new_empty(k // BLOCK, mp, dtype=f32),
+            x.new_empty(k, mp, dtype=FP8), x.new_empty(mp // BLOCK, k, dtype=f32))
+
+
+def _fake_weight(w: torch.Tensor) -> Quantized:
+    n, k = w.shape
+    f32 = torch.float32
+    return (w.new_empty(n, k, dtype=FP8), w.new_empty(n // BLOCK, round_up4(k // BLOCK), dtype=f32),
+            w.new_empty(k, n, dtype=FP8), w.new_empty(k // BLOCK, round_up4(n // BLOCK), dtype=f32))
+
+
+@torch.library.custom_op("fp8kit::blockwise_quant_weight", mutates_args=())
+def _quant_weight_op(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _quantize_weight_ref(w)
+
+
+@_quant_weight_op.register_kernel("cuda")
+def _(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _quantize_weight_cuda(w)
+
+
+_quant_weight_op.register_fake(_fake_weight)
+
+
+@dataclass
+class _Entry:
+    storage: weakref.ref
+    version: int
+    generation: int
+    out: Quantized
+
+
+class _WeightCache:
+    """Quantized weights by (device, data_ptr, shape, stride, dtype); see the module docstring."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple, _Entry] = {}
+        self.hits = 0
+        self.misses = 0
+        self.generation = 0  # optimizer steps seen
+        self.hook = None
+
+    def _step_done(self, *_args) -> None:
+        self.generation += 1
+
+    def get(self, w: torch.Tensor) -> Quantized:
+        if self.hook is None:
+            self.hook = register_optimizer_step_post_hook(self._step_done)
+        key = (w.device, w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype)
+        storage = w.untyped_storage()
+        entry = self.entries.get(key)
+        if (entry is not None and entry.storage() is storage and entry.version == w._version
+                and entry.generation == self.generation):
+            self.hits += 1
+            return entry.out
+        self.misses += 1
+        out = _quantize_weight_any(w)
+        self.entries = {k: e for k, e in self.entries.items() if e.storage() is not None and k != key}
+        self.entries[key] = _Entry(weakref.ref(storage), w._version, self.generation, out)
+        return out
+
+
+_CACHE = _WeightCache()
+
+
+@torch.library.custom_op(
+    "fp8kit::blockwise_quant_weight_cached", mutates_args=(),
+    tags=(_CUDAGRAPH_UNSAFE,) if _CUDAGRAPH_UNSAFE is not None else (),
+)
+def _quant_weight_cached_op(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _CACHE.get(w)
+
+
+_quant_weight_cached_op.register_fake(_fake_weight)
+
+
+def clear_weight_cache() -> None:
+    """Drop every cached quantized weight (call after an optimizer step that bypasses ``_version``)."""
+    _CACHE.entries.clear()
+
+
+def weight_cache_stats() -> dict[str, int]:
+    """``{"hits", "misses", "entries"}`` of the weight cache since the process started."""
+    return {"hits": _CACHE.hits, "misses": _CACHE.misses, "entries": len(_CACHE.entries)}
+
+
+# --------------------------------------------------------------------------- GEMM op
+
+@torch.library.custom_op("fp8kit::blockwise_mm", mutates_args=())
+def _blockwise_mm_op(
+    a: torch.Tensor, a_scale_t: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, b_block: int,
+    out_dtype: torch.dtype, emulate: bool,
+) -> torch.Tensor:
+    return blockwise.blockwise_mm_emulated(a, a_scale_t, b, b_scale, b_block, out_dtype)
+
+
+@_blockwise_mm_op.register_kernel("cuda")
+def _(
+    a: torch.Tensor, a_scale_t: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, b_block: int,
+    out_dtype: torch.dtype, emulate: bool,
+) -> torch.Tensor:
+    if emulate:
+        return blockwise.blockwise_mm_emulated(a, a_scale_t, b, b_scale, b_block, out_dtype)
+    _require_blockwise_gemm(a.device)
+    f = torch.nn.functional
+    recipe_b = f.ScalingType.BlockWise128x128 if b_block == BLOCK else f.ScalingType.BlockWise1x128
+    return f.scaled_mm(
+        a, b.t(), scale_a=a_scale_t.t(), scale_recipe_a=f.ScalingType.BlockWise1x128,
+        scale_b=b_scale.t(), scale_recipe_b=recipe_b, output_dtype=out_dtype,
+    )
+
+
+@_blockwise_mm_op.register_fake
+def _(
+    a: torch.Tensor, a_scale_t: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, b_block: int,
+    out_dtype: torch.dtype, emulate: bool,
+) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
+
+
+# --------------------------------------------------------------------------- public entry points
+
+def quantize_act(x: torch.Tensor) -> Quantized:
+    """Both FP8 copies of an activation or output gradient ``x[M, K]``: ``(q, s_t, qt, st)``.
+
+    Layouts and numerics: :func:`fp8kit.fp8.blockwise.quantize_act`. Triton on CUDA (one read of ``x``).
+    """
+    return torch.ops.fp8kit.blockwise_quant_act(x)
+
+
+def quantize_weight(w: torch.Tensor, cache: bool = True) -> Quantized:
+    """The 128x128 FP8 weight ``(wq, ws, wtq, wts)`` of ``w[N, K]``, from the cache when ``cache``.
+
+    Layouts and numerics: :func:`fp8kit.fp8.blockwise.quantize_weight`.
+    """
+    if cache:
+        return torch.ops.fp8kit.blockwise_quant_weight_cached(w)
+    return torch.ops.fp8kit.blockwise_quant_weight(w)
+
+
+def blockwise_mm(
+    a: torch.Tensor, a_scale_t: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, b_block: int,
+    out_dtype: torch.dtype, emulate: bool = False,
+) -> torch.Tensor:
+    """``a[M, K] @ b[N, K]^T`` of blockwise E4M3 operands -> ``[M, N]`` of ``out_dtype``.
+
+    ``a`` has 1x128 blocks with decoding scales ``a_scale_t[K/128, M]``; ``b`` has 128x128 blocks
+    (``b_block=128``, scales ``[N/128, L4(K/128)]``) or 1x128 blocks along K (``b_block=1``, scales
+    ``[K/128, N]``). CUDA: cuBLAS via ``F.scaled_mm`` unless ``emulate``; elsewhere, and with
+    ``emulate``: :func:`fp8kit.fp8.blockwise.blockwise_mm_emulated`.
+
+    Raises:
+        CapabilityError: on a CUDA device without blockwise FP8 GEMMs (see :func:`blockwise_gemm_support`)
+            and ``emulate`` false.
+    """
+    return torch.ops.fp8kit.blockwise_mm(a, a_scale_t, b, b_scale, b_block, out_dtype, emulate)

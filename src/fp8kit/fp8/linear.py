@@ -1,0 +1,175 @@
+"""The blockwise FP8 linear layer: an autograd Function (fprop / dgrad / wgrad) and its ``nn.Module``.
+
+Numerics, layouts and sources: :mod:`fp8kit.fp8.blockwise` (DeepSeek-V3, arXiv:2412.19437, section
+3.3). The three GEMMs of ``y = x @ w^T + b``:
+
+- fprop ``y = x @ w^T``: ``x`` 1x128 along K, ``w`` 128x128 (cached per weight version).
+- dgrad ``dx = dy @ w``: ``dy`` 1x128 along N, ``w^T`` the same 128x128 blocks (the cached ``[K, N]`` copy).
+- wgrad ``dw = dy^T @ x``: ``dy^T`` and ``x^T`` 1x128 along M, i.e. 128x1 blocks of ``dy`` and ``x``.
+
+The forward saves only the FP8 ``x^T`` copy (and the cached FP8 weight), not the BF16 input. The bias
+is added, and its gradient reduced, in the input's precision outside the FP8 GEMMs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from fp8kit.fp8.blockwise import BLOCK, check_linear_shape
+from fp8kit.fp8.kernels import ops
+
+
+class _BlockwiseLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, cache_weight: bool, emulate: bool):
+        n, k = weight.shape
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        m = x2.shape[0]
+        xq, xs_t, xtq, xts = ops.quantize_act(x2)
+        wq, ws, wtq, wts = ops.quantize_weight(weight, cache_weight)
+        y = ops.blockwise_mm(xq, xs_t, wq, ws, BLOCK, x.dtype, emulate)[:m]
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        ctx.save_for_backward(xtq, xts, wtq, wts)
+        ctx.shape = (lead, m, n, k)
+        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        ctx.emulate = emulate
+        return y.reshape(*lead, n)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xtq, xts, wtq, wts = ctx.saved_tensors
+        lead, m, n, k = ctx.shape
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        dy2 = dy.reshape(-1, n)
+        dyq, dys_t, dytq, dyts = ops.quantize_act(dy2)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = ops.blockwise_mm(dyq, dys_t, wtq, wts, BLOCK, x_dtype, ctx.emulate)[:m].reshape(*lead, k)
+        if ctx.needs_input_grad[1]:
+            dw = ops.blockwise_mm(dytq, dyts, xtq, xts, 1, w_dtype, ctx.emulate)
+        if ctx.needs_input_grad[2]:
+            db = dy2.sum(dim=0, dtype=torch.float32).to(b_dtype)
+        return dx, dw, db, None, None
+
+
+def blockwise_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+    cache_weight: bool = True, emulate: bool = False,
+) -> torch.Tensor:
+    """``x @ weight^T + bias`` with the three GEMMs in blockwise FP8 (differentiable in all three inputs).
+
+    Args:
+        x: ``[..., K]`` bf16 (or fp16 / fp32) input; the output has its dtype.
+        weight: ``[N, K]``, ``N`` and ``K`` multiples of 128.
+        bias: ``[N]`` or None.
+        cache_weight: reuse the quantized weight while the weight is unchanged
+            (:mod:`fp8kit.fp8.kernels.ops`, "Weight cache").
+        emulate: on CUDA, run the GEMMs in float32 on the dequantized operands (the CPU always does).
+
+    Returns:
+        ``[..., N]`` tensor of ``x.dtype``.
+
+    Raises:
+        ValueError: ``weight`` is not ``[N, K]`` with multiples of 128, or ``x``'s last dimension is not K.
+        CapabilityError: on a CUDA GPU without blockwise FP8 GEMMs and ``emulate`` false.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"blockwise_linear: weight must be 2-D [out_features, in_features], got {tuple(weight.shape)}")
+    check_linear_shape(weight.shape[0], weight.shape[1], "blockwise_linear")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"blockwise_linear: input of shape {tuple(x.shape)} does not match weight "
+                         f"{tuple(weight.shape)} (last dimension must be {weight.shape[1]})")
+    return _BlockwiseLinearFn.apply(x, weight, bias, cache_weight, emulate)
+
+
+class Float8BlockwiseLinear(nn.Module):
+    """A linear layer whose fprop, dgrad and wgrad run in blockwise FP8 (DeepSeek-V3 recipe).
+
+    Holds ``weight`` ``[out_features, in_features]`` and ``bias`` ``[out_features]`` (or None) like
+    ``nn.Linear``; :meth:`from_linear` takes over the very Parameter objects of an ``nn.Linear``, so
+    optimizer state and ``state_dict`` keys are unchanged, and :meth:`to_linear` gives them back.
+    Not a subclass of ``nn.Linear`` on purpose: converters that look for ``nn.Linear`` skip it.
+
+    Args:
+        in_features, out_features: multiples of 128.
+        bias: whether to create a bias.
+        cache_weight: quantize the weight once per weight version (see :mod:`fp8kit.fp8.kernels.ops`).
+        emulate: run the GEMMs in float32 on dequantized operands on CUDA (for GPUs without blockwise
+            FP8 GEMMs; the CPU always emulates).
+
+    Raises:
+        ValueError: a feature count that is not a multiple of 128 (naming the shape).
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, *, device=None, dtype=None,
+        cache_weight: bool = True, emulate: bool = False,
+    ) -> None:
+        super().__init__()
+        check_linear_shape(out_features, in_features, "Float8BlockwiseLinear")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.cache_weight = cache_weight
+        self.emulate = emulate
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s initialisation (Kaiming-uniform weight, uniform bias)."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, *, cache_weight: bool = True, emulate: bool = False, name: str | None = None,
+    ) -> Float8BlockwiseLinear:
+        """A ``Float8BlockwiseLinear`` sharing ``linear``'s ``weight`` and ``bias`` Parameter objects.
+
+        Args:
+            linear: the layer to replace (its hooks are not carried over).
+            name: the module's qualified name, for the error message.
+
+        Raises:
+            ValueError: ``in_features`` or ``out_features`` not a multiple of 128 (keep the layer BF16).
+        """
+        n, k = linear.weight.shape
+        check_linear_shape(n, k, f"Float8BlockwiseLinear.from_linear({name or type(linear).__name__})")
+        mod = cls.__new__(cls)
+        nn.Module.__init__(mod)
+        mod.in_features, mod.out_features = k, n
+        mod.cache_weight, mod.emulate = cache_weight, emulate
+        mod.weight = linear.weight
+        mod.bias = linear.bias
+        mod.train(linear.training)
+        return mod
+
+    def to_linear(self) -> nn.Linear:
+        """An ``nn.Linear`` holding this module's ``weight`` and ``bias`` Parameter objects."""
+        with torch.device("meta"):
+            linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        linear.weight = self.weight
+        linear.bias = self.bias
+        linear.train(self.training)
+        return linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., in_features]`` -> ``[..., out_features]`` in ``x``'s dtype."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"Float8BlockwiseLinear: input of shape {tuple(x.shape)} does not match "
+                             f"in_features={self.in_features}")
+        return _BlockwiseLinearFn.apply(x, self.weight, self.bias, self.cache_weight, self.emulate)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"recipe=blockwise, cache_weight={self.cache_weight}, emulate={self.emulate}")

@@ -1,0 +1,146 @@
+"""Blockwise FP8 on a CUDA GPU (marker ``gpu``; skipped without CUDA): Triton vs the reference bit for bit,
+cuBLAS blockwise GEMMs vs the float32 emulation and a float64 reference, compile vs eager, the cache.
+
+Run on a Hopper GPU: ``pytest -m gpu tests/test_blockwise_gpu.py``. Inputs are randn with outliers
+(never zeros); the reference is the CPU path that CI tests (:mod:`fp8kit.fp8.blockwise`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from fp8kit.fp8 import blockwise
+from fp8kit.fp8.kernels import ops
+from fp8kit.fp8.linear import Float8BlockwiseLinear
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+MIN_DB = 25.0
+#: cuBLAS vs float32 emulation of the same quantized operands: only accumulation order and the final
+#: rounding to bf16 differ.
+MIN_DB_VS_EMULATION = 40.0
+
+
+def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
+    ref, x = ref.detach().double().cpu(), x.detach().double().cpu()
+    return float(10 * math.log10(ref.pow(2).sum() / (ref - x).pow(2).sum().clamp_min(1e-300)))
+
+
+def _real(*shape, scale=1.0, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    t = torch.randn(*shape, generator=g, device="cuda") * scale
+    n = max(1, t.numel() // 1000)
+    idx = torch.randint(0, t.numel(), (n,), generator=g, device="cuda")
+    t.view(-1)[idx] *= torch.empty(n, device="cuda").uniform_(10, 30, generator=g)
+    return t.to(dtype)
+
+
+def _poison_allocator(nbytes: int) -> None:
+    """Leave freed blocks full of 0x7F (E4M3 NaN, a float32 NaN pattern) for the next allocations."""
+    torch.full((nbytes,), 0x7F, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == blockwise.FP8 else t.view(torch.int32)
+
+
+def _assert_same(got, ref, names, where):
+    for name, a, b in zip(names, got, ref, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, f"{where} {name}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+        diff = (_bits(a.cpu()) != _bits(b.cpu())).sum().item()
+        assert diff == 0, f"{where} {name}: {diff} of {a.numel()} elements differ from the reference"
+
+
+@pytest.mark.parametrize("m,k,dtype", [
+    (4096, 4096, torch.bfloat16), (8192, 14336, torch.bfloat16), (1000, 4096, torch.bfloat16),
+    (1001, 640, torch.bfloat16), (1000, 4096, torch.float32),
+])
+def test_triton_activation_quant_matches_reference_bit_for_bit(m, k, dtype):
+    x = _real(m, k, seed=m + k, dtype=dtype)
+    _poison_allocator(8 * blockwise.padded_rows(m) * k)
+    got = ops.quantize_act(x)
+    torch.cuda.synchronize()
+    ref = blockwise.quantize_act(x.cpu())
+    _assert_same(got, ref, ("q", "s_t", "qt", "st"), f"act {m}x{k} {dtype}")
+
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (14336, 4096), (4096, 14336), (384, 640)])
+def test_triton_weight_quant_matches_reference_bit_for_bit(n, k):
+    w = _real(n, k, scale=0.02, seed=n * 7 + k)
+    _poison_allocator(4 * n * k)
+    got = ops.quantize_weight(w, cache=False)
+    torch.cuda.synchronize()
+    ref = blockwise.quantize_weight(w.cpu())
+    _assert_same(got, ref, ("wq", "ws", "wtq", "wts"), f"weight {n}x{k}")
+
+
+def test_blockwise_gemm_supported_here():
+    ok, reason = ops.blockwise_gemm_support("cuda")
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert ok, reason
+
+
+@pytest.mark.parametrize("m,k,n", [(1000, 4096, 4096), (1001, 640, 384), (2048, 4096, 14336), (256, 14336, 4096)])
+def test_linear_cublas_vs_emulation_and_float64(m, k, n):
+    """(1001, 640, 384): M not a multiple of 128 and (K // 128) % 4 != 0 (pytorch #166752)."""
+    ok, reason = ops.blockwise_gemm_support("cuda")
+    if not ok:
+        pytest.skip(reason)
+    lin = nn.Linear(k, n, bias=True, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(_real(n, k, scale=0.02, seed=1))
+    x = _real(m, k, seed=2).requires_grad_()
+    dy = _real(m, n, seed=3)
+    out = {}
+    for emulate in (False, True):
+        mod = Float8BlockwiseLinear.from_linear(lin, emulate=emulate, cache_weight=False)
+        y = mod(x)
+        out[emulate] = (y, *torch.autograd.grad(y, (x, lin.weight, lin.bias), dy))
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, lin.weight, lin.bias))
+    y64 = nn.functional.linear(x64, w64, b64)
+    ref = (y64, *torch.autograd.grad(y64, (x64, w64, b64), dy.double()))
+    names = ("output", "dgrad", "wgrad", "bias grad")
+    vs_emu = {nm: sqnr(e, c) for nm, c, e in zip(names, out[False], out[True], strict=True)}
+    vs_64 = {nm: sqnr(r, c) for nm, c, r in zip(names, out[False], ref, strict=True)}
+    msg = f"{m}x{k}x{n}: vs emulation {vs_emu}, vs float64 {vs_64}"
+    print(msg)
+    assert all(v >= MIN_DB_VS_EMULATION for v in vs_emu.values()), msg
+    assert all(v >= MIN_DB for v in vs_64.values()), msg
+
+
+def test_compile_matches_eager_on_cuda():
+    torch._dynamo.reset()
+    mod = Float8BlockwiseLinear(4096, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = _real(4, 1000, 4096, seed=4).requires_grad_()
+    dy = _real(4, 1000, 2048, seed=5)
+    y = mod(x)
+    g = torch.autograd.grad(y, (x, mod.weight), dy)
+    cm = torch.compile(mod, fullgraph=True)
+    yc = cm(x)
+    gc = torch.autograd.grad(yc, (x, mod.weight), dy)
+    for name, a, b in zip(("output", "dgrad", "wgrad"), (y, *g), (yc, *gc), strict=True):
+        assert torch.equal(a, b), f"compiled {name} differs from eager: max {(a - b).abs().max().item()}"
+
+
+def test_weight_cache_on_cuda():
+    ops.clear_weight_cache()
+    mod = Float8BlockwiseLinear(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(mod.parameters(), lr=1e-2, fused=True)
+    x = _real(512, 1024, seed=6)
+    before = ops.weight_cache_stats()["misses"]
+    mod(x).float().square().mean().backward()
+    mod(x).float().square().mean().backward()
+    assert ops.weight_cache_stats()["misses"] - before == 1
+    opt.step()  # the fused AdamW kernel updates the weight in place
+    y = mod(x)
+    assert ops.weight_cache_stats()["misses"] - before == 2
+    fresh = Float8BlockwiseLinear.from_linear(mod.to_linear(), cache_weight=False)(x)
+    assert torch.equal(y, fresh)
