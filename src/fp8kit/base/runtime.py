@@ -72,6 +72,11 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launched_rank() -> int:
+    """``RANK`` of a torchrun launch (0 when not launched by torchrun); usable before the process group exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def distributed_ready() -> bool:
     """A default process group exists (torchrun launch after ``init_process_group``)."""
     import torch.distributed as dist

@@ -33,7 +33,6 @@ Three ways to run:
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -41,7 +40,7 @@ import torch
 from torch import nn
 
 from fp8kit.base.errors import CapabilityError, ConfigError
-from fp8kit.base.runtime import device_name, resolve_device, versions
+from fp8kit.base.runtime import device_name, launched_rank, launched_world_size, resolve_device, versions
 from fp8kit.base.torchao_lib import torchao_float8
 from fp8kit.bench.sites import BenchSite, layer_sites
 from fp8kit.bench.timing import time_ms
@@ -139,10 +138,6 @@ class SiteModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         return [lin(x) for lin in self.linears]
-
-
-def _world() -> tuple[int, int]:
-    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
 
 
 def build_site_module(
@@ -338,7 +333,7 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
         raise ConfigError(f"--warmup must be >= 0, got {args.warmup}")
     if args.iters < 1:
         raise ConfigError(f"--iters must be >= 1, got {args.iters}")
-    world, rank = _world()
+    world, rank = launched_world_size(), launched_rank()
     real_tp = args.tp > 1 and not args.simulate_tp
     if real_tp and world != args.tp:
         raise ConfigError(

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from fp8kit.base.errors import ConfigError, PolicyError
+from fp8kit.base.runtime import launched_rank
 
 ENV_PREFIX = "TE_LAYER_PERF_"
 # flag dest -> (variable suffix, type)
@@ -242,7 +243,7 @@ def _bench(args: argparse.Namespace, console) -> int:
         shape_sweep=parse_shape_sweep(args.shape_sweep) if args.shape_sweep else auto_sweep(args.max_tokens),
         device=args.device, simulate_tp=args.simulate_tp, compile=args.compile,
     )
-    main_rank = int(os.environ.get("RANK", "0")) == 0
+    main_rank = launched_rank() == 0
     if main_rank:
         simulated = "; simulated on one device" if args.simulate_tp and values["tp"] > 1 else ""
         console.print("bench-layers measures " + ", ".join(

@@ -9,7 +9,6 @@ the run's seed, so initialisation is reproducible. Nothing is downloaded.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,13 +35,9 @@ def _config_kwargs(model_cfg: ModelConfig) -> tuple[dict[str, Any], str]:
             p = p / "config.json"
         if not p.is_file():
             raise ConfigError(f"model.hf_config: {str(p)!r} does not exist")
-        try:
-            kwargs = json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"model.hf_config: {str(p)!r} is not a readable JSON file: {e}") from None
-        if not isinstance(kwargs, dict) or "model_type" not in kwargs:
-            raise ConfigError(f"model.hf_config: {str(p)!r} has no 'model_type' key (is it an HF config.json?)")
-        return dict(kwargs), f"model.hf_config {str(p)!r}"
+        from fp8kit.models.pretrained import read_config_json
+
+        return read_config_json(p, "model.hf_config"), f"model.hf_config {str(p)!r}"
     return dict(PRESETS[model_cfg.preset]), f"model.preset {model_cfg.preset!r}"
 
 

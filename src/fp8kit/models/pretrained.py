@@ -62,6 +62,21 @@ class PretrainedDir:
         return f"model.pretrained {str(self.path)!r}"
 
 
+def read_config_json(path: Path, where: str) -> dict:
+    """Parse a Hugging Face ``config.json``: a JSON object with a ``model_type`` key.
+
+    Raises:
+        ConfigError: naming ``where`` and the file, when it is unreadable, not JSON, or has no ``model_type``.
+    """
+    try:
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{where}: {str(path)!r} is not a readable JSON file: {' '.join(str(e).split())}") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ConfigError(f"{where}: {str(path)!r} has no 'model_type' key (is it an HF config.json?)")
+    return config
+
+
 def inspect_pretrained(path: str | Path) -> PretrainedDir:
     """Read ``config.json`` and locate the weight files of a pretrained directory (headers are not read).
 
@@ -77,12 +92,7 @@ def inspect_pretrained(path: str | Path) -> PretrainedDir:
     cfg_path = p / CONFIG_FILE
     if not cfg_path.is_file():
         raise ConfigError(f"{where}: no {CONFIG_FILE} in it (not a Hugging Face model directory)")
-    try:
-        config = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{where}: {cfg_path} is not a readable JSON file: {' '.join(str(e).split())}") from None
-    if not isinstance(config, dict) or "model_type" not in config:
-        raise ConfigError(f"{where}: {cfg_path} has no 'model_type' key (is it an HF config.json?)")
+    config = read_config_json(cfg_path, where)
     if not isinstance(config.get("vocab_size"), int):
         raise ConfigError(f"{where}: {cfg_path} has no integer 'vocab_size' (a causal LM's config is expected)")
     if config.get("quantization_config"):

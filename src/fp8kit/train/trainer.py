@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.console import Console
 
 from fp8kit.base.console import make_console
-from fp8kit.base.runtime import barrier, is_main, launched_world_size
+from fp8kit.base.runtime import barrier, is_main, launched_rank, launched_world_size
 from fp8kit.config import RunConfig, save_config
 from fp8kit.optim.memory import format_state_bytes
 from fp8kit.selective.decide import summarize
@@ -72,7 +72,7 @@ def train(
     """
     console = console or make_console()
     launched = launched_world_size() > 1
-    if launched and not _env_rank0():
+    if launched and launched_rank() != 0:
         console = Console(quiet=True)  # only rank 0 prints
     from_config = resume is None and bool(cfg.train.resume)
     plan = plan_resume(cfg.train.resume if from_config else resume,
@@ -164,12 +164,6 @@ def train(
         raise TrainingDiverged(f"training diverged: {loop.diverged}; metrics and summary are in {out_dir}")
     barrier()  # torchrun: no rank ends (and gets the others stopped) before rank 0 has written the run
     return TrainResult(out_dir, summary, records, loop)
-
-
-def _env_rank0() -> bool:
-    import os
-
-    return os.environ.get("RANK", "0") == "0"
 
 
 def _train_other_rank(setup: Setup, out_dir: Path, console: Console) -> TrainResult:
