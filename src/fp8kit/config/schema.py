@@ -42,9 +42,10 @@ class FP8Config(ConfigModel):
     recipe: Recipe = Field(
         "tensorwise",
         description="FP8 scaling recipe (the table in fp8kit.fp8.recipes): tensorwise, rowwise, rowwise_with_gw_hp "
-        "(torchao Float8Linear; E4M3 forward, E5M2 gradients) or blockwise (fp8kit's own: 1x128 activation "
+        "(torchao Float8Linear; E4M3 forward, E5M2 gradients), blockwise (fp8kit's own: 1x128 activation "
         "and gradient blocks, 128x128 weight blocks, E4M3 throughout, DeepSeek-V3; layers whose dims are "
-        "not multiples of 128 stay BF16).",
+        "not multiples of 128 stay BF16) or delayed (fp8kit's own: Transformer Engine's delayed scaling "
+        "from an amax history, see amax_history_len; not yet fast: docs/benchmarks.md section 6).",
     )
     include: list[str] = Field(
         default_factory=list,

@@ -354,6 +354,11 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
         },
     }
     setup.warnings.extend(prepared.notes)
+    if cfg.train.mixed_precision == "fp8" and cfg.fp8.recipe == "delayed" and device.type == "cuda":
+        setup.warnings.append(
+            "fp8.recipe = \"delayed\" runs outside torch.compile and measured slower than BF16 (0.67x on an H100, "
+            "docs/benchmarks.md section 6): use it for its numerics, not for speed"
+        )
     return setup
 
 
