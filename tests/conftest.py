@@ -45,3 +45,20 @@ def tiny_moe_model():
     )
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(cfg), cfg
+
+
+def assert_hf_logits_equal_run(hf, run) -> None:
+    """``hf`` (a transformers model loaded from an export of ``run``) gives exactly the logits of fp8kit's own
+    bf16 model loaded from ``run``'s latest checkpoint, on a fixed batch."""
+    from fp8kit.config import load_config
+    from fp8kit.models.build import build_model
+    from fp8kit.train import checkpoint as ckpt
+
+    cfg = load_config(str(run / "resolved_config.toml"), [])
+    # bf16 model (its rotary inv_freq buffer stays fp32, as in from_pretrained), fp32 weights cast on load
+    ours = build_model(cfg.model, cfg.data.vocab_size, device="cpu", dtype=torch.bfloat16, seed=7)
+    ckpt.load_model_weights(ckpt.find_checkpoint(run), ours)
+    x = torch.randint(0, cfg.data.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = hf(input_ids=x).logits, ours(input_ids=x).logits
+    assert torch.equal(a, b), f"max |diff| {(a.float() - b.float()).abs().max().item()}"

@@ -31,6 +31,7 @@ from fp8kit.cli.main import main
 from fp8kit.config import load_config
 from fp8kit.train.metrics import read_metrics
 from fp8kit.train.trainer import train
+from tests.conftest import assert_hf_logits_equal_run
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = os.path.join(os.path.dirname(email.__file__), "*.py")
@@ -77,8 +78,6 @@ def test_export_loads_in_transformers(source):
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fp8kit.models.build import build_model
-    from fp8kit.train import checkpoint as ckpt
 
     run, e1, _ = source
     files = sorted(p.name for p in e1.iterdir())
@@ -88,13 +87,7 @@ def test_export_loads_in_transformers(source):
 
     hf = AutoModelForCausalLM.from_pretrained(e1)
     assert {p.dtype for p in hf.parameters()} == {torch.bfloat16}
-    cfg = load_config(str(run / "resolved_config.toml"), [])
-    ours = build_model(cfg.model, cfg.data.vocab_size, device="cpu", dtype=torch.bfloat16, seed=7)
-    ckpt.load_model_weights(ckpt.find_checkpoint(run), ours)
-    x = torch.randint(0, cfg.data.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        a, b = hf(input_ids=x).logits, ours(input_ids=x).logits
-    assert torch.equal(a, b), f"max |diff| {(a.float() - b.float()).abs().max().item()}"
+    assert_hf_logits_equal_run(hf, run)
 
     # tokenizer: AutoTokenizer encodes as the run's tokenizer did, round-trips text, knows EOS
     tok = AutoTokenizer.from_pretrained(e1)

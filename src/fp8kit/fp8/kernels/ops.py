@@ -114,30 +114,38 @@ def _prepare(t: torch.Tensor, what: str, where: str, rows_blocked: bool) -> torc
     return t if t.stride(1) == 1 else t.contiguous()
 
 
+# name -> (operand, op name, rows blocked too, reference quantizer); the Triton kernels share the names.
+_QUANTIZERS = {
+    "quantize_act": ("x", "fp8kit::blockwise_quant_act", False, blockwise.quantize_act),
+    "quantize_weight": ("weight", "fp8kit::blockwise_quant_weight", True, blockwise.quantize_weight),
+}
+
+
+def _quantize(name: str, t: torch.Tensor, *, cuda: bool) -> Quantized:
+    """Checked input -> the Triton kernel ``name`` on CUDA (when triton imports), else the reference."""
+    what, op, rows_blocked, reference = _QUANTIZERS[name]
+    t = _prepare(t, what, op, rows_blocked)
+    kernels = _triton_kernels() if cuda else None
+    if kernels is None:
+        return reference(t)
+    with torch.cuda.device(t.device):
+        return getattr(kernels, name)(t)
+
+
 def _quantize_act_ref(x: torch.Tensor) -> Quantized:
-    return blockwise.quantize_act(_prepare(x, "x", "fp8kit::blockwise_quant_act", False))
+    return _quantize("quantize_act", x, cuda=False)
 
 
 def _quantize_act_cuda(x: torch.Tensor) -> Quantized:
-    x = _prepare(x, "x", "fp8kit::blockwise_quant_act", False)
-    kernels = _triton_kernels()
-    if kernels is None:
-        return blockwise.quantize_act(x)
-    with torch.cuda.device(x.device):
-        return kernels.quantize_act(x)
+    return _quantize("quantize_act", x, cuda=True)
 
 
 def _quantize_weight_ref(w: torch.Tensor) -> Quantized:
-    return blockwise.quantize_weight(_prepare(w, "weight", "fp8kit::blockwise_quant_weight", True))
+    return _quantize("quantize_weight", w, cuda=False)
 
 
 def _quantize_weight_cuda(w: torch.Tensor) -> Quantized:
-    w = _prepare(w, "weight", "fp8kit::blockwise_quant_weight", True)
-    kernels = _triton_kernels()
-    if kernels is None:
-        return blockwise.quantize_weight(w)
-    with torch.cuda.device(w.device):
-        return kernels.quantize_weight(w)
+    return _quantize("quantize_weight", w, cuda=True)
 
 
 def _quantize_weight_any(w: torch.Tensor) -> Quantized:
