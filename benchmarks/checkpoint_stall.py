@@ -78,8 +78,10 @@ def train_step(setup, saver=None) -> tuple[float, float]:
     return time.perf_counter() - t0, blocked
 
 
-def measure(setup, mode: str, ckpt_dir: Path, saves: int, steps_between: int, first_step: int) -> dict:
-    """``saves`` saves in ``mode`` (sync | async), ``steps_between`` training steps after each."""
+def measure(setup, mode: str, ckpt_dir: Path, saves: int, steps_between: int, first_step: int,
+            max_steps: int = 400) -> dict:
+    """``saves`` saves in ``mode`` (sync | async), ``steps_between`` training steps after each (async: more,
+    up to ``max_steps``, until the background write has finished)."""
     from fp8kit.train.async_checkpoint import AsyncCheckpointer
     from fp8kit.train.loop import _save  # the loop's own save (state dict + checkpoint files)
     from fp8kit.train.setup import phase_at
@@ -97,11 +99,16 @@ def measure(setup, mode: str, ckpt_dir: Path, saves: int, steps_between: int, fi
         if previous is not None:  # the save above waited for it: complete, remove it (untimed)
             shutil.rmtree(out / "checkpoints" / previous, ignore_errors=True)
         write_done = None if saver is not None else t0 + stall
-        for i in range(steps_between):
+        i = 0
+        # ``steps_between`` steps, and on (async) until the write is done: the next save then meets no
+        # write in flight, as in a run whose checkpoint interval is longer than one write (the write time
+        # is reported; a shorter interval adds the rest of the write to the next save's stall)
+        while i < steps_between or (saver is not None and saver.in_flight and i < max_steps):
             busy = saver is not None and saver.in_flight  # a write in flight when the step starts
             dt, blocked = train_step(setup, saver if i == 0 else None)
             stall += blocked
             step += 1
+            i += 1
             if write_done is None and not saver.in_flight:
                 write_done = time.perf_counter()
             (busy_steps if busy else idle_steps).append(dt)

@@ -220,3 +220,35 @@ def test_torchrun_restarts_resume_by_themselves_with_equal_losses(reference, cac
     want = [r["loss"] for r in read_metrics(tmp_path / "ref" / "metrics.jsonl")]
     assert got == want, f"restarted run {got} vs uninterrupted {want}"
     assert json.loads((run / "summary.json").read_text())["status"] == "ok"
+
+
+def test_async_checkpointer_replaces_a_stager_closed_after_staging(tmp_path):
+    """torch 2.11 closes the DefaultStager's inner stager after every staging (pytorch/pytorch#183413; the
+    next save then failed with ``KeyError: <class 'type'>`` on the H100). Simulated here by closing it after
+    the first save: the second save must still write a loadable checkpoint with the new weights."""
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+
+    from fp8kit.train.async_checkpoint import AsyncCheckpointer, stager_reusable
+    from fp8kit.train.checkpoint import DCP_DIR
+
+    torch = pytest.importorskip("torch")
+    model = nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    ckpt = AsyncCheckpointer(torch.device("cpu"))
+    ckpt.save(tmp_path / "step_1", model, opt, {"step": 1})
+    ckpt.wait()
+    first = ckpt._stager
+    first._state_dict_stager.close()  # what torch 2.11's DefaultStager._stage does at its end
+    assert not stager_reusable(first)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ckpt.save(tmp_path / "step_2", model, opt, {"step": 2})
+    ckpt.finish()
+    assert first is not None and ckpt._stager is None  # replaced, then released by finish()
+    loaded = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "step_2" / DCP_DIR))
+    diff = (loaded["model"]["weight"] - model.weight.detach()).abs().max().item()
+    assert diff == 0.0, f"the second async save holds other weights (max |diff| {diff})"

@@ -72,6 +72,14 @@ def plain_tensor(t):
     return t
 
 
+def stager_reusable(stager) -> bool:
+    """Whether a ``DefaultStager`` can stage again: False once its inner ``StateDictStager`` was closed
+    (torch 2.11 closes it at the end of every staging; pytorch/pytorch#183413)."""
+    inner = getattr(stager, "_state_dict_stager", None)
+    dispatch = getattr(inner, "_deepcopy_dispatch", None)
+    return dispatch is None or len(dispatch) > 0
+
+
 class AsyncCheckpointer:
     """Writes checkpoints in the background; one per run (every rank builds its own).
 
@@ -91,7 +99,16 @@ class AsyncCheckpointer:
         self._pending_dir: Path | None = None
 
     def _stager_for_run(self):
-        """The persistent stager (its cached host buffers are reused by every save)."""
+        """The persistent stager (its cached host buffers are reused by every save).
+
+        torch 2.11's ``DefaultStager._stage`` closes its inner ``StateDictStager`` after every staging
+        (pytorch/pytorch#183413, fixed by #183424): the deepcopy dispatch table is emptied and the next
+        save fails with ``KeyError: <class 'type'>``. A stager found closed that way is replaced by a new
+        one (its host buffers were dropped by that close anyway, so nothing is lost but the reuse).
+        """
+        if self._stager is not None and not stager_reusable(self._stager):
+            self._stager.close()
+            self._stager = None
         if self._stager is None:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 

@@ -118,27 +118,6 @@ def _capability(cfg: RunConfig, device: torch.device) -> tuple[str, bool]:
     return reason, False
 
 
-def check_async_checkpoint(cfg: RunConfig, device: torch.device) -> None:
-    """Refuse ``train.async_checkpoint`` where it is known to fail.
-
-    On the project's H100 with torch 2.11 + CUDA, ``torch.distributed.checkpoint.async_save``'s staging of a
-    Llama model's state dict failed in the background write (``KeyError: <class 'type'>`` in
-    ``_state_dict_stager.deepcopy_with_tensor_offload``, docs/resilience.md); it passes on torch 2.13 on the
-    CPU. Refusing at start beats a failure at the first save after hours of training.
-
-    Raises:
-        CapabilityError: async checkpoints on CUDA with torch older than 2.12.
-    """
-    if not cfg.train.async_checkpoint or device.type != "cuda":
-        return
-    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
-    if (major, minor) < (2, 12):
-        raise CapabilityError(
-            f"train.async_checkpoint = true: torch {torch.__version__}'s async DCP staging fails on CUDA "
-            f"(KeyError in the state-dict stager, docs/resilience.md); set train.async_checkpoint = false"
-        )
-
-
 def check_resume_recipe(cfg: RunConfig, resume_ckpt: Path, state: dict) -> None:
     """Refuse to continue an FP8 run with another FP8 recipe (its scales, histories and numerics differ).
 
@@ -233,7 +212,6 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
     if dims.distributed:
         check_distributed_config(cfg)
     device = resolve_device(cfg.train.device)
-    check_async_checkpoint(cfg, device)
     capability = check_fp8_capability(cfg, device)
     resume_ckpt = ckpt.find_checkpoint(resume) if resume is not None else None
     resume_state = ckpt.load_train_state(resume_ckpt) if resume_ckpt is not None else None

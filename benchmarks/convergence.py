@@ -1,0 +1,176 @@
+"""Convergence of fp8kit's FP8 recipes and optimizers against their high-precision baselines (GPU).
+
+``fp8kit train`` runs of the ``llama-125m`` preset on the embedded stdlib corpus, identical except for what
+the study varies (same seed, data order, lr schedule; seq 1024 x micro-batch 16, lr 1e-3, 1200 steps by
+default, as in the FP8 engine and FP8-LM issues):
+
+- ``--study recipes``: the matmul precision: ``bf16`` (baseline) vs FP8 ``tensorwise`` (torchao),
+  ``blockwise`` and ``delayed`` (fp8kit), all with FP32 master weights and torch AdamW;
+- ``--study optimizers``: the optimizer state precision under FP8 tensorwise matmuls: ``adamw-fp32``
+  (baseline: torch AdamW on FP32 master weights, 16 bytes/param) vs ``fp8adamw`` (fp8kit's default
+  FP8AdamW), ``fp8adamw-paper`` (FP8-LM's layout without the first-moment range expansion) and
+  ``fp8adamw-v-e4m3`` (the paper's negative ablation: FP8 second moment).
+
+Writes ``<study>.png`` (train loss, EMA-smoothed, and validation loss) and ``<study>.md`` (final losses, gap
+of the final validation loss to the baseline, median step time, state bytes/param). ``--parallel`` runs
+the variants at once on one GPU: the losses do not depend on it, the step times do (take those from
+``train_throughput.py`` / ``optimizer_step.py``).
+
+    python benchmarks/convergence.py --study recipes --out DIR --parallel
+    python benchmarks/convergence.py --study optimizers --out DIR --parallel
+    python benchmarks/convergence.py --study recipes --out DIR --plot-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FP32_MASTER = ["optim.name=adamw", "train.param_dtype=fp32"]
+VARIANTS = {
+    # study "recipes": matmul precision, FP32 master weights + torch AdamW everywhere
+    "bf16": ["train.mixed_precision=bf16", *FP32_MASTER],
+    "tensorwise": ["train.mixed_precision=fp8", "fp8.recipe=tensorwise", *FP32_MASTER],
+    "blockwise": ["train.mixed_precision=fp8", "fp8.recipe=blockwise", *FP32_MASTER],
+    "delayed": ["train.mixed_precision=fp8", "fp8.recipe=delayed", *FP32_MASTER],
+    # study "optimizers": optimizer state precision, FP8 tensorwise matmuls everywhere
+    "adamw-fp32": ["train.mixed_precision=fp8", "fp8.recipe=tensorwise", *FP32_MASTER],
+    "fp8adamw": ["train.mixed_precision=fp8", "fp8.recipe=tensorwise", "optim.name=fp8_adamw"],
+    "fp8adamw-paper": ["train.mixed_precision=fp8", "fp8.recipe=tensorwise", "optim.name=fp8_adamw",
+                       "optim.m_expand=false"],
+    "fp8adamw-v-e4m3": ["train.mixed_precision=fp8", "fp8.recipe=tensorwise", "optim.name=fp8_adamw",
+                        "optim.v=e4m3"],
+}
+STUDIES = {
+    "recipes": ["bf16", "tensorwise", "blockwise", "delayed"],
+    "optimizers": ["adamw-fp32", "fp8adamw", "fp8adamw-paper", "fp8adamw-v-e4m3"],
+}
+TITLES = {
+    "recipes": "llama-125m on the stdlib corpus: FP8 recipes vs BF16 (FP32 master, AdamW)",
+    "optimizers": "llama-125m on the stdlib corpus, FP8 matmuls: optimizer state precision",
+}
+
+
+def common(args) -> list[str]:
+    return [
+        "model.preset=llama-125m", "data.vocab_size=32000", f"data.seq_length={args.seq}",
+        f"train.micro_batch_size={args.mbs}", f"train.steps={args.steps}", f"train.lr={args.lr}",
+        "train.warmup_steps=100", "train.weight_decay=0.1",
+        f"train.compile={str(args.compile).lower()}", f"train.eval_every={args.eval_every}", "train.eval_batches=16",
+        "train.checkpoint_every=0", "train.final_checkpoint=false", "train.log_every=100",
+        f"data.cache_dir={Path(args.out) / 'cache'}",
+    ]
+
+
+def launch(name: str, args) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "fp8kit", "train", "--out", str(Path(args.out) / name)]
+    for s in [*common(args), *VARIANTS[name]]:
+        cmd += ["--set", s]
+    print("+", " ".join(cmd), flush=True)
+    log = open(Path(args.out) / f"{name}.log", "w")  # noqa: SIM115 - closed when the process ends
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def read(out: Path, name: str) -> list[dict]:
+    path = out / name / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def ema(xs: list[float], a: float = 0.98) -> list[float]:
+    out, m = [], None
+    for x in xs:
+        m = x if m is None else a * m + (1 - a) * x
+        out.append(m)
+    return out
+
+
+def report(out: Path, study: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {n: read(out, n) for n in STUDIES[study]}
+    baseline = STUDIES[study][0]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, recs in runs.items():
+        if not recs:
+            continue
+        finite = [r for r in recs if r["loss"] == r["loss"] and r["loss"] < 1e4]
+        ax1.plot([r["step"] for r in finite], ema([r["loss"] for r in finite]), label=name)
+        vals = [(r["step"], r["val_loss"]) for r in recs if r.get("val_loss") is not None]
+        if vals:
+            ax2.plot(*zip(*vals, strict=True), marker="o", label=name)
+    for ax, title in ((ax1, "train loss (EMA 0.98)"), (ax2, "validation loss")):
+        ax.set_xlabel("step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    ax1.set_ylim(top=min(8.0, ax1.get_ylim()[1]))
+    fig.suptitle(TITLES[study])
+    fig.tight_layout()
+    fig.savefig(out / f"{study}.png", dpi=120)
+    base = runs.get(baseline) or []
+    base_val = next((r["val_loss"] for r in reversed(base) if r.get("val_loss") is not None), None)
+    lines = [f"| variant | steps | final train loss (mean last 10%) | final val loss | val gap vs {baseline} | "
+             "median step ms | state B/param (total) |", "|---|---|---|---|---|---|---|"]
+    for name, recs in runs.items():
+        if not recs:
+            lines.append(f"| {name} | no run | | | | | |")
+            continue
+        last = recs[-max(1, len(recs) // 10):]
+        loss = statistics.fmean(r["loss"] for r in last)
+        val = next((r["val_loss"] for r in reversed(recs) if r.get("val_loss") is not None), None)
+        gap = f"{100 * (val - base_val) / base_val:+.2f}%" if base_val and val is not None else "-"
+        ms = statistics.median(r["step_ms"] for r in recs[10:]) if len(recs) > 10 else float("nan")
+        lines.append(f"| {name} | {recs[-1]['step']} | {loss:.4f} | {val if val is None else round(val, 4)} | {gap} | "
+                     f"{ms:.1f} | {recs[-1].get('state_bytes_per_param', float('nan')):.2f} |")
+    table = "\n".join(lines)
+    (out / f"{study}.md").write_text(table + "\n")
+    return table
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--study", choices=sorted(STUDIES), required=True)
+    ap.add_argument("--out", default="runs/convergence")
+    ap.add_argument("--steps", type=int, default=1200)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--mbs", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--eval-every", type=int, default=200)
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--variants", default=None, help="comma-separated subset of the study's variants")
+    ap.add_argument("--parallel", action="store_true", help="run the variants at the same time on one GPU")
+    ap.add_argument("--plot-only", action="store_true")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.plot_only:
+        t0 = time.time()
+        names = args.variants.split(",") if args.variants else STUDIES[args.study]
+        unknown = [n for n in names if n not in VARIANTS]
+        if unknown:
+            ap.error(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
+        if args.parallel:
+            # the first run trains and caches the tokenizer; start the others once it is training
+            procs = {names[0]: launch(names[0], args)}
+            while procs[names[0]].poll() is None and not (out / names[0] / "metrics.jsonl").exists():
+                time.sleep(2)
+            procs.update({n: launch(n, args) for n in names[1:]})
+            codes = {n: p.wait() for n, p in procs.items()}
+        else:
+            codes = {n: launch(n, args).wait() for n in names}
+        print(f"exit codes {codes}; {time.time() - t0:.0f} s", flush=True)
+    table = report(out, args.study)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
