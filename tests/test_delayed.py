@@ -1,12 +1,21 @@
 """Delayed scaling (``fp8.recipe = "delayed"``, Transformer Engine's DelayedScaling): numerics against float64,
 the amax history (scale of step t from steps < t, max vs most_recent, margin, length), state round trip,
-exact resume and the one-line errors."""
+exact resume, the one-line errors, and ``torch.compile``: no graph break, compiled == eager bit for bit,
+activation checkpointing, the amax all-reduce over a process group."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from fp8kit.base.errors import CheckpointError, ConfigError
 from fp8kit.config import load_config
@@ -63,9 +72,7 @@ def test_max_vs_most_recent_margin_and_history_length():
         state = DelayedScalingState(DelayedScaling(**cfg))
         e = state.entry("l", torch.device("cpu"))
         for a in amaxes:
-            e.pending = torch.tensor([a, 1.0, 1.0])
-            e.has_pending = True
-            state.advance(e)
+            state.advance(e, torch.tensor([a, 1.0, 1.0]))
         return state.scales(e)[0].item()
 
     assert scales_after([8.0, 2.0]) == pytest.approx(448 / 8)  # max of the history
@@ -83,23 +90,61 @@ def test_state_dict_round_trip_and_length_mismatch():
     other = DelayedScalingState(DelayedScaling())
     other.load_state_dict(state.state_dict())
     e1, e2 = state.entries["l"], other.entries["l"]
-    assert torch.equal(e1.history, e2.history) and e1.steps == e2.steps
+    assert torch.equal(e1.history, e2.history) and int(e1.steps) == int(e2.steps) == 3 and e2.started
     assert torch.equal(state.scales(e1), other.scales(e2))
     with pytest.raises(ValueError, match="amax_history_len"):
         DelayedScalingState(DelayedScaling(amax_history_len=8)).load_state_dict(state.state_dict())
 
 
+def test_checkpoint_of_the_previous_format_loads_with_its_pending_step_rolled_in():
+    """Checkpoints written when the history advanced at the next forward (``pending``, ``has_pending``)."""
+    old = {"config": {"amax_history_len": 4, "amax_compute_algo": "max", "margin": 0},
+           "entries": {"l": {"history": torch.tensor([[2.0, 0, 0, 0]] * 3), "pending": torch.tensor([8.0, 1, 1]),
+                             "steps": 1, "has_pending": True}}}
+    state = DelayedScalingState(DelayedScaling(amax_history_len=4))
+    state.load_state_dict(old)
+    e = state.entries["l"]
+    assert e.history[:, :2].tolist() == [[8.0, 2.0], [1.0, 2.0], [1.0, 2.0]] and int(e.steps) == 2, e.history
+    assert state.scales(e)[0].item() == pytest.approx(448 / 8)
+
+
 def test_eval_forward_records_nothing():
     layer, state = _layer()
     layer(torch.randn(64, 256)).sum().backward()
-    before = state.entries["l"].steps
+    e = state.entries["l"]
+    before, hist = int(e.steps), e.history.clone()
     layer.eval()
     with torch.no_grad():
         layer(torch.randn(64, 256) * 1000)
+    layer(torch.randn(64, 256) * 1000).sum().backward()  # eval mode with grad: still not recorded
+    assert int(e.steps) == before and torch.equal(e.history, hist)
     layer.train()
-    layer(torch.randn(64, 256))  # advances with step 0's amax, not the eval one
-    assert state.entries["l"].steps == before + 1
-    assert state.entries["l"].history[0, 0] < 100
+    layer(torch.randn(64, 256)).sum().backward()
+    assert int(e.steps) == before + 1 and e.history[0, 0] < 100, e.history[0]
+
+
+def test_frozen_weight_still_records_and_no_backward_records_nothing():
+    """A frozen weight (adapter fine-tuning): dgrad only, the step still joins the history. A training
+    forward whose output needs no gradient has no backward: nothing recorded, scales stay dynamic."""
+    layer, state = _layer()
+    layer.weight.requires_grad_(False)
+    x = torch.randn(64, 256, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and layer.weight.grad is None and int(state.entries["l"].steps) == 1
+    layer(torch.randn(64, 256))  # neither operand requires grad
+    assert int(state.entries["l"].steps) == 1
+
+
+def test_meta_entry_is_materialised_by_to_empty():
+    """A model built on meta (FSDP2 + model.pretrained) gets empty histories on the device with its weights."""
+    with torch.device("meta"):
+        lin = nn.Linear(32, 16, bias=False)
+    state = DelayedScalingState()
+    layer = Float8DelayedLinear.from_linear(lin, state, "l")
+    assert state.entries["l"].history.is_meta
+    layer.to_empty(device="cpu")
+    e = state.entries["l"]
+    assert e.history.device.type == "cpu" and not e.history.any() and int(e.steps) == 0
 
 
 def test_bad_settings_are_one_line_errors():
@@ -108,6 +153,187 @@ def test_bad_settings_are_one_line_errors():
         with pytest.raises(ConfigError, match=match) as e:
             load_config(None, [bad])
         assert "\n" not in str(e.value)
+
+
+# -- torch.compile ------------------------------------------------------------------------------------
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype) * self.weight
+
+
+class _Block(nn.Module):
+    """RMSNorm -> up (delayed) -> SiLU -> down (delayed, biased) + residual: the producers of a Llama MLP."""
+
+    def __init__(self, state, d=64, h=128):
+        super().__init__()
+        self.norm = _RMSNorm(d)
+        self.up = Float8DelayedLinear.from_linear(nn.Linear(d, h, bias=False), state, "up")
+        self.down = Float8DelayedLinear.from_linear(nn.Linear(h, d, bias=True), state, "down")
+
+    def forward(self, x):
+        return x + self.down(nn.functional.silu(self.up(self.norm(x))))
+
+
+def _make(block: bool):
+    torch.manual_seed(0)
+    state = DelayedScalingState(DelayedScaling(amax_history_len=4))
+    if block:
+        return _Block(state).bfloat16(), state
+    return Float8DelayedLinear.from_linear(nn.Linear(64, 96, bias=True), state, "l").bfloat16(), state
+
+
+def _steps(model, state, fn, n, start=0):
+    """``n`` training steps of ``fn`` (``model`` or its compiled form) on inputs whose range grows 1x..nx;
+    per step: output, input grad, parameter grads and every history / step count."""
+    out = []
+    for i in range(start, start + n):
+        g = torch.Generator().manual_seed(i)
+        x = (torch.randn(2, 16, 64, generator=g) * (1 + i)).bfloat16().requires_grad_(True)
+        y = fn(x)
+        y.backward(torch.randn(y.shape, generator=g).bfloat16())
+        out.append([y.detach(), x.grad, *(p.grad.clone() for p in model.parameters())]
+                   + [t.clone() for e in state.entries.values() for t in e.tensors().values()])
+        for p in model.parameters():
+            p.grad = None
+    return out
+
+
+def _assert_same(eager, compiled):
+    for step, (a, b) in enumerate(zip(eager, compiled, strict=True)):
+        diff = [i for i, (u, v) in enumerate(zip(a, b, strict=True)) if not torch.equal(u, v)]
+        assert not diff, f"step {step}: compiled != eager at tensors {diff} (output, dx, grads..., histories)"
+
+
+def test_compiled_linear_equals_eager_bit_for_bit_and_compiles_twice():
+    """fullgraph=True (no graph break); bit for bit on the CPU: the same float32 cast math and _scaled_mm.
+    Two compilations: the first step (dynamic warm-start scales) and every later step (history scales)."""
+    eager_model, eager_state = _make(block=False)
+    model, state = _make(block=False)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    _assert_same(_steps(eager_model, eager_state, eager_model, 5), _steps(model, state, compiled, 5))
+    assert int(state.entries["l"].steps) == 5, "the history must advance once per training step"
+    assert counter.frame_count == 2, f"{counter.frame_count} compilations for 5 steps (expected 2)"
+
+
+def test_compiled_block_has_no_graph_break_equals_eager_and_eval_records_nothing():
+    """RMSNorm + SwiGLU-style producers and two delayed linears in one graph. Inductor keeps bf16
+    intermediates in float32 unless ``emulate_precision_casts`` rounds them as eager does: with it, bit for bit."""
+    model, state = _make(block=True)
+    x = torch.randn(2, 16, 64).bfloat16().requires_grad_(True)
+    for _ in range(2):  # first-step graph and steady-state graph
+        explained = torch._dynamo.explain(model)(x)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+        model(x).sum().backward()
+    eager_model, eager_state = _make(block=True)
+    model, state = _make(block=True)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        _assert_same(_steps(eager_model, eager_state, eager_model, 4), _steps(model, state, compiled, 4))
+        assert [int(e.steps) for e in state.entries.values()] == [4, 4]
+        hist = [e.history.clone() for e in state.entries.values()]
+        model.eval()
+        with torch.no_grad():
+            compiled(torch.randn(2, 16, 64).bfloat16() * 1000)
+        assert [int(e.steps) for e in state.entries.values()] == [4, 4]
+        assert all(torch.equal(h, e.history) for h, e in zip(hist, state.entries.values(), strict=True))
+    assert counter.frame_count == 3, f"{counter.frame_count} compilations (expected 2 training + 1 eval)"
+
+
+def test_activation_checkpointing_eager_and_compiled_equal_plain_eager():
+    """The recomputed forward casts with this step's scales and records nothing twice (eager), and the
+    compiled backward's recomputation never reads the updated history (state written in backward only)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    ref_model, ref_state = _make(block=True)
+    ref = _steps(ref_model, ref_state, ref_model, 4)
+    model, state = _make(block=True)
+    _assert_same(ref, _steps(model, state, checkpoint_wrapper(model, preserve_rng_state=False), 4))
+    model, state = _make(block=True)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(checkpoint_wrapper(model, preserve_rng_state=False), backend=counter)
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        _assert_same(ref, _steps(model, state, compiled, 4))
+    assert counter.frame_count == 2, f"{counter.frame_count} compilations (0: dynamo fell back to eager)"
+
+
+def test_state_loaded_between_compiled_steps_takes_effect():
+    """A rollback / resume replaces the entry's tensors: the compiled module reads the new ones."""
+    model, state = _make(block=False)
+    compiled = torch.compile(model, fullgraph=True)
+    _steps(model, state, compiled, 3)
+    saved = state.state_dict()
+    _steps(model, state, compiled, 2, start=3)
+    state.load_state_dict(saved)
+    after = _steps(model, state, compiled, 1, start=3)
+    ref_model, ref_state = _make(block=False)
+    _steps(ref_model, ref_state, ref_model, 3)
+    with torch.no_grad():
+        for p, q in zip(ref_model.parameters(), model.parameters(), strict=True):
+            p.copy_(q)
+    _assert_same(_steps(ref_model, ref_state, ref_model, 1, start=3), after)
+
+
+def test_amax_all_reduce_compiles_in_a_process_group():
+    """With ``group`` set, the functional all-reduce traces into the graph (one-rank gloo group: the values
+    are this rank's own)."""
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, state = _make(block=False)
+        state.group = dist.group.WORLD
+        ref_model, ref_state = _make(block=False)
+        _assert_same(_steps(ref_model, ref_state, ref_model, 3),
+                     _steps(model, state, torch.compile(model, fullgraph=True), 3))
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_worker(out: Path) -> None:
+    """Under torchrun (2 ranks, gloo): each rank feeds its own ranges; both must hold the MAX over ranks."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    state = DelayedScalingState(DelayedScaling(amax_history_len=4), group=dist.group.WORLD)
+    layer = Float8DelayedLinear.from_linear(nn.Linear(32, 48, bias=False), state, "l").bfloat16()
+    local = []
+    for i in range(3):
+        x = (torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * rank + i)) * (1 + 3 * rank)).bfloat16()
+        dy = (torch.randn(8, 48, generator=torch.Generator().manual_seed(99 + 10 * rank + i)) * (2 - rank)).bfloat16()
+        layer(x.requires_grad_(True)).backward(dy)
+        local.append([x.float().abs().max().item(), layer.weight.float().abs().max().item(),
+                      dy.float().abs().max().item()])
+    res = {"history": state.entries["l"].history.tolist(), "local": local}
+    (out / f"rank{rank}.json").write_text(json.dumps(res))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_amax_all_reduce_gives_every_rank_the_same_history(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
+           str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r0["history"] == r1["history"], (r0["history"], r1["history"])
+    # [step][operand]: the MAX over ranks
+    expected = [[max(a, b) for a, b in zip(s0, s1, strict=True)] for s0, s1 in zip(r0["local"], r1["local"], strict=True)]
+    got = [[r0["history"][op][3 - 1 - step] for op in range(3)] for step in range(3)]  # column 0 = newest
+    assert got == expected, (got, expected)
+    assert r0["local"] != r1["local"]  # the ranks did see different ranges
+
+
+# -- training runs ----------------------------------------------------------------------------------
 
 
 def _cfg(small_run, *extra):
@@ -125,3 +351,7 @@ def test_resume_is_exact_and_another_recipe_is_refused(small_run, tmp_path):
     with pytest.raises(CheckpointError, match="fp8.recipe = 'delayed'"):
         train(load_config(None, [*small_run, *base, "fp8.recipe=tensorwise"]), tmp_path / "other", resume=ck)
     assert not (tmp_path / "other").exists()
+
+
+if __name__ == "__main__":  # run by test_amax_all_reduce_gives_every_rank_the_same_history under torchrun
+    _rank_worker(Path(sys.argv[1]))

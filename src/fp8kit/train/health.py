@@ -321,15 +321,13 @@ class FP8HealthMonitor:
             if monitor.active:
                 g_scale = None
                 if delayed:  # after the forward: the history scales its casts used (None: first step, dynamic)
-                    scales = mod._state.scales(mod._state.entry(mod.name, out.device))
+                    scales = mod._state.scales(mod._entry)
                     sx, sw, g_scale = (None, None, None) if scales is None else tuple(scales)
                     bufs["input"].copy_(stats(args[0], casts["input"], sx))
                     bufs["weight"].copy_(stats(mod.weight, casts["weight"], sw))
                 if "grad_output" in bufs and out.requires_grad:
                     out.register_hook(functools.partial(grad_hook, g_scale))
 
-        if delayed:  # its forward is a graph break already; its history state stays out of compiled graphs
-            pre_hook, post_hook = torch.compiler.disable(pre_hook), torch.compiler.disable(post_hook)
         handles = [module.register_forward_pre_hook(pre_hook), module.register_forward_hook(post_hook)]
         return handles, [(name, op, casts[op], bufs[op]) for op in casts]
 

@@ -1,0 +1,207 @@
+"""The amax-history state of delayed scaling (``fp8.recipe = "delayed"``): settings, per-module tensors, the
+in-place history update and the checkpoint format. The numerics are documented in :mod:`fp8kit.fp8.delayed`.
+
+When the state changes, and why there (``torch.compile`` without graph breaks or host syncs):
+
+- The **forward only reads** the history (its scales); the **backward** of a training step rolls that
+  step's amaxes (input and weight from the forward, output gradient from the backward) into the history,
+  in place (``copy_``). A forward that changed state it reads would be wrong under ``torch.compile``
+  whenever AOTAutograd recomputes a read of that state in the backward (activation checkpointing always
+  does; the min-cut partitioner may, pytorch/pytorch#197039): the recomputation would see the new value.
+  Written only in the backward, the state every recomputation reads is still this step's.
+- AOTAutograd functionalizes the backward's in-place update of these graph inputs and writes the result
+  back once per call; under FSDP2 the amaxes are all-reduced (MAX) with a functional collective first.
+- One Python flag per module, ``started`` (the history holds a step), picks the forward's code: dynamic
+  warm-start scales for the first step, history scales after it. It changes once in a run and never in
+  traced code: the custom op ``fp8kit::delayed_advanced`` sets it when it runs (eagerly or inside a
+  compiled backward), so Dynamo only reads it (a guard: a compiled block compiles once for the first
+  training step and once for every later one).
+
+The schedule is the same as advancing the history at the next training forward (Transformer Engine
+updates after the step too): step t casts with the history of steps < t. With gradient accumulation every
+micro-batch is a step of the history.
+
+One :class:`DelayedScalingState` per run owns the tensors, keyed by the module's plain FQN, outside the
+modules: the FP8 module holds a reference to its :class:`DelayedEntry`, so a precision switch to BF16 and
+back (``fp8kit.parallel.convert``) finds the same history, ``model.state_dict()`` keys do not change, and the
+training checkpoint saves :meth:`DelayedScalingState.state_dict` beside the model (``train/loop.py``,
+``train/guard.py``; restored by ``train/setup.py``). :meth:`DelayedScalingState.load_state_dict` updates the
+existing entries (the modules keep their references).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from fp8kit.fp8.scaling import scale_from_amax
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+#: Operand order of every history / scale tensor.
+OPERANDS = ("input", "weight", "grad_output")
+DTYPES = (E4M3, E4M3, E5M2)
+AMAX_ALGOS = ("max", "most_recent")
+
+
+@dataclass(frozen=True)
+class DelayedScaling:
+    """The delayed-scaling settings (``[fp8]`` ``amax_history_len``, ``amax_compute_algo``, ``margin``).
+
+    Raises:
+        ValueError: ``amax_history_len < 1``, an unknown ``amax_compute_algo`` or a negative ``margin``.
+    """
+
+    amax_history_len: int = 16
+    amax_compute_algo: str = "max"
+    margin: int = 0
+
+    def __post_init__(self) -> None:
+        if self.amax_history_len < 1:
+            raise ValueError(f"fp8.amax_history_len must be >= 1, got {self.amax_history_len}")
+        if self.amax_compute_algo not in AMAX_ALGOS:
+            raise ValueError(f"fp8.amax_compute_algo: unknown {self.amax_compute_algo!r}; choose max or most_recent")
+        if self.margin < 0:
+            raise ValueError(f"fp8.margin must be >= 0, got {self.margin}")
+
+
+_UIDS = itertools.count()
+_LIVE: weakref.WeakValueDictionary[int, DelayedEntry] = weakref.WeakValueDictionary()
+
+
+class DelayedEntry:
+    """One module's delayed-scaling state.
+
+    Attributes:
+        history: ``[3, L]`` float32 amax per operand (rows :data:`OPERANDS`) of the last ``L`` training
+            steps, column 0 the most recent; zeros where no step was recorded yet.
+        steps: ``[]`` int64, training steps recorded (rolled into ``history``).
+        started: ``history`` holds at least one step (``steps > 0``), so its scales exist.
+        uid: ``[]`` int64 CPU tensor naming this entry for ``fp8kit::delayed_advanced``: compiled graphs
+            take it as an input shared by every block, not as a per-module constant they would guard on.
+    """
+
+    def __init__(self, length: int, device: torch.device | str) -> None:
+        self.history = torch.zeros(3, length, dtype=torch.float32, device=device)
+        self.steps = torch.zeros((), dtype=torch.int64, device=device)
+        self.started = False
+        uid = next(_UIDS)
+        self.uid = torch.tensor(uid, dtype=torch.int64)
+        _LIVE[uid] = self
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The device tensors of this entry by attribute name."""
+        return {"history": self.history, "steps": self.steps}
+
+
+@torch.library.custom_op("fp8kit::delayed_advanced", mutates_args=("steps",))
+def _delayed_advanced(steps: torch.Tensor, uid: torch.Tensor) -> None:
+    """Count a recorded step (``steps += 1``) and mark entry ``uid`` (a CPU int64 scalar) started. An
+    opaque call in compiled graphs: the Python flag changes when the graph runs, never while tracing."""
+    steps.add_(1)
+    e = _LIVE.get(int(uid))
+    if e is not None:
+        e.started = True
+
+
+@_delayed_advanced.register_fake
+def _(steps, uid) -> None:
+    return None
+
+
+def advance_(history: torch.Tensor, steps: torch.Tensor, uid: torch.Tensor, amax: torch.Tensor, group=None) -> None:
+    """Roll one training step's amaxes ``amax`` ``[3]`` float32 (input, weight, output gradient) into
+    ``history`` ``[3, L]`` (newest in column 0) and count the step, in place, after the MAX all-reduce over
+    ``group`` when one is given (a functional collective: traced into a compiled graph; eagerly it waits
+    on first use). Traceable by ``torch.compile``; called by the backward of that step."""
+    if group is not None:
+        from torch.distributed import _functional_collectives as funcol
+
+        amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", group))
+    history.copy_(torch.cat([amax[:, None], history[:, :-1]], dim=1))
+    torch.ops.fp8kit.delayed_advanced(steps, uid)
+
+
+class DelayedScalingState:
+    """The amax histories of every delayed-scaling module of a model (module docstring).
+
+    Args:
+        config: :class:`DelayedScaling` (default settings when None).
+        group: process group whose ranks share one scale per tensor (``prepare_model`` sets the
+            data-parallel group under FSDP2); None: no reduction.
+    """
+
+    def __init__(self, config: DelayedScaling | None = None, group=None) -> None:
+        self.config = config or DelayedScaling()
+        self.entries: dict[str, DelayedEntry] = {}
+        self.group = group
+
+    def entry(self, name: str, device: torch.device | str) -> DelayedEntry:
+        """The entry of module ``name``, created (empty, on ``device``) on first use."""
+        e = self.entries.get(name)
+        if e is None:
+            e = self.entries[name] = DelayedEntry(self.config.amax_history_len, device)
+        return e
+
+    @staticmethod
+    @torch.compiler.disable
+    def place(e: DelayedEntry, device: torch.device) -> None:
+        """Move ``e``'s tensors to ``device`` (an entry created on ``meta`` starts empty there)."""
+        for k, t in e.tensors().items():
+            setattr(e, k, torch.zeros_like(t, device=device) if t.is_meta else t.to(device))
+
+    def advance(self, e: DelayedEntry, amax: torch.Tensor) -> None:
+        """Roll one training step's amaxes ``[3]`` float32 (input, weight, output gradient) into
+        ``e.history``: :func:`advance_` with this state's :attr:`group`."""
+        advance_(e.history, e.steps, e.uid, amax, self.group)
+
+    def scales(self, e: DelayedEntry) -> torch.Tensor | None:
+        """``[3]`` float32 scales (input, weight, output gradient) from ``e.history``, or None while it is
+        empty (``scale = fp8_max / max(amax, eps) / 2 ** margin``, ``fp8.scaling.scale_from_amax``)."""
+        if not e.started:
+            return None
+        # "max": the zeros of steps not recorded yet never win (amax >= 0).
+        amax = e.history.amax(dim=1) if self.config.amax_compute_algo == "max" else e.history[:, 0]
+        return torch.stack([
+            scale_from_amax(amax[i], DTYPES[i]) / (2.0 ** self.config.margin) for i in range(3)
+        ])
+
+    def state_dict(self) -> dict:
+        """Histories and step counts (CPU copies: the live history changes in place), for the training
+        checkpoint (one host sync per entry)."""
+        return {
+            "config": {"amax_history_len": self.config.amax_history_len,
+                       "amax_compute_algo": self.config.amax_compute_algo, "margin": self.config.margin},
+            "entries": {n: {"history": e.history.to("cpu", copy=True), "steps": int(e.steps)} for n, e in self.entries.items()},
+        }
+
+    def load_state_dict(self, sd: dict, device: torch.device | str = "cpu") -> None:
+        """Restore :meth:`state_dict` into the existing entries (modules keep their references); entries the
+        checkpoint lacks start empty. A history of another length is refused (it changes every scale).
+        Checkpoints of fp8kit versions that rolled the last step in at the next forward (``pending``,
+        ``has_pending``) load with that step rolled in, as that forward would have.
+
+        Raises:
+            ValueError: the saved ``amax_history_len`` differs from this state's.
+        """
+        saved_len = sd["config"]["amax_history_len"]
+        if saved_len != self.config.amax_history_len:
+            raise ValueError(f"fp8.amax_history_len = {self.config.amax_history_len}, but the checkpoint's "
+                             f"histories have length {saved_len}")
+        device = torch.device(device)
+        for n in set(self.entries) | set(sd["entries"]):
+            e = self.entry(n, device)
+            history = torch.zeros(3, saved_len, dtype=torch.float32, device=device)
+            steps = 0
+            v = sd["entries"].get(n)
+            if v is not None:
+                history.copy_(v["history"])
+                steps = int(v["steps"])
+                if v.get("has_pending"):
+                    history = torch.cat([v["pending"].to(device)[:, None], history[:, :-1]], dim=1)
+                    steps += 1
+            e.history, e.steps = history, torch.tensor(steps, dtype=torch.int64, device=device)
+            e.started = steps > 0
