@@ -85,6 +85,22 @@ def test_blockwise_site_module_is_fp8kits_blockwise_linear():
     assert x.grad is not None and torch.isfinite(x.grad.float()).all()
 
 
+def test_delayed_site_module_is_fp8kits_delayed_linear():
+    """recipe delayed builds fp8kit's Float8DelayedLinear (not the blockwise linear) and runs fwd + bwd twice
+    (the second call scales from the first call's amax history)."""
+    from fp8kit.fp8.delayed import Float8DelayedLinear
+
+    sites, _ = layer_sites(ModelConfig(num_layers=1), 1024)
+    fc1 = next(s for s in sites if s.name == "fc1")
+    module = build_site_module(fc1, "fp8", "delayed", CPU)
+    assert all(isinstance(lin, Float8DelayedLinear) for lin in module.linears), module
+    assert float8_linear_scaling(module)["recipe"] == "delayed"
+    for _ in range(2):
+        x = torch.randn(32, 256, dtype=torch.bfloat16, requires_grad=True)
+        torch.autograd.backward(module(x), [torch.ones(32, n, dtype=torch.bfloat16) for _, n in fc1.gemms])
+        assert x.grad is not None and torch.isfinite(x.grad.float()).all()
+
+
 def test_run_bench_layers_times_the_recipe_it_is_given():
     """The report's fp8_linear_scaling is read back from the Float8Linear modules that were timed."""
     args = BenchLayersArgs(model=ModelConfig(num_layers=1), vocab_size=1024, recipe="rowwise",

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent / "src" / "fp8kit"
 #: The layers, bottom first (docs/architecture.md). A part may import only parts listed before it.
 LAYERS = [
     "base", "fp8", "moe", "models", "data", "optim", "comm", "selective", "parallel", "config",
-    "train", "bench", "integrations", "cli", "__main__", "__init__",
+    "bench", "train", "integrations", "cli", "__main__", "__init__",
 ]
 
 

@@ -51,3 +51,42 @@ def test_selective_policy_decides_by_token_count():
     assert count_fp8_modules(many) > 0
     assert "policy" in {d.rule for d in d_few}, {d.rule for d in d_few}
     assert sum(d.is_fp8 for d in d_many) == count_fp8_modules(many)
+
+
+def test_auto_outside_the_trainer_warns_that_the_static_rules_decide():
+    """``selective_fp8 = "auto"`` (the default) is measured only by ``fp8kit train``: the library entry point
+    must say that it decided by the static rules instead, not silently."""
+    import warnings as _warnings
+
+    import torch
+
+    from fp8kit import convert_to_fp8
+    from fp8kit.config import SelectiveConfig
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    with _warnings.catch_warnings(record=True) as caught:
+        _warnings.simplefilter("always")
+        decisions = convert_to_fp8(model, selective=SelectiveConfig(), num_tokens=128)
+    messages = [str(w.message) for w in caught if "selective_fp8 = 'auto'" in str(w.message)]
+    assert len(messages) == 1, [str(w.message) for w in caught]
+    assert all(d.precision == "fp8" for d in decisions), [(d.site.fqn, d.precision) for d in decisions]
+
+
+def test_convert_to_fp8_honours_the_delayed_scaling_settings():
+    """``FP8Config``'s amax_history_len / amax_compute_algo / margin reach the delayed linears built by the
+    library entry point (they were dropped for the defaults before)."""
+    import torch
+
+    from fp8kit import convert_to_fp8
+    from fp8kit.config import FP8Config
+    from fp8kit.fp8.delayed import Float8DelayedLinear
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    convert_to_fp8(model, FP8Config(recipe="delayed", amax_history_len=5, amax_compute_algo="most_recent",
+                                    margin=1, emulate=True))
+    layers = [m for m in model.modules() if isinstance(m, Float8DelayedLinear)]
+    assert len(layers) == 2, model
+    for layer in layers:
+        cfg = layer._state.config
+        got = (layer._entry.history.shape[1], cfg.amax_compute_algo, cfg.margin)
+        assert got == (5, "most_recent", 1), got

@@ -8,6 +8,8 @@ trainer on top: ``fp8kit train`` (see ``fp8kit.train.trainer.train``).
 
 from __future__ import annotations
 
+import warnings
+
 from fp8kit.base.runtime import VERSION as __version__
 
 __all__ = ["__version__", "convert_to_fp8"]
@@ -36,12 +38,17 @@ def convert_to_fp8(model, config=None, *, selective=None, num_tokens: int | None
         The list of :class:`fp8kit.selective.decide.Decision`, one per site (print it with
         :func:`fp8kit.selective.report.print_report`).
 
+    Warns:
+        UserWarning: each warning of the decision options (a policy measured with another recipe or on
+            another device; ``selective_fp8 = "auto"``, which only ``fp8kit train`` measures).
+
     Raises:
         ConfigError: an invalid config, or a selective config without a token count.
         PolicyError: a policy file is missing or invalid.
     """
     from fp8kit.config import FP8Config
     from fp8kit.config.options import decide_options
+    from fp8kit.fp8.delayed import DelayedScaling, DelayedScalingState
     from fp8kit.moe.grouped_mm import GroupedGemmConfig
     from fp8kit.parallel.convert import ConversionOptions, apply_fp8
     from fp8kit.selective.decide import decide
@@ -49,8 +56,12 @@ def convert_to_fp8(model, config=None, *, selective=None, num_tokens: int | None
 
     config = config or FP8Config()
     options = decide_options(config, selective, mixed_precision=mixed_precision, num_tokens=num_tokens)
+    for message in options.warnings:  # e.g. a policy measured elsewhere, or 'auto' unmeasured here
+        warnings.warn(message, stacklevel=2)
     decisions = decide(find_sites(model), options)
     if mixed_precision == "fp8":
-        conversion = ConversionOptions(emulate=config.emulate, grouped=GroupedGemmConfig(emulate=config.emulate))
+        conversion = ConversionOptions(emulate=config.emulate, grouped=GroupedGemmConfig(emulate=config.emulate),
+                                       delayed=DelayedScalingState(DelayedScaling(
+                                           config.amax_history_len, config.amax_compute_algo, config.margin)))
         apply_fp8(model, decisions, conversion)
     return decisions

@@ -76,6 +76,8 @@ class BenchLayersArgs:
         device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         simulate_tp: time the per-rank shapes of ``tp > 1`` on one device, without communication.
         compile: ``torch.compile`` the modules; ``None``: on CUDA, eager on the CPU.
+        dynamic: mark the token dimension dynamic (one compilation serves a sweep); ``False`` compiles for
+            the one token count timed (``selective_fp8 = "auto"``: static shapes, as training compiles).
     """
 
     model: ModelConfig
@@ -92,6 +94,7 @@ class BenchLayersArgs:
     device: str = "auto"
     simulate_tp: bool = False
     compile: bool | None = None
+    dynamic: bool = True
 
     def source(self, key: str) -> str:
         """Where ``key`` (one of :data:`SOURCED`) came from; ``"argument"`` when the caller did not say."""
@@ -145,7 +148,8 @@ def build_site_module(
 ) -> SiteModule:
     """The bf16 :class:`SiteModule` of ``site``; for ``precision == "fp8"`` its linears become torchao
     ``Float8Linear`` modules with ``float8_linear_config(recipe)`` (``fp8/recipes.py``), or fp8kit's
-    ``Float8BlockwiseLinear`` for the ``blockwise`` recipe.
+    ``Float8BlockwiseLinear`` (``blockwise``) / ``Float8DelayedLinear`` (``delayed``, default
+    ``DelayedScaling``: its first call scales from the current amax, later ones from the history).
 
     Without ``mesh`` the linears have the per-rank shapes ``site.gemms``; with a 1-D ``("tp",)`` mesh they
     have the whole shapes ``site.full_gemms`` and are parallelized in place (``bench/tensor_parallel.py``).
@@ -161,9 +165,19 @@ def build_site_module(
     if precision == "fp8" and recipe_info(recipe, "--recipe").engine == "fp8kit":
         if mesh is not None:
             raise ConfigError(f"bench-layers: recipe {recipe!r} has no tensor-parallel styles yet; use --simulate-tp")
+        state = None
+        if recipe == "delayed":
+            from fp8kit.fp8.delayed import DelayedScalingState
+
+            state = DelayedScalingState()
         for i, lin in enumerate(module.linears):
             try:
-                module.linears[i] = Float8BlockwiseLinear.from_linear(lin, name=f"{site.name} gemm {i}")
+                if state is not None:
+                    from fp8kit.fp8.delayed import Float8DelayedLinear
+
+                    module.linears[i] = Float8DelayedLinear.from_linear(lin, state, f"{site.name} gemm {i}")
+                else:
+                    module.linears[i] = Float8BlockwiseLinear.from_linear(lin, name=f"{site.name} gemm {i}")
             except ValueError as e:
                 raise ConfigError(f"bench-layers: {e}") from None
     elif precision == "fp8":
@@ -189,6 +203,9 @@ def float8_linear_scaling(module: nn.Module) -> dict[str, str] | None:
     """
     float8 = torchao_float8()
     found: dict[str, str] | None = None
+    if any(type(m).__name__ == "Float8DelayedLinear" for m in module.modules()):
+        return {"recipe": "delayed", "input": "tensorwise (amax history)", "weight": "tensorwise (amax history)",
+                "grad_output": "tensorwise (amax history)"}
     if any(isinstance(m, Float8BlockwiseLinear) for m in module.modules()):
         return {"recipe": "blockwise", "input": "1x128", "weight": "128x128", "grad_output": "1x128",
                 "input_for_grad_weight": "128x1", "grad_output_for_grad_weight": "128x1"}
@@ -233,7 +250,7 @@ class _Timer:
         if self.mesh is not None and self.site.module_kind not in ("row", "row_grouped"):
             rows = num_tokens // self.tp  # sequence-parallel input shard, all-gathered by the layer
         x = torch.randn(rows, k, device=self.device, dtype=torch.bfloat16, requires_grad=True)
-        if _compile(self.args, self.device):
+        if _compile(self.args, self.device) and self.args.dynamic:
             torch._dynamo.mark_dynamic(x, 0)
         # Output shapes per rank: column sites give [tokens, N/tp]; row sites [tokens, N], reduce-scattered
         # to [tokens/tp, N] under real TP. (Computed, not probed: a probe would compile a second graph.)

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from fp8kit.base.errors import ConfigError
 from fp8kit.config import ModelConfig
 from fp8kit.models.build import build_model
+from fp8kit.selective.auto import COLUMN_KINDS, ROW_KINDS, per_rank_gemm
 from fp8kit.selective.rules import StaticRules
 from fp8kit.selective.sites import Site, find_sites
 
-COLUMN_KINDS = ("layernorm_column", "column", "column_grouped")
-ROW_KINDS = ("row", "row_grouped")
+__all__ = ["COLUMN_KINDS", "ROW_KINDS", "BenchSite", "layer_sites"]
 
 
 @dataclass
@@ -71,18 +71,6 @@ class BenchSite:
         }
 
 
-def _split(kind: str, k: int, n: int, ways: int, where: str) -> tuple[int, int]:
-    if kind in COLUMN_KINDS:
-        if n % ways:
-            raise ConfigError(f"{where}: out_features {n} is not divisible by the parallel size {ways}")
-        return k, n // ways
-    if kind in ROW_KINDS:
-        if k % ways:
-            raise ConfigError(f"{where}: in_features {k} is not divisible by the parallel size {ways}")
-        return k // ways, n
-    return k, n
-
-
 def layer_sites(
     model_cfg: ModelConfig, vocab_size: int, *, tp: int = 1, ep: int = 1, etp: int = 1
 ) -> tuple[list[BenchSite], list[str]]:
@@ -116,11 +104,11 @@ def layer_sites(
             experts = members[0].num_gemms
             if experts % ep:
                 raise ConfigError(f"--ep {ep} does not divide the {experts} experts of {members[0].fqn}")
-            gemms = [_split(kind, k, n, etp, members[0].fqn) for k, n in full]
+            gemms = [per_rank_gemm(kind, k, n, etp, members[0].fqn) for k, n in full]
             site = BenchSite(component, kind, ub, gemms, full, [m.fqn for m in members], tp=1, etp=etp,
                              num_gemms=experts // ep)
         else:
-            gemms = [_split(kind, k, n, tp, m.fqn) for (k, n), m in zip(full, members, strict=True)]
+            gemms = [per_rank_gemm(kind, k, n, tp, m.fqn) for (k, n), m in zip(full, members, strict=True)]
             site = BenchSite(component, kind, ub, gemms, full, [m.fqn for m in members], tp=tp)
         bad = [(k, n) for k, n in site.gemms if k % 16 or n % 16]
         if bad:

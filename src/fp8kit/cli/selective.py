@@ -203,7 +203,11 @@ def _plan(cfg, as_json: bool, console) -> int:
     hf_cfg = build_hf_config(cfg.model, cfg.data.vocab_size)
     model = build_model(cfg.model, cfg.data.vocab_size, device="meta")
     options = options_from_config(cfg, hf_cfg)
-    decisions = decide(find_sites(model), options)
+    sites = find_sites(model)
+    decisions = decide(sites, options)
+    auto_note = _plan_auto(cfg, sites, decisions, options) if options.auto is not None else None
+    if auto_note is not None:
+        decisions, auto_note = auto_note
     if as_json:
         print(json.dumps([d.to_dict() for d in decisions], indent=1))
         return 0
@@ -213,10 +217,44 @@ def _plan(cfg, as_json: bool, console) -> int:
     console.print(
         f"plan: {cfg.model.hf_config or cfg.model.preset}, {cfg.train.mixed_precision} {cfg.fp8.recipe}, "
         f"tp={d.tp} ep={d.ep} etp={d.etp}, num_tokens={options.num_tokens}"
-        + (f", policy {cfg.selective.fp8_dynamic_policy_path}" if cfg.selective.selective_fp8 else "")
+        + (f", policy {cfg.selective.fp8_dynamic_policy_path}" if cfg.selective.selective_fp8 == "policy" else "")
+        + (", selective_fp8 = auto" if cfg.selective.selective_fp8 == "auto" else "")
     )
+    if auto_note:
+        console.print(f"[bold yellow]note:[/] {auto_note}")
     print_report(decisions, console, title="FP8 plan", detail=True)
     return 0
+
+
+def _plan_auto(cfg, sites, decisions, options):
+    """``selective_fp8 = "auto"`` in ``plan``: nothing is measured; on a machine with a GPU the cached timings of
+    that GPU decide the shapes they cover. Returns ``(decisions, note)``, or None when there is nothing to say."""
+    from dataclasses import replace
+
+    import torch
+
+    if cfg.train.mixed_precision != "fp8" or not any(d.is_fp8 for d in decisions):
+        return None
+    if not torch.cuda.is_available():
+        return decisions, ('selective_fp8 = "auto": plan measures nothing and this machine has no GPU, so the static '
+                           "rules are shown; `fp8kit train` on CUDA times the FP8 candidates at start-up (cached)")
+    from fp8kit.base.runtime import device_name
+    from fp8kit.bench.auto import lookup_cached
+    from fp8kit.data.tokenizer import resolve_cache_dir
+    from fp8kit.selective.auto import auto_units, distinct_shapes
+    from fp8kit.selective.auto_cache import AutoCache
+    from fp8kit.selective.decide import decide
+
+    device = torch.device("cuda")
+    d, auto = cfg.distributed, options.auto
+    units = auto_units([x.site for x in decisions if x.is_fp8], tp=d.tp, ep=d.ep, num_tokens=auto.num_tokens,
+                       topk=auto.topk)
+    timings = lookup_cached(units, cfg, device, AutoCache(resolve_cache_dir(cfg.data.cache_dir)))
+    total = len(distinct_shapes(units))
+    note = (f'selective_fp8 = "auto": {len(timings)} of {total} shapes cached for {device_name(device)}'
+            + ("" if len(timings) == total else "; the others keep their static rule here and are timed by "
+               "`fp8kit train` at start-up"))
+    return decide(sites, replace(options, auto=replace(auto, timings=timings))), note
 
 
 def _bench(args: argparse.Namespace, console) -> int:

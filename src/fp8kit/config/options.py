@@ -3,13 +3,15 @@
 The selective (measured) choice follows LoongForge adaptive FP8: ``num_tokens`` defaults to
 ``data.seq_length x train.micro_batch_size`` as there; ``selective.fp8_dynamic_num_tokens`` and
 ``selective.component_num_tokens`` override it. ``moe_router_topk`` comes from the HF config
-(``num_experts_per_tok``).
+(``num_experts_per_tok``). ``selective_fp8 = "auto"`` gives ``DecideOptions.auto`` without timings: the
+static rules decide until ``fp8kit.bench.auto`` adds the measured table (``fp8kit train`` on CUDA).
 """
 
 from __future__ import annotations
 
 from fp8kit.base.errors import ConfigError
 from fp8kit.config.schema import FP8Config, RunConfig, SelectiveConfig
+from fp8kit.selective.auto import AutoOptions
 from fp8kit.selective.decide import DecideOptions, Selective
 from fp8kit.selective.policy import load_policy
 
@@ -47,24 +49,26 @@ def options_from_config(cfg: RunConfig, hf_cfg=None, device_name: str | None = N
     return decide_options(
         cfg.fp8, cfg.selective, mixed_precision=cfg.train.mixed_precision,
         num_tokens=cfg.data.seq_length * cfg.train.micro_batch_size, tp=d.tp, ep=d.ep, etp=d.etp,
-        topk=moe_topk(hf_cfg) if hf_cfg is not None else 1, device_name=device_name,
+        topk=moe_topk(hf_cfg) if hf_cfg is not None else 1, device_name=device_name, measures_auto=True,
     )
 
 
 def decide_options(fp8: FP8Config, selective: SelectiveConfig | None, *, mixed_precision: str = "fp8",
                    num_tokens: int | None = None, tp: int = 1, ep: int = 1, etp: int = 1, topk: int = 1,
-                   device_name: str | None = None) -> DecideOptions:
+                   device_name: str | None = None, measures_auto: bool = False) -> DecideOptions:
     """The decision options from the ``[fp8]`` and ``[selective]`` sections and the run's sizes.
 
     Args:
         fp8: the FP8 numerics section (recipe, include / exclude).
-        selective: the measured-choice section, or None (no policy).
+        selective: the measured-choice section, or None (no policy, no ``auto``).
         mixed_precision: ``fp8`` or ``bf16`` (everything BF16).
         num_tokens: the default token count for policy lookups (``seq_length x micro_batch_size``);
             ``selective.fp8_dynamic_num_tokens`` overrides it.
         tp, ep, etp: the parallel sizes the policy is looked up at.
         topk: experts per token (grouped sites look up ``num_tokens x topk``).
         device_name: the training device (a policy measured elsewhere gives a warning).
+        measures_auto: the caller times the sites for ``selective_fp8 = "auto"`` (``fp8kit train``); if not
+            (the library entry points), ``auto`` decides by the static rules and a warning says so.
 
     Raises:
         PolicyError: a policy file is missing or invalid.
@@ -73,8 +77,17 @@ def decide_options(fp8: FP8Config, selective: SelectiveConfig | None, *, mixed_p
     sel = selective
     tokens_now = (sel.fp8_dynamic_num_tokens if sel is not None else None) or num_tokens
     decide_selective = None
+    auto = None
     warnings: list[str] = []
-    if sel is not None and sel.selective_fp8:
+    if sel is not None and sel.selective_fp8 == "auto" and tokens_now is not None:
+        auto = AutoOptions({"*": tokens_now, **sel.component_num_tokens}, topk, sel.auto_min_speedup)
+    if sel is not None and sel.selective_fp8 == "auto" and not measures_auto and mixed_precision == "fp8":
+        warnings.append(
+            "selective.selective_fp8 = 'auto' is measured by `fp8kit train` only; here the static rules decide "
+            "(every eligible layer in FP8). For a measured choice pass a policy (fp8kit bench-layers + "
+            "merge-policy, selective_fp8 = 'policy')"
+        )
+    if sel is not None and sel.selective_fp8 == "policy":
         if tokens_now is None:
             raise ConfigError("selective.selective_fp8: no token count; set selective.fp8_dynamic_num_tokens")
         paths = dict(sel.component_policy_paths)
@@ -104,5 +117,6 @@ def decide_options(fp8: FP8Config, selective: SelectiveConfig | None, *, mixed_p
         etp=etp,
         num_tokens=tokens_now,
         selective=decide_selective,
+        auto=auto,
         warnings=tuple(warnings),
     )

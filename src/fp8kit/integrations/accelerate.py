@@ -18,6 +18,7 @@ decided FP8 by fp8kit stay BF16 here (Accelerate converts ``nn.Linear`` only), a
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 from torch import nn
@@ -77,6 +78,9 @@ def ao_recipe_kwargs(model: nn.Module, config: FP8Config | None = None, *, selec
         all_gather = config.enable_fsdp_float8_all_gather
     if all_gather is None:
         all_gather = recipe_info(config.recipe).fsdp_fp8_all_gather
-    decisions = decide(find_sites(model), decide_options(config, selective, num_tokens=num_tokens))
+    options = decide_options(config, selective, num_tokens=num_tokens)
+    for message in options.warnings:  # e.g. a policy measured elsewhere, or 'auto' unmeasured here
+        warnings.warn(message, stacklevel=2)
+    decisions = decide(find_sites(model), options)
     ao_config = float8_linear_config(config.recipe, emulate=config.emulate, enable_fsdp_float8_all_gather=all_gather)
     return AORecipeKwargs(config=ao_config, module_filter_func=fp8kit_module_filter(decisions))

@@ -18,6 +18,7 @@ the non-FP8 layers run under BF16 autocast as usual.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from pathlib import Path
 
@@ -58,6 +59,8 @@ def prepare_for_trainer(model: nn.Module, fp8: bool = True, *, config: FP8Config
     """
     config = config or FP8Config()
     options = decide_options(config, selective, mixed_precision="fp8" if fp8 else "bf16", num_tokens=num_tokens)
+    for message in options.warnings:  # e.g. a policy measured elsewhere, or 'auto' unmeasured here
+        warnings.warn(message, stacklevel=2)
     decisions = decide(find_sites(model), options)
     if fp8:
         apply_fp8(model, decisions, ConversionOptions(emulate=config.emulate,

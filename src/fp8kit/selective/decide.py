@@ -9,9 +9,13 @@ Order for one site:
 1. the static filter (``selective/rules.py``): embeddings, heads, routers, experts, non-2-D, dims % 16,
    ``fp8.include`` / ``fp8.exclude``;
 2. ``train.mixed_precision = "bf16"``: everything BF16;
-3. with ``fp8.selective_fp8``: the policy of the site's component (``selective/policy.py``) at the
-   component's token count, with the run's ``tp`` (dense) or ``etp`` and local experts (grouped);
-4. otherwise FP8.
+3. with ``selective.selective_fp8 = "auto"`` and a measured table (``DecideOptions.auto.timings``): FP8 only
+   where the site's unit measured ``bf16_ms / fp8_ms >= auto.min_speedup`` (``selective/auto.py``; a shape
+   missing from the table keeps its static rule, with that said in the reason);
+4. with ``selective.selective_fp8 = true`` (a policy): the policy of the site's component
+   (``selective/policy.py``) at the component's token count, with the run's ``tp`` (dense) or ``etp`` and
+   local experts (grouped);
+5. otherwise FP8.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 
 from fp8kit.fp8.recipes import recipe_info
 from fp8kit.moe.expert_parallel import check_ep_divides_experts
+from fp8kit.selective.auto import AutoOptions, AutoShape, Timing, auto_units, auto_verdict
 from fp8kit.selective.policy import Policy
 from fp8kit.selective.rules import StaticRules
 from fp8kit.selective.sites import Site
@@ -43,6 +48,7 @@ class Decision:
         tp / etp: the parallel sizes the decision used.
         num_gemms: local experts per rank for grouped sites (``num_experts / ep``), else None.
         num_tokens: the component's token count (``seq_length x micro_batch_size`` or explicit).
+        measured: the ``selective_fp8 = "auto"`` timing of the site's unit that decided, else None.
     """
 
     site: Site
@@ -54,6 +60,7 @@ class Decision:
     etp: int = 1
     num_gemms: int | None = None
     num_tokens: int | None = None
+    measured: Timing | None = None
 
     @property
     def fqn(self) -> str:
@@ -80,6 +87,7 @@ class Decision:
             "rule": self.rule,
             "reason": self.reason,
             "recipe": self.recipe,
+            "measured": self.measured.to_dict() if self.measured is not None else None,
         }
 
 
@@ -98,7 +106,8 @@ class Selective:
 
 @dataclass(frozen=True)
 class DecideOptions:
-    """Everything :func:`decide` needs besides the sites."""
+    """Everything :func:`decide` needs besides the sites (``auto``: the ``selective_fp8 = "auto"`` inputs, with
+    the measured table once ``fp8kit.bench.auto`` has timed it)."""
 
     mixed_precision: str = "fp8"
     recipe: str = "tensorwise"
@@ -109,6 +118,7 @@ class DecideOptions:
     etp: int = 1
     num_tokens: int | None = None
     selective: Selective | None = None
+    auto: AutoOptions | None = None
     warnings: tuple[str, ...] = field(default=())
 
 
@@ -120,6 +130,7 @@ def decide(sites: list[Site], options: DecideOptions) -> list[Decision]:
     """
     rules = StaticRules.from_lists(list(options.include), list(options.exclude),
                                    recipe_info(options.recipe).dims_multiple)
+    shape_of = _auto_shapes(sites, rules, options)
     out: list[Decision] = []
     for site in sites:
         recipe = GROUPED_RECIPE if site.is_grouped_weight else options.recipe
@@ -139,6 +150,17 @@ def decide(sites: list[Site], options: DecideOptions) -> list[Decision]:
             out.append(Decision(site, "bf16", "mixed_precision",
                                 f"train.mixed_precision = {options.mixed_precision!r}", **ctx))
             continue
+        if site.fqn in shape_of:
+            auto, shape = options.auto, shape_of[site.fqn]
+            timing = auto.timings.get(shape)
+            use_fp8, why = auto_verdict(timing, auto.min_speedup, shape.num_tokens,
+                                        "pairs" if shape.is_grouped else "tokens")
+            if use_fp8 is None:
+                out.append(Decision(site, "fp8", verdict.rule, f"{verdict.reason}; {why}", recipe, **ctx))
+            else:
+                out.append(Decision(site, "fp8" if use_fp8 else "bf16", "auto", why, recipe if use_fp8 else None,
+                                    measured=timing, **ctx))
+            continue
         if options.selective is not None:
             policy, _ = options.selective.for_component(site.component)
             if policy is None:
@@ -151,6 +173,17 @@ def decide(sites: list[Site], options: DecideOptions) -> list[Decision]:
             continue
         out.append(Decision(site, "fp8", verdict.rule, verdict.reason, recipe, **ctx))
     return out
+
+
+def _auto_shapes(sites: list[Site], rules: StaticRules, options: DecideOptions) -> dict[str, AutoShape]:
+    """FQN -> the :class:`AutoShape` its unit is timed at, for every FP8 candidate when a measured ``auto``
+    table is given (else empty)."""
+    auto = options.auto
+    if auto is None or auto.timings is None or options.mixed_precision != "fp8":
+        return {}
+    candidates = [s for s in sites if rules.check(s).candidate]
+    units = auto_units(candidates, tp=options.tp, ep=options.ep, num_tokens=auto.num_tokens, topk=auto.topk)
+    return {fqn: u.shape for u in units for fqn in u.fqns}
 
 
 def summarize(decisions: list[Decision]) -> dict:

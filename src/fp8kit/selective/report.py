@@ -99,6 +99,46 @@ def print_report(
     )
 
 
+def print_auto_table(info: dict, console: Console | None = None) -> None:
+    """Print the ``selective_fp8 = "auto"`` table (one row per distinct timed shape) and how it was obtained.
+
+    ``info`` is ``fp8kit.bench.auto.AutoOutcome.info`` (saved as ``selective_auto`` in ``run_info.json``);
+    nothing is printed unless the table was applied (``info["applied"]``).
+    """
+    if not info.get("applied"):
+        return
+    console = console or make_console()
+    table = Table(title=f"selective_fp8 = auto: {info['recipe']} vs BF16 on {info['device']} "
+                  f"(FP8 where speed-up >= {info['min_speedup']:g})", header_style="bold")
+    for col in ("units", "sites", "M x K x N", "bf16 ms", "fp8 ms", "speed-up", "precision", "source"):
+        table.add_column(col, overflow="fold")
+    for r in info["rows"]:
+        ms = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        table.add_row(r["units"], str(r["sites"]), r["shape"], ms(r["bf16_ms"]), ms(r["fp8_ms"]), sp,
+                      r["precision"] or "-", (r["source"] or "-") + (f" ({r['error']})" if r["error"] else ""),
+                      style="green" if r["precision"] == "fp8" else None)
+    console.print(table)
+    console.print(
+        f"selective_fp8 = auto: {info['shapes']} shapes, {info['measured']} measured, {info['cached']} from the "
+        f"cache ({info['cache_dir']}), {info['seconds']:.1f} s"
+    )
+
+
+def auto_summary(info: dict) -> str:
+    """One line for the run summary: the ``auto`` choices and measured speed-ups (BF16 time / FP8 time), or why
+    nothing was measured; ``""`` when ``selective_fp8`` is not ``auto``."""
+    if info.get("mode") != "auto":
+        return ""
+    if not info.get("applied"):
+        return "selective_fp8 = auto: not measured, static rules" + (" (CPU / emulated FP8)" if "emulated" in
+                                                                      info.get("note", "") else "")
+    parts = [f"{r['units']} " + ("-" if r["speedup"] is None else f"{r['speedup']:.2f}x") + f" -> {r['precision']}"
+             for r in info["rows"]]
+    return (f"selective_fp8 = auto on {info['device']}: {', '.join(parts)} ({info['measured']} measured, "
+            f"{info['cached']} cached, {info['seconds']:.1f} s)")
+
+
 def report_markdown(decisions: list[Decision], header: dict | None = None) -> str:
     """The full per-site report as Markdown."""
     s = summarize(decisions)

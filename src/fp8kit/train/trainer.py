@@ -17,7 +17,7 @@ from fp8kit.base.runtime import barrier, is_main, launched_rank, launched_world_
 from fp8kit.config import RunConfig, save_config
 from fp8kit.optim.memory import format_state_bytes
 from fp8kit.selective.decide import summarize
-from fp8kit.selective.report import print_report, save_report
+from fp8kit.selective.report import auto_summary, print_auto_table, print_report, save_report
 from fp8kit.train.export import save_run_files
 from fp8kit.train.guard import LrSpike, run_training
 from fp8kit.train.loggers import RunLoggers, check_loggers
@@ -137,7 +137,8 @@ def train(
         "precision": _precision_desc(cfg),
         "optimizer": _optim_desc(cfg),
         "state_bytes_per_param": setup.info["training_state_bytes"]["total"],
-        "fp8_sites": f"{summarize(setup.decisions)['fp8_sites']} of {len(setup.decisions)}",
+        "fp8_sites": " ".join(filter(None, [f"{summarize(setup.decisions)['fp8_sites']} of {len(setup.decisions)}",
+                                            auto_summary(setup.info.get("selective_auto", {}))])),
         "wall_s": loop.wall_s,
         "status": "diverged" if loop.diverged else ("interrupted" if loop.interrupted else "ok"),
         "switches": loop.switches,
@@ -233,6 +234,7 @@ def _print_start(setup: Setup, console: Console) -> None:
     console.print(f"optimizer: {_optim_desc(cfg)}; training state {format_state_bytes(info['training_state_bytes'])}")
     for w in setup.warnings:
         console.print(f"[bold yellow]warning:[/] {w}")
+    print_auto_table(info.get("selective_auto", {}), console)  # selective_fp8 = "auto": the measured table
     print_report(setup.decisions, console)
     if setup.resume_from is not None:
         console.print(f"resuming from {setup.resume_from} at step {setup.start_step}")

@@ -1,0 +1,315 @@
+"""``selective.selective_fp8 = "auto"`` at the start of ``fp8kit train``: time, cache, decide.
+
+:func:`resolve_auto` is the one call ``fp8kit.train.setup`` makes after the static decisions:
+
+- ``auto`` on CUDA: the FP8 candidates are grouped into units (``fp8kit.selective.auto.auto_units``), each
+  distinct shape is looked up in the cache (``fp8kit.selective.auto_cache``) and, on a miss, timed here in
+  BF16 and in FP8 with the run's ``fp8.recipe`` by the ``bench-layers`` method (``bench/layers.py``'s
+  ``_Timer`` / ``_GroupedTimer``: forward + backward of the unit's linears, compiled as ``train.compile``
+  compiles, static shapes, device time through ``bench/timing.py``), then ``decide`` runs again with the
+  table. Under torchrun rank 0 measures (the per-rank shapes of tp / ep, on one GPU: no communication) and
+  broadcasts the table, so every rank takes the same decisions.
+- ``auto`` on the CPU or with ``fp8.emulate`` (FP8 GEMMs emulated: their timings say nothing about a GPU):
+  nothing is measured, the static rules decide (as ``selective_fp8 = false``) and a warning says so.
+- ``false`` / a policy on CUDA: nothing is measured, but cached measurements of this GPU that say FP8 is
+  slower than BF16 at a site the run keeps in FP8 give a warning with the measured ratios.
+
+MoE expert weights are timed as ``bench-layers`` times them (the FP8 grouped GEMM, rowwise, on rows padded
+to 16 per expert, the routed pairs split evenly over the local experts).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from fp8kit.base.errors import CapabilityError, ConfigError
+from fp8kit.base.runtime import device_name, versions
+from fp8kit.bench.layers import BenchLayersArgs, _GroupedTimer, _Timer
+from fp8kit.bench.sites import BenchSite
+from fp8kit.config import ModelConfig, RunConfig
+from fp8kit.selective.auto import (
+    AutoShape,
+    AutoUnit,
+    Timing,
+    auto_units,
+    distinct_shapes,
+    shape_names,
+    slower_in_fp8,
+)
+from fp8kit.selective.auto_cache import AutoCache, cache_key
+from fp8kit.selective.decide import DecideOptions, Decision, decide
+from fp8kit.selective.sites import Site
+
+#: Untimed calls per measurement (the first compiles) and timed calls (x 3 repeats on CUDA, median).
+AUTO_WARMUP = 3
+AUTO_ITERS = 10
+
+
+@dataclass
+class Measured:
+    """The timings of one start-up and how they were obtained.
+
+    Attributes:
+        timings: shape -> :class:`Timing` (``source`` ``"measured"`` or ``"cache"``).
+        measured / cached: shapes timed now / read from the cache.
+        seconds: wall time of the lookups and measurements.
+        warnings: one line each (an untrusted cache file, an unwritable cache directory).
+    """
+
+    timings: dict[AutoShape, Timing] = field(default_factory=dict)
+    measured: int = 0
+    cached: int = 0
+    seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+
+def grouped_recipe_key(device: torch.device) -> str:
+    """``"grouped:<kernel>"``: what the FP8 grouped GEMM of this device runs (the key of grouped units)."""
+    from fp8kit.moe.grouped_mm import GroupedGemmConfig, resolve_grouped_kernel
+
+    try:
+        return "grouped:" + resolve_grouped_kernel(GroupedGemmConfig(), device)
+    except CapabilityError:
+        return "grouped:unavailable"
+
+
+def measure_shapes(
+    shapes: Sequence[tuple[AutoShape, str]], *, recipe: str, device: torch.device, tp: int, ep: int,
+    cache: AutoCache, compile: bool, warmup: int = AUTO_WARMUP, iters: int = AUTO_ITERS,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> Measured:
+    """Time each ``(shape, name)`` in BF16 and in FP8, or read it from ``cache`` (module docstring).
+
+    ``progress(done, total, what)`` is called before each timing and once at the end. A shape whose FP8
+    module cannot be built here (a GPU without the FP8 grouped GEMM, blockwise dims) or that runs out of
+    memory gets a :class:`Timing` with ``error`` (BF16 in the decision); out-of-memory results are not cached.
+    """
+    t0 = time.perf_counter()
+    out = Measured()
+    dev_name, vers = device_name(device), _key_versions()
+    grouped_key = grouped_recipe_key(device) if any(s.is_grouped for s, _ in shapes) else None
+    todo = []
+    for shape, name in shapes:
+        key = cache_key(shape, device=dev_name, versions=vers, recipe=grouped_key if shape.is_grouped else recipe,
+                        tp=tp, ep=ep, compiled=compile)
+        hit, warning = cache.load(key)
+        if warning:
+            out.warnings.append(warning)
+        if hit is not None:
+            out.timings[shape] = hit
+            out.cached += 1
+        else:
+            todo.append((shape, name, key))
+    total, done = 2 * len(todo), 0
+    for shape, name, key in todo:
+        ms: dict[str, float | None] = {}
+        error, oom = None, False
+        for precision in ("bf16", "fp8"):
+            if progress:
+                progress(done, total, f"{name} ({shape.describe()}) in {precision}")
+            done += 1
+            if error:
+                ms[precision] = None
+                continue
+            try:
+                ms[precision] = _time_one(shape, name, precision, recipe=recipe, device=device, compile=compile,
+                                          warmup=warmup, iters=iters)
+            except (CapabilityError, ConfigError) as e:
+                ms[precision], error = None, f"{precision}: {e}"
+            except torch.OutOfMemoryError:
+                ms[precision], error, oom = None, f"{precision}: out of memory", True
+                torch.cuda.empty_cache()
+        timing = Timing(ms["bf16"], ms["fp8"], source="measured", error=error)
+        out.timings[shape] = timing
+        out.measured += 1
+        if not oom:
+            warning = cache.save(key, timing)
+            if warning and warning not in out.warnings:
+                out.warnings.append(warning)
+    if progress:
+        progress(total, total, "done")
+    if todo and device.type == "cuda":
+        torch._dynamo.reset()  # drop the sites' compiled graphs before the model compiles
+        torch.cuda.empty_cache()
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def _key_versions() -> dict[str, str]:
+    v = dict(versions())
+    try:
+        import triton
+
+        v["triton"] = triton.__version__
+    except ImportError:
+        v["triton"] = "none"
+    return v
+
+
+def _time_one(shape: AutoShape, name: str, precision: str, *, recipe: str, device: torch.device, compile: bool,
+              warmup: int, iters: int) -> float:
+    """Milliseconds of one forward + backward of ``shape``'s linears in ``precision`` (``bench-layers``' timers)."""
+    site = BenchSite("llm", "column_grouped" if shape.is_grouped else "column", name, list(shape.gemms),
+                     list(shape.gemms), tp=1, num_gemms=shape.num_gemms)
+    args = BenchLayersArgs(model=ModelConfig(), vocab_size=0, recipe=recipe, warmup=warmup, iters=iters,
+                           compile=compile, dynamic=False)
+    timer = _GroupedTimer(site, precision, args, device) if shape.is_grouped else _Timer(site, precision, args, device)
+    return timer(shape.num_tokens)
+
+
+@dataclass
+class AutoOutcome:
+    """What :func:`resolve_auto` hands back to the setup: the final decisions, warnings, and ``info`` for
+    ``run_info.json`` and the start-up table (``fp8kit.selective.report.print_auto_table``)."""
+
+    decisions: list[Decision]
+    warnings: list[str]
+    info: dict
+
+
+def resolve_auto(cfg: RunConfig, sites: list[Site], decisions: list[Decision], options: DecideOptions,
+                 device: torch.device, *, emulated: bool, topk: int = 1,
+                 status: Callable[[str], None] | None = None) -> AutoOutcome:
+    """Apply ``selective.selective_fp8`` (module docstring) to the static ``decisions`` of ``sites``.
+
+    Args:
+        cfg: the run config (``selective``, ``fp8.recipe``, ``data.cache_dir``, ``train.compile``, sizes).
+        options: the options ``decisions`` were decided with (``options.auto`` set for ``auto``).
+        device: the training device; emulated: its FP8 GEMMs are emulated (``fp8.emulate``).
+        topk: experts per token (grouped units are timed at ``tokens x topk`` pairs).
+        status: one-line progress messages (the trainer's spinner).
+
+    Raises:
+        ConfigError: tp / ep do not divide a unit's dimension or expert count.
+    """
+    mode = cfg.selective.selective_fp8
+    info: dict = {"mode": mode, "applied": False}
+    fp8 = [d for d in decisions if d.is_fp8]
+    if cfg.train.mixed_precision != "fp8" or not fp8:
+        info["note"] = "no FP8 candidates (train.mixed_precision or the static rules): nothing to decide"
+        return AutoOutcome(decisions, [], info)
+    from fp8kit.data.tokenizer import resolve_cache_dir
+
+    cache = AutoCache(resolve_cache_dir(cfg.data.cache_dir))
+    d = cfg.distributed
+    real_gpu = device.type == "cuda" and not emulated
+    if mode == "auto" and not real_gpu:
+        where = "on the CPU" if device.type != "cuda" else f"with fp8.emulate on {device_name(device)}"
+        w = (f'selective.selective_fp8 = "auto" {where}: FP8 GEMMs are emulated, so timings would not show how FP8 '
+             f"runs on a GPU; nothing is measured and the static rules decide, as selective_fp8 = false "
+             f"({len(fp8)} of {len(decisions)} sites in FP8)")
+        info["note"] = w
+        return AutoOutcome(decisions, [w], info)
+    if mode == "auto":
+        if options.auto is None:  # no token count (not a training run): nothing to time at
+            return AutoOutcome(decisions, [], info)
+        return measure_and_decide(cfg, sites, decisions, options, device, cache, status=status)
+    if not real_gpu:
+        return AutoOutcome(decisions, [], info)
+    # false / policy: no measuring; warn where the cache says FP8 is slower at a site kept in FP8
+    tokens = {"*": options.num_tokens or cfg.data.seq_length * cfg.train.micro_batch_size,
+              **cfg.selective.component_num_tokens}
+    units = auto_units([x.site for x in fp8], tp=d.tp, ep=d.ep, num_tokens=tokens, topk=topk)
+    timings = lookup_cached(units, cfg, device, cache)
+    slow = slower_in_fp8(units, timings, {x.fqn for x in fp8})
+    if not slow:
+        return AutoOutcome(decisions, [], info)
+    spelled = "false" if mode == "off" else "true (policy)"
+    w = (f"selective.selective_fp8 = {spelled} keeps FP8 where a cached measurement on {device_name(device)} says "
+         f"it is slower than BF16: " + ", ".join(f"{n} {s:.2f}x at {t} tokens" for n, s, t in slow)
+         + " (BF16 time / FP8 time); selective_fp8 = \"auto\" keeps them in BF16")
+    info["forced_slower"] = [{"units": n, "speedup": s, "num_tokens": t} for n, s, t in slow]
+    return AutoOutcome(decisions, [w], info)
+
+
+def measure_and_decide(cfg: RunConfig, sites: list[Site], decisions: list[Decision], options: DecideOptions,
+                       device: torch.device, cache: AutoCache, *, status: Callable[[str], None] | None = None,
+                       warmup: int = AUTO_WARMUP, iters: int = AUTO_ITERS) -> AutoOutcome:
+    """The ``auto`` path of :func:`resolve_auto` on any device (the CPU only in tests): units of the FP8
+    ``decisions``, timings (cache or measured; rank 0 under torchrun), ``decide`` again with the table."""
+    auto, d = options.auto, cfg.distributed
+    units = auto_units([x.site for x in decisions if x.is_fp8], tp=d.tp, ep=d.ep, num_tokens=auto.num_tokens,
+                       topk=auto.topk)
+    measured = _measure_on_rank0(units, cfg, device, cache, status, warmup, iters)
+    final = decide(sites, replace(options, auto=replace(auto, timings=measured.timings)))
+    info = {"mode": cfg.selective.selective_fp8,
+            **_table_info(units, measured, final, auto.min_speedup, cfg, device, cache.dir)}
+    return AutoOutcome(final, measured.warnings, info)
+
+
+def lookup_cached(units: list[AutoUnit], cfg: RunConfig, device: torch.device, cache: AutoCache) -> dict:
+    """The cached timings of ``units``' shapes on ``device`` for this run's recipe and sizes (no measuring)."""
+    d = cfg.distributed
+    dev_name, vers = device_name(device), _key_versions()
+    shapes = distinct_shapes(units)
+    grouped_key = grouped_recipe_key(device) if any(s.is_grouped for s in shapes) else None
+    out = {}
+    for shape in shapes:
+        key = cache_key(shape, device=dev_name, versions=vers,
+                        recipe=grouped_key if shape.is_grouped else cfg.fp8.recipe, tp=d.tp, ep=d.ep,
+                        compiled=cfg.train.compile)
+        hit, _ = cache.load(key)
+        if hit is not None:
+            out[shape] = hit
+    return out
+
+
+def _measure_on_rank0(units: list[AutoUnit], cfg: RunConfig, device: torch.device, cache: AutoCache,
+                      status: Callable[[str], None] | None, warmup: int, iters: int) -> Measured:
+    """Measure on this process, or under torchrun on rank 0 and broadcast the result to every rank."""
+    import torch.distributed as dist
+
+    shapes = [(shape, shape_names(us)) for shape, us in distinct_shapes(units).items()]
+    d = cfg.distributed
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    measured = None
+    if not distributed or dist.get_rank() == 0:
+        measured = measure_shapes(shapes, recipe=cfg.fp8.recipe, device=device, tp=d.tp, ep=d.ep, cache=cache,
+                                  compile=cfg.train.compile, warmup=warmup, iters=iters,
+                                  progress=_progress_line(status))
+    if distributed:
+        box = [measured]
+        dist.broadcast_object_list(box, src=0)
+        measured = box[0]
+    return measured
+
+
+def _progress_line(status: Callable[[str], None] | None) -> Callable[[int, int, str], None] | None:
+    """A text progress bar in the trainer's status line: ``selective_fp8 = auto ━━━━╺─── 3/8 12 s: timing ...``."""
+    if status is None:
+        return None
+    t0 = time.perf_counter()
+
+    def show(done: int, total: int, what: str) -> None:
+        width = 20
+        filled = width * done // max(total, 1)
+        bar = "━" * filled + "─" * (width - filled)
+        status(f"selective_fp8 = auto {bar} {done}/{total} {time.perf_counter() - t0:.0f} s: timing {what}")
+
+    return show
+
+
+def _table_info(units: list[AutoUnit], measured: Measured, decisions: list[Decision], min_speedup: float,
+                cfg: RunConfig, device: torch.device, cache_dir: Path) -> dict:
+    """The ``info`` of an applied ``auto``: one row per distinct shape, plus how the table was obtained."""
+    precision = {x.fqn: x.precision for x in decisions}
+    rows = []
+    for shape, us in distinct_shapes(units).items():
+        t = measured.timings.get(shape)
+        fqns = [f for u in us for f in u.fqns]
+        rows.append({
+            "units": shape_names(us), "sites": len(fqns), "shape": shape.describe(), "num_tokens": shape.num_tokens,
+            "bf16_ms": t.bf16_ms if t else None, "fp8_ms": t.fp8_ms if t else None,
+            "speedup": t.speedup if t else None, "source": t.source if t else None, "error": t.error if t else None,
+            "precision": precision.get(fqns[0]),
+        })
+    return {
+        "applied": True, "device": device_name(device), "recipe": cfg.fp8.recipe, "compiled": cfg.train.compile,
+        "min_speedup": min_speedup, "shapes": len(rows), "measured": measured.measured, "cached": measured.cached,
+        "seconds": round(measured.seconds, 2), "cache_dir": str(cache_dir), "rows": rows,
+    }

@@ -1,0 +1,308 @@
+"""``selective.selective_fp8 = "auto"``: units and shapes, the decision from a measured table, the cache, the
+CPU measurement path (real timings at tiny shapes, not asserted), the CPU fallback, bad values (CPU)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fp8kit.base.errors import ConfigError
+from fp8kit.bench.auto import lookup_cached, measure_shapes, resolve_auto
+from fp8kit.config import FP8Config, ModelConfig, SelectiveConfig, load_config
+from fp8kit.config.options import decide_options, options_from_config
+from fp8kit.models.build import build_hf_config, build_model
+from fp8kit.selective.auto import (
+    AutoShape,
+    Timing,
+    auto_units,
+    auto_verdict,
+    distinct_shapes,
+    slower_in_fp8,
+)
+from fp8kit.selective.auto_cache import AutoCache, cache_key, key_digest
+from fp8kit.selective.decide import decide
+from fp8kit.selective.sites import find_sites
+
+CPU = torch.device("cpu")
+VERSIONS = {"torch": "2.11.0", "torchao": "0.18.0", "fp8kit": "0.1.0", "cuda": "12.8", "triton": "3.6.0"}
+
+
+def _tiny_sites(preset: str = "tiny", layers: int = 1):
+    return find_sites(build_model(ModelConfig(preset=preset, num_layers=layers), 1024, device="meta"))
+
+
+def _auto_options(tokens: int = 64, **selective):
+    return decide_options(FP8Config(), SelectiveConfig(**selective), num_tokens=tokens)
+
+
+def _with_table(options, table):
+    return replace(options, auto=replace(options.auto, timings=table))
+
+
+def _units(sites, options, tp=1, ep=1):
+    fp8 = [d.site for d in decide(sites, options) if d.is_fp8]
+    return auto_units(fp8, tp=tp, ep=ep, num_tokens=options.auto.num_tokens, topk=options.auto.topk)
+
+
+def test_llama3_8b_has_four_distinct_shapes():
+    """224 candidate linears of Llama-3-8B -> 32 x 4 units -> 4 shapes timed (per-rank shapes under TP 2)."""
+    sites = find_sites(build_model(ModelConfig(preset="llama3-8b"), 128256, device="meta"))
+    options = _auto_options(tokens=8192)
+    units = _units(sites, options)
+    assert len(units) == 32 * 4 and sum(len(u.fqns) for u in units) == 224, len(units)
+    shapes = distinct_shapes(units)
+    got = {tuple(u.name for u in us): s.gemms for s, us in shapes.items()}
+    assert got == {
+        ("qkv",) * 32: ((4096, 4096), (4096, 1024), (4096, 1024)), ("proj",) * 32: ((4096, 4096),),
+        ("fc1",) * 32: ((4096, 14336), (4096, 14336)), ("fc2",) * 32: ((14336, 4096),),
+    }, got
+    assert {s.num_tokens for s in shapes} == {8192}
+    tp2 = {us[0].name: s.gemms for s, us in distinct_shapes(_units(sites, options, tp=2)).items()}
+    assert tp2["qkv"] == ((4096, 2048), (4096, 512), (4096, 512)) and tp2["fc2"] == ((7168, 4096),), tp2
+
+
+def test_a_site_measured_slower_in_fp8_stays_bf16():
+    """decide() is a pure function of (sites, table): injected timings decide, no timing runs."""
+    sites = _tiny_sites()
+    options = _auto_options()
+    by_name = {us[0].name: s for s, us in distinct_shapes(_units(sites, options)).items()}
+    table = {
+        by_name["qkv"]: Timing(1.0, 2.0),  # FP8 0.50x: bf16
+        by_name["fc1"]: Timing(2.0, 1.0),  # FP8 2.00x: fp8
+        by_name["fc2"]: Timing(1.03, 1.0, source="cache"),  # 1.03x < 1.05: bf16
+    }  # proj not measured: its static rule
+    d = {x.fqn: x for x in decide(sites, _with_table(options, table))}
+    q = d["model.layers.0.self_attn.q_proj"]
+    assert not q.is_fp8 and q.rule == "auto" and "FP8 0.50x BF16" in q.reason and q.reason.endswith("-> bf16"), q
+    assert q.measured == table[by_name["qkv"]] and q.to_dict()["measured"]["speedup"] == 0.5
+    assert all(d[f"model.layers.0.mlp.{n}_proj"].is_fp8 for n in ("gate", "up"))
+    down = d["model.layers.0.mlp.down_proj"]
+    assert not down.is_fp8 and "1.03x" in down.reason and "cached" in down.reason, down.reason
+    o = d["model.layers.0.self_attn.o_proj"]
+    assert o.is_fp8 and o.rule == "linear" and o.reason.endswith("auto: not measured yet"), o.reason
+    assert not d["lm_head"].is_fp8 and d["lm_head"].rule == "head"
+    # the margin is the config's: 1.0 takes fc2's 1.03x
+    options1 = _auto_options(auto_min_speedup=1.0)
+    d1 = {x.fqn: x for x in decide(sites, _with_table(options1, table))}
+    assert d1["model.layers.0.mlp.down_proj"].is_fp8
+    # without a table, auto leaves the static decisions untouched
+    assert [x.precision for x in decide(sites, options)] == [x.precision for x in decide(
+        sites, decide_options(FP8Config(), None, num_tokens=64))]
+
+
+def test_auto_verdict_errors_and_forced_warning_rows():
+    assert auto_verdict(Timing(1.0, None, error="fp8: no kernel"), 1.05, 64) == (
+        False, "auto: not timed (fp8: no kernel) -> bf16")
+    assert auto_verdict(None, 1.05, 64)[0] is None
+    sites = _tiny_sites()
+    units = _units(sites, _auto_options())
+    shapes = list(distinct_shapes(units))
+    slow = slower_in_fp8(units, {shapes[0]: Timing(1.0, 1.25), shapes[1]: Timing(1.0, 0.5)},
+                         {s.fqn for s in sites})
+    assert slow == [("qkv", 0.8, 64)], slow
+
+
+def test_cache_key_changes_with_recipe_gpu_versions_and_shape():
+    shape = AutoShape(((4096, 4096),), 8192)
+    base = dict(device="NVIDIA H100 80GB HBM3", versions=VERSIONS, recipe="tensorwise", tp=1, ep=1, compiled=True)
+    ref = key_digest(cache_key(shape, **base))
+    assert key_digest(cache_key(shape, **base)) == ref  # stable
+    variants = {
+        "recipe": {**base, "recipe": "blockwise"},
+        "gpu": {**base, "device": "NVIDIA H200"},
+        "torch": {**base, "versions": {**VERSIONS, "torch": "2.12.0"}},
+        "torchao": {**base, "versions": {**VERSIONS, "torchao": "0.19.0"}},
+        "fp8kit": {**base, "versions": {**VERSIONS, "fp8kit": "0.2.0"}},
+        "tp": {**base, "tp": 2},
+        "ep": {**base, "ep": 2},
+        "compiled": {**base, "compiled": False},
+    }
+    digests = {name: key_digest(cache_key(shape, **kw)) for name, kw in variants.items()}
+    digests["tokens"] = key_digest(cache_key(AutoShape(((4096, 4096),), 4096), **base))
+    digests["dtype"] = key_digest(cache_key(shape, dtype="float16", **base))
+    assert ref not in digests.values() and len(set(digests.values())) == len(digests), digests
+    # a library that does not change GEMM speed is not part of the key
+    assert key_digest(cache_key(shape, **{**base, "versions": {**VERSIONS, "transformers": "9"}})) == ref
+
+
+def _cpu_shapes():
+    """The tiny preset's 4 dense shapes at 32 tokens + one grouped shape of tiny-moe (emulated FP8 on CPU)."""
+    dense = [(s, us[0].name) for s, us in distinct_shapes(_units(_tiny_sites(), _auto_options(32))).items()]
+    return dense + [(AutoShape(((64, 128),), 64, 4), "fc1 experts")]
+
+
+def test_measurement_runs_on_cpu_then_the_cache_is_hit(tmp_path):
+    """Real CPU timings at tiny shapes (values not asserted), then a second run reads every shape from the cache:
+    nothing is measured (counter) and no file is rewritten (mtime)."""
+    cache = AutoCache(tmp_path)
+    shapes = _cpu_shapes()
+    kw = dict(recipe="tensorwise", device=CPU, tp=1, ep=1, cache=cache, compile=False, warmup=0, iters=1)
+    seen = []
+    first = measure_shapes(shapes, progress=lambda done, total, what: seen.append((done, total)), **kw)
+    assert first.measured == len(shapes) == 5 and first.cached == 0 and first.warnings == [], first
+    assert seen[-1] == (10, 10) and len(seen) == 11, seen  # bf16 + fp8 per shape, then done
+    assert all(t.source == "measured" and t.error is None and t.bf16_ms > 0 and t.fp8_ms > 0
+               for t in first.timings.values()), first.timings
+    files = sorted(cache.dir.glob("*.json"))
+    assert len(files) == 5, files
+    mtimes = {f: f.stat().st_mtime_ns for f in files}
+    second = measure_shapes(shapes, **kw)
+    assert second.measured == 0 and second.cached == 5 and second.warnings == [], second
+    assert {s: (t.bf16_ms, t.fp8_ms) for s, t in second.timings.items()} == {
+        s: (t.bf16_ms, t.fp8_ms) for s, t in first.timings.items()}
+    assert all(t.source == "cache" for t in second.timings.values())
+    assert {f: f.stat().st_mtime_ns for f in files} == mtimes
+    # another recipe is another key: measured again
+    assert measure_shapes(shapes[:1], **{**kw, "recipe": "rowwise"}).measured == 1
+
+
+@pytest.mark.parametrize("content, problem", [
+    ("{not json", "is unreadable"),
+    ('{"format": "fp8kit-auto-timing", "version": 1, "key": {}, "bf16_ms": 1.0, "fp8_ms": 1.0}',
+     "holds another key than its name says"),
+    (None, "has fp8_ms = -1.0, not a positive number of milliseconds"),
+    ('["a list"]', "is not a fp8kit-auto-timing file"),
+])
+def test_a_corrupt_cache_file_warns_in_one_line_and_is_measured_again(tmp_path, content, problem):
+    cache = AutoCache(tmp_path)
+    shape = AutoShape(((32, 48),), 16)
+    kw = dict(recipe="tensorwise", device=CPU, tp=1, ep=1, cache=cache, compile=False, warmup=0, iters=1)
+    assert measure_shapes([(shape, "x")], **kw).measured == 1
+    (path,) = cache.dir.glob("*.json")
+    if content is None:  # the right key, a bad value
+        data = json.loads(path.read_text())
+        data["fp8_ms"] = -1.0
+        content = json.dumps(data)
+    path.write_text(content)
+    again = measure_shapes([(shape, "x")], **kw)
+    assert again.measured == 1 and again.cached == 0, again
+    (w,) = again.warnings
+    assert "\n" not in w and str(path) in w and problem in w and w.endswith("measuring again"), w
+    assert measure_shapes([(shape, "x")], **kw).cached == 1  # rewritten, trusted again
+
+
+def test_selective_fp8_values_and_one_line_errors():
+    assert load_config(None, []).selective.selective_fp8 == "auto"  # the default
+    for text, mode in (("true", "policy"), ("on", "policy"), ("false", "off"), ("off", "off"), ("auto", "auto")):
+        extra = ["selective.fp8_dynamic_policy_path=p.json"] if mode == "policy" else []
+        assert load_config(None, [f"selective.selective_fp8={text}", *extra]).selective.selective_fp8 == mode
+    assert SelectiveConfig(fp8_dynamic_policy_path="p.json").selective_fp8 == "policy"  # a path without the key
+    assert SelectiveConfig(selective_fp8=False).model_dump()["selective_fp8"] is False  # saved as LoongForge writes it
+    cases = [
+        (["selective.selective_fp8=autoo"], "--set selective.selective_fp8=autoo: unknown value 'autoo' (did you "
+         "mean 'auto'?); choose one of auto, policy, off"),
+        (["selective.auto_min_speedup=0.9"], "--set selective.auto_min_speedup=0.9: must be >= 1.0, got 0.9"),
+        (["selective.selective_fp8=auto", "selective.fp8_dynamic_policy_path=p.json"],
+         "--set selective.selective_fp8=auto: is \"auto\" (measure at start-up) but a policy file is given too"),
+    ]
+    for overrides, expected in cases:
+        with pytest.raises(ConfigError) as e:
+            load_config(None, overrides)
+        msg = str(e.value)
+        assert msg.startswith(expected) and "\n" not in msg and "pydantic" not in msg, msg
+    with pytest.raises(ConfigError) as e:
+        SelectiveConfig(selective_fp8=2)
+    assert "\n" not in str(e.value) and "selective.selective_fp8" in str(e.value), str(e.value)
+
+
+def test_auto_on_the_cpu_falls_back_to_the_static_rules_loudly(tmp_path):
+    cfg = load_config(None, ["model.num_layers=1", "data.vocab_size=1024", f"data.cache_dir={tmp_path}"])
+    hf_cfg = build_hf_config(cfg.model, cfg.data.vocab_size)
+    sites = find_sites(build_model(cfg.model, 1024, device="meta"))
+    options = options_from_config(cfg, hf_cfg)
+    static = decide(sites, options)
+    out = resolve_auto(cfg, sites, static, options, CPU, emulated=False)
+    assert out.decisions == static and not out.info["applied"], out.info
+    (w,) = out.warnings
+    assert w.startswith('selective.selective_fp8 = "auto" on the CPU') and "static rules decide" in w, w
+    assert "7 of 9 sites in FP8" in w, w  # embedding and lm_head stay BF16
+    assert not (tmp_path / "selective_auto").exists()  # nothing measured, nothing cached
+    # selective_fp8 = false on the CPU: no warning, nothing looked up
+    off = cfg.model_copy(update={"selective": SelectiveConfig(selective_fp8=False)})
+    assert resolve_auto(off, sites, static, options_from_config(off, hf_cfg), CPU, emulated=False).warnings == []
+
+
+def test_cached_timings_are_found_for_a_forced_run(tmp_path):
+    """What `false` / a policy run warns from: the cache's timings of this run's units (no measuring)."""
+    cfg = load_config(None, ["model.num_layers=1", "data.vocab_size=1024", f"data.cache_dir={tmp_path}",
+                             "train.compile=false", "data.seq_length=16", "train.micro_batch_size=2"])
+    sites = find_sites(build_model(cfg.model, 1024, device="meta"))
+    options = options_from_config(cfg, build_hf_config(cfg.model, 1024))
+    units = _units(sites, options)
+    shapes = [(s, us[0].name) for s, us in distinct_shapes(units).items()]
+    cache = AutoCache(tmp_path)  # data.cache_dir
+    assert lookup_cached(units, cfg, CPU, cache) == {}
+    measure_shapes(shapes[:2], recipe="tensorwise", device=CPU, tp=1, ep=1, cache=cache, compile=False,
+                   warmup=0, iters=1)
+    found = lookup_cached(units, cfg, CPU, cache)
+    assert set(found) == {s for s, _ in shapes[:2]} and all(t.source == "cache" for t in found.values())
+
+
+def test_the_measured_path_decides_prints_and_records_on_cpu(tmp_path):
+    """The CUDA path of resolve_auto run on the CPU (tiny shapes, real timings, values not asserted): every FP8
+    candidate is decided by its unit's measurement, the table prints, the summary line names the ratios, and a
+    second start-up reads everything from the cache."""
+    from rich.console import Console
+
+    from fp8kit.bench.auto import measure_and_decide
+    from fp8kit.selective.report import auto_summary, print_auto_table
+
+    cfg = load_config(None, ["model.preset=tiny-moe", "model.num_layers=1", "data.vocab_size=1024",
+                             "data.seq_length=16", "train.micro_batch_size=2", "train.compile=false",
+                             f"data.cache_dir={tmp_path}", "selective.auto_min_speedup=1.0"])
+    hf_cfg = build_hf_config(cfg.model, 1024)
+    sites = find_sites(build_model(cfg.model, 1024, device="meta"))
+    options = options_from_config(cfg, hf_cfg)
+    static = decide(sites, options)
+    lines = []
+    out = measure_and_decide(cfg, sites, static, options, CPU, AutoCache(tmp_path), status=lines.append,
+                             warmup=0, iters=1)
+    info = out.info
+    assert info["applied"] and info["measured"] == info["shapes"] and info["cached"] == 0, info
+    grouped = [r for r in info["rows"] if "experts" in r["shape"]]
+    assert len(grouped) == 2 and all(r["error"] is None for r in grouped), info["rows"]  # gate_up and down
+    assert "64 pairs" in grouped[0]["shape"] and grouped[0]["units"] == "experts.fc1", grouped  # 32 tokens x top-2
+    assert lines[-1].startswith("selective_fp8 = auto ━") and "done" in lines[-1], lines[-1]
+    by_fqn = {d.fqn: d for d in out.decisions}
+    for d in static:
+        new = by_fqn[d.fqn]
+        if not d.is_fp8:
+            assert new == d  # only FP8 candidates are re-decided
+            continue
+        assert new.rule == "auto" and new.measured is not None, new
+        assert new.is_fp8 == (new.measured.speedup >= 1.0), (new.reason, new.measured)
+    console = Console(record=True, width=200)
+    print_auto_table(info, console)
+    text = console.export_text()
+    assert "selective_fp8 = auto: tensorwise vs BF16" in text and f"{info['shapes']} measured, 0 from the cache" in text
+    assert auto_summary(info).startswith(f"selective_fp8 = auto on {info['device']}: qkv "), auto_summary(info)
+    again = measure_and_decide(cfg, sites, static, options, CPU, AutoCache(tmp_path), warmup=0, iters=1)
+    assert again.info["measured"] == 0 and again.info["cached"] == info["shapes"], again.info
+    assert [d.precision for d in again.decisions] == [d.precision for d in out.decisions]
+
+
+def test_plan_says_what_auto_does_without_a_gpu(capsys, tmp_path):
+    from fp8kit.cli.main import main
+
+    if torch.cuda.is_available():
+        pytest.skip("the note of a machine without a GPU")
+    code = main(["plan", "--set", "model.num_layers=1", "--set", "data.vocab_size=1024"])
+    out = capsys.readouterr().out
+    assert code == 0 and "selective_fp8 = auto" in out and "static rules are shown" in " ".join(out.split()), out
+
+
+@pytest.mark.slow
+def test_cpu_train_records_the_fallback(small_run, tmp_path):
+    from fp8kit.train.trainer import train
+
+    cfg = load_config(None, [*small_run, "train.steps=2"])
+    res = train(cfg, tmp_path / "run")
+    info = json.loads((tmp_path / "run" / "run_info.json").read_text())
+    assert info["selective_auto"]["mode"] == "auto" and not info["selective_auto"]["applied"], info["selective_auto"]
+    assert any(w.startswith('selective.selective_fp8 = "auto" on the CPU') for w in info["warnings"]), info["warnings"]
+    header = json.loads((tmp_path / "run" / "conversion_report.json").read_text())["header"]
+    assert header["selective_fp8"] == "auto" and "static rules decide" in header["warnings"], header
+    assert "selective_fp8 = auto: not measured, static rules" in res.summary["fp8_sites"], res.summary["fp8_sites"]
