@@ -29,6 +29,9 @@ SCENARIOS = {
                    "distributed.ep=2", "train.checkpoint_every=5"],
     "ep_moe_bf16": ["model.preset=tiny-moe", "train.mixed_precision=bf16", "train.micro_batch_size=2",
                     "distributed.ep=2"],
+    # every rank builds the whole model first (today's single-process init), 3 steps (tests/test_meta_init.py)
+    "fsdp_bf16_full_init": ["train.mixed_precision=bf16", "train.micro_batch_size=2", "distributed.meta_init=false",
+                            "train.steps=3", "train.final_checkpoint=false"],
 }
 
 

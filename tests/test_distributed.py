@@ -38,6 +38,9 @@ TOL = {"bf16": 2e-3, "fp8": 1e-2}
 # scale (e.g. a missing 1/dp) diverges by > 1e-1 within 10 steps.
 MOE_TOL = {"bf16": 5e-3, "fp8": 1e-2}
 BASE = ["train.steps=10", "train.eval_every=0", "train.checkpoint_every=0"]
+# torchrun builds on meta and initialises each rank's shards (distributed.meta_init, fp8kit.models.init):
+# the same weights for every layout, which one process gets with meta_init = true.
+META = ["distributed.meta_init=true"]
 
 
 def _env() -> dict:
@@ -87,8 +90,8 @@ def references(cache_dir, tmp_path_factory, one_thread):
     out = tmp_path_factory.mktemp("ref")
     refs = {}
     for prec in ("bf16", "fp8"):
-        cfg = load_config(None, small_run_overrides(cache_dir) + BASE + [f"train.mixed_precision={prec}",
-                                                                         "train.checkpoint_every=5"])
+        cfg = load_config(None, small_run_overrides(cache_dir) + BASE + META + [f"train.mixed_precision={prec}",
+                                                                                "train.checkpoint_every=5"])
         metrics = train(cfg, out / prec).metrics
         refs[prec] = [r["loss"] for r in metrics]
         refs[f"{prec}_val"] = metrics[-1]["val_loss"]
@@ -216,7 +219,7 @@ def moe_references(cache_dir, tmp_path_factory, one_thread):
     out = tmp_path_factory.mktemp("moe_ref")
     refs = {}
     for prec in ("bf16", "fp8"):
-        cfg = load_config(None, small_run_overrides(cache_dir) + BASE + [
+        cfg = load_config(None, small_run_overrides(cache_dir) + BASE + META + [
             "model.preset=tiny-moe", f"train.mixed_precision={prec}", "train.checkpoint_every=5"])
         refs[prec] = [r["loss"] for r in train(cfg, out / prec).metrics]
     refs["dir"] = out

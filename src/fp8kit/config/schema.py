@@ -18,6 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import (
     Field,
     PrivateAttr,
+    field_serializer,
     field_validator,
     model_validator,
 )
@@ -27,10 +28,15 @@ from fp8kit.config.messages import FieldProblem
 from fp8kit.config.section_base import ConfigModel
 from fp8kit.config.sections_run import DataConfig, ModelConfig, TrainConfig
 from fp8kit.fp8.recipes import RECIPE_NAMES
+from fp8kit.selective.auto import DEFAULT_MIN_SPEEDUP
 from fp8kit.selective.patterns import compile_patterns
 
 Recipe = Literal[RECIPE_NAMES]  # the one list of recipes: fp8kit.fp8.recipes
 PositiveInt = Annotated[int, Field(gt=0)]
+#: ``[selective] selective_fp8``: measure at start-up, a policy file, or every candidate in FP8.
+SelectiveMode = Literal["auto", "policy", "off"]
+_TRUE_WORDS = ("true", "1", "yes", "on")
+_FALSE_WORDS = ("false", "0", "no")
 
 __all__ = ["ConfigModel", "DataConfig", "ModelConfig", "TrainConfig"]
 
@@ -113,23 +119,35 @@ class FP8Config(ConfigModel):
 
 class SelectiveConfig(ConfigModel):
     """``[selective]``: the measured per-module choice (LoongForge adaptive FP8): after the static [fp8]
-    rules, a layer stays in FP8 only where a policy of benchmark measurements says FP8 is faster at the
-    run's token count. The keys keep LoongForge's names; under ``[fp8]`` they are still accepted and
-    moved here."""
+    rules, a layer stays in FP8 only where a measurement says FP8 is faster at the run's token count:
+    measured at start-up (``selective_fp8 = "auto"``, the default) or from a policy file of benchmark
+    measurements (``selective_fp8 = true``). The keys keep LoongForge's names; under ``[fp8]`` they are still
+    accepted and moved here."""
 
     section: ClassVar[str] = "selective"
-    selective_fp8: bool = Field(
-        False,
-        description="Selective FP8: after the static rules, keep a layer in FP8 only where the policy's "
-        "measurements say FP8 is faster at this run's token count.",
+    selective_fp8: SelectiveMode = Field(
+        "auto",
+        description="Which FP8 candidates (after the static rules) run in FP8. auto: on CUDA, `fp8kit train` "
+        "times each distinct layer shape of the model at this run's token count in BF16 and in FP8 (fp8.recipe) "
+        "at start-up, caches the timings under data.cache_dir (keyed by GPU, library versions, shape, recipe, "
+        "tp/ep) and keeps FP8 only where it measured auto_min_speedup x faster; on the CPU or with fp8.emulate "
+        "(no meaningful timings) the static rules decide, with a warning. policy (or true, LoongForge's "
+        "spelling): the policy file's measurements (fp8_dynamic_policy_path). off (or false): every candidate "
+        "in FP8 (warns where a cached measurement says FP8 is slower). Unset with a policy path given: policy.",
+    )
+    auto_min_speedup: float = Field(
+        DEFAULT_MIN_SPEEDUP, ge=1.0,
+        description="selective_fp8 = auto: a layer runs in FP8 only where BF16 time / FP8 time >= this (the margin "
+        "above 1.0 covers timing noise and FP8 costs an isolated layer does not show; fp8kit.selective.auto).",
     )
     fp8_dynamic_policy_path: str | None = Field(
         None,
-        description="Policy JSON for selective_fp8 (LoongForge adaptive-FP8 format): a path, or builtin:NAME "
+        description="Policy JSON for selective_fp8 = true (LoongForge adaptive-FP8 format): a path, or builtin:NAME "
         "for a policy shipped with fp8kit (see `fp8kit plan --list-policies`).",
     )
     fp8_dynamic_num_tokens: int | None = Field(
-        None, gt=0, description="Token count for policy lookups. Default: data.seq_length x train.micro_batch_size."
+        None, gt=0, description="Token count for policy lookups and auto timings. Default: data.seq_length x "
+        "train.micro_batch_size.",
     )
     component_policy_paths: dict[str, str] = Field(
         default_factory=dict,
@@ -142,12 +160,45 @@ class SelectiveConfig(ConfigModel):
         "patch count, not the text sequence length).",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _policy_path_implies_policy(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "selective_fp8" not in data and (
+            data.get("fp8_dynamic_policy_path") or data.get("component_policy_paths")
+        ):
+            return {**data, "selective_fp8": "policy"}
+        return data
+
+    @field_validator("selective_fp8", mode="before")
+    @classmethod
+    def _loongforge_booleans(cls, v: Any) -> Any:
+        """LoongForge's ``true`` / ``false`` (and ``--set`` words for them) -> ``policy`` / ``off``."""
+        if isinstance(v, bool):
+            return "policy" if v else "off"
+        if isinstance(v, str) and v.strip().lower() in _TRUE_WORDS:
+            return "policy"
+        if isinstance(v, str) and v.strip().lower() in _FALSE_WORDS:
+            return "off"
+        return v
+
+    @field_serializer("selective_fp8")
+    def _write_booleans(self, v: str) -> bool | str:
+        """Saved configs keep LoongForge's spelling: ``policy`` -> ``true``, ``off`` -> ``false``."""
+        return {"policy": True, "off": False}.get(v, v)
+
     @model_validator(mode="after")
     def _needs_a_policy(self) -> "SelectiveConfig":
-        if self.selective_fp8 and not self.fp8_dynamic_policy_path and not self.component_policy_paths:
+        has_policy = bool(self.fp8_dynamic_policy_path or self.component_policy_paths)
+        if self.selective_fp8 == "policy" and not has_policy:
             raise FieldProblem(
                 "selective.selective_fp8",
                 "is true but no policy is given: set selective.fp8_dynamic_policy_path",
+            )
+        if self.selective_fp8 == "auto" and has_policy:
+            raise FieldProblem(
+                "selective.selective_fp8",
+                "is \"auto\" (measure at start-up) but a policy file is given too: set selective_fp8 = true to "
+                "use the policy, or drop fp8_dynamic_policy_path / component_policy_paths",
             )
         return self
 
@@ -222,6 +273,15 @@ class DistributedConfig(ConfigModel):
         1, gt=0,
         description="Expert tensor-parallel size (MoE) for the policy lookup of `fp8kit plan`; `train` runs "
         "whole experts per rank and refuses etp > 1.",
+    )
+    meta_init: bool | None = Field(
+        None,
+        description="Build the model on the meta device, shard it (TP / EP / FSDP2), then give each rank "
+        "storage for its own shards only and initialise them there (model.pretrained: read them), so that a "
+        "model larger than one GPU trains. The random initialisation then has the distribution of "
+        "transformers' but other numbers, the same for every layout (see docs/distributed.md). Unset: on "
+        "under torchrun, off in one process (today's initialisation on the device). false under torchrun: "
+        "every rank builds the whole model first (the numbers of one process on the same device).",
     )
 
     @field_validator("dp_shard")

@@ -4,7 +4,8 @@
 ``fp8kit.models.pretrained``.
 
 Models are built directly on the target device (``meta`` for planning: shapes only, no memory) with
-the run's seed, so initialisation is reproducible. Nothing is downloaded.
+the run's seed, so initialisation is reproducible. Nothing is downloaded. Under torchrun the model is built
+on ``meta`` with its initialisation recorded and replayed on each rank's shards (``fp8kit.models.init``).
 """
 
 from __future__ import annotations

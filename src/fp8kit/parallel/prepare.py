@@ -12,7 +12,9 @@ compile); a single process is the same path with every parallel size 1 (``mesh=N
     5. FSDP2 / HSDP       (mesh dp > 1)   fully_shard per block, then the root; FP8 or BF16 all-gather
     6. torch.compile      (options.compile) per block, last: it traces the final modules
 
-The precision schedule (BF16 warm-up / cool-down phases) later swaps modules with the same
+The model may be on ``meta`` (``distributed.meta_init``): the steps then shard shapes only, and the caller
+gives each rank storage for its own shards afterwards (``fp8kit.models.init``). The precision schedule
+(BF16 warm-up / cool-down phases) later swaps modules with the same
 ``apply_fp8`` / ``restore_bf16`` and the :class:`~fp8kit.parallel.convert.ConversionOptions` recorded in
 the returned :class:`Prepared`.
 """
@@ -85,7 +87,9 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     """Make ``model`` a training model in place (the order of the module docstring).
 
     Args:
-        model: an HF causal LM, fully materialised on this rank's device (the same weights on every rank).
+        model: an HF causal LM, fully materialised on this rank's device (the same weights on every rank),
+            or on ``meta`` (meta-device initialisation: every step here works on shapes; the caller then
+            materialises this rank's shards, ``fp8kit.models.init.initialize_shards``).
         decisions: the FP8/BF16 decision of every site (decided on the unsharded model).
         options: :class:`PrepareOptions`.
         mesh: the 3-D ``("dp_replicate", "dp_shard", "tp")`` DeviceMesh of a torchrun launch

@@ -3,10 +3,11 @@
 Order (one place, for one process and for torchrun alike): parallel layout checked against the world
 size (and, under torchrun, the process group and DeviceMesh started) -> device and FP8 capability ->
 resume checkpoint located -> data (corpus, tokenizer, packing; rank 0 first, the others read its cache)
--> model on the device (``model.pretrained``: its weights; under torchrun built on ``meta``, then
-materialised and loaded after ``prepare_model``, each rank its own shards) -> sites and decisions -> resume
-compatibility -> ``prepare_model`` (TP -> EP ->
-FP8 -> AC -> FSDP2 -> compile; ``fp8kit.parallel.prepare``) -> optimizer and LR schedule (after
+-> model on the device (``model.pretrained``: its weights), or, with ``distributed.meta_init`` (default
+under torchrun), on ``meta`` -> sites and decisions -> resume compatibility -> ``prepare_model`` (TP -> EP ->
+FP8 -> AC -> FSDP2 -> compile; ``fp8kit.parallel.prepare``) -> meta init: each rank materialises its own
+shards and initialises them (``fp8kit.models.init``) or reads them from ``model.pretrained`` -> optimizer
+and LR schedule (after
 ``prepare_model``: FSDP2 replaces the parameters) -> (``restore``) the checkpoint loaded into the
 prepared model and optimizer. Every step can fail with a one-line
 :class:`~fp8kit.base.errors.Fp8kitError`; none of them writes into the run directory (the tokenizer
@@ -26,12 +27,14 @@ from torch import nn
 from fp8kit.base.capability import fp8_support
 from fp8kit.base.errors import CapabilityError, CheckpointError, ConfigError
 from fp8kit.base.runtime import device_name, is_main, launched_world_size, resolve_device, versions
+from fp8kit.bench.auto import resolve_auto
 from fp8kit.config import RunConfig
-from fp8kit.config.options import grouped_gemm_config, options_from_config
+from fp8kit.config.options import grouped_gemm_config, moe_topk, options_from_config
 from fp8kit.config.prepare_options import prepare_options
 from fp8kit.config.pretrained import resolve_pretrained
 from fp8kit.data.prepare import PreparedData, prepare_data
 from fp8kit.models.build import build_hf_config, build_model, count_params, flops_per_token
+from fp8kit.models.init import build_model_on_meta, initialize_shards
 from fp8kit.models.pretrained import (
     check_weights,
     inspect_pretrained,
@@ -223,12 +226,13 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
         mesh, device = init_distributed(dims, device)
 
     pretrained = None
+    meta_init = use_meta_init(cfg, dims)
     if cfg.model.pretrained:  # its files checked (config, weights, shapes) before the data is prepared
         say(f"checking {cfg.model.pretrained}")
         pretrained = inspect_pretrained(cfg.model.pretrained)
         with torch.device("meta"):
             skeleton = build_model(cfg.model, cfg.data.vocab_size, device="meta")
-        check_weights(pretrained, skeleton, require_all=dims.distributed)
+        check_weights(pretrained, skeleton, require_all=meta_init)
         del skeleton
 
     say("preparing data")
@@ -243,12 +247,16 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
         )
     param_dtype = torch.float32 if cfg.train.param_dtype == "fp32" else torch.bfloat16
     load_weights = pretrained is not None and resume_ckpt is None  # a resumed run loads its checkpoint
-    # Distributed + pretrained: build on meta, shard (prepare_model), then each rank reads its own slices.
-    meta_init = pretrained is not None and dims.distributed
+    # Meta init (distributed.meta_init; default under torchrun): build on meta, shard (prepare_model), then
+    # each rank initialises (or, model.pretrained, reads) its own shards only.
+    init_program = None
     if load_weights and not meta_init:
         say(f"loading {cfg.model.pretrained}")
         torch.manual_seed(cfg.train.seed)
         model = load_pretrained(pretrained, hf_cfg, device=device, dtype=param_dtype)
+    elif meta_init and pretrained is None:
+        model, init_program = build_model_on_meta(cfg.model, cfg.data.vocab_size, dtype=param_dtype,
+                                                  seed=cfg.train.seed)
     else:
         model = build_model(cfg.model, cfg.data.vocab_size, device="meta" if meta_init else device,
                             dtype=param_dtype, seed=cfg.train.seed)
@@ -257,7 +265,11 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
         check_resume_recipe(cfg, resume_ckpt, resume_state)
 
     options = options_from_config(cfg, hf_cfg, device_name(device))
-    decisions = decide(find_sites(model), options)
+    sites = find_sites(model)
+    # selective.selective_fp8 = "auto": time the candidates' shapes (CUDA; cached) and decide again
+    auto = resolve_auto(cfg, sites, decide(sites, options), options, device, emulated=fp8_emulated(cfg, device),
+                        topk=moe_topk(hf_cfg), status=say)
+    decisions = auto.decisions
     if any(d.is_fp8 and d.site.is_grouped_weight for d in decisions):
         # FP8 MoE experts need an FP8 grouped GEMM on this device (or fp8.emulate): fail now, not mid-run.
         from fp8kit.moe.grouped_mm import resolve_grouped_kernel
@@ -273,7 +285,10 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
                         emulate=fp8_emulated(cfg, device)),
         mesh, hf_cfg=hf_cfg,
     )
-    if meta_init:
+    if init_program is not None:
+        say("initialising the model (each rank its own shards)")
+        initialize_shards(model, init_program, device)
+    elif meta_init:
         materialize(model, device)  # this rank's shards, uninitialised; rotary buffers recomputed
         if load_weights:
             say(f"loading {cfg.model.pretrained} (each rank its own shards)")
@@ -295,7 +310,7 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
         capability=capability,
         resume_from=resume_ckpt,
         resume_state=resume_state,
-        warnings=list(options.warnings),
+        warnings=list(options.warnings) + auto.warnings,
         dims=dims,
         mesh=mesh,
         loss_fn=torch.compile(cross_entropy) if cfg.train.compile else cross_entropy,
@@ -320,6 +335,7 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
         "flops_per_token": setup.flops_per_token,
         "bf16_peak_flops": setup.peak_flops,
         "warnings": setup.warnings,
+        "selective_auto": auto.info,  # selective_fp8 = "auto": the measured table, or why nothing was measured
         "training_state_bytes": training_state_bytes([p for p in model.parameters() if p.requires_grad], optimizer),
         "parallel": {
             "world_size": dims.world_size,
@@ -328,16 +344,19 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
             "tp": dims.tp,
             "steps": prepared.steps,
             "fp8_all_gather": prepared.fp8_all_gather,
+            "meta_init": meta_init,  # built on meta, each rank initialised / loaded its own shards
             "notes": prepared.notes,
         },
     }
     setup.warnings.extend(prepared.notes)
-    if cfg.train.mixed_precision == "fp8" and cfg.fp8.recipe == "delayed" and device.type == "cuda":
-        setup.warnings.append(
-            "fp8.recipe = \"delayed\" runs outside torch.compile and measured slower than BF16 (0.67x on an H100, "
-            "docs/benchmarks.md section 6): use it for its numerics, not for speed"
-        )
     return setup
+
+
+def use_meta_init(cfg: RunConfig, dims: ParallelDims) -> bool:
+    """Whether the model is built on ``meta`` and each rank initialises (or loads) its own shards only:
+    ``distributed.meta_init``, or when unset, a torchrun launch of more than one process."""
+    wanted = cfg.distributed.meta_init
+    return dims.distributed if wanted is None else wanted
 
 
 def check_distributed_config(cfg: RunConfig) -> None:
