@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 GPU_SETS = ["model.preset=llama3-8b", "model.num_layers=8", "data.vocab_size=32000", "data.seq_length=4096",
-            "train.micro_batch_size=2", "train.mixed_precision=fp8"]
+            "train.micro_batch_size=2", "train.mixed_precision=fp8", "selective.selective_fp8=false"]
 TINY_SETS = ["model.preset=tiny", "model.num_layers=2", "data.vocab_size=1024", "data.seq_length=64",
              "train.micro_batch_size=4"]
 

@@ -32,18 +32,19 @@ import time
 from pathlib import Path
 
 FP32_MASTER = ["optim.name=adamw", "train.param_dtype=fp32"]
+FULL_FP8 = ["train.mixed_precision=fp8", "selective.selective_fp8=false"]  # every eligible layer, no auto
 VARIANTS = {
     # study "recipes": matmul precision, FP32 master weights + torch AdamW everywhere
     "bf16": ["train.mixed_precision=bf16", *FP32_MASTER],
-    "tensorwise": ["train.mixed_precision=fp8", "fp8.recipe=tensorwise", *FP32_MASTER],
-    "blockwise": ["train.mixed_precision=fp8", "fp8.recipe=blockwise", *FP32_MASTER],
-    "delayed": ["train.mixed_precision=fp8", "fp8.recipe=delayed", *FP32_MASTER],
+    "tensorwise": [*FULL_FP8, "fp8.recipe=tensorwise", *FP32_MASTER],
+    "blockwise": [*FULL_FP8, "fp8.recipe=blockwise", *FP32_MASTER],
+    "delayed": [*FULL_FP8, "fp8.recipe=delayed", *FP32_MASTER],
     # study "optimizers": optimizer state precision, FP8 tensorwise matmuls everywhere
-    "adamw-fp32": ["train.mixed_precision=fp8", "fp8.recipe=tensorwise", *FP32_MASTER],
-    "fp8adamw": ["train.mixed_precision=fp8", "fp8.recipe=tensorwise", "optim.name=fp8_adamw"],
-    "fp8adamw-paper": ["train.mixed_precision=fp8", "fp8.recipe=tensorwise", "optim.name=fp8_adamw",
+    "adamw-fp32": [*FULL_FP8, "fp8.recipe=tensorwise", *FP32_MASTER],
+    "fp8adamw": [*FULL_FP8, "fp8.recipe=tensorwise", "optim.name=fp8_adamw"],
+    "fp8adamw-paper": [*FULL_FP8, "fp8.recipe=tensorwise", "optim.name=fp8_adamw",
                        "optim.m_expand=false"],
-    "fp8adamw-v-e4m3": ["train.mixed_precision=fp8", "fp8.recipe=tensorwise", "optim.name=fp8_adamw",
+    "fp8adamw-v-e4m3": [*FULL_FP8, "fp8.recipe=tensorwise", "optim.name=fp8_adamw",
                         "optim.v=e4m3"],
 }
 STUDIES = {

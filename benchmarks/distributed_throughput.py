@@ -38,24 +38,24 @@ from train_throughput import COMMON as THROUGHPUT_COMMON  # noqa: E402 - the sha
 COMMON = ["model.preset=llama3-8b", "data.seq_length=4096", *THROUGHPUT_COMMON]
 VARIANTS = {
     "fsdp-bf16": ["train.mixed_precision=bf16", "train.micro_batch_size=2"],
-    "fsdp-fp8-bf16ag": ["train.mixed_precision=fp8", "train.micro_batch_size=2", "fp8.enable_fsdp_float8_all_gather=false"],
-    "fsdp-fp8-fp8ag": ["train.mixed_precision=fp8", "train.micro_batch_size=2", "fp8.enable_fsdp_float8_all_gather=true"],
+    "fsdp-fp8-bf16ag": ["train.mixed_precision=fp8", "selective.selective_fp8=false", "train.micro_batch_size=2", "fp8.enable_fsdp_float8_all_gather=false"],
+    "fsdp-fp8-fp8ag": ["train.mixed_precision=fp8", "selective.selective_fp8=false", "train.micro_batch_size=2", "fp8.enable_fsdp_float8_all_gather=true"],
     "tp-bf16": ["train.mixed_precision=bf16", "train.micro_batch_size=4", "distributed.tp=2"],
-    "tp-fp8": ["train.mixed_precision=fp8", "train.micro_batch_size=4", "distributed.tp=2"],
+    "tp-fp8": ["train.mixed_precision=fp8", "selective.selective_fp8=false", "train.micro_batch_size=4", "distributed.tp=2"],
     "tpsp-bf16": ["train.mixed_precision=bf16", "train.micro_batch_size=4", "distributed.tp=2",
                   "distributed.sequence_parallel=true"],
-    "tpsp-fp8": ["train.mixed_precision=fp8", "train.micro_batch_size=4", "distributed.tp=2",
+    "tpsp-fp8": ["train.mixed_precision=fp8", "selective.selective_fp8=false", "train.micro_batch_size=4", "distributed.tp=2",
                  "distributed.sequence_parallel=true"],
     # 4 GPUs (--nproc 4): TP 2 x FSDP2 2 and HSDP 2 x 2; global batch 8 sequences like fsdp-* on 4 ranks
     "tpfsdp-bf16": ["train.mixed_precision=bf16", "train.micro_batch_size=4", "distributed.tp=2"],
-    "tpfsdp-fp8": ["train.mixed_precision=fp8", "train.micro_batch_size=4", "distributed.tp=2"],
+    "tpfsdp-fp8": ["train.mixed_precision=fp8", "selective.selective_fp8=false", "train.micro_batch_size=4", "distributed.tp=2"],
     "hsdp-bf16": ["train.mixed_precision=bf16", "train.micro_batch_size=2", "distributed.dp_replicate=2"],
-    "hsdp-fp8": ["train.mixed_precision=fp8", "train.micro_batch_size=2", "distributed.dp_replicate=2"],
+    "hsdp-fp8": ["train.mixed_precision=fp8", "selective.selective_fp8=false", "train.micro_batch_size=2", "distributed.dp_replicate=2"],
     "moe-fsdp-bf16": ["model.preset=qwen3-30b-a3b", "train.mixed_precision=bf16", "train.micro_batch_size=2"],
-    "moe-fsdp-fp8": ["model.preset=qwen3-30b-a3b", "train.mixed_precision=fp8", "train.micro_batch_size=2"],
+    "moe-fsdp-fp8": ["model.preset=qwen3-30b-a3b", "train.mixed_precision=fp8", "selective.selective_fp8=false", "train.micro_batch_size=2"],
     "moe-ep-bf16": ["model.preset=qwen3-30b-a3b", "train.mixed_precision=bf16", "train.micro_batch_size=2",
                     "distributed.ep=2"],
-    "moe-ep-fp8": ["model.preset=qwen3-30b-a3b", "train.mixed_precision=fp8", "train.micro_batch_size=2",
+    "moe-ep-fp8": ["model.preset=qwen3-30b-a3b", "train.mixed_precision=fp8", "selective.selective_fp8=false", "train.micro_batch_size=2",
                    "distributed.ep=2"],
 }
 

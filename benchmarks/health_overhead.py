@@ -34,12 +34,12 @@ from pathlib import Path
 
 WORKLOAD = [
     "model.preset=llama3-8b", "model.num_layers=8", "data.seq_length=4096", "train.micro_batch_size=2",
-    "data.vocab_size=32000", "train.compile=true", "train.mixed_precision=fp8", "fp8.recipe=tensorwise",
+    "data.vocab_size=32000", "train.compile=true", "train.mixed_precision=fp8", "selective.selective_fp8=false", "fp8.recipe=tensorwise",
     "train.warmup_steps=5", "train.lr=3e-4",
 ]
 TINY = [  # a CPU check of the script: the tiny preset, eager, FP8 matmuls emulated by torch._scaled_mm on CPU
     "model.preset=tiny", "model.num_layers=2", "data.seq_length=64", "data.vocab_size=1024",
-    "train.micro_batch_size=4", "train.mixed_precision=fp8", "fp8.recipe=tensorwise", "train.lr=1e-3",
+    "train.micro_batch_size=4", "train.mixed_precision=fp8", "selective.selective_fp8=false", "fp8.recipe=tensorwise", "train.lr=1e-3",
 ]
 COMMON = ["train.eval_every=0", "train.eval_batches=1", "train.checkpoint_every=0", "train.final_checkpoint=false",
           "train.log_every=10"]

@@ -14,11 +14,13 @@ functions, answered with their docstring and source). Each variant is a separate
 
 - ``fp8kit train`` with ``model.pretrained`` = the checkpoint, ``data.format = "chat"`` (loss on the
   assistant tokens; plain text if this fp8kit has no chat format), per-block ``torch.compile``:
-  ``bf16``, ``fp8`` (tensorwise, every eligible layer) and ``fp8-auto`` (selective FP8: the shipped H100
-  policy of the preset when there is one, else a policy measured here with ``fp8kit bench-layers`` +
-  ``merge-policy``: FP8 only where it measured faster);
+  ``bf16``, ``fp8`` (tensorwise, every eligible layer: ``selective.selective_fp8 = false``) and ``fp8-auto``
+  (``selective.selective_fp8 = "auto"``, the default: each site shape timed at start-up, FP8 only where it
+  measured faster);
 - ``examples/hf_trainer.py`` (the Trainer, whole-model ``torch_compile``): ``bf16`` (the Trainer alone) and
-  ``fp8`` / ``fp8-auto`` (the two fp8kit lines). The Trainer path packs the rendered chats as plain causal-LM
+  ``fp8`` / ``fp8-auto`` (the two fp8kit lines; the Trainer's ``fp8-auto`` uses a policy: the shipped H100
+  policy of the preset when there is one, else one measured here with ``fp8kit bench-layers`` +
+  ``merge-policy``). The Trainer path packs the rendered chats as plain causal-LM
   text (no prompt masking).
 
 Printed: one table (tokens/s, speed-up over the same path's bf16, ms/step, peak GiB, FP8 layers, final
@@ -165,9 +167,9 @@ def _run(cmd: list[str], log: Path) -> subprocess.CompletedProcess:
 def fp8kit_variant(work: Path, model: str, variant: str, pretrained: str, sets: list[str], policy: str | None) -> dict:
     run_dir = work / "runs" / f"fp8kit-{model}-{variant}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    extra = ["train.mixed_precision=bf16"] if variant == "bf16" else ["train.mixed_precision=fp8"]
-    if variant == "fp8-auto":
-        extra += ["selective.selective_fp8=true", f"selective.fp8_dynamic_policy_path={policy}"]
+    extra = {"bf16": ["train.mixed_precision=bf16"],
+             "fp8": ["train.mixed_precision=fp8", "selective.selective_fp8=false"],
+             "fp8-auto": ["train.mixed_precision=fp8", "selective.selective_fp8=auto"]}[variant]
     cmd = [sys.executable, "-m", "fp8kit", "train", "--out", str(run_dir)]
     for s in [f"model.pretrained={pretrained}", *sets, *extra]:
         cmd += ["--set", s]
@@ -216,13 +218,13 @@ def cmd_sft(args) -> int:
         pretrained = ck["dir"]
         try:
             policy = (auto_policy(work, spec[0], pretrained, sets, args.device, args.tiny)
-                      if "fp8-auto" in args.variants else None)
+                      if "fp8-auto" in args.variants and "trainer" in args.paths else None)
         except RuntimeError as e:
             print(f"fp8-auto skipped for {name}: {e}", flush=True)
             policy = None
         for path in args.paths.split(","):
             for variant in args.variants.split(","):
-                if variant == "fp8-auto" and policy is None:
+                if variant == "fp8-auto" and policy is None and path == "trainer":
                     continue
                 row = {"model": name, "variant": variant, "checkpoint_bytes": ck["bytes"]}
                 try:

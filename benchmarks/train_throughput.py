@@ -48,6 +48,8 @@ WORKLOADS = {
     # adaptive FP8, case (b): 8B layer shapes at seq 8192, where FP8 wins on the MLP
     "llama3-8b-seq8192": ["model.preset=llama3-8b", "model.num_layers=8", "data.seq_length=8192",
                           "train.micro_batch_size=1"],
+    # FP8 engine issue: a small model with default settings (selective_fp8 = "auto") must not lose to BF16
+    "llama-125m-seq1024": ["model.preset=llama-125m", "data.seq_length=1024", "train.micro_batch_size=16"],
     # MoE issue: Qwen3-30B-A3B layer shapes (128 experts, 8 per token), 4 layers; 16384 tokens per step
     # = 131072 routed pairs = 1024 per expert
     "qwen3-30b-a3b-seq4096": ["model.preset=qwen3-30b-a3b", "model.num_layers=4", "data.seq_length=4096",
@@ -56,14 +58,17 @@ WORKLOADS = {
 
 
 def variant_sets(name: str, preset: str, gpu: str) -> list[str]:
-    """bf16 | <recipe> (full FP8) | adaptive-<recipe> (selective FP8 with the shipped policy)."""
+    """bf16 | <recipe> (full FP8) | adaptive-<recipe> (selective FP8 with the shipped policy) | auto-<recipe>
+    (``selective.selective_fp8 = "auto"``: each site shape measured at start-up, FP8 where it measured faster)."""
     if name == "bf16":
         return ["train.mixed_precision=bf16"]
     if name.startswith("adaptive-"):
         recipe = name.removeprefix("adaptive-")
         return ["train.mixed_precision=fp8", f"fp8.recipe={recipe}", "selective.selective_fp8=true",
                 f"selective.fp8_dynamic_policy_path=builtin:{preset}_{recipe}_{gpu}"]
-    return ["train.mixed_precision=fp8", f"fp8.recipe={name}"]
+    if name.startswith("auto-"):
+        return ["train.mixed_precision=fp8", f"fp8.recipe={name.removeprefix('auto-')}", "selective.selective_fp8=auto"]
+    return ["train.mixed_precision=fp8", f"fp8.recipe={name}", "selective.selective_fp8=false"]
 
 
 def run_variant(name: str, workload: str, sets: list[str], out: Path, steps: int, cache: Path, gpu: str,
