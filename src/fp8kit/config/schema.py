@@ -230,6 +230,17 @@ class OptimConfig(ConfigModel):
         description="fp8_adamw second moment: fp16 (with a scale), e4m3 (underflows; for the FP8-LM "
         "ablation) or fp32.",
     )
+    m_rounding: Literal["stochastic", "nearest"] = Field(
+        "stochastic",
+        description="fp8_adamw rounding of the stored first moment: stochastic (unbiased, deterministic hash-based "
+        "random numbers; removes the E4M3 dead-band drift) or nearest (FP8-LM's layout; drifts +6-12% behind "
+        "FP32 AdamW on a regression at 400 steps).",
+    )
+    m_expand: Literal["none", "coat"] = Field(
+        "none",
+        description="fp8_adamw dynamic range expansion of the first moment: none, or coat (COAT, "
+        "arXiv:2410.19313: x -> sign(x)|x|^k per scale group; torch.compile path, not the Triton kernel).",
+    )
     granularity: Literal["tensor", "block"] = Field(
         "tensor", description="fp8_adamw scales: one per tensor (FP8-LM) or one per block."
     )

@@ -2,9 +2,21 @@
 
 Roles (FP8-LM, arXiv:2310.18313, section 2.1 accounting): ``master`` (the weights the optimizer updates
 at full/decoupled precision), ``grad`` (gradients between backward and step), ``m`` and ``v`` (Adam's
-moments) and ``working`` (a separate copy the model computes with, when it is not the master itself).
-FP8-LM's layout is master 2 + grad 1 + m 1 + v 2 = 6 bytes/param, against 16 for FP32 AdamW mixed
-precision (4 + 4 + 4 + 4).
+moments, with their scales; ``m`` with COAT's exponents when expanded) and ``working`` (a separate copy
+the model computes with, when it is not the master itself).
+
+FP8AdamW over bf16 parameters, per-tensor scales (whose 4 bytes per tensor and state round to 0.00):
+
+================================================= ====== ==== === === ===== =======================
+layout                                            master grad m   v   state + working (bf16)
+================================================= ====== ==== === === ===== =======================
+defaults (autograd's bf16 gradient, no hooks)     2      2    1   2   7     9
+FP8-LM (``grad="e5m2"``: FP8 gradient via hooks)  2      1    1   2   6     8
+``torch.optim.AdamW``, fp32 master weights        4      4    4   4   16    16 (the master is used)
+================================================= ====== ==== === === ===== =======================
+
+Per-block scales add ``4 / block_size`` per scaled state (0.03125 each at 128; COAT's ``k`` one more on
+``m``); the flat layout pads each tensor to ``block_size`` elements, and both are charged here.
 """
 
 from __future__ import annotations

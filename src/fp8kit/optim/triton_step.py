@@ -1,23 +1,29 @@
-"""The FP8AdamW step as Triton kernels (CUDA): one pass per block, or two for per-tensor scales.
+"""The FP8AdamW step as Triton kernels (CUDA): one multi-tensor pass per group, or two for per-tensor scales.
 
 Why our own kernel: ``torch.compile`` of ``numerics.adamw_update`` is several times slower than
 ``torch.optim.AdamW(fused=True)`` (figures in docs/benchmarks.md, "FP8AdamW"): inductor splits the three
-scaled stores (m, v, master) into separate reduction and pointwise kernels that each re-read the inputs,
-and the per-tensor amax went through a scatter with atomics per block. Here each program loads
-``ROWS`` blocks of every state once, computes the AdamW update in registers and:
+scaled stores (m, v, master) into separate reduction and pointwise kernels that each re-read the inputs.
+Here each program loads ``ROWS`` blocks of every state once, computes the AdamW update in registers and:
 
 - ``granularity="block"``: takes each block's amax in registers and stores the quantized states (1 pass);
 - ``granularity="tensor"``: pass 1 reduces the amax of the new m, v and master over the program's
-  rows and does one atomic max per program and tensor (per-block atomics on one address per tensor,
-  or a per-block store + ``torch.segment_reduce``, were slower; docs/benchmarks.md); pass 2 recomputes
-  the update (inputs are unchanged) and stores with the per-tensor scales. 19 bytes/param of traffic
-  against 14 for fused AdamW on bf16 parameters.
+  rows and does one atomic max per program and tensor; pass 2 recomputes the update (inputs are
+  unchanged) and stores with the per-tensor scales.
 
-The math is ``numerics.adamw_update``'s (same formula; the scale is ``fp8kit.fp8.triton_scale``'s
-``scale_from_amax``, the Triton twin of ``fp8kit.fp8.scaling.scale_from_amax``), which stays the
-reference (and the CPU path); ``benchmarks/optimizer_step.py`` checks the two agree on the GPU.
-Supported: scaled FP8/FP16 gradient, m, v; master scaled FP16 or unscaled FP32 (separate from the working
-weights). Other combinations (bf16 states, stochastic rounding) use ``torch.compile``.
+Gradients: the flat FP8 buffer of the hooks (``grad="e5m2"/"e4m3"``, scaled), or (``grad="param"``)
+autograd's ``param.grad`` tensors read in place through a table of addresses (``grad_table``, (2, T)
+int64: address and element count per tensor, count 0 for a missing gradient): each row of blocks belongs
+to one tensor (the flat layout pads tensors to whole blocks), so a row reads ``address + (offset - start)``
+masked to the tensor's elements. Bytes moved per parameter (bf16 parameters and gradients, per tensor):
+pass 1 reads 2 + 1 + 2 + 2, pass 2 reads as much and writes 1 + 2 + 2 + 2: 21, against 28 for
+``torch.optim.AdamW(fused=True)`` on fp32 master weights.
+
+Bit for bit the reference: the math is ``numerics.adamw_update``'s in the same order, with IEEE division
+and square root (``tl.div_rn``, ``tl.sqrt_rn``), the reciprocal-then-multiply of PyTorch's
+``scalar / tensor`` for scales, the same integer hash for stochastic rounding, and no fused multiply-add
+(launched with ``enable_fp_fusion=False``). ``tests/test_fp8_adamw_gpu.py`` checks the states bit for bit.
+Supported: scaled FP8/FP16 or fp32 ``m`` (no COAT expansion), scaled ``v``, master scaled FP16 or fp32
+(separate from the working weights). Other combinations use ``torch.compile`` of the reference.
 """
 
 from __future__ import annotations
@@ -27,78 +33,126 @@ import triton
 import triton.language as tl
 
 from fp8kit.fp8.scaling import DTYPE_MAX, is_scaled, scale_from_amax
-from fp8kit.fp8.triton_scale import saturate as tl_saturate
-from fp8kit.fp8.triton_scale import scale_from_amax as tl_scale_from_amax
-from fp8kit.optim.numerics import StateSpec
+from fp8kit.optim.numerics import HP_FIELDS, SR_FORMATS, StateSpec
 
 ROWS = 8  # blocks per program
+# the kernels read hp by position
+if HP_FIELDS != ("lr", "beta1", "beta2", "eps", "weight_decay", "step", "clip", "step_size", "inv_bc2", "salt"):
+    raise RuntimeError(f"fp8kit.optim.triton_step: hp layout changed ({HP_FIELDS}); update _update/_round_stochastic")
 
 
 def supported(spec: StateSpec, master: torch.Tensor | None) -> bool:
     """Whether the Triton kernels handle this state layout (see the module docstring)."""
     scaled = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float16)
+    m_ok = spec.m in scaled or spec.m == torch.float32
     return (
-        spec.grad in scaled and spec.m in scaled and spec.v in scaled and master is not None
+        m_ok and spec.m_expand == "none" and spec.v in scaled and master is not None
         and spec.master in (torch.float16, torch.float32) and not spec.stochastic_rounding
         and spec.block in (16, 32, 64, 128, 256, 512)
     )
 
 
 @triton.jit
+def _scale_rn(amax, MAX: tl.constexpr, EPS: tl.constexpr):
+    """``scaling.scale_from_amax`` exactly: PyTorch's ``MAX / t`` is ``reciprocal(t) * MAX``."""
+    return tl.div_rn(1.0, tl.minimum(tl.maximum(amax, EPS), 3.4028234663852886e38)) * MAX
+
+
+@triton.jit
+def _hash32(x):
+    """``numerics.hash32`` on uint32."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x31848BAB
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _round_stochastic(y, offs, hp, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """``numerics.round_stochastic(y, numerics.uniform_noise(...))`` for the elements at flat ``offs``."""
+    step = tl.load(hp + 5).to(tl.uint32)
+    salt = tl.load(hp + 9).to(tl.uint32)
+    seed = _hash32((step << 8) ^ salt)
+    u = (_hash32(offs.to(tl.uint32) ^ seed) >> 8).to(tl.float32) * 5.9604644775390625e-08
+    a = tl.abs(y)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, EMIN)
+    ulp = ((e - MANT + 127) << 23).to(tl.float32, bitcast=True)
+    inv_ulp = ((MANT - e + 127) << 23).to(tl.float32, bitcast=True)
+    r = tl.floor(a * inv_ulp + u) * ulp
+    return tl.where((y < 0) & (r > 0), -r, r)  # a zero result is +0, as numerics.round_stochastic
+
+
+@triton.jit
 def _load_scaled(ptr, sptr, offs, srow, SCALED: tl.constexpr):
     x = tl.load(ptr + offs).to(tl.float32)
     if SCALED:
-        x = x / tl.load(sptr + srow)[:, None]
+        x = x * tl.div_rn(1.0, tl.load(sptr + srow))[:, None]
     return x
 
 
 @triton.jit
-def _update(grad, gs, m, ms, v, vs, w, ws, offs, srow, hp, M_SCALED: tl.constexpr, W_SCALED: tl.constexpr):
+def _update(grad, gs, gtab, seg_start, m, ms, v, vs, w, ws, work, hp, offs, srow, owner_r,
+            GRAD_TABLE: tl.constexpr, NUM_T: tl.constexpr, M_SCALED: tl.constexpr, W_SCALED: tl.constexpr):
     lr = tl.load(hp + 0)
     beta1 = tl.load(hp + 1)
     beta2 = tl.load(hp + 2)
     eps = tl.load(hp + 3)
     wd = tl.load(hp + 4)
-    step = tl.load(hp + 5)
     clip = tl.load(hp + 6)
-    g = _load_scaled(grad, gs, offs, srow, True) * clip
+    step_size = tl.load(hp + 7)
+    inv_bc2 = tl.load(hp + 8)
+    if GRAD_TABLE:  # autograd's gradients, in the working weights' dtype, read in place
+        addr = tl.load(gtab + owner_r)
+        count = tl.load(gtab + NUM_T + owner_r)
+        local = offs - tl.load(seg_start + owner_r)[:, None]
+        gptr = addr.to(tl.pointer_type(work.dtype.element_ty))
+        g = tl.load(gptr[:, None] + local, mask=local < count[:, None], other=0.0).to(tl.float32)
+    else:
+        g = _load_scaled(grad, gs, offs, srow, True)
+    g = g * clip
     mm = beta1 * _load_scaled(m, ms, offs, srow, M_SCALED) + (1 - beta1) * g
     vv = beta2 * _load_scaled(v, vs, offs, srow, True) + (1 - beta2) * g * g
     ww = _load_scaled(w, ws, offs, srow, W_SCALED)
-    bc1 = 1 - tl.exp2(step * tl.log2(beta1))
-    bc2 = 1 - tl.exp2(step * tl.log2(beta2))
-    ww = ww * (1 - lr * wd) - (lr / bc1) * mm / (tl.sqrt(vv / bc2) + eps)
+    ww = ww * (1 - lr * wd) - tl.div_rn(step_size * mm, tl.sqrt_rn(vv * inv_bc2) + eps)
     return mm, vv, ww
 
 
 @triton.jit
-def _store_scaled(x, ptr, out_s, offs, srow, MAX: tl.constexpr, AMAX_EPS: tl.constexpr, OWN_SCALE: tl.constexpr):
-    if OWN_SCALE:  # per-block: this row's amax gives its new scale
-        s = tl_scale_from_amax(tl.max(tl.abs(x), axis=1), MAX, AMAX_EPS)
+def _store_scaled(x, ptr, out_s, offs, srow, hp, MAX: tl.constexpr, AMAX_EPS: tl.constexpr,
+                  OWN_SCALE: tl.constexpr, SR: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
+    if OWN_SCALE:  # per block: this row's amax gives its new scale
+        s = _scale_rn(tl.max(tl.abs(x), axis=1), MAX, AMAX_EPS)
         tl.store(out_s + srow, s)
-    else:  # per-tensor: the new scale from pass 1's amax
+    else:  # per tensor: the new scale from pass 1's amax
         s = tl.load(out_s + srow)
-    y = tl_saturate(x * s[:, None], MAX)
+    y = tl.minimum(tl.maximum(x * s[:, None], -MAX), MAX)
+    if SR:
+        y = _round_stochastic(y, offs, hp, MANT, EMIN)
     tl.store(ptr + offs, y.to(ptr.dtype.element_ty))
 
 
 @triton.jit
 def _fp8_adamw_kernel(
-    grad, gs, m, ms, v, vs, w, ws, work, hp, owner, out_m, out_v, out_w,
+    grad, gs, gtab, seg_start, m, ms, v, vs, w, ws, work, hp, owner, out_m, out_v, out_w,
     BLOCK: tl.constexpr, ROWS_: tl.constexpr, PASS: tl.constexpr, PER_TENSOR: tl.constexpr,
     M_MAX: tl.constexpr, V_MAX: tl.constexpr, W_MAX: tl.constexpr, AMAX_EPS: tl.constexpr,
-    M_SCALED: tl.constexpr, W_SCALED: tl.constexpr,
+    M_SCALED: tl.constexpr, W_SCALED: tl.constexpr, GRAD_TABLE: tl.constexpr, NUM_T: tl.constexpr,
+    M_SR: tl.constexpr, M_MANT: tl.constexpr, M_EMIN: tl.constexpr,
 ):
     """PASS 1: atomic-max the new m/v/master amax into out_* (``(num_tensors,)``). PASS 2: store the states;
     out_* are the new scales (written per block, or read per tensor). ms/vs/ws are the old scales."""
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)
     rows = pid * ROWS_ + tl.arange(0, ROWS_)
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    owner_r = tl.load(owner + rows)
     if PER_TENSOR:
-        srow = tl.load(owner + rows)
+        srow = owner_r
     else:
         srow = rows
-    mm, vv, ww = _update(grad, gs, m, ms, v, vs, w, ws, offs, srow, hp, M_SCALED, W_SCALED)
+    mm, vv, ww = _update(grad, gs, gtab, seg_start, m, ms, v, vs, w, ws, work, hp, offs, srow, owner_r,
+                         GRAD_TABLE, NUM_T, M_SCALED, W_SCALED)
     if PASS == 1:  # per-tensor amax: one atomic per program when its rows share a tensor (the usual case)
         am = tl.max(tl.abs(mm), axis=1)
         av = tl.max(tl.abs(vv), axis=1)
@@ -115,41 +169,57 @@ def _fp8_adamw_kernel(
             tl.atomic_max(out_w + srow, aw)
     else:
         if M_SCALED:
-            _store_scaled(mm, m, out_m, offs, srow, M_MAX, AMAX_EPS, not PER_TENSOR)
+            _store_scaled(mm, m, out_m, offs, srow, hp, M_MAX, AMAX_EPS, not PER_TENSOR, M_SR, M_MANT, M_EMIN)
         else:
             tl.store(m + offs, mm.to(m.dtype.element_ty))
-        _store_scaled(vv, v, out_v, offs, srow, V_MAX, AMAX_EPS, not PER_TENSOR)
+        _store_scaled(vv, v, out_v, offs, srow, hp, V_MAX, AMAX_EPS, not PER_TENSOR, False, 0, 0)
         if W_SCALED:
-            _store_scaled(ww, w, out_w, offs, srow, W_MAX, AMAX_EPS, not PER_TENSOR)
+            _store_scaled(ww, w, out_w, offs, srow, hp, W_MAX, AMAX_EPS, not PER_TENSOR, False, 0, 0)
         else:
             tl.store(w + offs, ww.to(w.dtype.element_ty))
         tl.store(work + offs, ww.to(work.dtype.element_ty))
 
 
 def adamw_update_triton(
-    grad, grad_scale, m, m_scale, v, v_scale, master, master_scale, work, hp, owner, spec: StateSpec
+    grad, grad_scale, m, m_scale, m_k, v, v_scale, master, master_scale, work, hp, owner, spec: StateSpec,
+    grad_table: torch.Tensor | None = None, seg_start: torch.Tensor | None = None,
 ) -> None:
     """Same contract as :func:`fp8kit.optim.numerics.adamw_update` (in place), on CUDA tensors.
 
+    Args:
+        grad, grad_scale: the flat scaled FP8 gradient, or ``None`` with ``grad_table``.
+        grad_table, seg_start: ``grad="param"``: (2, T) int64 addresses and element counts of the
+            gradients (``flat_group.FlatGroup.update_grad_table``) and the (T,) int64 segment starts.
+
     Raises:
-        ValueError: when the flat length is not a multiple of ``ROWS`` blocks (``FlatLayout`` aligns it).
+        ValueError: when the flat length is not a multiple of ``ROWS`` blocks (``FlatLayout`` aligns it),
+            with COAT's ``m_k``, or with neither a gradient nor a table.
     """
-    nb = grad.numel() // spec.block
+    nb = work.numel() // spec.block
     if nb % ROWS:
         raise ValueError(f"FP8AdamW Triton step: {nb} blocks is not a multiple of {ROWS}")
+    if m_k is not None or (grad is None) == (grad_table is None):
+        raise ValueError("FP8AdamW Triton step: needs exactly one of grad / grad_table, and no m_k")
     per_tensor = spec.granularity == "tensor"
     m_scaled, w_scaled = m_scale is not None, master_scale is not None
+    m_sr = m_scaled and spec.m_rounding == "stochastic"
+    mant, emin = SR_FORMATS.get(m.dtype, (0, 0))
     consts = dict(
         BLOCK=spec.block, ROWS_=ROWS, PER_TENSOR=per_tensor, AMAX_EPS=spec.eps, M_SCALED=m_scaled,
         W_SCALED=w_scaled, M_MAX=DTYPE_MAX.get(m.dtype, 1.0), V_MAX=DTYPE_MAX[v.dtype],
-        W_MAX=DTYPE_MAX.get(master.dtype, 1.0),
+        W_MAX=DTYPE_MAX.get(master.dtype, 1.0), GRAD_TABLE=grad_table is not None, NUM_T=spec.num_tensors,
+        M_SR=m_sr, M_MANT=mant, M_EMIN=emin, enable_fp_fusion=False,
     )
     ms = m_scale if m_scaled else hp  # hp: a placeholder for pointers a configuration never touches
     ws = master_scale if w_scaled else hp
-    args = [grad, grad_scale, m, ms, v, v_scale, master, ws, work, hp, owner]
+    if grad_table is not None:
+        args = [work, hp, grad_table, seg_start]
+    else:
+        args = [grad, grad_scale, owner, owner]
+    args += [m, ms, v, v_scale, master, ws, work, hp, owner]
     grid = (nb // ROWS,)
     if per_tensor:
-        amax = torch.zeros(3, spec.num_tensors, device=grad.device, dtype=torch.float32)
+        amax = torch.zeros(3, spec.num_tensors, device=work.device, dtype=torch.float32)
         _fp8_adamw_kernel[grid](*args, amax[0], amax[1], amax[2], PASS=1, **consts)
         # the per-tensor scales of pass 1's amax (an unscaled state's row is never read: ones)
         new = torch.stack([

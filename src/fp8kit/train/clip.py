@@ -8,7 +8,8 @@ The formula is ``torch.nn.utils.clip_grad_norm_``'s: total L2 norm over every gr
   fused AdamW kernel already divides each gradient by ``optimizer.grad_scale`` (the mechanism
   ``torch.amp.GradScaler`` uses), so we set ``grad_scale = max(1, (norm + 1e-6) / max_norm)`` and the
   separate scaling pass disappears.
-- **FP8AdamW** holds the gradients itself (in FP8) and applies the coefficient inside its fused step.
+- **FP8AdamW** takes the norm itself (of ``param.grad``, or of its FP8 gradient buffer) and applies the
+  coefficient inside its fused step (a device tensor: no host synchronisation).
 - **DTensor gradients** (FSDP2, TP, expert-parallel shards): gradients are grouped by device mesh and
   placements; each group's norm is taken with ``torch.nn.utils.get_total_norm`` (a DTensor, made whole with
   ``full_tensor``: DTensor reduces over the right ranks), the group norms combine as
@@ -36,7 +37,7 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, optimizer: torch
     Returns:
         The total norm before clipping (0-dim float32 tensor, the same on every rank).
     """
-    if isinstance(optimizer, FP8AdamW):  # gradients live in the optimizer (FP8); it clips inside its step
+    if isinstance(optimizer, FP8AdamW):  # it clips inside its step (and may hold the gradients in FP8)
         return optimizer.clip_grad_norm_(max_norm)
     from torch.distributed.tensor import DTensor
 

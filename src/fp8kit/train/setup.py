@@ -185,7 +185,8 @@ def build_optimizer(cfg: RunConfig, model: nn.Module, device: torch.device):
         from fp8kit.optim import FP8AdamW, FP8AdamWPrecision
 
         precision = FP8AdamWPrecision(
-            master=o.master, grad=o.grad, m=o.m, v=o.v, granularity=o.granularity, block_size=o.block_size
+            master=o.master, grad=o.grad, m=o.m, v=o.v, granularity=o.granularity, block_size=o.block_size,
+            m_rounding=o.m_rounding, m_expand=o.m_expand,
         )
         opt = FP8AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, precision=precision)
     else:

@@ -219,7 +219,9 @@ def _optim_desc(cfg: RunConfig) -> str:
     o = cfg.optim
     if o.name != "fp8_adamw":
         return f"AdamW ({cfg.train.param_dtype} parameters and states)"
-    return f"FP8AdamW (master {o.master}, grad {o.grad}, m {o.m}, v {o.v}, per {o.granularity})"
+    expand = f", {o.m_expand} expansion" if o.m_expand != "none" else ""
+    return (f"FP8AdamW (master {o.master}, grad {o.grad}, m {o.m} rounded {o.m_rounding}{expand}, v {o.v}, "
+            f"per {o.granularity})")
 
 
 def _print_start(setup: Setup, console: Console) -> None:

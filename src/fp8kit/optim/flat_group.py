@@ -1,0 +1,220 @@
+"""One parameter group of FP8AdamW: its flat layout, state buffers, gradient access and step function.
+
+Gradients reach the step in one of two ways (``FP8AdamWPrecision.grad``):
+
+- ``param`` (default): autograd's own ``param.grad`` (the parameters' dtype, allocated and freed by the
+  framework as for any optimizer). The Triton step reads them in place through a per-step table of
+  gradient addresses (one int64 per parameter, copied to the device only when an address changed), so
+  there is no hook, no copy and no extra buffer. The reference path (CPU, ``torch.compile``) copies them
+  into a temporary flat buffer first; both compute :func:`fp8kit.optim.numerics.adamw_update`.
+- ``e5m2`` / ``e4m3``: the optimizer's flat FP8 buffer, filled by a post-accumulate-grad hook per
+  parameter (FP8-LM's 1 byte/param; ``fp8_adamw.FP8AdamW._grad_hook``).
+
+Considered and not taken for ``param``: making each ``param.grad`` a view into one flat gradient buffer
+(DDP's ``gradient_as_bucket_view``). It also needs no hooks, but keeps 2 bytes/param allocated through
+forward (the framework frees gradients at ``zero_grad``), adds a memset per step and turns autograd's
+first accumulation (which adopts the fresh gradient) into a read-add-write, and breaks when user code
+sets ``param.grad = None`` (``model.zero_grad()``), which the address table handles for free.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from fp8kit.fp8.scaling import is_scaled, storage_dtype
+from fp8kit.optim.layout import FlatLayout
+from fp8kit.optim.numerics import HP_FIELDS, StateSpec, accumulate_gradient, adamw_update, load, store
+from fp8kit.optim.precision import FP8AdamWPrecision
+
+
+def grad_sq_sum(grad: torch.Tensor, scale: torch.Tensor | None, owner: torch.Tensor, spec: StateSpec) -> torch.Tensor:
+    """Sum of squares (float32) of a flat gradient's values."""
+    return load(grad, scale, owner, spec).square().sum()
+
+
+def own_code(fn):
+    """``fn`` with a code object of its own: torch.compile caches per code object, so each group's step
+    compiles once for its static shapes instead of counting against one shared recompile limit."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def select_step(spec: StateSpec, master, device: torch.device, compile_step: bool):
+    """(step function, step implementation name): ``"triton"`` (``optim/triton_step.py``, on CUDA where
+    the kernels cover the layout), else ``"torch.compile"`` of the reference math, else ``"eager"``."""
+    if not compile_step:
+        return adamw_update, "eager"
+    if device.type == "cuda":
+        from fp8kit.optim import triton_step
+
+        if triton_step.supported(spec, master):
+            return triton_step.adamw_update_triton, "triton"
+    return torch.compile(own_code(adamw_update), fullgraph=True, dynamic=False), "torch.compile"
+
+
+class FlatGroup:
+    """The flat states of one parameter group (module docstring and ``fp8_adamw``'s)."""
+
+    def __init__(self, params: list[torch.Tensor], prec: FP8AdamWPrecision, compile_step: bool, index: int):
+        device, pdtype = params[0].device, params[0].dtype
+        for p in params:
+            if p.device != device or p.dtype != pdtype:
+                raise ValueError(
+                    f"FP8AdamW: a parameter group mixes devices/dtypes ({device}/{pdtype} and {p.device}/{p.dtype}); "
+                    "put parameters of different dtypes or devices into different groups"
+                )
+            if type(p.data) is not torch.Tensor:
+                raise ValueError(
+                    f"FP8AdamW: parameters must be plain tensors, got {type(p.data).__name__} "
+                    "(DTensor/FSDP2 parameters are not supported by this version)"
+                )
+        if not pdtype.is_floating_point or pdtype.itemsize < 2:
+            raise ValueError(f"FP8AdamW: parameters must be bf16, fp16 or fp32, got {pdtype}")
+        self.index = index
+        self.params = params
+        self.layout = FlatLayout.build([p.numel() for p in params], prec.block_size, device)
+        L, T = self.layout, len(params)
+        self.work = torch.zeros(L.total, device=device, dtype=pdtype)
+        for i, p in enumerate(params):
+            L.segment(self.work, i).copy_(p.detach().reshape(-1))
+            p.data = L.segment(self.work, i).view(p.shape)
+        n_scales = T if prec.granularity == "tensor" else L.num_blocks
+
+        def scaled(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+            data = torch.zeros(L.total, device=device, dtype=dtype)
+            scale = torch.ones(n_scales, device=device, dtype=torch.float32) if is_scaled(dtype) else None
+            return data, scale
+
+        sr = prec.master == "bf16_sr"
+        master_dtype = torch.bfloat16 if sr else storage_dtype(prec.master, "FP8AdamW master")
+        self.master, self.master_scale = (None, None) if sr and pdtype == torch.bfloat16 else scaled(master_dtype)
+        self.fp8_grad = prec.grad != "param"
+        grad_dtype = storage_dtype(prec.grad, "FP8AdamW grad") if self.fp8_grad else pdtype
+        self.spec = StateSpec(
+            block=prec.block_size, num_tensors=T, granularity=prec.granularity, grad=grad_dtype,
+            m=storage_dtype(prec.m, "FP8AdamW m"), v=storage_dtype(prec.v, "FP8AdamW v"),
+            master=master_dtype if self.master is not None else None, stochastic_rounding=sr, eps=prec.amax_eps,
+            m_rounding=prec.m_rounding, m_expand=prec.m_expand,
+        )
+        if self.master is not None:
+            store(self.work.view(-1, L.block).float(), self.master, self.master_scale, L.block_owner, self.spec)
+        self.m, self.m_scale = scaled(self.spec.m)
+        self.m_k = torch.ones(n_scales, device=device, dtype=torch.float32) if prec.m_expand == "coat" else None
+        self.v, self.v_scale = scaled(self.spec.v)
+        if self.fp8_grad:
+            self.grad, self.grad_scale = scaled(grad_dtype)
+        else:
+            self.grad, self.grad_scale = None, None
+        self.has_grad = [False] * T
+        self.grads_final = False  # _grads_ready ran since the last step / zero_grad / backward
+        self.step_fn, self.step_impl = select_step(self.spec, self.master, device, compile_step)
+        self.grad_sq_fn = (
+            torch.compile(own_code(grad_sq_sum), fullgraph=True, dynamic=False) if compile_step else grad_sq_sum
+        )
+        # the backward hooks' quantization: one compiled graph for every parameter shape
+        self.quantize_fn = (
+            torch.compile(own_code(accumulate_gradient), dynamic=True) if compile_step else accumulate_gradient
+        )
+        self.hp = torch.zeros(len(HP_FIELDS), device=device, dtype=torch.float32)
+        # grad = "param" on the Triton path: (2, T) int64 [addresses; numel or 0 without a gradient]
+        self.grad_table = torch.zeros(2, T, device=device, dtype=torch.int64)
+        self.seg_start = torch.tensor(L.offsets, device=device, dtype=torch.int64)
+        self._table_host: list[int] | None = None
+        self.work_version = self.param_versions()
+
+    def buffers(self) -> dict[str, torch.Tensor | None]:
+        """The saved states (``state_dict``); ``m_k`` only with COAT's expansion."""
+        out = {
+            "master": self.master, "master_scale": self.master_scale, "m": self.m, "m_scale": self.m_scale,
+            "v": self.v, "v_scale": self.v_scale,
+        }
+        if self.m_k is not None:
+            out["m_k"] = self.m_k
+        return out
+
+    def grad_scale_slice(self, i: int) -> torch.Tensor:
+        assert self.grad_scale is not None
+        if self.spec.granularity == "tensor":
+            return self.grad_scale[i : i + 1]
+        return self.grad_scale[self.layout.block_range(i)]
+
+    # -- grad = "param": the framework's gradients -------------------------------------------------
+    def param_grads(self) -> list[torch.Tensor | None]:
+        """``param.grad`` of each parameter, checked against the parameter (shape, dtype, device).
+
+        Raises:
+            ValueError: a gradient whose dtype, shape or device differs from its parameter's, or a
+                sparse one.
+        """
+        out = []
+        for i, p in enumerate(self.params):
+            g = p.grad
+            if g is not None and (g.dtype != p.dtype or g.shape != p.shape or g.device != p.device
+                                  or g.layout != torch.strided):
+                raise ValueError(
+                    f"FP8AdamW: parameter {i} of shape {tuple(p.shape)} ({p.dtype}) has a gradient of shape "
+                    f"{tuple(g.shape)}, {g.dtype} ({g.layout}) on {g.device}; FP8AdamW reads dense gradients "
+                    "in the parameter's dtype"
+                )
+            out.append(g)
+        return out
+
+    def gather_grads(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        """A temporary flat gradient (the parameters' dtype, zeros where a parameter has no gradient) for
+        the reference path."""
+        flat = torch.zeros(self.layout.total, device=self.work.device, dtype=self.work.dtype)
+        for i, g in enumerate(grads):
+            if g is not None:
+                self.layout.segment(flat, i).copy_(g.reshape(-1))
+        return flat
+
+    def update_grad_table(self, grads: list[torch.Tensor | None]) -> None:
+        """Point the Triton step at the gradients (copied to the device only when an address changed).
+        A non-contiguous gradient is made contiguous in place of ``param.grad`` first."""
+        for i, g in enumerate(grads):
+            if g is not None and not g.is_contiguous():
+                self.params[i].grad = grads[i] = g.contiguous()
+        host = [g.data_ptr() if g is not None else 0 for g in grads]
+        host += [n if g is not None else 0 for g, n in zip(grads, self.layout.numels, strict=True)]
+        if host != self._table_host:
+            self.grad_table.copy_(torch.tensor(host, dtype=torch.int64).view(2, -1), non_blocking=True)
+            self._table_host = host
+
+    # -- weights ---------------------------------------------------------------------------------------
+    def sync_master_if_weights_changed(self) -> None:
+        """Rebuild the master from the working weights if something wrote to the parameters since the
+        optimizer last did (``load_state_dict`` on the model, ``nn.init``, ``copy_``): an in-place write bumps
+        the parameter's version counter; the optimizer's own writes go through ``work`` and bump none."""
+        now = self.param_versions()
+        if self.master is not None and now != self.work_version:
+            store(self.work.view(-1, self.layout.block).float(), self.master, self.master_scale,
+                  self.layout.block_owner, self.spec)
+        self.work_version = now
+
+    def param_versions(self) -> int:
+        return sum(p._version for p in self.params)
+
+    def check_views(self) -> None:
+        """Raise if a parameter no longer aliases the flat working buffer (its ``.data`` was replaced)."""
+        for i, p in enumerate(self.params):
+            if p.data_ptr() != self.work.data_ptr() + self.layout.offsets[i] * self.work.element_size():
+                raise RuntimeError(
+                    f"FP8AdamW: parameter {i} of shape {tuple(p.shape)} no longer views the optimizer's flat "
+                    "buffer (its .data was replaced after the optimizer was built, e.g. by load_state_dict(assign=True) "
+                    "or a module conversion that made new tensors); build the optimizer after such changes"
+                )
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes by role (``master``, ``grad``, ``m``, ``v``, ``working``) and ``params`` (elements)."""
+
+        def nb(*ts):
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+        grad = nb(self.grad, self.grad_scale)
+        if not self.fp8_grad:  # the framework's gradients, between backward and step
+            grad = sum(p.numel() * p.element_size() for p in self.params)
+        return {
+            "master": nb(self.master, self.master_scale), "grad": grad, "m": nb(self.m, self.m_scale, self.m_k),
+            "v": nb(self.v, self.v_scale), "working": nb(self.work), "params": sum(self.layout.numels),
+        }

@@ -1,0 +1,156 @@
+"""The Triton FP8AdamW step on a CUDA GPU (marker ``gpu``; skipped without CUDA), bit for bit.
+
+Run on the H100: ``pytest -m gpu tests/test_fp8_adamw_gpu.py``. The reference is ``numerics.adamw_update``
+run eagerly on the same CUDA tensors (the math the CPU tests check). The kernel reproduces it exactly: IEEE
+division and square root, PyTorch's reciprocal-then-multiply for ``scalar / tensor``, the same integer
+hash for stochastic rounding, no fused multiply-add (``optim/triton_step.py``). So the threshold is
+equality of every stored bit (states, scales, working weights) after several steps, for the layouts the
+kernel covers, with the gradients read in place through the address table or from the FP8 buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from fp8kit.optim import FP8AdamW, FP8AdamWPrecision
+from fp8kit.optim import numerics as N
+from fp8kit.optim.layout import FlatLayout
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+NUMELS = [300, 1000, 5000, 7, 4096 * 3, 128]
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _run(impl: str, spec: N.StateSpec, pdtype: torch.dtype, table: bool, steps: int = 4):
+    """``steps`` steps of one flat group with ``impl`` ("reference" or "triton"); returns the buffers."""
+    from fp8kit.optim import triton_step  # Triton: CUDA machines only
+
+    dev = torch.device("cuda")
+    L = FlatLayout.build(NUMELS, spec.block, dev)
+    n_scales = len(NUMELS) if spec.granularity == "tensor" else L.num_blocks
+    g = torch.Generator(device=dev).manual_seed(0)
+    bufs = {}
+    for name, dt, mag in (("m", spec.m, 1e-3), ("v", spec.v, 1e-6), ("w", spec.master, 1.0)):
+        x = torch.randn(L.total, generator=g, device=dev) * mag
+        x = x.abs() if name == "v" else x
+        for i in range(len(NUMELS)):  # the optimizer keeps the padding zero
+            L.padded_segment(x, i)[NUMELS[i]:] = 0
+        data = torch.zeros(L.total, device=dev, dtype=dt)
+        scale = torch.ones(n_scales, device=dev) if dt != torch.float32 else None
+        N.store(x.view(-1, spec.block), data, scale, L.block_owner, spec)
+        bufs[name], bufs[name + "_scale"] = data, scale
+    work = N.load(bufs["w"], bufs["w_scale"], L.block_owner, spec).view(-1).to(pdtype)
+    for step in range(1, steps + 1):
+        grads = [torch.randn(n, generator=g, device=dev).to(pdtype) * 10.0 ** (-2 - i % 3)
+                 for i, n in enumerate(NUMELS)]
+        if step == 2:
+            grads[1] = None  # a parameter without a gradient this step
+        hp = N.make_hp(1e-3, 0.9, 0.95, 1e-8, 0.1, step, 1).to(dev)
+        hp[N.HP_CLIP] = 0.6
+        flat = torch.zeros(L.total, device=dev, dtype=pdtype)
+        for i, gr in enumerate(grads):
+            if gr is not None:
+                L.segment(flat, i).copy_(gr)
+        args = (bufs["m"], bufs["m_scale"], None, bufs["v"], bufs["v_scale"], bufs["w"], bufs["w_scale"], work, hp,
+                L.block_owner, spec)
+        if table:
+            gargs, kw = (None, None), dict(
+                grad_table=torch.tensor([[gr.data_ptr() if gr is not None else 0 for gr in grads],
+                                         [n if gr is not None else 0 for gr, n in zip(grads, NUMELS, strict=True)]],
+                                        device=dev, dtype=torch.int64),
+                seg_start=torch.tensor(L.offsets, device=dev, dtype=torch.int64))
+        else:
+            g8, gs = torch.zeros(L.total, device=dev, dtype=spec.grad), torch.ones(n_scales, device=dev)
+            N.store(flat.float().view(-1, spec.block), g8, gs, L.block_owner, spec)
+            gargs, kw = (g8, gs), {}
+        if impl == "triton":
+            triton_step.adamw_update_triton(*gargs, *args, **kw)
+        else:
+            N.adamw_update(*((flat, None) if table else gargs), *args)
+    torch.cuda.synchronize()
+    return {**bufs, "work": work}
+
+
+CASES = {
+    "defaults bf16 per tensor": (dict(), torch.bfloat16, True),
+    "defaults bf16 per block": (dict(granularity="block"), torch.bfloat16, True),
+    "defaults fp32 params": (dict(), torch.float32, True),
+    "paper: e5m2 grads, m nearest": (dict(grad=E5M2, m_rounding="nearest"), torch.bfloat16, False),
+    "paper per block": (dict(grad=E5M2, m_rounding="nearest", granularity="block"), torch.bfloat16, False),
+    "e5m2 grads, m stochastic": (dict(grad=E5M2), torch.bfloat16, False),
+    "fp16 m stochastic": (dict(m=torch.float16), torch.bfloat16, True),
+    "fp32 m, fp32 master": (dict(m=torch.float32, master=torch.float32), torch.bfloat16, True),
+    "block 64, e4m3 v": (dict(block=64, v=E4M3, granularity="block"), torch.bfloat16, True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_step_equals_reference_bit_for_bit(case):
+    from fp8kit.optim import triton_step
+
+    over, pdtype, table = CASES[case]
+    base = N.StateSpec(block=128, num_tensors=len(NUMELS), granularity="tensor", grad=pdtype, m=E4M3,
+                       v=torch.float16, master=torch.float16, stochastic_rounding=False, m_rounding="stochastic")
+    spec = dataclasses.replace(base, **over)
+    assert triton_step.supported(spec, torch.empty(0)), spec
+    ref = _run("reference", spec, pdtype, table)
+    tri = _run("triton", spec, pdtype, table)
+    diffs = {}
+    for name, a in ref.items():
+        if a is None:
+            continue
+        b = tri[name]
+        n_diff = int((_bits(a) != _bits(b)).sum())
+        if n_diff:
+            diffs[name] = (n_diff, float((a.float() - b.float()).abs().max()))
+    print(f"{case}: elements differing (count, max abs diff) {diffs or 'none'}")
+    assert not diffs, f"{case}: Triton differs from the reference: {diffs}"
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Embedding(1000, 256), nn.Linear(256, 768), nn.LayerNorm(768), nn.Linear(768, 256)).to(
+        device="cuda", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("prec", [FP8AdamWPrecision(), FP8AdamWPrecision(granularity="block")], ids=["tensor", "block"])
+def test_optimizer_triton_equals_eager_on_cuda(prec):
+    """The whole optimizer (two groups, clipping, no hooks, a gradient missing, model.zero_grad()): the Triton
+    step against the eager reference on CUDA, same gradients; every state and weight equal after 6 steps."""
+    models = [_model(0), _model(0)]
+    opts = []
+    for m, compile_ in zip(models, (True, False), strict=True):
+        groups = [{"params": [p for p in m.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+                  {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+        opts.append(FP8AdamW(groups, lr=1e-3, betas=(0.9, 0.95), precision=prec, compile=compile_))
+    assert opts[0].step_impl == "triton" and opts[1].step_impl == "eager", [o.step_impl for o in opts]
+    assert opts[0]._hooks == [] and opts[1]._hooks == []
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for step in range(6):
+        grads = [torch.randn(p.shape, generator=g, device="cuda").to(p.dtype) * 1e-2 for p in models[0].parameters()]
+        for m, opt in zip(models, opts, strict=True):
+            m.zero_grad(set_to_none=True)  # new gradient tensors every step: the address table is refreshed
+            for i, (p, gr) in enumerate(zip(m.parameters(), grads, strict=True)):
+                p.grad = None if (step == 3 and i == 2) else gr.clone()
+            opt.clip_grad_norm_(0.5 if step % 2 else 0.0)
+            opt.step()
+    torch.cuda.synchronize()
+    for gi, (fa, fb) in enumerate(zip(opts[0]._flat, opts[1]._flat, strict=True)):
+        for name, a in {**fa.buffers(), "work": fa.work}.items():
+            b = {**fb.buffers(), "work": fb.work}[name]
+            if a is not None:
+                assert torch.equal(_bits(a), _bits(b)), (
+                    f"group {gi} {name}: {int((_bits(a) != _bits(b)).sum())} elements differ, "
+                    f"max {float((a.float() - b.float()).abs().max()):.3e}")
