@@ -43,7 +43,7 @@ VARIANTS = {
     "adamw-fp32": [*FULL_FP8, "fp8.recipe=tensorwise", *FP32_MASTER],
     "fp8adamw": [*FULL_FP8, "fp8.recipe=tensorwise", "optim.name=fp8_adamw"],
     "fp8adamw-paper": [*FULL_FP8, "fp8.recipe=tensorwise", "optim.name=fp8_adamw",
-                       "optim.m_expand=false"],
+                       "optim.m_rounding=nearest"],
     "fp8adamw-v-e4m3": [*FULL_FP8, "fp8.recipe=tensorwise", "optim.name=fp8_adamw",
                         "optim.v=e4m3"],
 }
