@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+from torch import nn
 
 # Two CPU cores: keep torch from oversubscribing them.
 torch.set_num_threads(2)
@@ -62,3 +65,21 @@ def assert_hf_logits_equal_run(hf, run) -> None:
     with torch.no_grad():
         a, b = hf(input_ids=x).logits, ours(input_ids=x).logits
     assert torch.equal(a, b), f"max |diff| {(a.float() - b.float()).abs().max().item()}"
+
+
+def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of ``x`` against ``ref`` in dB, in float64 on the CPU (inf when equal)."""
+    ref, x = ref.detach().double().cpu(), x.detach().double().cpu()
+    noise = (ref - x).pow(2).sum().item()
+    return math.inf if noise == 0 else 10 * math.log10(ref.pow(2).sum().item() / noise)
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm (float32 statistics, eps 1e-6): the producer of the FP8 inputs in the compile tests."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype) * self.weight

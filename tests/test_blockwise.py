@@ -9,8 +9,6 @@ tensorwise by >= 10 dB where the outliers do not set the error's energy.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import nn
@@ -20,13 +18,9 @@ from fp8kit.fp8.blockwise import BLOCK, FP8
 from fp8kit.fp8.kernels import ops
 from fp8kit.fp8.linear import Float8BlockwiseLinear, blockwise_linear
 from fp8kit.fp8.scaling import DTYPE_MAX, dequantize, quantize, scale_from_amax
+from tests.conftest import sqnr
 
 MIN_DB = 25.0
-
-
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref, x = ref.detach().double(), x.detach().double()
-    return float(10 * math.log10(ref.pow(2).sum() / (ref - x).pow(2).sum().clamp_min(1e-300)))
 
 
 def _real(*shape, scale=1.0, seed=0, dtype=torch.bfloat16):

@@ -7,8 +7,6 @@ Run on a Hopper GPU: ``pytest -m gpu tests/test_blockwise_gpu.py``. Inputs are r
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import nn
@@ -16,6 +14,7 @@ from torch import nn
 from fp8kit.fp8 import blockwise
 from fp8kit.fp8.kernels import ops
 from fp8kit.fp8.linear import Float8BlockwiseLinear
+from tests.conftest import sqnr
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,11 +25,6 @@ MIN_DB = 25.0
 #: cuBLAS vs float32 emulation of the same quantized operands: only accumulation order and the final
 #: rounding to bf16 differ.
 MIN_DB_VS_EMULATION = 40.0
-
-
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref, x = ref.detach().double().cpu(), x.detach().double().cpu()
-    return float(10 * math.log10(ref.pow(2).sum() / (ref - x).pow(2).sum().clamp_min(1e-300)))
 
 
 def _real(*shape, scale=1.0, seed=0, dtype=torch.bfloat16):

@@ -19,8 +19,9 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from fp8kit.base.errors import CheckpointError, ConfigError
 from fp8kit.config import load_config
-from fp8kit.fp8.delayed import DelayedScaling, DelayedScalingState, Float8DelayedLinear, sqnr_db
+from fp8kit.fp8.delayed import DelayedScaling, DelayedScalingState, Float8DelayedLinear
 from fp8kit.train.trainer import train
+from tests.conftest import RMSNorm, sqnr
 
 torch.manual_seed(0)
 
@@ -47,7 +48,7 @@ def test_numerics_against_float64():
         y, dx, dw = _fwd_bwd(layer, x, dy)
     w = layer.weight.detach().double()
     ref_y, ref_dx, ref_dw = x.double() @ w.T, dy.double() @ w, dy.double().T @ x.double()
-    got = {"out": sqnr_db(ref_y, y), "dgrad": sqnr_db(ref_dx, dx), "wgrad": sqnr_db(ref_dw, dw)}
+    got = {"out": sqnr(ref_y, y), "dgrad": sqnr(ref_dx, dx), "wgrad": sqnr(ref_dw, dw)}
     assert got["out"] >= 25 and got["dgrad"] >= 18 and got["wgrad"] >= 18, got
     assert got["out"] < 45, f"output {got['out']:.1f} dB: not quantized at all?"
 
@@ -60,7 +61,7 @@ def test_scale_of_step_t_comes_from_earlier_steps_and_a_jump_saturates_once():
     for mult in [1.0, 1.0, 100.0, 100.0]:
         y = layer(x * mult)
         y.sum().backward()
-        dbs.append(sqnr_db((x * mult).double() @ w.T, y.detach()))
+        dbs.append(sqnr((x * mult).double() @ w.T, y.detach()))
     # steps 0-1 well scaled; step 2 jumps 100x with step 0-1's scale: saturates; step 3 has the jump in its history
     assert dbs[0] > 25 and dbs[1] > 25, dbs
     assert dbs[2] < 10, f"a 100x jump did not saturate with the stale scale: {dbs}"
@@ -158,21 +159,12 @@ def test_bad_settings_are_one_line_errors():
 # -- torch.compile ------------------------------------------------------------------------------------
 
 
-class _RMSNorm(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype) * self.weight
-
-
 class _Block(nn.Module):
     """RMSNorm -> up (delayed) -> SiLU -> down (delayed, biased) + residual: the producers of a Llama MLP."""
 
     def __init__(self, state, d=64, h=128):
         super().__init__()
-        self.norm = _RMSNorm(d)
+        self.norm = RMSNorm(d)
         self.up = Float8DelayedLinear.from_linear(nn.Linear(d, h, bias=False), state, "up")
         self.down = Float8DelayedLinear.from_linear(nn.Linear(h, d, bias=True), state, "down")
 
@@ -319,7 +311,9 @@ def _rank_worker(out: Path) -> None:
 
 @pytest.mark.slow
 def test_amax_all_reduce_gives_every_rank_the_same_history(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    root = str(Path(__file__).resolve().parent.parent)  # the worker (this file as a script) imports tests.conftest
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
            str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)

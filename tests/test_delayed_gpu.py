@@ -7,14 +7,13 @@ The CPU twin of each check is in ``tests/test_delayed.py``.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from fp8kit.fp8.delayed import DelayedScaling, DelayedScalingState, Float8DelayedLinear
+from tests.conftest import RMSNorm, sqnr
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,27 +30,12 @@ MIN_DB_VS_EAGER = 40.0
 MIN_DB_VS_FLOAT64 = 20.0
 
 
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref, x = ref.detach().double().cpu(), x.detach().double().cpu()
-    noise = (ref - x).pow(2).sum()
-    return math.inf if noise == 0 else float(10 * math.log10(ref.pow(2).sum() / noise))
-
-
-class _RMSNorm(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype) * self.weight
-
-
 class _Block(nn.Module):
     """RMSNorm -> gate / up (delayed) -> SwiGLU -> down (delayed) + residual, Llama MLP shapes / 8."""
 
     def __init__(self, state, d=512, h=1792):
         super().__init__()
-        self.norm = _RMSNorm(d)
+        self.norm = RMSNorm(d)
         self.gate = Float8DelayedLinear.from_linear(nn.Linear(d, h, bias=False), state, "gate")
         self.up = Float8DelayedLinear.from_linear(nn.Linear(d, h, bias=False), state, "up")
         self.down = Float8DelayedLinear.from_linear(nn.Linear(h, d, bias=False), state, "down")

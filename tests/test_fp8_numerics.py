@@ -15,12 +15,7 @@ from torch import nn
 from fp8kit import convert_to_fp8
 from fp8kit.config import FP8Config
 from fp8kit.parallel.convert import count_fp8_modules, restore_bf16
-
-
-def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
-    ref, out = ref.detach().double(), out.detach().double()
-    return float(20 * torch.log10(ref.norm() / (ref - out).norm()))
-
+from tests.conftest import sqnr
 
 # (tokens M, in K, out N): Llama-3-8B k/v projection and MLP shapes at a CPU-friendly token count.
 SHAPES = [(256, 4096, 1024), (256, 1024, 4096), (512, 2048, 512)]

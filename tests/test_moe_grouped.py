@@ -36,16 +36,10 @@ from fp8kit.moe.grouped_mm import (
     fp8_grouped_mm,
     resolve_grouped_kernel,
 )
+from tests.conftest import sqnr
 
 OUT_DB, GRAD_DB = 18.0, 17.0
 FP8_GEMM_DB, NOT_QUANTIZED_DB = 25.0, 35.0
-
-
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio of ``x`` against ``ref`` in dB (inf when equal)."""
-    ref, x = ref.double(), x.double()
-    noise = (ref - x).pow(2).sum().item()
-    return math.inf if noise == 0 else 10 * math.log10(ref.pow(2).sum().item() / noise)
 
 
 def assert_sqnr(ref: torch.Tensor, got: torch.Tensor, floor: float, what: str, ceiling: float = math.inf) -> float:

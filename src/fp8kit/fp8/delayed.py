@@ -42,8 +42,6 @@ module and training step, in the same order on every rank).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -60,7 +58,7 @@ from fp8kit.fp8.delayed_state import (
 from fp8kit.fp8.scaling import DTYPE_MAX, scale_from_amax
 
 __all__ = ["AMAX_ALGOS", "OPERANDS", "DelayedEntry", "DelayedScaling", "DelayedScalingState",
-           "Float8DelayedLinear", "sqnr_db"]
+           "Float8DelayedLinear"]
 
 
 def _cast_impl(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,8 +203,3 @@ class Float8DelayedLinear(nn.Module):
                 f"margin={c.margin}")
 
 
-def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB of ``x`` against ``ref`` (float64)."""
-    ref, x = ref.double(), x.double()
-    noise = (ref - x).pow(2).sum().item()
-    return math.inf if noise == 0 else 10 * math.log10(ref.pow(2).sum().item() / noise)
