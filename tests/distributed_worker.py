@@ -32,7 +32,15 @@ SCENARIOS = {
     # every rank builds the whole model first (today's single-process init), 3 steps (tests/test_meta_init.py)
     "fsdp_bf16_full_init": ["train.mixed_precision=bf16", "train.micro_batch_size=2", "distributed.meta_init=false",
                             "train.steps=3", "train.final_checkpoint=false"],
+    # FP8AdamW over FSDP2 shards (tests/test_fp8_adamw_fsdp.py): a DCP checkpoint at step 5, then resumed from
+    # it on the same 2 ranks (dp_shard = 2) by the next scenario
+    "fsdp_fp8adamw": ["optim.name=fp8_adamw", "optim.grad=param", "train.mixed_precision=bf16", "train.micro_batch_size=2",
+                      "train.checkpoint_every=5", "train.final_checkpoint=false"],
+    "fsdp_fp8adamw_resumed": ["optim.name=fp8_adamw", "optim.grad=param", "train.mixed_precision=bf16", "train.micro_batch_size=2",
+                              "train.final_checkpoint=false"],
 }
+#: scenario -> (scenario whose checkpoint it resumes, checkpoint directory name)
+RESUME = {"fsdp_fp8adamw_resumed": ("fsdp_fp8adamw", "step_000005")}
 
 
 def main() -> None:
@@ -47,7 +55,8 @@ def main() -> None:
     for name in sys.argv[3:]:
         sets = small_run_overrides(cache) + ["train.steps=10", "train.eval_every=0", "train.checkpoint_every=0"]
         cfg = load_config(None, sets + SCENARIOS[name])
-        train(cfg, out_root / name)
+        src = RESUME.get(name)
+        train(cfg, out_root / name, resume=out_root / src[0] / "checkpoints" / src[1] if src else None)
     import torch.distributed as dist
 
     if dist.is_initialized():

@@ -276,9 +276,10 @@ def test_torchrun_mismatch_is_one_clear_line(cache_dir, tmp_path):
     assert not out.exists()
 
 
-def test_fp8_adamw_is_refused_under_torchrun(monkeypatch, small_run):
+def test_fp8_adamw_with_fp8_gradients_is_refused_under_torchrun(monkeypatch, small_run):
+    """FP8AdamW runs under FSDP2 (tests/test_fp8_adamw_fsdp.py) with optim.grad = "param" only."""
     from fp8kit.train.setup import build_setup
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="FP8AdamW does not take the DTensor parameters"):
-        build_setup(load_config(None, small_run + ["optim.name=fp8_adamw"]))
+    with pytest.raises(ConfigError, match="optim.grad = \"param\""):
+        build_setup(load_config(None, small_run + ["optim.name=fp8_adamw", "optim.grad=e5m2"]))

@@ -25,8 +25,17 @@ import torch
 
 from fp8kit.fp8.scaling import is_scaled, storage_dtype
 from fp8kit.optim.layout import FlatLayout
-from fp8kit.optim.numerics import HP_FIELDS, StateSpec, accumulate_gradient, adamw_update, load, store
+from fp8kit.optim.numerics import (
+    HP_FIELDS,
+    StateSpec,
+    accumulate_gradient,
+    adamw_update,
+    load,
+    reduced_scales,
+    store,
+)
 from fp8kit.optim.precision import FP8AdamWPrecision
+from fp8kit.optim.sharded import ShardInfo, is_dtensor
 
 
 def grad_sq_sum(grad: torch.Tensor, scale: torch.Tensor | None, owner: torch.Tensor, spec: StateSpec) -> torch.Tensor:
@@ -40,9 +49,10 @@ def own_code(fn):
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def select_step(spec: StateSpec, master, device: torch.device, compile_step: bool):
+def select_step(spec: StateSpec, master, device: torch.device, compile_step: bool, sharded: bool = False):
     """(step function, step implementation name): ``"triton"`` (``optim/triton_step.py``, on CUDA where
-    the kernels cover the layout), else ``"torch.compile"`` of the reference math, else ``"eager"``."""
+    the kernels cover the layout), else ``"torch.compile"`` of the reference math, else ``"eager"``.
+    FSDP2 shards (``sharded``) reduce amaxes between computing and storing: Triton or eager."""
     if not compile_step:
         return adamw_update, "eager"
     if device.type == "cuda":
@@ -50,6 +60,8 @@ def select_step(spec: StateSpec, master, device: torch.device, compile_step: boo
 
         if triton_step.supported(spec, master):
             return triton_step.adamw_update_triton, "triton"
+    if sharded:
+        return adamw_update, "eager"
     return torch.compile(own_code(adamw_update), fullgraph=True, dynamic=False), "torch.compile"
 
 
@@ -58,27 +70,40 @@ class FlatGroup:
 
     def __init__(self, params: list[torch.Tensor], prec: FP8AdamWPrecision, compile_step: bool, index: int):
         device, pdtype = params[0].device, params[0].dtype
+        sharded = is_dtensor(params[0])
         for p in params:
             if p.device != device or p.dtype != pdtype:
                 raise ValueError(
                     f"FP8AdamW: a parameter group mixes devices/dtypes ({device}/{pdtype} and {p.device}/{p.dtype}); "
                     "put parameters of different dtypes or devices into different groups"
                 )
-            if type(p.data) is not torch.Tensor:
+            if not sharded and type(p.data) is not torch.Tensor:
                 raise ValueError(
-                    f"FP8AdamW: parameters must be plain tensors, got {type(p.data).__name__} "
-                    "(DTensor/FSDP2 parameters are not supported by this version)"
+                    f"FP8AdamW: parameters must be plain tensors or FSDP2 DTensors, got {type(p.data).__name__}"
                 )
         if not pdtype.is_floating_point or pdtype.itemsize < 2:
             raise ValueError(f"FP8AdamW: parameters must be bf16, fp16 or fp32, got {pdtype}")
+        if sharded and prec.granularity != "tensor":
+            raise ValueError(
+                "FP8AdamW: granularity = 'block' is not supported with FSDP2 (DTensor) parameters: scaling blocks "
+                "would straddle shard boundaries; use granularity = 'tensor' (scales reduced over the shards)"
+            )
+        if sharded and prec.grad != "param":
+            raise ValueError(
+                f"FP8AdamW: grad = {prec.grad!r} is not supported with FSDP2 (DTensor) parameters (FSDP2 holds the "
+                "reduce-scattered gradient shard); use grad = 'param'"
+            )
         self.index = index
         self.params = params
-        self.layout = FlatLayout.build([p.numel() for p in params], prec.block_size, device)
+        #: FSDP2: mesh, reduction groups, noise offsets (``optim/sharded.py``); None for plain tensors
+        self.shard = ShardInfo(params, prec.block_size, device) if sharded else None
+        self.layout = FlatLayout.build([self.local(p).numel() for p in params], prec.block_size, device)
         L, T = self.layout, len(params)
         self.work = torch.zeros(L.total, device=device, dtype=pdtype)
         for i, p in enumerate(params):
-            L.segment(self.work, i).copy_(p.detach().reshape(-1))
-            p.data = L.segment(self.work, i).view(p.shape)
+            L.segment(self.work, i).copy_(self.local(p).detach().reshape(-1))
+            if not sharded:
+                p.data = L.segment(self.work, i).view(p.shape)
         n_scales = T if prec.granularity == "tensor" else L.num_blocks
 
         def scaled(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -98,7 +123,9 @@ class FlatGroup:
             m_rounding=prec.m_rounding, m_expand=prec.m_expand,
         )
         if self.master is not None:
-            store(self.work.view(-1, L.block).float(), self.master, self.master_scale, L.block_owner, self.spec)
+            self._store_master(self.work)
+        if sharded:
+            self.work = None  # FSDP2 owns the weights: a temporary flat buffer per step (work_buffer)
         self.m, self.m_scale = scaled(self.spec.m)
         self.m_k = torch.ones(n_scales, device=device, dtype=torch.float32) if prec.m_expand == "coat" else None
         self.v, self.v_scale = scaled(self.spec.v)
@@ -108,7 +135,7 @@ class FlatGroup:
             self.grad, self.grad_scale = None, None
         self.has_grad = [False] * T
         self.grads_final = False  # _grads_ready ran since the last step / zero_grad / backward
-        self.step_fn, self.step_impl = select_step(self.spec, self.master, device, compile_step)
+        self.step_fn, self.step_impl = select_step(self.spec, self.master, device, compile_step, sharded)
         self.grad_sq_fn = (
             torch.compile(own_code(grad_sq_sum), fullgraph=True, dynamic=False) if compile_step else grad_sq_sum
         )
@@ -122,6 +149,47 @@ class FlatGroup:
         self.seg_start = torch.tensor(L.offsets, device=device, dtype=torch.int64)
         self._table_host: list[int] | None = None
         self.work_version = self.param_versions()
+        self.trust_master = False  # FP8AdamW.load_state_dict under FSDP2: keep the master at the next step
+
+    @staticmethod
+    def local(p: torch.Tensor) -> torch.Tensor:
+        """``p`` itself, or a DTensor's local shard."""
+        return p.to_local() if is_dtensor(p) else p
+
+    def step_kwargs(self) -> dict:
+        """Extra step-function arguments of FSDP2 shards: the amax reduction and the noise offsets."""
+        if self.shard is None:
+            return {}
+        return {"reduce_amax": self.shard.reduce_max_, "noise_delta": self.shard.noise_delta}
+
+    def work_buffer(self) -> torch.Tensor:
+        """The flat working weights the step writes: ``work`` (the parameters view it), or under FSDP2 a
+        temporary holding the local shards (read by the step only when they are the master: bf16_sr)."""
+        if self.shard is None:
+            return self.work
+        dev, dt = self.seg_start.device, self.params[0].dtype
+        flat = torch.zeros(self.layout.total, device=dev, dtype=dt)
+        if self.master is None:
+            for i, p in enumerate(self.params):
+                self.layout.segment(flat, i).copy_(self.local(p).detach().reshape(-1))
+        return flat
+
+    def write_back(self, work: torch.Tensor) -> None:
+        """FSDP2: copy the stepped working weights into the parameters' local shards."""
+        if self.shard is None:
+            return
+        for i, p in enumerate(self.params):
+            loc = self.local(p)
+            loc.detach().copy_(self.layout.segment(work, i).view(loc.shape))
+
+    def _store_master(self, work: torch.Tensor) -> None:
+        """(Re)build the master from flat working weights (scales reduced over FSDP2 shards)."""
+        x, L = work.view(-1, self.layout.block).float(), self.layout
+        s = None
+        if self.shard is not None and self.master_scale is not None:
+            s = reduced_scales(x, x, x, None, None, None, None, None, self.master, self.master_scale,
+                               L.block_owner, self.spec, self.shard.reduce_max_)[2]
+        store(x, self.master, self.master_scale, L.block_owner, self.spec, s)
 
     def buffers(self) -> dict[str, torch.Tensor | None]:
         """The saved states (``state_dict``); ``m_k`` only with COAT's expansion."""
@@ -150,6 +218,11 @@ class FlatGroup:
         out = []
         for i, p in enumerate(self.params):
             g = p.grad
+            if g is not None and self.shard is not None:
+                if not is_dtensor(g):
+                    raise ValueError(f"FP8AdamW: parameter {i} of shape {tuple(p.shape)} is a DTensor but its "
+                                     "gradient is a plain tensor")
+                g, p = g.to_local(), self.local(p)
             if g is not None and (g.dtype != p.dtype or g.shape != p.shape or g.device != p.device
                                   or g.layout != torch.strided):
                 raise ValueError(
@@ -163,7 +236,7 @@ class FlatGroup:
     def gather_grads(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
         """A temporary flat gradient (the parameters' dtype, zeros where a parameter has no gradient) for
         the reference path."""
-        flat = torch.zeros(self.layout.total, device=self.work.device, dtype=self.work.dtype)
+        flat = torch.zeros(self.layout.total, device=self.seg_start.device, dtype=self.params[0].dtype)
         for i, g in enumerate(grads):
             if g is not None:
                 self.layout.segment(flat, i).copy_(g.reshape(-1))
@@ -174,6 +247,8 @@ class FlatGroup:
         A non-contiguous gradient is made contiguous in place of ``param.grad`` first."""
         for i, g in enumerate(grads):
             if g is not None and not g.is_contiguous():
+                if self.shard is not None:
+                    raise ValueError(f"FP8AdamW: parameter {i}'s local gradient shard is not contiguous")
                 self.params[i].grad = grads[i] = g.contiguous()
         host = [g.data_ptr() if g is not None else 0 for g in grads]
         host += [n if g is not None else 0 for g, n in zip(grads, self.layout.numels, strict=True)]
@@ -187,16 +262,30 @@ class FlatGroup:
         optimizer last did (``load_state_dict`` on the model, ``nn.init``, ``copy_``): an in-place write bumps
         the parameter's version counter; the optimizer's own writes go through ``work`` and bump none."""
         now = self.param_versions()
-        if self.master is not None and now != self.work_version:
-            store(self.work.view(-1, self.layout.block).float(), self.master, self.master_scale,
-                  self.layout.block_owner, self.spec)
+        if self.trust_master:
+            self.trust_master = False
+        elif self.master is not None and now != self.work_version:
+            if self.shard is None:
+                store(self.work.view(-1, self.layout.block).float(), self.master, self.master_scale,
+                      self.layout.block_owner, self.spec)
+            else:  # collective: every rank loads the same weights at the same step
+                flat = torch.zeros(self.layout.total, device=self.seg_start.device, dtype=self.params[0].dtype)
+                for i, p in enumerate(self.params):
+                    self.layout.segment(flat, i).copy_(self.local(p).detach().reshape(-1))
+                self._store_master(flat)
         self.work_version = now
 
     def param_versions(self) -> int:
+        """Sum of the parameters' version counters. FSDP2: the DTensors' (bumped by in-place writes through
+        the DTensor: ``load_state_dict``, DCP, ``nn.init``), not their local shards' (FSDP2 re-pads those
+        at its lazy init, and :meth:`write_back` writes them); direct writes into ``p.to_local()`` go
+        unnoticed."""
         return sum(p._version for p in self.params)
 
     def check_views(self) -> None:
         """Raise if a parameter no longer aliases the flat working buffer (its ``.data`` was replaced)."""
+        if self.shard is not None:
+            return  # FSDP2 owns the weights (write_back copies into them)
         for i, p in enumerate(self.params):
             if p.data_ptr() != self.work.data_ptr() + self.layout.offsets[i] * self.work.element_size():
                 raise RuntimeError(
@@ -212,9 +301,11 @@ class FlatGroup:
             return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
         grad = nb(self.grad, self.grad_scale)
+        local = [self.local(p) for p in self.params]
         if not self.fp8_grad:  # the framework's gradients, between backward and step
-            grad = sum(p.numel() * p.element_size() for p in self.params)
+            grad = sum(p.numel() * p.element_size() for p in local)
+        working = nb(self.work) if self.shard is None else sum(p.numel() * p.element_size() for p in local)
         return {
             "master": nb(self.master, self.master_scale), "grad": grad, "m": nb(self.m, self.m_scale, self.m_k),
-            "v": nb(self.v, self.v_scale), "working": nb(self.work), "params": sum(self.layout.numels),
+            "v": nb(self.v, self.v_scale), "working": working, "params": sum(self.layout.numels),
         }

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from fp8kit.optim import state_io
 from fp8kit.optim.flat_group import FlatGroup
 from fp8kit.optim.numerics import HP_CLIP, make_hp
 from fp8kit.optim.precision import STATE_FIELDS, FP8AdamWPrecision
@@ -64,7 +65,12 @@ class FP8AdamW(torch.optim.Optimizer):
 
     Raises:
         ValueError: bad hyperparameters or precision names, mixed devices/dtypes in a group, DTensor
-            parameters.
+            parameters other than FSDP2's (``optim/sharded.py``), or FSDP2 with per-block scales or FP8
+            gradients.
+
+    FSDP2: DTensor parameters are stepped shard by shard, with per-tensor scales reduced over the shard
+    group and stochastic rounding by the unsharded element index (``optim/sharded.py``); the states save
+    and reshard through DCP (``optim/state_io.py``).
     """
 
     def __init__(
@@ -93,6 +99,7 @@ class FP8AdamW(torch.optim.Optimizer):
         self._where: dict[int, tuple[int, int]] = {}
         self.clip_coef: torch.Tensor | float = 1.0
         self._step_count = 0
+        self._step_tensor = torch.zeros((), dtype=torch.float32)  # self.state[p]["step"] (shared, CPU)
         for gi, group in enumerate(self.param_groups):
             params_g = [p for p in group["params"] if p.requires_grad]
             if not params_g:
@@ -108,6 +115,7 @@ class FP8AdamW(torch.optim.Optimizer):
                 self._where[id(p)] = (gi, ti)
                 if fg.fp8_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(_make_hook(weakref.ref(self))))
+        self._refresh_state()
 
     @property
     def step_impl(self) -> str:
@@ -140,9 +148,19 @@ class FP8AdamW(torch.optim.Optimizer):
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm (float32, 0-dim, on the parameters' device) of the gradients the next step uses."""
         if not self._flat[0].fp8_grad:
+            device = self._flat[0].seg_start.device
+            if any(fg.shard is not None for fg in self._flat):  # FSDP2: sum of squares over the shards
+                total = torch.zeros((), device=device)
+                for fg in self._flat:
+                    grads = [g for g in fg.param_grads() if g is not None]
+                    sq = torch.zeros((), device=device)
+                    if grads:
+                        sq = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
+                    total = total + (fg.shard.reduce_sum_(sq) if fg.shard is not None else sq)
+                return total.sqrt()
             grads = [g for fg in self._flat for g in fg.param_grads() if g is not None]
             if not grads:
-                return torch.zeros((), device=self._flat[0].work.device)
+                return torch.zeros((), device=device)
             # float32 per-tensor norms (multi-tensor kernel), then their norm: no bf16 rounding of the norm
             return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
         total = None
@@ -187,36 +205,53 @@ class FP8AdamW(torch.optim.Optimizer):
             fg.hp.copy_(hp, non_blocking=True)
             if isinstance(self.clip_coef, torch.Tensor):
                 fg.hp[HP_CLIP : HP_CLIP + 1].copy_(self.clip_coef.reshape(1))
-            states = (fg.m, fg.m_scale, fg.m_k, fg.v, fg.v_scale, fg.master, fg.master_scale, fg.work, fg.hp,
+            work = fg.work_buffer()
+            states = (fg.m, fg.m_scale, fg.m_k, fg.v, fg.v_scale, fg.master, fg.master_scale, work, fg.hp,
                       fg.layout.block_owner, fg.spec)
+            kw = fg.step_kwargs()  # FSDP2: amax reduction over the shards, noise offsets
             if fg.fp8_grad:
                 self._fp8_grads_ready(fg)
                 fg.step_fn(fg.grad, fg.grad_scale, *states)
             elif fg.step_impl == "triton":
                 fg.update_grad_table(fg.param_grads())
-                fg.step_fn(None, None, *states, grad_table=fg.grad_table, seg_start=fg.seg_start)
+                fg.step_fn(None, None, *states, grad_table=fg.grad_table, seg_start=fg.seg_start, **kw)
             else:
-                fg.step_fn(fg.gather_grads(fg.param_grads()), None, *states)
+                fg.step_fn(fg.gather_grads(fg.param_grads()), None, *states, **kw)
+            fg.write_back(work)
             fg.has_grad = [False] * len(fg.has_grad)
             fg.grads_final = False
             fg.work_version = fg.param_versions()
         self.clip_coef = 1.0
+        self._step_tensor.fill_(self._step_count)
         return loss
 
     # -- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """``torch.optim`` layout plus ``"flat"``: per group the state buffers and scales (and COAT's ``m_k``),
-        and ``"fp8adamw"``: the step count and the precision.
+        """``torch.optim`` layout: ``state[i]`` per parameter (``optim/state_io.py``: payloads, scales,
+        ``step``; DTensors under FSDP2, which DCP saves sharded and reshards), ``param_groups``, and
+        ``"fp8adamw"``: the step count and the precision. One process also saves ``"flat"``: per group the
+        flat buffers, which the per-parameter entries are views of (``torch.save`` writes them once).
 
         Loadable with ``torch.load(weights_only=True)`` (tensors, lists, dicts, numbers, strings only).
         """
         sd = super().state_dict()
-        sd["flat"] = [{k: (v.clone() if v is not None else None) for k, v in fg.buffers().items()} for fg in self._flat]
+        sharded = any(fg.shard is not None for fg in self._flat)
+        flat = [{k: (v.clone() if v is not None else None) for k, v in fg.buffers().items()} for fg in self._flat]
+        state, i = {}, 0
+        for fg, bufs in zip(self._flat, flat, strict=True):
+            for ti in range(len(fg.params)):
+                state[i] = state_io.param_entry(fg, ti, fg.buffers() if sharded else bufs, self._step_count,
+                                                clone=sharded)
+                i += 1
+        sd["state"] = state
+        if not sharded:
+            sd["flat"] = flat
         sd["fp8adamw"] = {"step": self._step_count, "precision": self.precision.as_dict()}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore hyperparameters, step count and states.
+        """Restore hyperparameters, step count and states (from ``"flat"``, else the per-parameter entries:
+        DCP, another layout).
 
         The saved precision must match this optimizer's in the fields that define the stored states
         (master, m, v, granularity, block_size, m_expand); gradient mode, m rounding and amax_eps may
@@ -227,19 +262,48 @@ class FP8AdamW(torch.optim.Optimizer):
             ValueError: when the state was saved with other state precisions or parameter shapes, or by
                 another optimizer.
         """
-        if "flat" not in state_dict or "fp8adamw" not in state_dict:
-            raise ValueError("FP8AdamW.load_state_dict: not an FP8AdamW state (no 'flat' entry); was it saved by torch AdamW?")
-        saved = state_dict["fp8adamw"]["precision"]
-        mine = self.precision.as_dict()
-        diff = [k for k, old in STATE_FIELDS.items() if saved.get(k, old) != mine[k]]
-        if diff:
+        entries = state_dict.get("state") or {}
+        if "flat" not in state_dict and not (entries and all("v" in st for st in entries.values())):
+            raise ValueError("FP8AdamW.load_state_dict: not an FP8AdamW state (no 'flat' entry and no per-parameter "
+                             "'m'/'v' states); was it saved by torch AdamW?")
+        if "fp8adamw" in state_dict:
+            saved = state_dict["fp8adamw"]["precision"]
+            mine = self.precision.as_dict()
+            diff = [k for k, old in STATE_FIELDS.items() if saved.get(k, old) != mine[k]]
+            if diff:
+                raise ValueError(
+                    f"FP8AdamW.load_state_dict: saved with precision {saved}, this optimizer has {mine} "
+                    f"(differing in {', '.join(diff)})"
+                )
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self._flat) or any(len(g["params"]) != len(fg.params) for g, fg in zip(groups, self._flat, strict=False)):
             raise ValueError(
-                f"FP8AdamW.load_state_dict: saved with precision {saved}, this optimizer has {mine} "
-                f"(differing in {', '.join(diff)})"
+                f"FP8AdamW.load_state_dict: {len(groups)} groups of {[len(g['params']) for g in groups]} parameters "
+                f"saved, {len(self._flat)} groups of {[len(fg.params) for fg in self._flat]} here"
             )
-        if len(state_dict["flat"]) != len(self._flat):
-            raise ValueError(f"FP8AdamW.load_state_dict: {len(state_dict['flat'])} groups saved, {len(self._flat)} here")
-        for gi, (fg, saved_bufs) in enumerate(zip(self._flat, state_dict["flat"], strict=True)):
+        if "flat" in state_dict and all(fg.shard is None for fg in self._flat):
+            self._load_flat(state_dict["flat"])
+            step = int(state_dict["fp8adamw"]["step"])
+        else:
+            keys = [k for g in groups for k in g["params"]]
+            where = [(gi, ti) for gi, fg in enumerate(self._flat) for ti in range(len(fg.params))]
+            step = 0
+            for key, (gi, ti) in zip(keys, where, strict=True):
+                if key not in entries:
+                    raise ValueError(f"FP8AdamW.load_state_dict: no saved state for parameter {key!r}")
+                step = state_io.load_entry(self._flat[gi], ti, key, entries[key])
+        self._step_count = step
+        self._step_tensor.fill_(step)
+        for fg in self._flat:  # the restored master is authoritative from here
+            fg.work_version = fg.param_versions()
+            # FSDP2 bumps the DTensor parameters' versions between the load and the first step (its lazy
+            # init): the restored master is kept until that step (a model load after this one is not seen)
+            fg.trust_master = fg.shard is not None
+        super().load_state_dict({"state": {}, "param_groups": groups})
+        self._refresh_state()
+
+    def _load_flat(self, flat: list[dict]) -> None:
+        for gi, (fg, saved_bufs) in enumerate(zip(self._flat, flat, strict=True)):
             for name, buf in fg.buffers().items():
                 src = saved_bufs.get(name)
                 if (buf is None) != (src is None) or (buf is not None and buf.shape != src.shape):
@@ -249,10 +313,15 @@ class FP8AdamW(torch.optim.Optimizer):
                     )
                 if buf is not None:
                     buf.copy_(src)
-        self._step_count = int(state_dict["fp8adamw"]["step"])
-        for fg in self._flat:  # the restored master is authoritative from here
-            fg.work_version = fg.param_versions()
-        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+
+    def _refresh_state(self) -> None:
+        """``self.state[p]``: live views of each parameter's states (local shards under FSDP2), as
+        ``torch.optim`` keeps them (DCP's ``get/set_optimizer_state_dict`` read the names from here)."""
+        for fg in self._flat:
+            for ti, p in enumerate(fg.params):
+                entry = state_io.param_entry(fg, ti, fg.buffers(), self._step_count, clone=False)
+                entry["step"] = self._step_tensor
+                self.state[p] = entry
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes by role: ``master``, ``grad``, ``m``, ``v`` (each with its scales; ``m`` with COAT's ``k``),

@@ -124,10 +124,21 @@ def group_reduce(x: torch.Tensor, owner: torch.Tensor, spec: StateSpec, reduce: 
     return init.scatter_reduce(0, owner, x, reduce=reduce, include_self=True)
 
 
+def group_amax(x: torch.Tensor, owner: torch.Tensor, spec: StateSpec) -> torch.Tensor:
+    """Amax of float32 ``x`` ``(num_blocks, block)`` per scaling group: ``(T,)`` or ``(num_blocks,)``."""
+    return group_reduce(x.abs().amax(dim=1), owner, spec, "amax", 0.0)
+
+
+def group_amin(x: torch.Tensor, owner: torch.Tensor, spec: StateSpec) -> torch.Tensor:
+    """Smallest nonzero ``|x|`` per scaling group (inf where all are zero), for COAT's ``k``."""
+    a = x.abs()
+    return group_reduce(torch.where(a > 0, a, torch.inf).amin(dim=1), owner, spec, "amin", math.inf)
+
+
 def new_scale(x: torch.Tensor, dtype: torch.dtype, owner: torch.Tensor, spec: StateSpec) -> torch.Tensor:
     """New scales of float32 ``x`` ``(num_blocks, block)`` for storage ``dtype``: per tensor ``(T,)`` or per
     block ``(num_blocks,)`` float32 (``fp8kit.fp8.scaling.scale_from_amax`` with ``spec.eps``)."""
-    return scale_from_amax(group_reduce(x.abs().amax(dim=1), owner, spec, "amax", 0.0), dtype, spec.eps)
+    return scale_from_amax(group_amax(x, owner, spec), dtype, spec.eps)
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
@@ -141,14 +152,22 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x.bitwise_xor_(x >> 16)
 
 
-def uniform_noise(num_blocks: int, block: int, hp: torch.Tensor) -> torch.Tensor:
+def uniform_noise(num_blocks: int, block: int, hp: torch.Tensor, noise_delta: torch.Tensor | None = None,
+                  owner: torch.Tensor | None = None) -> torch.Tensor:
     """Uniform ``[0, 1)`` float32 ``(num_blocks, block)`` (24-bit resolution) for stochastic rounding:
     ``hash32(index ^ hash32((step << 8) ^ salt)) >> 8`` times ``2^-24``, a function of the step, the group
-    (``salt``) and the element's flat index only, so every implementation draws the same numbers."""
+    (``salt``) and the element's index only, so every implementation draws the same numbers.
+
+    ``index`` is the element's flat index, plus ``noise_delta[t]`` (int64 ``(T,)``, ``owner`` maps blocks
+    to tensors) when given: FSDP2 shards pass the offset that makes it the element's index in the
+    unsharded group's layout (``optim/sharded.py``), so the numbers do not depend on the sharding."""
     step = hp[HP_FIELDS.index("step")].to(torch.int64)
     salt = hp[HP_FIELDS.index("salt")].to(torch.int64)
     seed = hash32(((step << 8) ^ salt) & _M32)
-    idx = torch.arange(num_blocks * block, device=hp.device, dtype=torch.int64).bitwise_and_(_M32)
+    idx = torch.arange(num_blocks * block, device=hp.device, dtype=torch.int64)
+    if noise_delta is not None:
+        idx = (idx.view(num_blocks, block) + noise_delta[owner][:, None]).view(-1)
+    idx = idx.bitwise_and_(_M32)
     return (hash32(idx.bitwise_xor_(seed)).bitwise_right_shift_(8).float().mul_(2.0**-24)).view(num_blocks, block)
 
 
@@ -188,42 +207,46 @@ def load_m(m: torch.Tensor, m_scale: torch.Tensor | None, m_k: torch.Tensor | No
 
 
 def store_m(x: torch.Tensor, m: torch.Tensor, m_scale: torch.Tensor | None, m_k: torch.Tensor | None,
-            owner: torch.Tensor, spec: StateSpec, hp: torch.Tensor) -> None:
+            owner: torch.Tensor, spec: StateSpec, hp: torch.Tensor, s: torch.Tensor | None = None,
+            amin: torch.Tensor | None = None, noise_delta: torch.Tensor | None = None) -> None:
     """Write float32 ``x`` ``(num_blocks, block)`` into ``m`` in place (new scale, ``k``), rounding per
-    ``spec.m_rounding`` and expanding per ``spec.m_expand`` (module docstring)."""
+    ``spec.m_rounding`` and expanding per ``spec.m_expand`` (module docstring). ``s`` / ``amin``: the new
+    scales / COAT's amin when already known (reduced over FSDP2 shards); ``noise_delta``: :func:`uniform_noise`."""
     sr = spec.m_rounding == "stochastic"
     if m_scale is None:  # bf16 / fp32 m: unscaled
         if sr and spec.m == torch.bfloat16:
             bits = x.contiguous().view(torch.int32)
-            noise = (uniform_noise(*x.shape, hp) * 65536).to(torch.int32)
+            noise = (uniform_noise(*x.shape, hp, noise_delta, owner) * 65536).to(torch.int32)
             x = ((bits + noise) & -65536).view(torch.float32)
         m.copy_(x.view(-1).to(m.dtype))
         return
     mx = DTYPE_MAX[spec.m]
-    s = new_scale(x, spec.m, owner, spec)
+    if s is None:
+        s = new_scale(x, spec.m, owner, spec)
     y = x * expand_scale(s, owner, spec.granularity)
     if m_k is not None:
-        a = x.abs()
-        amin = group_reduce(torch.where(a > 0, a, torch.inf).amin(dim=1), owner, spec, "amin", math.inf)
+        if amin is None:
+            amin = group_amin(x, owner, spec)
         k = coat_k(mx / s, amin)
         ya = (y.abs() * (1 / mx)) ** expand_scale(k, owner, spec.granularity) * mx
         y = torch.where(x < 0, -ya, ya)
         m_k.copy_(k)
     y = y.clamp(-mx, mx)
     if sr:
-        y = round_stochastic(y, uniform_noise(*x.shape, hp), spec.m)
+        y = round_stochastic(y, uniform_noise(*x.shape, hp, noise_delta, owner), spec.m)
     m.copy_(y.to(spec.m).view(-1))
     m_scale.copy_(s)
 
 
 def store(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, owner: torch.Tensor,
-          spec: StateSpec) -> None:
+          spec: StateSpec, s: torch.Tensor | None = None) -> None:
     """Write float32 ``x`` ``(num_blocks, block)`` into a flat state in place, rounded to nearest (new scales
-    when scaled: ``saturate(x * scale)`` cast to the storage dtype)."""
+    when scaled: ``saturate(x * scale)`` cast to the storage dtype; ``s``: the new scales when already known)."""
     if scale is None:
         data.copy_(x.view(-1).to(data.dtype))
         return
-    s = new_scale(x, data.dtype, owner, spec)
+    if s is None:
+        s = new_scale(x, data.dtype, owner, spec)
     mx = DTYPE_MAX[data.dtype]
     data.copy_((x * expand_scale(s, owner, spec.granularity)).clamp(-mx, mx).to(data.dtype).view(-1))
     scale.copy_(s)
@@ -255,6 +278,8 @@ def adamw_update(
     hp: torch.Tensor,
     owner: torch.Tensor,
     spec: StateSpec,
+    reduce_amax=None,
+    noise_delta: torch.Tensor | None = None,
 ) -> None:
     """One AdamW step of a flat group, in place on ``m``, ``v``, ``master`` (and scales, ``m_k``) and ``work``.
 
@@ -265,6 +290,11 @@ def adamw_update(
         work: the flat working weights the model's parameters are views of.
         hp: float32 ``(len(HP_FIELDS),)`` on the device (:func:`make_hp`; ``clip`` written by the caller).
         owner: ``(num_blocks,)`` tensor index of each block.
+        reduce_amax: FSDP2 shards (``optim/sharded.py``): called with a float32 ``(k, T)`` tensor of the
+            new per-tensor amaxes of the scaled states (and COAT's negated amin), to be MAX-reduced in
+            place over the shard group, so every shard scales as the unsharded tensor would. ``None``: one
+            process (the amaxes are the tensors' own).
+        noise_delta: int64 ``(T,)`` offsets of the stochastic-rounding index (:func:`uniform_noise`).
 
     The update is ``torch.optim.AdamW``'s (Loshchilov & Hutter 2019, decoupled weight decay):
     ``w <- w (1 - lr wd) - lr / bc1 * m / (sqrt(v / bc2) + eps)`` with ``bc_i = 1 - beta_i^step``,
@@ -276,8 +306,12 @@ def adamw_update(
     vv = beta2 * load(v, v_scale, owner, spec) + (1 - beta2) * g * g
     w = load(master if master is not None else work, master_scale, owner, spec)
     w = w * (1 - lr * wd) - step_size * mm / ((vv * inv_bc2).sqrt() + eps)
-    store_m(mm, m, m_scale, m_k, owner, spec, hp)
-    store(vv, v, v_scale, owner, spec)
+    s_m = s_v = s_w = amin = None
+    if reduce_amax is not None:
+        s_m, s_v, s_w, amin = reduced_scales(mm, vv, w, m, m_scale, m_k, v, v_scale, master, master_scale,
+                                             owner, spec, reduce_amax)
+    store_m(mm, m, m_scale, m_k, owner, spec, hp, s_m, amin, noise_delta)
+    store(vv, v, v_scale, owner, spec, s_v)
     if spec.stochastic_rounding:
         rounded = round_to_bf16_stochastic(w).view(-1)
         if master is not None:
@@ -285,8 +319,30 @@ def adamw_update(
         work.copy_(rounded.to(work.dtype))
         return
     if master is not None:
-        store(w, master, master_scale, owner, spec)
+        store(w, master, master_scale, owner, spec, s_w)
     work.copy_(w.view(-1).to(work.dtype))
+
+
+def reduced_scales(mm, vv, w, m, m_scale, m_k, v, v_scale, master, master_scale, owner, spec, reduce_amax):
+    """Per-tensor scales of the new ``m``, ``v``, ``master`` (None where unscaled) and COAT's amin from
+    amaxes MAX-reduced by ``reduce_amax`` over the shards (one call for all of them; see :func:`adamw_update`)."""
+    if spec.granularity != "tensor":
+        raise ValueError("FP8AdamW: reduced (sharded) scales need granularity = 'tensor'")
+    rows = [group_amax(x, owner, spec) for x, sc in ((mm, m_scale), (vv, v_scale), (w, master_scale))
+            if sc is not None and not (x is w and spec.stochastic_rounding)]
+    if m_k is not None:
+        rows.append(-group_amin(mm, owner, spec))  # min over shards = -max(-amin)
+    red = torch.stack(rows)
+    reduce_amax(red)
+    out, i = [], 0
+    for sc, data, use in ((m_scale, m, True), (v_scale, v, True), (master_scale, master, not spec.stochastic_rounding)):
+        if sc is not None and use:
+            out.append(scale_from_amax(red[i], data.dtype, spec.eps))
+            i += 1
+        else:
+            out.append(None)
+    out.append(-red[i] if m_k is not None else None)
+    return out
 
 
 def accumulate_gradient(

@@ -120,7 +120,7 @@ def _update(grad, gs, gtab, seg_start, m, ms, v, vs, w, ws, work, hp, offs, srow
 
 
 @triton.jit
-def _store_scaled(x, ptr, out_s, offs, srow, hp, MAX: tl.constexpr, AMAX_EPS: tl.constexpr,
+def _store_scaled(x, ptr, out_s, offs, noffs, srow, hp, MAX: tl.constexpr, AMAX_EPS: tl.constexpr,
                   OWN_SCALE: tl.constexpr, SR: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
     if OWN_SCALE:  # per block: this row's amax gives its new scale
         s = _scale_rn(tl.max(tl.abs(x), axis=1), MAX, AMAX_EPS)
@@ -129,17 +129,17 @@ def _store_scaled(x, ptr, out_s, offs, srow, hp, MAX: tl.constexpr, AMAX_EPS: tl
         s = tl.load(out_s + srow)
     y = tl.minimum(tl.maximum(x * s[:, None], -MAX), MAX)
     if SR:
-        y = _round_stochastic(y, offs, hp, MANT, EMIN)
+        y = _round_stochastic(y, noffs, hp, MANT, EMIN)
     tl.store(ptr + offs, y.to(ptr.dtype.element_ty))
 
 
 @triton.jit
 def _fp8_adamw_kernel(
-    grad, gs, gtab, seg_start, m, ms, v, vs, w, ws, work, hp, owner, out_m, out_v, out_w,
+    grad, gs, gtab, seg_start, m, ms, v, vs, w, ws, work, hp, owner, out_m, out_v, out_w, noise_delta,
     BLOCK: tl.constexpr, ROWS_: tl.constexpr, PASS: tl.constexpr, PER_TENSOR: tl.constexpr,
     M_MAX: tl.constexpr, V_MAX: tl.constexpr, W_MAX: tl.constexpr, AMAX_EPS: tl.constexpr,
     M_SCALED: tl.constexpr, W_SCALED: tl.constexpr, GRAD_TABLE: tl.constexpr, NUM_T: tl.constexpr,
-    M_SR: tl.constexpr, M_MANT: tl.constexpr, M_EMIN: tl.constexpr,
+    M_SR: tl.constexpr, M_MANT: tl.constexpr, M_EMIN: tl.constexpr, NOISE_DELTA: tl.constexpr,
 ):
     """PASS 1: atomic-max the new m/v/master amax into out_* (``(num_tensors,)``). PASS 2: store the states;
     out_* are the new scales (written per block, or read per tensor). ms/vs/ws are the old scales."""
@@ -168,13 +168,18 @@ def _fp8_adamw_kernel(
             tl.atomic_max(out_v + srow, av)
             tl.atomic_max(out_w + srow, aw)
     else:
+        if NOISE_DELTA:  # FSDP2 shards: the element's index in the unsharded layout (numerics.uniform_noise)
+            noffs = offs + tl.load(noise_delta + owner_r)[:, None]
+        else:
+            noffs = offs
         if M_SCALED:
-            _store_scaled(mm, m, out_m, offs, srow, hp, M_MAX, AMAX_EPS, not PER_TENSOR, M_SR, M_MANT, M_EMIN)
+            _store_scaled(mm, m, out_m, offs, noffs, srow, hp, M_MAX, AMAX_EPS, not PER_TENSOR, M_SR, M_MANT,
+                          M_EMIN)
         else:
             tl.store(m + offs, mm.to(m.dtype.element_ty))
-        _store_scaled(vv, v, out_v, offs, srow, hp, V_MAX, AMAX_EPS, not PER_TENSOR, False, 0, 0)
+        _store_scaled(vv, v, out_v, offs, offs, srow, hp, V_MAX, AMAX_EPS, not PER_TENSOR, False, 0, 0)
         if W_SCALED:
-            _store_scaled(ww, w, out_w, offs, srow, hp, W_MAX, AMAX_EPS, not PER_TENSOR, False, 0, 0)
+            _store_scaled(ww, w, out_w, offs, offs, srow, hp, W_MAX, AMAX_EPS, not PER_TENSOR, False, 0, 0)
         else:
             tl.store(w + offs, ww.to(w.dtype.element_ty))
         tl.store(work + offs, ww.to(work.dtype.element_ty))
@@ -182,7 +187,8 @@ def _fp8_adamw_kernel(
 
 def adamw_update_triton(
     grad, grad_scale, m, m_scale, m_k, v, v_scale, master, master_scale, work, hp, owner, spec: StateSpec,
-    grad_table: torch.Tensor | None = None, seg_start: torch.Tensor | None = None,
+    grad_table: torch.Tensor | None = None, seg_start: torch.Tensor | None = None, reduce_amax=None,
+    noise_delta: torch.Tensor | None = None,
 ) -> None:
     """Same contract as :func:`fp8kit.optim.numerics.adamw_update` (in place), on CUDA tensors.
 
@@ -190,6 +196,9 @@ def adamw_update_triton(
         grad, grad_scale: the flat scaled FP8 gradient, or ``None`` with ``grad_table``.
         grad_table, seg_start: ``grad="param"``: (2, T) int64 addresses and element counts of the
             gradients (``flat_group.FlatGroup.update_grad_table``) and the (T,) int64 segment starts.
+        reduce_amax, noise_delta: FSDP2 shards, as ``numerics.adamw_update``: pass 1's ``(3, T)`` amaxes are
+            MAX-reduced over the shards before the scales are taken; the stochastic-rounding index of an
+            element is its flat offset plus ``noise_delta[tensor]``.
 
     Raises:
         ValueError: when the flat length is not a multiple of ``ROWS`` blocks (``FlatLayout`` aligns it),
@@ -208,7 +217,7 @@ def adamw_update_triton(
         BLOCK=spec.block, ROWS_=ROWS, PER_TENSOR=per_tensor, AMAX_EPS=spec.eps, M_SCALED=m_scaled,
         W_SCALED=w_scaled, M_MAX=DTYPE_MAX.get(m.dtype, 1.0), V_MAX=DTYPE_MAX[v.dtype],
         W_MAX=DTYPE_MAX.get(master.dtype, 1.0), GRAD_TABLE=grad_table is not None, NUM_T=spec.num_tensors,
-        M_SR=m_sr, M_MANT=mant, M_EMIN=emin, enable_fp_fusion=False,
+        M_SR=m_sr, M_MANT=mant, M_EMIN=emin, NOISE_DELTA=noise_delta is not None, enable_fp_fusion=False,
     )
     ms = m_scale if m_scaled else hp  # hp: a placeholder for pointers a configuration never touches
     ws = master_scale if w_scaled else hp
@@ -217,18 +226,23 @@ def adamw_update_triton(
     else:
         args = [grad, grad_scale, owner, owner]
     args += [m, ms, v, v_scale, master, ws, work, hp, owner]
+    nd = noise_delta if noise_delta is not None else owner  # placeholder when unused
     grid = (nb // ROWS,)
     if per_tensor:
         amax = torch.zeros(3, spec.num_tensors, device=work.device, dtype=torch.float32)
-        _fp8_adamw_kernel[grid](*args, amax[0], amax[1], amax[2], PASS=1, **consts)
+        _fp8_adamw_kernel[grid](*args, amax[0], amax[1], amax[2], nd, PASS=1, **consts)
+        if reduce_amax is not None:  # FSDP2: the unsharded tensors' amaxes (one collective for the group)
+            reduce_amax(amax)
         # the per-tensor scales of pass 1's amax (an unscaled state's row is never read: ones)
         new = torch.stack([
             scale_from_amax(a, t.dtype, spec.eps) if is_scaled(t.dtype) else torch.ones_like(a)
             for a, t in zip(amax, (m, v, master), strict=True)
         ])
-        _fp8_adamw_kernel[grid](*args, new[0], new[1], new[2], PASS=2, **consts)
+        _fp8_adamw_kernel[grid](*args, new[0], new[1], new[2], nd, PASS=2, **consts)
         for s, n in ((m_scale, new[0]), (v_scale, new[1]), (master_scale, new[2])):
             if s is not None:
                 s.copy_(n)
     else:  # per block: new scales overwrite the old ones row by row (each row is read before it is written)
-        _fp8_adamw_kernel[grid](*args, ms, v_scale, ws, PASS=2, **consts)
+        if reduce_amax is not None:
+            raise ValueError("FP8AdamW Triton step: reduced (FSDP2) scales need granularity = 'tensor'")
+        _fp8_adamw_kernel[grid](*args, ms, v_scale, ws, nd, PASS=2, **consts)

@@ -188,6 +188,79 @@ def check_compatible(ckpt: Path, model: nn.Module, state: dict) -> None:
         f.keys()  # opens and validates the header
 
 
+OPTIMIZER_NAMES = {"adamw": "AdamW (torch.optim.AdamW)", "fp8_adamw": "FP8AdamW"}
+
+
+def saved_optimizer(ckpt: Path, state: dict) -> str | None:
+    """``"adamw"`` or ``"fp8_adamw"``: the optimizer whose states the checkpoint holds (None: no states).
+
+    FP8AdamW's per-parameter states are ``m``/``v``(/``master``) and scales, ``torch.optim.AdamW``'s
+    ``exp_avg``/``exp_avg_sq`` (DCP: read from the metadata; one process: from ``train_state.pt``).
+    """
+    if is_dcp(ckpt):
+        import torch.distributed.checkpoint as dcp
+
+        names = {k.rsplit(".", 1)[-1] for k in dcp.FileSystemReader(str(Path(ckpt) / DCP_DIR)).read_metadata()
+                 .state_dict_metadata if k.startswith("optim.state.")}
+    else:
+        osd = state.get("optimizer") or {}
+        if "flat" in osd or "fp8adamw" in osd:
+            return "fp8_adamw"
+        names = {n for st in (osd.get("state") or {}).values() for n in st}
+    if "exp_avg" in names:
+        return "adamw"
+    if "v" in names:
+        return "fp8_adamw"
+    return None
+
+
+def check_optimizer(ckpt: Path, state: dict, optim_name: str) -> None:
+    """Refuse to resume optimizer states of another optimizer (FP8AdamW <-> AdamW): no silent re-init.
+
+    Raises:
+        CheckpointError: one line naming both optimizers and how to switch explicitly.
+    """
+    saved = saved_optimizer(ckpt, state)
+    if saved is None or saved == optim_name or optim_name not in OPTIMIZER_NAMES:
+        return
+    raise CheckpointError(
+        f"--resume {str(ckpt)!r}: the checkpoint holds {OPTIMIZER_NAMES[saved]} optimizer states, this run's "
+        f"optimizer is {OPTIMIZER_NAMES[optim_name]} (optim.name = \"{optim_name}\"); resume with optim.name = "
+        f"\"{saved}\", or switch optimizers explicitly: `fp8kit export` the checkpoint and start a new run with "
+        f"model.pretrained = the export directory (fresh optimizer states)"
+    )
+
+
+def check_dcp_optimizer_state(ckpt: Path, osd: dict) -> None:
+    """Refuse a DCP checkpoint whose optimizer states differ from ``osd``'s (the flattened state dict this
+    run would load into) in presence, dtype or global shape, before ``dcp.load`` (which would fail with a
+    long traceback or, for dtypes, convert silently).
+
+    Raises:
+        CheckpointError: naming the first differing state.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = dcp.FileSystemReader(str(Path(ckpt) / DCP_DIR)).read_metadata().state_dict_metadata
+    for key, value in osd.items():
+        if not (key.startswith("state.") and isinstance(value, torch.Tensor)):
+            continue
+        saved = meta.get(f"optim.{key}")
+        if saved is None:
+            raise CheckpointError(
+                f"--resume {str(ckpt)!r}: the checkpoint has no optimizer state {key[6:]!r} (saved with another "
+                f"optimizer or optim precision)"
+            )
+        if isinstance(saved, TensorStorageMetadata):
+            if saved.properties.dtype != value.dtype or tuple(saved.size) != tuple(value.shape):
+                raise CheckpointError(
+                    f"--resume {str(ckpt)!r}: optimizer state {key[6:]!r} is {saved.properties.dtype} "
+                    f"{list(saved.size)} in the checkpoint but {value.dtype} {list(value.shape)} here (another "
+                    f"optim precision or model shape)"
+                )
+
+
 def _tied_names(sd: dict[str, torch.Tensor]) -> dict[str, str]:
     """``{alias: kept_name}`` for entries that are the same tensor (tied weights such as embed/lm_head)."""
     first: dict[tuple, str] = {}
@@ -301,6 +374,7 @@ def load_into(ckpt: Path, model: nn.Module, optimizer, state: dict, *, param_ord
                 set_model_state_dict(model, msd)
                 return
             msd, osd = get_state_dict(model, optimizer, options=dcp_options())
+            check_dcp_optimizer_state(ckpt, osd)
             dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(ckpt / DCP_DIR))
             set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd, options=dcp_options())
             return

@@ -263,6 +263,7 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
                             dtype=param_dtype, seed=cfg.train.seed)
     if resume_ckpt is not None:
         ckpt.check_compatible(resume_ckpt, model, resume_state)
+        ckpt.check_optimizer(resume_ckpt, resume_state, cfg.optim.name)
         check_resume_recipe(cfg, resume_ckpt, resume_state)
 
     options = options_from_config(cfg, hf_cfg, device_name(device))
@@ -364,15 +365,24 @@ def check_distributed_config(cfg: RunConfig) -> None:
     """Refuse what a distributed (FSDP2 / TP) run cannot do, one line each.
 
     Raises:
-        ConfigError: ``optim.name = "fp8_adamw"`` (FP8AdamW flattens plain tensors and does not take
-            DTensor parameters), a precision schedule (it swaps modules that FSDP2/TP have wrapped),
+        ConfigError: ``optim.name = "fp8_adamw"`` with tensor or expert parallelism (FP8AdamW steps
+            FSDP2 / HSDP shards, ``Shard(0)``, only), or with ``optim.granularity = "block"`` or FP8
+            gradients (``fp8kit.optim.sharded``), a precision schedule (it swaps modules that FSDP2/TP have wrapped),
             ``train.on_divergence = "recover"`` or ``fp8.stats_every > 0`` (single-process features).
     """
     if cfg.optim.name == "fp8_adamw":
-        raise ConfigError(
-            "optim.name = \"fp8_adamw\": FP8AdamW does not take the DTensor parameters of FSDP2 / tensor parallel; "
-            "use optim.name = \"adamw\" for a torchrun launch of more than one process"
-        )
+        d, o = cfg.distributed, cfg.optim
+        if d.tp > 1 or d.ep > 1:
+            raise ConfigError(
+                f"optim.name = \"fp8_adamw\": FP8AdamW steps FSDP2 / HSDP shards (dim 0) only, not tensor or expert "
+                f"parallel ones (distributed.tp = {d.tp}, ep = {d.ep}); use optim.name = \"adamw\" or tp = ep = 1"
+            )
+        if o.granularity != "tensor" or o.grad != "param":
+            raise ConfigError(
+                f"optim.name = \"fp8_adamw\" under FSDP2 needs optim.granularity = \"tensor\" and optim.grad = "
+                f"\"param\" (got {o.granularity!r}, {o.grad!r}): per-block scales would straddle shard boundaries, "
+                f"and FSDP2 already holds the reduce-scattered gradient shard"
+            )
     f8 = cfg.fp8
     if cfg.train.mixed_precision == "fp8" and (f8.bf16_warmup_steps or f8.bf16_cooldown_steps):
         raise ConfigError(
