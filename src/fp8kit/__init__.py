@@ -8,8 +8,6 @@ trainer on top: ``fp8kit train`` (see ``fp8kit.train.trainer.train``).
 
 from __future__ import annotations
 
-import warnings
-
 from fp8kit.base.runtime import VERSION as __version__
 
 __all__ = ["__version__", "convert_to_fp8"]
@@ -47,18 +45,13 @@ def convert_to_fp8(model, config=None, *, selective=None, num_tokens: int | None
         PolicyError: a policy file is missing or invalid.
     """
     from fp8kit.config import FP8Config
-    from fp8kit.config.options import decide_options
+    from fp8kit.config.options import decide_for_library
     from fp8kit.fp8.delayed import DelayedScaling, DelayedScalingState
     from fp8kit.moe.grouped_mm import GroupedGemmConfig
     from fp8kit.parallel.convert import ConversionOptions, apply_fp8
-    from fp8kit.selective.decide import decide
-    from fp8kit.selective.sites import find_sites
 
     config = config or FP8Config()
-    options = decide_options(config, selective, mixed_precision=mixed_precision, num_tokens=num_tokens)
-    for message in options.warnings:  # e.g. a policy measured elsewhere, or 'auto' unmeasured here
-        warnings.warn(message, stacklevel=2)
-    decisions = decide(find_sites(model), options)
+    decisions = decide_for_library(model, config, selective, mixed_precision=mixed_precision, num_tokens=num_tokens)
     if mixed_precision == "fp8":
         conversion = ConversionOptions(emulate=config.emulate, grouped=GroupedGemmConfig(emulate=config.emulate),
                                        delayed=DelayedScalingState(DelayedScaling(

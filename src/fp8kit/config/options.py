@@ -9,11 +9,14 @@ static rules decide until ``fp8kit.bench.auto`` adds the measured table (``fp8ki
 
 from __future__ import annotations
 
+import warnings
+
 from fp8kit.base.errors import ConfigError
 from fp8kit.config.schema import FP8Config, RunConfig, SelectiveConfig
 from fp8kit.selective.auto import AutoOptions
-from fp8kit.selective.decide import DecideOptions, Selective
+from fp8kit.selective.decide import DecideOptions, Decision, Selective, decide
 from fp8kit.selective.policy import load_policy
+from fp8kit.selective.sites import find_sites
 
 
 def grouped_gemm_config(cfg: RunConfig):
@@ -120,3 +123,19 @@ def decide_options(fp8: FP8Config, selective: SelectiveConfig | None, *, mixed_p
         auto=auto,
         warnings=tuple(warnings),
     )
+
+
+def decide_for_library(model, fp8: FP8Config, selective: SelectiveConfig | None, *, mixed_precision: str = "fp8",
+                       num_tokens: int | None = None) -> list[Decision]:
+    """The decisions of the library entry points (``convert_to_fp8``, ``prepare_for_trainer``, the Accelerate
+    filter): :func:`decide_options` (no ``auto`` measurement) -> ``decide`` over ``model``'s sites, with each
+    warning of the options (a policy measured with another recipe or on another device; ``auto`` unmeasured
+    here) raised as a ``UserWarning`` at the caller's caller.
+
+    Raises:
+        PolicyError / ConfigError: as :func:`decide_options` and ``decide``.
+    """
+    options = decide_options(fp8, selective, mixed_precision=mixed_precision, num_tokens=num_tokens)
+    for message in options.warnings:
+        warnings.warn(message, stacklevel=3)
+    return decide(find_sites(model), options)

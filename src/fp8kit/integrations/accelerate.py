@@ -18,18 +18,16 @@ decided FP8 by fp8kit stay BF16 here (Accelerate converts ``nn.Linear`` only), a
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 from torch import nn
 
 from fp8kit.base.errors import ConfigError
-from fp8kit.config.options import decide_options
+from fp8kit.config.options import decide_for_library
 from fp8kit.config.schema import FP8Config, SelectiveConfig
 from fp8kit.fp8.recipes import float8_linear_config, recipe_info
 from fp8kit.parallel.convert import fp8_fqns, plain_fqn
-from fp8kit.selective.decide import Decision, decide
-from fp8kit.selective.sites import find_sites
+from fp8kit.selective.decide import Decision
 
 
 def fp8kit_module_filter(decisions: list[Decision]) -> Callable[[nn.Module, str], bool]:
@@ -78,9 +76,6 @@ def ao_recipe_kwargs(model: nn.Module, config: FP8Config | None = None, *, selec
         all_gather = config.enable_fsdp_float8_all_gather
     if all_gather is None:
         all_gather = recipe_info(config.recipe).fsdp_fp8_all_gather
-    options = decide_options(config, selective, num_tokens=num_tokens)
-    for message in options.warnings:  # e.g. a policy measured elsewhere, or 'auto' unmeasured here
-        warnings.warn(message, stacklevel=2)
-    decisions = decide(find_sites(model), options)
+    decisions = decide_for_library(model, config, selective, num_tokens=num_tokens)
     ao_config = float8_linear_config(config.recipe, emulate=config.emulate, enable_fsdp_float8_all_gather=all_gather)
     return AORecipeKwargs(config=ao_config, module_filter_func=fp8kit_module_filter(decisions))

@@ -18,20 +18,18 @@ the non-FP8 layers run under BF16 autocast as usual.
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from pathlib import Path
 
 from torch import nn
 from transformers import TrainerCallback
 
-from fp8kit.config.options import decide_options
+from fp8kit.config.options import decide_for_library
 from fp8kit.config.schema import FP8Config, SelectiveConfig
 from fp8kit.moe.grouped_mm import GroupedGemmConfig
 from fp8kit.parallel.convert import ConversionOptions, apply_fp8, count_fp8_modules
-from fp8kit.selective.decide import Decision, decide, summarize
+from fp8kit.selective.decide import Decision, summarize
 from fp8kit.selective.report import print_report, save_report
-from fp8kit.selective.sites import find_sites
 
 _DECISIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -58,10 +56,8 @@ def prepare_for_trainer(model: nn.Module, fp8: bool = True, *, config: FP8Config
         ConfigError / PolicyError: invalid config or policy (one line).
     """
     config = config or FP8Config()
-    options = decide_options(config, selective, mixed_precision="fp8" if fp8 else "bf16", num_tokens=num_tokens)
-    for message in options.warnings:  # e.g. a policy measured elsewhere, or 'auto' unmeasured here
-        warnings.warn(message, stacklevel=2)
-    decisions = decide(find_sites(model), options)
+    decisions = decide_for_library(model, config, selective, mixed_precision="fp8" if fp8 else "bf16",
+                                   num_tokens=num_tokens)
     if fp8:
         apply_fp8(model, decisions, ConversionOptions(emulate=config.emulate,
                                                       grouped=GroupedGemmConfig(emulate=config.emulate)))
