@@ -99,20 +99,33 @@ def report(out: Path, study: str) -> str:
     runs = {n: read(out, n) for n in STUDIES[study]}
     baseline = STUDIES[study][0]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    base_recs = runs.get(baseline) or []
+    ref_val = next((r["val_loss"] for r in reversed(base_recs) if r.get("val_loss") is not None), None)
+    kept: list[float] = []  # the losses of the runs that did not diverge set the axes
     for name, recs in runs.items():
         if not recs:
             continue
         finite = [r for r in recs if r["loss"] == r["loss"] and r["loss"] < 1e4]
-        ax1.plot([r["step"] for r in finite], ema([r["loss"] for r in finite]), label=name)
         vals = [(r["step"], r["val_loss"]) for r in recs if r.get("val_loss") is not None]
+        diverged = bool(ref_val and vals and not vals[-1][1] < 1.5 * ref_val)
+        label = f"{name} (diverged: final val {vals[-1][1]:.3g}, off the axes)" if diverged else name
+        curve = ema([r["loss"] for r in finite])
+        ax1.plot([r["step"] for r in finite], curve, label=label)
         if vals:
-            ax2.plot(*zip(*vals, strict=True), marker="o", label=name)
+            ax2.plot(*zip(*vals, strict=True), marker="o", label=label)
+        if not diverged:
+            kept += curve[len(curve) // 20:] + [v for _, v in vals]
     for ax, title in ((ax1, "train loss (EMA 0.98)"), (ax2, "validation loss")):
         ax.set_xlabel("step")
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
-    ax1.set_ylim(top=min(8.0, ax1.get_ylim()[1]))
+    if kept:
+        lo, hi = min(kept), min(8.0, max(kept))
+        for ax in (ax1, ax2):
+            ax.set_ylim(lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo))
+    else:
+        ax1.set_ylim(top=min(8.0, ax1.get_ylim()[1]))
     fig.suptitle(TITLES[study])
     fig.tight_layout()
     fig.savefig(out / f"{study}.png", dpi=120)

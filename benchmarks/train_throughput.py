@@ -57,9 +57,24 @@ WORKLOADS = {
 }
 
 
+#: ``<variant>@<optimizer>`` suffixes: the optimizer settings of the FP8-LM-at-scale issue's step-time comparison.
+OPTIMIZERS = {
+    "adamw32": ["optim.name=adamw", "train.param_dtype=fp32"],  # fused torch AdamW, FP32 master weights
+    "adamw-bf16": ["optim.name=adamw", "train.param_dtype=bf16"],  # bf16 weights updated in place
+    "fp8adamw": ["optim.name=fp8_adamw"],  # FP8AdamW defaults
+    "fp8adamw-param": ["optim.name=fp8_adamw", "optim.grad=param"],  # reads param.grad, no hooks
+}
+
+
 def variant_sets(name: str, preset: str, gpu: str) -> list[str]:
     """bf16 | <recipe> (full FP8) | adaptive-<recipe> (selective FP8 with the shipped policy) | auto-<recipe>
-    (``selective.selective_fp8 = "auto"``: each site shape measured at start-up, FP8 where it measured faster)."""
+    (``selective.selective_fp8 = "auto"``: each site shape measured at start-up, FP8 where it measured faster);
+    any of them with ``@<optimizer>`` (:data:`OPTIMIZERS`), e.g. ``tensorwise@fp8adamw``."""
+    if "@" in name:
+        base, opt = name.split("@", 1)
+        if opt not in OPTIMIZERS:
+            raise SystemExit(f"variant {name!r}: unknown optimizer {opt!r}; choose one of {', '.join(OPTIMIZERS)}")
+        return variant_sets(base, preset, gpu) + OPTIMIZERS[opt]
     if name == "bf16":
         return ["train.mixed_precision=bf16"]
     if name.startswith("adaptive-"):

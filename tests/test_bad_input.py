@@ -37,7 +37,9 @@ def _fails(capsys, argv, expected: str):
         (["train.device=cuda"], "train.device = 'cuda', but CUDA is not available"),
         (["model.hf_config=/nope/config.json"], "model.hf_config: '/nope/config.json' does not exist"),
         (["distributed.tp=2"], "dp_replicate = 1 x tp = 2 = 2 does not divide the world size 1"),
-        (["distributed.etp=2"], "distributed.etp = 2: expert tensor parallelism is not executed by fp8kit train"),
+        # etp was removed from the config (experts are whole per rank): only its old value 1 still loads
+        (["distributed.etp=2"], "distributed.etp = 2: expert tensor parallelism is not supported, every rank holds "
+                                "whole experts"),
     ],
 )
 def test_bad_config_and_data(capsys, tmp_path, sets, expected):

@@ -116,8 +116,7 @@ def test_config_recipe_is_measured_without_recipe_flag(capsys, tmp_path):
     cfg = _config(tmp_path, '[fp8]\nrecipe = "rowwise"\n')
     rep, out = _bench(capsys, tmp_path, [str(cfg), "--precisions", "fp8"])
     assert rep["recipe"] == "rowwise", rep["recipe"]
-    assert rep["sources"] == {"recipe": f"config file {cfg}", "tp": "default", "ep": "default",
-                              "etp": "default"}, rep["sources"]
+    assert rep["sources"] == {"recipe": f"config file {cfg}", "tp": "default", "ep": "default"}, rep["sources"]
     assert rep["fp8_linear_scaling"]["input"] == "axiswise", rep["fp8_linear_scaling"]
     assert rep["fp8_linear_scaling"]["weight"] == "axiswise", rep["fp8_linear_scaling"]
     assert len(rep["measurements"]) == 4 and all(m["ms"] > 0 for m in rep["measurements"])

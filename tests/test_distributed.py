@@ -256,10 +256,12 @@ def test_world_size_that_does_not_match_the_mesh():
     ), str(e.value)
     with pytest.raises(ConfigError, match="tp = 3 = 3 does not divide the world size 2"):
         resolve_dims(dp_shard=-1, dp_replicate=1, tp=3, ep=1, world_size=2)
-    with pytest.raises(ConfigError, match=r"ep = 3 does not divide the data-parallel size"):
+    with pytest.raises(ConfigError, match=r"ep = 3 does not divide the number of ranks dp_replicate x dp_shard x tp"):
         resolve_dims(dp_shard=-1, dp_replicate=1, tp=1, ep=3, world_size=2)
-    with pytest.raises(ConfigError, match=r"expert parallelism with tensor parallelism is not supported"):
-        resolve_dims(dp_shard=-1, dp_replicate=1, tp=2, ep=2, world_size=4)
+    with pytest.raises(ConfigError, match=r"ep = 8 does not divide .* = 2 x 2 = 4"):
+        resolve_dims(dp_shard=-1, dp_replicate=1, tp=2, ep=8, world_size=4)
+    # expert parallel with tensor parallel (tests/test_moe_ep_fp8.py): ep borrows data- and tensor-parallel ranks
+    assert resolve_dims(dp_shard=-1, dp_replicate=1, tp=2, ep=4, world_size=4).ep == 4
     assert resolve_dims(dp_shard=-1, dp_replicate=1, tp=1, ep=2, world_size=2).ep == 2
     d = resolve_dims(dp_shard=-1, dp_replicate=2, tp=2, ep=1, world_size=8)
     assert (d.dp_replicate, d.dp_shard, d.tp, d.dp) == (2, 2, 2, 4)

@@ -146,3 +146,18 @@ def test_accelerate_route_refuses_fp8kit_only_recipes():
 
     with pytest.raises(ConfigError, match="blockwise"):
         ao_recipe_kwargs(_tiny_model(), FP8Config(recipe="blockwise"))
+
+
+def test_prepare_for_trainer_keeps_the_delayed_recipe_settings():
+    """The Trainer route passes fp8.amax_history_len / amax_compute_algo / margin on to the delayed linears (they
+    were silently replaced by the defaults before)."""
+    from fp8kit.fp8.delayed import Float8DelayedLinear
+    from fp8kit.integrations.transformers import prepare_for_trainer
+
+    cfg = FP8Config(recipe="delayed", amax_history_len=3, amax_compute_algo="most_recent", margin=2)
+    model = prepare_for_trainer(_tiny_model(), config=cfg, report=False)
+    delayed = [m for m in model.modules() if isinstance(m, Float8DelayedLinear)]
+    assert delayed, "no delayed linears"
+    settings = {(m._state.config.amax_history_len, m._state.config.amax_compute_algo, m._state.config.margin)
+                for m in delayed}
+    assert settings == {(3, "most_recent", 2)}, settings

@@ -462,3 +462,25 @@ def test_flops_per_token_counts_the_active_experts_only():
     assert got == pytest.approx(want, rel=1e-9), (
         f"flops/token {got:.6e}, FlopCounterMode {want:.6e} (ratio {got / want:.4f})"
     )
+
+
+def test_gather_and_combine_backward_equal_autograd_indexing():
+    """routing.gather / combine compute their backward as gathers (no sorting index_put); the gradients equal
+    autograd's own backward of the plain indexing (float64: exact up to summation order, <= 1e-12)."""
+    torch.manual_seed(0)
+    t, e, topk, hdim = 37, 6, 3, 32
+    idx = torch.stack([torch.randperm(e)[:topk] for _ in range(t)])
+    d = routing.dispatch(idx, e)
+    hidden = torch.randn(t, hdim, dtype=torch.float64, requires_grad=True)
+    weights = torch.softmax(torch.randn(t, topk, dtype=torch.float64), dim=-1)
+    rows = routing.gather(hidden, d)
+    out = routing.combine(rows * 2.0, d, weights, torch.float64)
+    g = torch.randn(t, hdim, dtype=torch.float64)
+    out.backward(g)
+    ref_hidden = hidden.detach().clone().requires_grad_()
+    ref_rows = torch.cat([ref_hidden, ref_hidden.new_zeros(1, hdim)])[d.gather_idx]
+    ref_out = routing.weighted_sum((ref_rows * 2.0)[d.pair_rows], weights, torch.float64)  # plain indexing
+    ref_out.backward(g)
+    assert torch.equal(rows.detach(), ref_rows.detach()) and torch.equal(out, ref_out)
+    err = (hidden.grad - ref_hidden.grad).abs().max().item()
+    assert err <= 1e-12, f"gather/combine gradient differs from autograd indexing by {err:.2e}"

@@ -40,7 +40,7 @@ def test_bench_layers_report(cpu_reports):
     rep = json.loads((cpu_reports / "r1.json").read_text())
     assert rep["device_type"] == "cpu" and "not meant for a GPU policy" in rep["note"]
     assert rep["recipe"] == "tensorwise" and rep["versions"]["torchao"]
-    assert rep["sources"] == {"recipe": "default", "tp": "--tp", "ep": "default", "etp": "default"}, rep["sources"]
+    assert rep["sources"] == {"recipe": "default", "tp": "--tp", "ep": "default"}, rep["sources"]
     assert rep["fp8_linear_scaling"]["input"] == "tensorwise", rep["fp8_linear_scaling"]
     sites = {s["name"]: s for s in rep["sites"]}
     assert set(sites) == {"qkv", "proj", "fc1", "fc2"}

@@ -45,16 +45,12 @@ def convert_to_fp8(model, config=None, *, selective=None, num_tokens: int | None
         PolicyError: a policy file is missing or invalid.
     """
     from fp8kit.config import FP8Config
-    from fp8kit.config.options import decide_for_library
-    from fp8kit.fp8.delayed import DelayedScaling, DelayedScalingState
-    from fp8kit.moe.grouped_mm import GroupedGemmConfig
-    from fp8kit.parallel.convert import ConversionOptions, apply_fp8
+    from fp8kit.config.options import conversion_options_for, decide_for_library
+    from fp8kit.parallel.convert import apply_fp8
 
     config = config or FP8Config()
     decisions = decide_for_library(model, config, selective, mixed_precision=mixed_precision, num_tokens=num_tokens)
     if mixed_precision == "fp8":
-        conversion = ConversionOptions(emulate=config.emulate, grouped=GroupedGemmConfig(emulate=config.emulate),
-                                       delayed=DelayedScalingState(DelayedScaling(
-                                           config.amax_history_len, config.amax_compute_algo, config.margin)))
+        conversion = conversion_options_for(config)
         apply_fp8(model, decisions, conversion)
     return decisions

@@ -68,12 +68,13 @@ class Measured:
     warnings: list[str] = field(default_factory=list)
 
 
-def grouped_recipe_key(device: torch.device) -> str:
-    """``"grouped:<kernel>"``: what the FP8 grouped GEMM of this device runs (the key of grouped units)."""
+def grouped_recipe_key(device: torch.device, recipe: str = "tensorwise") -> str:
+    """``"grouped:<kernel>"``: what the FP8 grouped GEMM of this device runs for the run's ``recipe`` (the key
+    of grouped units: blockwise experts for ``blockwise``, the rowwise grouped kernel otherwise)."""
     from fp8kit.moe.grouped_mm import GroupedGemmConfig, resolve_grouped_kernel
 
     try:
-        return "grouped:" + resolve_grouped_kernel(GroupedGemmConfig(), device)
+        return "grouped:" + resolve_grouped_kernel(GroupedGemmConfig.for_fp8_recipe(recipe), device)
     except CapabilityError:
         return "grouped:unavailable"
 
@@ -92,7 +93,7 @@ def measure_shapes(
     t0 = time.perf_counter()
     out = Measured()
     dev_name, vers = device_name(device), _key_versions()
-    grouped_key = grouped_recipe_key(device) if any(s.is_grouped for s, _ in shapes) else None
+    grouped_key = grouped_recipe_key(device, recipe) if any(s.is_grouped for s, _ in shapes) else None
     todo = []
     for shape, name in shapes:
         key = cache_key(shape, device=dev_name, versions=vers, recipe=grouped_key if shape.is_grouped else recipe,
@@ -247,7 +248,7 @@ def lookup_cached(units: list[AutoUnit], cfg: RunConfig, device: torch.device, c
     d = cfg.distributed
     dev_name, vers = device_name(device), _key_versions()
     shapes = distinct_shapes(units)
-    grouped_key = grouped_recipe_key(device) if any(s.is_grouped for s in shapes) else None
+    grouped_key = grouped_recipe_key(device, cfg.fp8.recipe) if any(s.is_grouped for s in shapes) else None
     out = {}
     for shape in shapes:
         key = cache_key(shape, device=dev_name, versions=vers,

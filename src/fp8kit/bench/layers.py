@@ -19,8 +19,9 @@ Grouped (MoE expert) sites time the expert GEMMs as training runs them (``fp8kit
 ``torch._grouped_mm`` on the unpadded rows, FP8 through the FP8 grouped GEMM on rows padded to 16 per
 expert (its quantization compiled). Their token count is the number of routed (token, expert) pairs,
 ``tokens x moe_router_topk`` (the unit of the policy's grouped ``min_tokens``), split evenly over the
-``num_gemms`` local experts. The FP8 grouped GEMM scales its operands rowwise whatever the recipe, as in
-training (``fp8kit.moe.grouped_mm``).
+``num_gemms`` local experts. As in training (``fp8kit.moe.grouped_mm``), the FP8 experts run the rowwise
+grouped GEMM for the tensorwise, rowwise and delayed recipes, and the blockwise per-expert loop
+(``moe/grouped_loop.py``) for ``blockwise``.
 
 Three ways to run:
 
@@ -28,7 +29,8 @@ Three ways to run:
 - ``--tp N --simulate-tp`` on one device: the per-rank shard shapes, no communication (the report
   says ``simulated_tp: true``);
 - ``--tp N`` under ``torchrun --nproc_per_node N``: the real tensor-parallel layer (DTensor, sequence
-  parallel, torchao's FP8 parallel styles), communication included; the slowest rank counts.
+  parallel, torchao's FP8 parallel styles or, for blockwise and delayed, ``parallel/tp_own.py``'s),
+  communication included; the slowest rank counts.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from torch import nn
 from fp8kit.base.errors import CapabilityError, ConfigError
 from fp8kit.base.runtime import device_name, launched_rank, launched_world_size, resolve_device, versions
 from fp8kit.base.torchao_lib import torchao_float8
-from fp8kit.bench.sites import BenchSite, layer_sites
+from fp8kit.bench.sites import COLUMN_KINDS, ROW_KINDS, BenchSite, layer_sites
 from fp8kit.bench.timing import time_ms
 from fp8kit.config import ModelConfig
 from fp8kit.fp8.linear import Float8BlockwiseLinear
@@ -52,7 +54,7 @@ from fp8kit.moe.grouped_mm import GroupedGemmConfig, bf16_grouped_mm, fp8_groupe
 PRECISIONS = ("bf16", "fp8")
 CPU_NOTE = "CPU timings: for testing the workflow only; not meant for a GPU policy"
 # The values whose origin the report records (BenchLayersArgs.sources keys).
-SOURCED = ("recipe", "tp", "ep", "etp")
+SOURCED = ("recipe", "tp", "ep")
 
 
 @dataclass
@@ -60,15 +62,16 @@ class BenchLayersArgs:
     """What one layer benchmark measures, every value explicit.
 
     ``fp8kit.cli.selective`` resolves it from the run config and the flags (``--recipe`` over
-    ``fp8.recipe``, ``--tp/--ep/--etp`` over ``[distributed]``); the measurement code reads no run config.
+    ``fp8.recipe``, ``--tp/--ep`` over ``[distributed]``); the measurement code reads no run config.
 
     Attributes:
         model: the ``[model]`` section (preset or HF ``config.json``, depth); its first layer's linears
             are timed (the model is built on ``meta`` to find them).
         vocab_size: ``data.vocab_size`` (the model is built with it; the embedding is not timed).
         recipe: FP8 recipe of the timed ``Float8Linear`` modules, one of ``fp8.recipes.RECIPE_NAMES``.
-        tp / ep / etp: tensor-, expert- and expert-tensor-parallel sizes whose per-rank shapes are timed.
-        sources: where each of ``recipe``, ``tp``, ``ep``, ``etp`` came from (e.g. ``"--recipe"``,
+        tp / ep: tensor- and expert-parallel sizes whose per-rank shapes are timed (experts are whole per
+            rank: grouped sites are keyed ``etp = 1`` in the report, LoongForge's policy key).
+        sources: where each of ``recipe``, ``tp``, ``ep`` came from (e.g. ``"--recipe"``,
             ``"config file run.toml"``, ``"default"``); copied into the report and into error messages.
         precisions: subset of :data:`PRECISIONS`.
         warmup / iters: untimed and timed calls per measurement (median, ``bench/timing.py``).
@@ -85,7 +88,6 @@ class BenchLayersArgs:
     recipe: str = "tensorwise"
     tp: int = 1
     ep: int = 1
-    etp: int = 1
     sources: dict[str, str] = field(default_factory=dict)
     precisions: tuple[str, ...] = PRECISIONS
     warmup: int = 5
@@ -157,19 +159,19 @@ def build_site_module(
 
     Raises:
         ConfigError: ``recipe`` is not a recipe name (FP8 only), a blockwise site whose K or N is not a
-            multiple of 128, or a blockwise site under real tensor parallel.
+            multiple of 128, or (real tensor parallel) whose per-rank shard is not whole 128-blocks.
     """
     torch.manual_seed(0)
     with torch.device(device):
         module = SiteModule(site.full_gemms if mesh is not None else site.gemms).to(torch.bfloat16)
-    if precision == "fp8" and recipe_info(recipe, "--recipe").engine == "fp8kit":
-        if mesh is not None:
-            raise ConfigError(f"bench-layers: recipe {recipe!r} has no tensor-parallel styles yet; use --simulate-tp")
+    own = precision == "fp8" and recipe_info(recipe, "--recipe").engine == "fp8kit"
+    if own:
         state = None
         if recipe == "delayed":
             from fp8kit.fp8.delayed import DelayedScalingState
 
-            state = DelayedScalingState()
+            # under real TP one scale per whole tensor: amaxes MAX-reduced over the tp ranks (parallel/tp_own.py)
+            state = DelayedScalingState(group=mesh.get_group() if mesh is not None else None)
         for i, lin in enumerate(module.linears):
             try:
                 if state is not None:
@@ -182,11 +184,45 @@ def build_site_module(
                 raise ConfigError(f"bench-layers: {e}") from None
     elif precision == "fp8":
         torchao_float8().convert_to_float8_training(module, config=float8_linear_config(recipe))
-    if mesh is not None:
+    if mesh is not None and own:
+        _parallelize_own_site(module, site, recipe, mesh)
+    elif mesh is not None:
         from fp8kit.bench.tensor_parallel import parallelize_site
 
         parallelize_site(module, site, mesh, fp8=precision == "fp8")
     return module
+
+
+def _parallelize_own_site(module: SiteModule, site: BenchSite, recipe: str, mesh) -> None:
+    """``bench/tensor_parallel.parallelize_site``'s plan (bf16 sequence-parallel input all-gather for column
+    sites, reduce-scatter of row sites' outputs) for fp8kit's own FP8 linears, with ``parallel/tp_own.py``'s
+    styles.
+
+    Raises:
+        ConfigError: a per-rank shard the recipe cannot run (``tp_own.check_shard``: blockwise needs whole
+            128-blocks), naming the site's GEMM and its shapes.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
+
+    from fp8kit.parallel.tp_own import OwnColwiseParallel, OwnRowwiseParallel, check_shard
+
+    kind = "column" if site.module_kind in COLUMN_KINDS else "row" if site.module_kind in ROW_KINDS else None
+    if kind is None:  # duplicated sites are not split
+        return
+    for i, lin in enumerate(module.linears):
+        check_shard(f"bench-layers site {site.name} gemm {i}", (lin.out_features, lin.in_features), recipe, kind,
+                    mesh.size(), remedy="time its per-rank shapes with --simulate-tp, or choose another --tp")
+    n = len(module.linears)
+    if kind == "column":
+        parallelize_module(module, mesh, PrepareModuleInput(input_layouts=(Shard(0),),
+                                                            desired_input_layouts=(Replicate(),)))
+        parallelize_module(module, mesh, {f"linears.{i}": OwnColwiseParallel(input_layouts=Replicate())
+                                          for i in range(n)})
+    else:
+        parallelize_module(module, mesh, {f"linears.{i}": OwnRowwiseParallel(input_layouts=Shard(-1),
+                                                                             output_layouts=Shard(0))
+                                          for i in range(n)})
 
 
 def float8_linear_scaling(module: nn.Module) -> dict[str, str] | None:
@@ -290,8 +326,9 @@ class _GroupedTimer:
         e = site.num_gemms
         self.weights = [(torch.randn(e, n, k, device=device) * k ** -0.5).to(torch.bfloat16).requires_grad_()
                         for k, n in site.gemms]
-        self.backend = resolve_grouped_kernel(GroupedGemmConfig(), device) if precision == "fp8" else None
-        self.scaling = None  # the FP8 grouped GEMM is rowwise whatever the recipe (moe/grouped_mm.py)
+        self.config = GroupedGemmConfig.for_fp8_recipe(args.recipe)
+        self.backend = resolve_grouped_kernel(self.config, device) if precision == "fp8" else None
+        self.scaling = None  # rowwise grouped GEMM, or blockwise experts for the blockwise recipe (moe/grouped_mm.py)
 
     def __call__(self, num_pairs: int) -> float:
         e, k = self.site.num_gemms, self.site.gemms[0][0]
@@ -307,7 +344,7 @@ class _GroupedTimer:
 
         def step() -> None:
             if fp8:
-                outs = [fp8_grouped_mm(x, w, offs, self.backend) for w in self.weights]
+                outs = [fp8_grouped_mm(x, w, offs, self.backend, emulate=self.config.emulate) for w in self.weights]
             else:
                 outs = [bf16_grouped_mm(x, w, offs) for w in self.weights]
             torch.autograd.backward(outs, grads)
@@ -343,7 +380,7 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
     if args.recipe not in RECIPE_NAMES:
         raise ConfigError(f"{args.source('recipe')}: unknown recipe {args.recipe!r}; "
                           f"choose one of {', '.join(RECIPE_NAMES)}")
-    for key in ("tp", "ep", "etp"):
+    for key in ("tp", "ep"):
         if getattr(args, key) < 1:
             raise ConfigError(f"{_named(args, key)}: must be >= 1")
     if args.warmup < 0:
@@ -359,11 +396,12 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
             "per-rank shapes on one device"
         )
     device = resolve_device(args.device, "--device")
-    if real_tp and device.type == "cpu" and "fp8" in args.precisions:
+    torchao_fp8 = "fp8" in args.precisions and recipe_info(args.recipe).engine == "torchao"
+    if real_tp and device.type == "cpu" and torchao_fp8:  # fp8kit's own TP styles communicate bf16 only
         raise ConfigError(
             f"{_named(args, 'tp')} with real tensor parallelism on the CPU: gloo has no float8 "
-            "collectives, so the FP8 layer cannot all-gather; use --precisions bf16 on the CPU, "
-            "--simulate-tp, or GPUs (NCCL)"
+            f"collectives, so the FP8 layer of recipe {args.recipe} cannot all-gather; use --precisions bf16 on "
+            "the CPU, --simulate-tp, GPUs (NCCL), or fp8kit's own recipes (blockwise, delayed)"
         )
     mesh = None
     if real_tp:
@@ -371,14 +409,14 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
 
         mesh, device = init_tp_mesh(args.tp, device)
     sweep = args.shape_sweep or auto_sweep(32768)
-    sites, notes = layer_sites(args.model, args.vocab_size, tp=args.tp, ep=args.ep, etp=args.etp)
+    sites, notes = layer_sites(args.model, args.vocab_size, tp=args.tp, ep=args.ep)
     timed = sites
     topk = moe_router_topk(args.model, args.vocab_size)
-    if any(s.is_grouped for s in sites) and (real_tp or args.etp > 1 and not args.simulate_tp):
+    if any(s.is_grouped for s in sites) and real_tp:
         timed = [s for s in sites if not s.is_grouped]
-        notes.append("grouped sites: real expert / expert-tensor parallelism is not timed by this version "
-                     "(use --simulate-tp for the per-rank shapes); not timed")
-    if mesh is not None and args.recipe != "tensorwise" and "fp8" in args.precisions:
+        notes.append("grouped sites: not timed under real tensor parallelism (experts are whole on every rank; "
+                     "use --simulate-tp for the per-rank shapes)")
+    if mesh is not None and args.recipe != "tensorwise" and torchao_fp8:
         notes.append(
             f"real TP with recipe {args.recipe}: torchao's FP8 TP styles (float8_tensor_parallel: 'assumes "
             "tensorwise scaling') cast each linear's input and output gradient tensorwise, so only the weight "
@@ -447,7 +485,7 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
         "fp8_linear_scaling": scaling,
         "model": args.model.hf_config or args.model.preset,
         "moe_router_topk": topk,
-        "tp": args.tp, "ep": args.ep, "etp": args.etp,
+        "tp": args.tp, "ep": args.ep,
         "simulated_tp": bool(args.tp > 1 and args.simulate_tp),
         "world_size": world,
         "compiled": _compile(args, device),

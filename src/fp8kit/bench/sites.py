@@ -1,4 +1,4 @@
-"""The benchmark sites of one transformer layer, with their per-rank GEMM shapes under TP / EP / ETP.
+"""The benchmark sites of one transformer layer, with their per-rank GEMM shapes under TP / EP.
 
 A benchmark site is one entry of the selective-FP8 policy: all linears of one transformer layer that
 share ``(component, module_kind, ub_name)``. HF models keep q, k and v (and gate and up) as separate
@@ -10,7 +10,8 @@ column-parallel layer (``layernorm_column`` / ``column``) splits its output feat
 row-parallel layer (``row``) splits its input features K; ``duplicated`` layers are not split. The GEMM's M is
 the token count ``seq_length x micro_batch_size`` on every rank (the sequence-parallel all-gather
 happens before the column GEMM and the reduce-scatter after the row GEMM). Grouped (MoE) sites split
-experts over ``ep`` (``num_gemms = experts / ep``) and each expert over ``etp`` like column/row.
+experts over ``ep`` (``num_gemms = experts / ep``); each expert is whole on its rank (fp8kit has no expert
+tensor parallelism), so their policy key is LoongForge's ``etp = 1``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class BenchSite:
         gemms: per-rank ``(K, N)`` of each linear in the site (``in_features``, ``out_features``).
         full_gemms: the unsplit ``(K, N)``.
         fqns: the layer-0 modules the site stands for.
-        tp / etp / num_gemms: the parallel layout timed.
+        tp / etp / num_gemms: the parallel layout timed (``etp`` is always 1 for grouped sites: whole experts).
     """
 
     component: str
@@ -72,7 +73,7 @@ class BenchSite:
 
 
 def layer_sites(
-    model_cfg: ModelConfig, vocab_size: int, *, tp: int = 1, ep: int = 1, etp: int = 1
+    model_cfg: ModelConfig, vocab_size: int, *, tp: int = 1, ep: int = 1
 ) -> tuple[list[BenchSite], list[str]]:
     """Benchmark sites of the first transformer layer of each component, and notes on skipped ones.
 
@@ -104,8 +105,7 @@ def layer_sites(
             experts = members[0].num_gemms
             if experts % ep:
                 raise ConfigError(f"--ep {ep} does not divide the {experts} experts of {members[0].fqn}")
-            gemms = [per_rank_gemm(kind, k, n, etp, members[0].fqn) for k, n in full]
-            site = BenchSite(component, kind, ub, gemms, full, [m.fqn for m in members], tp=1, etp=etp,
+            site = BenchSite(component, kind, ub, list(full), full, [m.fqn for m in members], tp=1, etp=1,
                              num_gemms=experts // ep)
         else:
             gemms = [per_rank_gemm(kind, k, n, tp, m.fqn) for (k, n), m in zip(full, members, strict=True)]

@@ -2,9 +2,10 @@
 
 The bench-layers -> merge-policy workflow and the policy format are those of LoongForge's adaptive FP8.
 ``bench-layers`` measures the run config's FP8 recipe (``fp8.recipe``) at its ``[distributed]`` sizes
-(``tp``, ``ep``, ``etp``) unless ``--recipe`` / ``--tp`` / ``--ep`` / ``--etp`` override them. It also reads
+(``tp``, ``ep``) unless ``--recipe`` / ``--tp`` / ``--ep`` override them. It also reads
 LoongForge's ``TE_LAYER_PERF_*`` environment variables at call time; a variable counts as its flag, and
-the flag wins over it.
+the flag wins over it. Experts are whole on every rank (no expert tensor parallelism): grouped sites are
+measured and written at LoongForge's ``etp = 1``, and ``$TE_LAYER_PERF_ETP_SIZE`` other than 1 is refused.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ ENV_FLAGS = {
     "config": ("OMNI_CONFIG_PATH", str),
     "tp": ("TP_SIZE", int),
     "ep": ("EP_SIZE", int),
-    "etp": ("ETP_SIZE", int),
     "precisions": ("PRECISIONS", str),
     "recipe": ("FP8_RECIPE", str),
     "warmup": ("WARMUP", int),
@@ -33,11 +33,11 @@ ENV_FLAGS = {
     "speedup_threshold": ("SPEEDUP_THRESHOLD", float),
     "shape_sweep": ("SHAPE_SWEEP", str),
 }
-# flags without a config key behind them; recipe / tp / ep / etp default to the run config
+# flags without a config key behind them; recipe / tp / ep default to the run config
 BENCH_DEFAULTS = {"precisions": "bf16,fp8", "warmup": 5, "iters": 10, "speedup_threshold": 1.0}
 # flag dest -> the config key it overrides
 CONFIG_KEYS = {
-    "recipe": "fp8.recipe", "tp": "distributed.tp", "ep": "distributed.ep", "etp": "distributed.etp",
+    "recipe": "fp8.recipe", "tp": "distributed.tp", "ep": "distributed.ep",
 }
 
 
@@ -55,8 +55,6 @@ def add_parsers(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--tp", type=int, help="tensor-parallel size; default the config's distributed.tp")
     p.add_argument("--ep", type=int, help="expert-parallel size; default the config's distributed.ep")
-    p.add_argument("--etp", type=int,
-                   help="expert tensor-parallel size; default the config's distributed.etp")
     p.add_argument("--precisions", help="comma-separated, default bf16,fp8")
     p.add_argument("--recipe", help="FP8 recipe (tensorwise, rowwise, rowwise_with_gw_hp); default the "
                    "config's fp8.recipe")
@@ -92,8 +90,12 @@ def _env(args: argparse.Namespace) -> dict[str, str]:
     Returns ``{dest: "--flag" or "$VARIABLE"}`` for every flag that is set now by either.
 
     Raises:
-        ConfigError: a variable's value is not of the flag's type.
+        ConfigError: a variable's value is not of the flag's type, or ``$TE_LAYER_PERF_ETP_SIZE`` is not 1.
     """
+    etp = os.environ.get(ENV_PREFIX + "ETP_SIZE", "").strip()
+    if etp not in ("", "1"):
+        raise ConfigError(f"${ENV_PREFIX}ETP_SIZE={etp!r}: expert tensor parallelism is not supported, every rank "
+                          f"holds whole experts (docs/distributed.md); unset it or set 1")
     given = {}
     for dest, (suffix, cast) in ENV_FLAGS.items():
         if getattr(args, dest, None) is not None:
@@ -125,11 +127,11 @@ def _config_origin(path: str | None, data: dict, overrides: list[str], key: str)
 
 
 def resolve_bench_values(args: argparse.Namespace, given: dict[str, str], cfg) -> tuple[dict, dict[str, str]]:
-    """The recipe and tp / ep / etp that ``bench-layers`` measures, and where each came from.
+    """The recipe and tp / ep that ``bench-layers`` measures, and where each came from.
 
     A flag (or its ``TE_LAYER_PERF_*`` variable, ``given`` by :func:`_env`) wins; otherwise the run
-    config's ``fp8.recipe`` / ``distributed.tp|ep|etp`` (from the config file, a ``--set`` or the
-    config default). Returns ``({"recipe": str, "tp": int, "ep": int, "etp": int}, {same keys: source})``.
+    config's ``fp8.recipe`` / ``distributed.tp|ep`` (from the config file, a ``--set`` or the
+    config default). Returns ``({"recipe": str, "tp": int, "ep": int}, {same keys: source})``.
 
     Raises:
         ConfigError: the config file cannot be read (``fp8kit.config.read_config_file``).
@@ -216,7 +218,7 @@ def _plan(cfg, as_json: bool, console) -> int:
     d = cfg.distributed
     console.print(
         f"plan: {cfg.model.hf_config or cfg.model.preset}, {cfg.train.mixed_precision} {cfg.fp8.recipe}, "
-        f"tp={d.tp} ep={d.ep} etp={d.etp}, num_tokens={options.num_tokens}"
+        f"tp={d.tp} ep={d.ep}, num_tokens={options.num_tokens}"
         + (f", policy {cfg.selective.fp8_dynamic_policy_path}" if cfg.selective.selective_fp8 == "policy" else "")
         + (", selective_fp8 = auto" if cfg.selective.selective_fp8 == "auto" else "")
     )

@@ -34,6 +34,27 @@ from fp8kit.config.schema import RunConfig, SelectiveConfig, section_class, sect
 
 #: ``[selective]`` keys that are still accepted under ``[fp8]`` (where they were before the split).
 MOVED_TO_SELECTIVE: tuple[str, ...] = tuple(SelectiveConfig.model_fields)
+#: Removed keys still accepted at the value that meant "off" (old configs and run directories' resolved
+#: configs load, with a note): ``(section, key) -> (that value, why the key went)``.
+REMOVED: dict[tuple[str, str], tuple[Any, str]] = {
+    ("distributed", "etp"): (1, "expert tensor parallelism is not supported, every rank holds whole experts "
+                                "(docs/distributed.md)"),
+}
+
+
+def _removed(section: str, key: str, value: Any, where: str, notes: list[str]) -> bool:
+    """Whether ``section.key`` is a :data:`REMOVED` key (then noted, and to be skipped).
+
+    Raises:
+        ConfigError: the key is set to anything but its old "off" value.
+    """
+    if (section, key) not in REMOVED:
+        return False
+    off, why = REMOVED[section, key]
+    if value != off:
+        raise ConfigError(f"{where}: {section}.{key} = {_show(value)}: {why}; remove the key")
+    notes.append(f"{where}: {section}.{key} = {_show(off)} is ignored (the key was removed: {why})")
+    return True
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -186,12 +207,17 @@ def build_config(
         if not isinstance(body, dict):
             raise ConfigError(f"{source}: [{section}]: expected a table of keys, got {type(body).__name__}")
         for key, value in body.items():
-            in_file.put(_target(section, key, source), value, Origin(source, f"{section}.{key}"))
+            if not _removed(section, key, value, source, notes):
+                in_file.put(_target(section, key, source), value, Origin(source, f"{section}.{key}"))
     for text in overrides:
         section, key, raw = parse_override(text)
         where = f"--set {text}"
         if section not in section_names():
             raise ConfigError(unknown_section_message(section, where, RunConfig))
+        if (section, key) in REMOVED:
+            off = REMOVED[section, key][0]
+            if _removed(section, key, parse_override_value(raw, type(off), where), where, notes):
+                continue
         target = _target(section, key, where)
         tsec, tkey = target.split(".")
         value = parse_override_value(raw, section_class(tsec).model_fields[tkey].annotation, where)

@@ -20,11 +20,29 @@ from fp8kit.selective.sites import find_sites
 
 
 def grouped_gemm_config(cfg: RunConfig):
-    """How the run's FP8 MoE experts compute (``fp8kit.moe.grouped_mm.GroupedGemmConfig``): automatic
+    """How the run's FP8 MoE experts compute (``fp8kit.moe.grouped_mm.GroupedGemmConfig``): the recipe
+    follows ``fp8.recipe`` (blockwise experts for ``blockwise``, rowwise grouped GEMMs otherwise), automatic
     backend; the emulation on GPUs without an FP8 grouped GEMM only with ``fp8.emulate = true``."""
+    return grouped_for_fp8(cfg.fp8)
+
+
+def grouped_for_fp8(fp8: FP8Config):
+    """:func:`grouped_gemm_config` from the ``fp8`` section alone (library entry points)."""
     from fp8kit.moe.grouped_mm import GroupedGemmConfig
 
-    return GroupedGemmConfig(emulate=cfg.fp8.emulate)
+    return GroupedGemmConfig.for_fp8_recipe(fp8.recipe, emulate=fp8.emulate, kernel=fp8.grouped_kernel)
+
+
+def conversion_options_for(fp8: FP8Config):
+    """The ``parallel.convert.ConversionOptions`` of an ``fp8`` section for the library entry points
+    (``convert_to_fp8``, ``prepare_for_trainer``): emulation, the experts' recipe and kernel, and the delayed
+    recipe's history settings. (``fp8kit train`` builds its own in ``parallel/prepare.py``, adding FSDP2.)"""
+    from fp8kit.fp8.delayed import DelayedScaling
+    from fp8kit.fp8.delayed_state import DelayedScalingState
+    from fp8kit.parallel.convert import ConversionOptions
+
+    return ConversionOptions(emulate=fp8.emulate, grouped=grouped_for_fp8(fp8), delayed=DelayedScalingState(
+        DelayedScaling(fp8.amax_history_len, fp8.amax_compute_algo, fp8.margin)))
 
 
 def moe_topk(hf_cfg) -> int:
@@ -51,13 +69,13 @@ def options_from_config(cfg: RunConfig, hf_cfg=None, device_name: str | None = N
     d = cfg.distributed
     return decide_options(
         cfg.fp8, cfg.selective, mixed_precision=cfg.train.mixed_precision,
-        num_tokens=cfg.data.seq_length * cfg.train.micro_batch_size, tp=d.tp, ep=d.ep, etp=d.etp,
+        num_tokens=cfg.data.seq_length * cfg.train.micro_batch_size, tp=d.tp, ep=d.ep,
         topk=moe_topk(hf_cfg) if hf_cfg is not None else 1, device_name=device_name, measures_auto=True,
     )
 
 
 def decide_options(fp8: FP8Config, selective: SelectiveConfig | None, *, mixed_precision: str = "fp8",
-                   num_tokens: int | None = None, tp: int = 1, ep: int = 1, etp: int = 1, topk: int = 1,
+                   num_tokens: int | None = None, tp: int = 1, ep: int = 1, topk: int = 1,
                    device_name: str | None = None, measures_auto: bool = False) -> DecideOptions:
     """The decision options from the ``[fp8]`` and ``[selective]`` sections and the run's sizes.
 
@@ -67,7 +85,8 @@ def decide_options(fp8: FP8Config, selective: SelectiveConfig | None, *, mixed_p
         mixed_precision: ``fp8`` or ``bf16`` (everything BF16).
         num_tokens: the default token count for policy lookups (``seq_length x micro_batch_size``);
             ``selective.fp8_dynamic_num_tokens`` overrides it.
-        tp, ep, etp: the parallel sizes the policy is looked up at.
+        tp, ep: the parallel sizes the policy is looked up at (experts are whole per rank: grouped rules of
+            etp = 1).
         topk: experts per token (grouped sites look up ``num_tokens x topk``).
         device_name: the training device (a policy measured elsewhere gives a warning).
         measures_auto: the caller times the sites for ``selective_fp8 = "auto"`` (``fp8kit train``); if not
@@ -117,7 +136,6 @@ def decide_options(fp8: FP8Config, selective: SelectiveConfig | None, *, mixed_p
         exclude=tuple(fp8.exclude),
         tp=tp,
         ep=ep,
-        etp=etp,
         num_tokens=tokens_now,
         selective=decide_selective,
         auto=auto,

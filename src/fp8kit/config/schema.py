@@ -79,6 +79,14 @@ class FP8Config(ConfigModel):
         "rowwise ones (torchao supports it for tensorwise only). Combined with tensor parallel it falls back "
         "to BF16 all-gather with a warning (see docs/distributed.md).",
     )
+    grouped_kernel: Literal["auto", "torchao", "fused", "scaled_grouped_mm"] = Field(
+        "auto",
+        description="MoE experts in FP8 (not recipe = blockwise, whose experts always run a per-expert loop of "
+        "blockwise GEMMs): auto (fused on Hopper), torchao (torchao's Triton casts around "
+        "torch._scaled_grouped_mm, per weight), fused (fp8kit's whole expert MLP with the casts fused into the "
+        "dispatch, the SwiGLU and the wgrad operands; moe/fused_experts.py) or scaled_grouped_mm (fp8kit's "
+        "compiled casts, per weight; the reference). Speeds: docs/benchmarks.md section 4.",
+    )
     amax_history_len: int = Field(
         16, ge=1, description="recipe = delayed: steps of amax history per operand (Transformer Engine's "
         "DelayedScaling; 16 as LLaMA-Factory sets it).",
@@ -207,10 +215,13 @@ class OptimConfig(ConfigModel):
     """``[optim]``: the optimizer. lr, betas, weight decay and clipping are in ``[train]``."""
 
     section: ClassVar[str] = "optim"
-    name: Literal["adamw", "fp8_adamw"] = Field(
+    name: Literal["adamw", "fp8_adamw", "auto"] = Field(
         "adamw",
-        description="adamw: torch.optim.AdamW (fused on CUDA). fp8_adamw: fp8kit.optim.FP8AdamW, FP8-LM's "
-        "precision decoupling (arXiv:2310.18313): the states below.",
+        description="adamw: torch.optim.AdamW (fused on CUDA; see train.param_dtype for its master weights). "
+        "fp8_adamw: fp8kit.optim.FP8AdamW, FP8-LM's precision decoupling (arXiv:2310.18313): the states below. "
+        "auto: fp8_adamw where it runs (one process, FSDP2 / HSDP), else adamw with FP32 master weights (tensor / "
+        "expert parallel, async checkpoints, train.param_dtype = fp32); the choice is printed and recorded in "
+        "resolved_config.toml (fp8kit.config.optim_choice). Not the default yet: docs/benchmarks.md section 3.",
     )
     master: Literal["fp16", "fp32", "bf16_sr"] = Field(
         "fp16",
@@ -218,9 +229,11 @@ class OptimConfig(ConfigModel):
         "rounding; with bf16 parameters the working weights are the master).",
     )
     grad: Literal["e5m2", "e4m3", "param"] = Field(
-        "e5m2",
-        description="fp8_adamw gradients between backward and step: e5m2 / e4m3 (FP8 with a scale, quantized "
-        "as autograd produces them) or param (keep param.grad).",
+        "param",
+        description="fp8_adamw gradients between backward and step: param (autograd's bf16 param.grad, read in "
+        "place: 7 bytes/param, no hooks; step 0.83-0.89x fused fp32-master AdamW on the H100) or e5m2 / e4m3 "
+        "(FP8 with a scale, quantized by per-parameter hooks as autograd produces them: FP8-LM's 6 bytes/param, "
+        "but the hooks cost 10-15 ms a step; not under FSDP2).",
     )
     m: Literal["e4m3", "fp16", "bf16", "fp32"] = Field(
         "e4m3", description="fp8_adamw first moment: e4m3 (with a scale), fp16, bf16 or fp32."
@@ -257,8 +270,9 @@ class OptimConfig(ConfigModel):
 class DistributedConfig(ConfigModel):
     """``[distributed]``: parallel sizes of a ``torchrun`` launch (``torchrun --nproc_per_node N -m fp8kit
     train``). The device mesh is ``dp_replicate x dp_shard x tp`` (outer to inner, torchtitan's order) and
-    must equal the world size. ``plan`` and the selective-FP8 decisions use tp/ep/etp to look up the policy
-    rules of the run's real per-rank shapes."""
+    must equal the world size. ``plan`` and the selective-FP8 decisions use tp/ep to look up the policy
+    rules of the run's real per-rank shapes. Experts are whole on every rank (no expert tensor parallelism:
+    the old key ``etp`` is accepted only as 1)."""
 
     section: ClassVar[str] = "distributed"
     dp_shard: int = Field(
@@ -279,11 +293,18 @@ class DistributedConfig(ConfigModel):
         "all-reduce, and 1/tp of the norm activations per rank; its communication is BF16 (see "
         "docs/distributed.md).",
     )
-    ep: int = Field(1, gt=0, description="Expert-parallel size (MoE): experts are split over ep ranks.")
-    etp: int = Field(
+    ep: int = Field(
         1, gt=0,
-        description="Expert tensor-parallel size (MoE) for the policy lookup of `fp8kit plan`; `train` runs "
-        "whole experts per rank and refuses etp > 1.",
+        description="Expert-parallel size (MoE): experts are split over ep ranks, borrowed from data parallelism "
+        "and, with tp > 1, tensor parallelism (ep divides dp_replicate x dp_shard x tp); each expert is whole on "
+        "its rank.",
+    )
+    ep_fp8_dispatch: bool = Field(
+        False,
+        description="With ep > 1, send the tokens through the forward dispatch all-to-all as E4M3 plus one "
+        "float32 scale per 128 elements (about 0.52x the bytes of bf16; the hidden size must be a multiple of "
+        "128), dequantized on arrival; the gradient returns in bf16 (straight-through) and the combine stays "
+        "bf16, as in DeepSeek-V3. No effect (a warning) with ep = 1.",
     )
     meta_init: bool | None = Field(
         None,

@@ -34,16 +34,22 @@ of the forward, as activation checkpointing does, on this step's scales). All of
 ``torch.compile`` with no graph break and no host sync. Evaluation forwards use the current scales and
 record nothing; so does a training forward without a backward (e.g. neither the input nor the weight
 requires grad: its scales then stay dynamic). Under data parallelism each rank records its own amax;
-with ``DelayedScalingState.group`` set (``prepare_model`` sets the data-parallel group under FSDP2) the
-step's amaxes are all-reduced (MAX, a functional collective) before they join the history, so every rank
-computes the same scales, as TE reduces amax over the data-parallel group (one 3-float all-reduce per
-module and training step, in the same order on every rank).
+with ``DelayedScalingState.group`` set (``prepare_model`` sets the data-parallel group under FSDP2, and the
+group of all data- and tensor-parallel ranks with ``tp > 1``) the step's amaxes are all-reduced (MAX, a
+functional collective) before they join the history, so every rank computes the same scales, as TE
+reduces amax over the data-parallel group (one 3-float all-reduce per module and training step, in the
+same order on every rank). The first recorded step's dynamic scales are reduced over the group too.
+
+Tensor parallel (``fp8kit.parallel.tp_own``): with a DTensor weight the module computes on its local
+shards (``fp8.linear.sharded_linear``); the amaxes of a shard (a column-parallel weight or output
+gradient, a row-parallel input) reduced over a group holding the tp ranks are those of the whole tensor.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fp8kit.fp8.delayed_state import (
     AMAX_ALGOS,
@@ -54,7 +60,9 @@ from fp8kit.fp8.delayed_state import (
     DelayedScaling,
     DelayedScalingState,
     advance_,
+    reduce_max,
 )
+from fp8kit.fp8.linear import sharded_linear
 from fp8kit.fp8.scaling import DTYPE_MAX, scale_from_amax
 
 __all__ = ["AMAX_ALGOS", "OPERANDS", "DelayedEntry", "DelayedScaling", "DelayedScalingState",
@@ -70,15 +78,16 @@ def _cast_impl(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tupl
 _cast_compiled = None
 
 
-def _cast(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                  torch.Tensor]:
+def _cast(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
+          group=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x8, scale, amax)``: ``saturate(x * scale) -> dtype`` plus this step's amax. Without a scale (the
-    first step) the scale comes from this tensor's amax. Inside ``torch.compile`` the ops join the caller's
-    graph (fused with the producer of ``x``); eagerly on CUDA one compiled kernel reads ``x`` once for both;
-    eagerly on the CPU the same float32 math runs op by op."""
+    first step) the scale comes from this tensor's amax, MAX-reduced over ``group`` first when one is given
+    (a tensor-parallel shard then scales like the whole tensor, as it does from the history). Inside
+    ``torch.compile`` the ops join the caller's graph (fused with the producer of ``x``); eagerly on CUDA one
+    compiled kernel reads ``x`` once for both; eagerly on the CPU the same float32 math runs op by op."""
     global _cast_compiled
     if scale is None:
-        amax = x.detach().abs().amax().float()
+        amax = reduce_max(x.detach().abs().amax().float(), group)
         scale = scale_from_amax(amax, dtype)
         return _cast_impl(x, scale, dtype)[0], scale, amax
     if x.is_cuda and not torch.compiler.is_compiling():
@@ -106,8 +115,11 @@ class _DelayedLinearFn(torch.autograd.Function):
         sx = sw = sg = None
         if scales is not None:
             sx, sw, sg = scales[0], scales[1], scales[2]
-        x8, sx, ax = _cast(x, sx, E4M3)
-        w8, sw, aw = _cast(weight, sw, E4M3)
+        # The warm-start (dynamic) scales of a recorded step are reduced over the group like the history's
+        # amaxes; an unrecorded forward (evaluation) communicates nothing: not every rank may run it.
+        warm = group if history is not None else None
+        x8, sx, ax = _cast(x, sx, E4M3, warm)
+        w8, sw, aw = _cast(weight, sw, E4M3, warm)
         # fprop: [M, K] @ [K, N] -> [M, N]
         y = torch._scaled_mm(x8, w8.t(), scale_a=sx.reciprocal(), scale_b=sw.reciprocal(), out_dtype=x.dtype)
         # The layouts the backward's GEMMs take, made here: under torch.compile the cast kernel writes them
@@ -125,7 +137,8 @@ class _DelayedLinearFn(torch.autograd.Function):
     def backward(ctx, dy):
         x8_cm, w8_cm, sx, sw, sg, ax, aw = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
-        g8, sg, ag = _cast(dy, sg, E5M2)
+        history, steps, uid, group = ctx.entry
+        g8, sg, ag = _cast(dy, sg, E5M2, group if history is not None else None)
         dx = dw = None
         if ctx.needs_input_grad[0]:  # dgrad: [M, N] @ [N, K] -> [M, K]
             dx = torch._scaled_mm(g8, w8_cm, scale_a=sg.reciprocal(), scale_b=sw.reciprocal(),
@@ -133,7 +146,6 @@ class _DelayedLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:  # wgrad: [N, M] @ [M, K] -> [N, K]
             dw = torch._scaled_mm(g8.t().contiguous(), x8_cm, scale_a=sg.reciprocal(),
                                   scale_b=sx.reciprocal(), out_dtype=w_dtype)
-        history, steps, uid, group = ctx.entry
         if history is not None:  # this training step's amaxes join the history (the next step's scales)
             advance_(history, steps, uid, torch.stack([ax, aw, ag]), group)
         return dx, dw, None, None, None, None, None
@@ -173,8 +185,19 @@ class Float8DelayedLinear(nn.Module):
         linear.train(self.training)
         return linear
 
+    @property
+    def state(self) -> DelayedScalingState:
+        """The :class:`DelayedScalingState` holding this module's history (its ``group`` reduces the amaxes)."""
+        return self._state
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` -> ``[..., out_features]`` in ``x``'s dtype."""
+        if isinstance(self.weight, DTensor):  # tensor parallel: the FP8 casts and GEMMs run on this rank's shards
+            return sharded_linear(x, self.weight, self.bias, self._local_forward, f"Float8DelayedLinear {self.name}")
+        return self._local_forward(x, self.weight, self.bias)
+
+    def _local_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``[..., k] x [n, k] (+ [n]) -> [..., n]`` on plain tensors (a whole weight or a TP shard)."""
         state, e = self._state, self._entry
         if e.history.device != x.device:  # not moved with the module (``_apply``): once, before the first step
             state.place(e, x.device)
@@ -182,10 +205,11 @@ class Float8DelayedLinear(nn.Module):
         # training step's backward records it (fp8.delayed_state: why there).
         scales = state.scales(e)
         record = self.training and torch.is_grad_enabled()
-        y = _DelayedLinearFn.apply(x.reshape(-1, self.in_features), self.weight, scales,
+        n, k = weight.shape
+        y = _DelayedLinearFn.apply(x.reshape(-1, k), weight, scales,
                                    e.history if record else None, e.steps, e.uid, state.group)
-        y = y.reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        y = y.reshape(*x.shape[:-1], n)
+        return y if bias is None else y + bias.to(y.dtype)
 
     def _apply(self, fn, recurse=True):
         """``nn.Module._apply`` (``.to``, ``.cuda``, ``.to_empty``) that moves the scaling entry with the

@@ -112,15 +112,22 @@ def _(steps, uid) -> None:
     return None
 
 
+def reduce_max(amax: torch.Tensor, group=None) -> torch.Tensor:
+    """``amax`` (float32, any shape) MAX-reduced over ``group`` (a functional all-reduce, traceable by
+    ``torch.compile``; eagerly it waits here), or ``amax`` itself when ``group`` is None."""
+    if group is None:
+        return amax
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_reduce(amax, "max", group))
+
+
 def advance_(history: torch.Tensor, steps: torch.Tensor, uid: torch.Tensor, amax: torch.Tensor, group=None) -> None:
     """Roll one training step's amaxes ``amax`` ``[3]`` float32 (input, weight, output gradient) into
     ``history`` ``[3, L]`` (newest in column 0) and count the step, in place, after the MAX all-reduce over
     ``group`` when one is given (a functional collective: traced into a compiled graph; eagerly it waits
     on first use). Traceable by ``torch.compile``; called by the backward of that step."""
-    if group is not None:
-        from torch.distributed import _functional_collectives as funcol
-
-        amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", group))
+    amax = reduce_max(amax, group)
     history.copy_(torch.cat([amax[:, None], history[:, :-1]], dim=1))
     torch.ops.fp8kit.delayed_advanced(steps, uid)
 
@@ -131,7 +138,8 @@ class DelayedScalingState:
     Args:
         config: :class:`DelayedScaling` (default settings when None).
         group: process group whose ranks share one scale per tensor (``prepare_model`` sets the
-            data-parallel group under FSDP2); None: no reduction.
+            data-parallel group under FSDP2, and the group of all data- and tensor-parallel ranks with
+            ``tp > 1``: ``fp8kit.parallel.tp_own.amax_group``); None: no reduction.
     """
 
     def __init__(self, config: DelayedScaling | None = None, group=None) -> None:

@@ -9,14 +9,21 @@ Numerics, layouts and sources: :mod:`fp8kit.fp8.blockwise` (DeepSeek-V3, arXiv:2
 
 The forward saves only the FP8 ``x^T`` copy (and the cached FP8 weight), not the BF16 input. The bias
 is added, and its gradient reduced, in the input's precision outside the FP8 GEMMs.
+
+Tensor parallel (``fp8kit.parallel.tp_own``): when the weight is a DTensor sharded over a ``tp`` mesh, the
+module runs :func:`sharded_linear`: the FP8 ops see this rank's local shards only (``to_local()``) and the
+output is wrapped back as a DTensor with the placement the weight's sharding implies; fp8kit's delayed
+linear (``fp8.delayed``) uses the same bridge.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fp8kit.fp8.blockwise import BLOCK, check_linear_shape
 from fp8kit.fp8.kernels import ops
@@ -85,6 +92,65 @@ def blockwise_linear(
         raise ValueError(f"blockwise_linear: input of shape {tuple(x.shape)} does not match weight "
                          f"{tuple(weight.shape)} (last dimension must be {weight.shape[1]})")
     return _BlockwiseLinearFn.apply(x, weight, bias, cache_weight, emulate)
+
+
+def sharded_linear(
+    x: torch.Tensor, weight: DTensor, bias: torch.Tensor | None,
+    local_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor], name: str = "linear",
+) -> DTensor:
+    """``y = x @ weight^T + bias`` of a tensor-parallel linear whose FP8 GEMMs run on local shards.
+
+    ``local_fn(x_local, w_local, b_local)`` computes ``[..., k] x [n, k] -> [..., n]`` on plain tensors (the
+    custom FP8 ops never see a DTensor); this function maps the DTensor placements around it, over the
+    weight's 1-D (``tp``) mesh, as ``nn.Linear`` does under torch's ``ColwiseParallel`` / ``RowwiseParallel``:
+
+    ================  ===================  =====================  ==========================================
+    weight            input ``x``          output                 gradient of ``x`` (from ``local_fn``)
+    ================  ===================  =====================  ==========================================
+    ``Shard(0)``      ``Replicate``        ``Shard(-1)``          ``Partial`` (each rank's ``dy_r @ w_r``; the
+    column-parallel                                               style's input conversion sums it)
+    ``Shard(1)``      ``Shard(-1)``        ``Partial`` (summed    ``Shard(-1)``
+    row-parallel                           by the style)
+    ``Replicate``     ``Replicate``        ``Replicate``          ``Replicate``
+    ================  ===================  =====================  ==========================================
+
+    The bias (``Shard(0)`` column-parallel, else ``Replicate``) is added locally by ``local_fn``, except
+    row-parallel, where it is added to the ``Partial`` output as a DTensor (DTensor adds it once, not per rank).
+    The weight's gradient is this rank's shard (``Shard(0)`` / ``Shard(1)``), as the weight.
+
+    Args:
+        x: ``[..., K]`` DTensor on the weight's mesh (the style's input conversion makes it one).
+        weight: ``[N, K]`` DTensor (global shape) on a 1-D mesh.
+        bias: ``[N]`` DTensor or None.
+        name: the module, for errors.
+
+    Raises:
+        ValueError: ``x`` is not a DTensor, the mesh is not 1-D, or ``x``'s placement does not match the weight's.
+    """
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if not isinstance(x, DTensor):
+        raise ValueError(f"{name}: tensor-parallel weight {weight.placements} but a plain input tensor; apply "
+                         f"fp8kit.parallel.tp_own's OwnColwiseParallel / OwnRowwiseParallel to the module")
+    if weight.device_mesh.ndim != 1:
+        raise ValueError(f"{name}: tensor-parallel FP8 linears take a 1-D mesh, got {weight.device_mesh}")
+    (wp,), (xp,) = weight.placements, x.placements
+    mesh, last = weight.device_mesh, x.ndim - 1
+    b = bias.to_local() if isinstance(bias, DTensor) else bias
+    if wp.is_shard(0):  # column-parallel
+        if not xp.is_replicate():
+            raise ValueError(f"{name}: column-parallel weight needs a replicated input, got {xp}")
+        y = local_fn(x.to_local(grad_placements=(Partial(),)), weight.to_local(), b)
+        return DTensor.from_local(y, mesh, (Shard(last),), run_check=False)
+    if wp.is_shard(1):  # row-parallel
+        if not xp.is_shard(last):
+            raise ValueError(f"{name}: row-parallel weight needs an input sharded on its last dim, got {xp}")
+        y = DTensor.from_local(local_fn(x.to_local(), weight.to_local(), None), mesh, (Partial(),), run_check=False)
+        return y if bias is None else y + bias.to(y.dtype)
+    if wp.is_replicate() and xp.is_replicate():
+        y = local_fn(x.to_local(), weight.to_local(), b)
+        return DTensor.from_local(y, mesh, (Replicate(),), run_check=False)
+    raise ValueError(f"{name}: unsupported tensor-parallel placements weight {wp}, input {xp}")
 
 
 class Float8BlockwiseLinear(nn.Module):
@@ -168,7 +234,13 @@ class Float8BlockwiseLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"Float8BlockwiseLinear: input of shape {tuple(x.shape)} does not match "
                              f"in_features={self.in_features}")
-        return _BlockwiseLinearFn.apply(x, self.weight, self.bias, self.cache_weight, self.emulate)
+        if isinstance(self.weight, DTensor):  # tensor parallel: the FP8 ops run on this rank's shards
+            return sharded_linear(x, self.weight, self.bias, self._local_forward, "Float8BlockwiseLinear")
+        return self._local_forward(x, self.weight, self.bias)
+
+    def _local_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``[..., k] x [n, k] (+ [n]) -> [..., n]`` on plain tensors (a whole weight or a TP shard)."""
+        return _BlockwiseLinearFn.apply(x, weight, bias, self.cache_weight, self.emulate)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

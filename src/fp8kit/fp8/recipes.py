@@ -66,8 +66,8 @@ RECIPES: dict[str, Recipe] = {
         Recipe("tensorwise", "torchao", 16, True, True),
         Recipe("rowwise", "torchao", 16, False, True),
         Recipe("rowwise_with_gw_hp", "torchao", 16, False, True),
-        Recipe("blockwise", "fp8kit", 128, False, False),
-        Recipe("delayed", "fp8kit", 16, False, False),
+        Recipe("blockwise", "fp8kit", 128, False, True),
+        Recipe("delayed", "fp8kit", 16, False, True),
     )
 }
 RECIPE_NAMES: tuple[str, ...] = tuple(RECIPES)

@@ -24,10 +24,9 @@ from pathlib import Path
 from torch import nn
 from transformers import TrainerCallback
 
-from fp8kit.config.options import decide_for_library
+from fp8kit.config.options import conversion_options_for, decide_for_library
 from fp8kit.config.schema import FP8Config, SelectiveConfig
-from fp8kit.moe.grouped_mm import GroupedGemmConfig
-from fp8kit.parallel.convert import ConversionOptions, apply_fp8, count_fp8_modules
+from fp8kit.parallel.convert import apply_fp8, count_fp8_modules
 from fp8kit.selective.decide import Decision, summarize
 from fp8kit.selective.report import print_report, save_report
 
@@ -59,8 +58,7 @@ def prepare_for_trainer(model: nn.Module, fp8: bool = True, *, config: FP8Config
     decisions = decide_for_library(model, config, selective, mixed_precision="fp8" if fp8 else "bf16",
                                    num_tokens=num_tokens)
     if fp8:
-        apply_fp8(model, decisions, ConversionOptions(emulate=config.emulate,
-                                                      grouped=GroupedGemmConfig(emulate=config.emulate)))
+        apply_fp8(model, decisions, conversion_options_for(config))
     _DECISIONS[model] = decisions
     if report:
         print_report(decisions, console)

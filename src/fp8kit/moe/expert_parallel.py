@@ -1,18 +1,22 @@
 """Expert parallelism: each of ``ep`` ranks holds ``E / ep`` experts; tokens travel by all-to-all.
 
-Layout (torchtitan's: expert parallelism borrows ranks from ``dp_shard``): the data-parallel ranks form
-groups of ``ep`` consecutive ranks; rank ``r`` of a group holds experts ``[r L, (r + 1) L)`` with
-``L = E / ep``. The expert weights become DTensors ``Shard(0)`` over the ``ep`` mesh dimension and
-``Replicate`` over the other data-parallel dimensions (``edp``: the same experts on another group); FSDP2
-leaves them alone (``fully_shard(ignored_params=...)``), DCP saves and reshards them like any DTensor, and
-the gradient norm sums their shards.
+Layout (torchtitan's: expert parallelism borrows its ranks from data parallelism, and from tensor
+parallelism when ``tp > 1``): the ranks of the run, in the order of the main mesh ``dp_replicate x
+dp_shard x tp`` (tp innermost), form groups of ``ep`` consecutive ranks; rank ``r`` of a group holds
+experts ``[r L, (r + 1) L)`` with ``L = E / ep``. The expert weights become DTensors ``Shard(0)`` over the
+``ep`` mesh dimension and ``Replicate`` over ``edp`` (``dp x tp / ep`` groups holding the same experts);
+FSDP2 leaves them alone (``fully_shard(ignored_params=...)``), DCP saves and reshards them like any
+DTensor, and the gradient norm sums their shards.
 
 Forward of one MoE layer on one rank (``moe/experts.py`` calls :func:`ep_experts_forward`):
 
 ```
-pairs sorted by global expert -> all_to_all (split sizes from an all_to_all of the per-expert counts)
+[tp > 1: this rank's 1/tp of the tokens, which every tp rank holds alike (see below)]
+pairs sorted by global expert -> all_to_all (split sizes from an all_to_all of the per-expert counts;
+                                 bf16, or E4M3 + 1x128 scales with ep_fp8_dispatch: moe/fp8_dispatch.py)
   -> received rows grouped by local expert -> grouped GEMMs (FP8 or BF16) on the local experts
   -> all_to_all back -> pairs in their original order -> weighted sum over the topk experts
+[tp > 1: all_gather of the tp ranks' outputs: every tp rank has every token's output again]
 ```
 
 Both all-to-alls are differentiable (``torch.distributed._functional_collectives.all_to_all_single_autograd``,
@@ -20,11 +24,22 @@ the one torchtitan uses); the split
 sizes need one device-to-host copy per layer (as in torchtitan and Megatron without padding-free
 capacity).
 
-Gradients (why the hook): the loss of each data-parallel rank is the mean over its own tokens and FSDP2
-averages the other weights' gradients over all ``dp`` ranks. An expert's local gradient already sums
-the contributions of the tokens of every rank in its ep group (the backward all-to-all brings them);
-:func:`_scale_expert_grad` adds those of the other groups (all-reduce over ``edp``) and divides by ``dp``,
-so expert gradients equal what one process would compute on the global batch.
+With tensor parallelism (attention TP, ``parallel/parallelize.apply_tp``; the MoE block, router included,
+runs on whole tokens on every tp rank) the ``tp`` ranks of one data-parallel rank hold the same tokens and
+the same router output. Each of them dispatches only its own ``1/tp`` of the token rows
+(:class:`_TPRows`; zero rows pad the token count to a multiple of ``tp``) and the outputs are
+all-gathered over ``tp`` (:class:`_TPGather`), so no expert computes a token twice. Gradients: the
+output gradient is the same on every tp rank (the rest of the block is replicated or tensor-parallel),
+so the gather's backward takes this rank's rows of it, and the slice's backward all-gathers the
+gradients of the rows: the gradient of the hidden states and of the router weights is then whole and
+the same on every tp rank, as the router's and the norms' replicated weights need.
+
+Gradients of the experts (why the hook): the loss of each data-parallel rank is the mean over its own
+tokens and FSDP2 averages the other weights' gradients over all ``dp`` ranks. An expert's local gradient
+already sums the contributions of the token rows of every rank in its ep group (the backward all-to-all
+brings them); :func:`_scale_expert_grad` adds those of the other groups (all-reduce over ``edp``) and
+divides by ``dp``, so expert gradients equal what one process would compute on the global batch (every
+token row of the global batch is dispatched by exactly one rank, whatever ``tp``).
 """
 
 from __future__ import annotations
@@ -37,6 +52,7 @@ from torch import nn
 
 from fp8kit.base.errors import ConfigError
 from fp8kit.moe import routing
+from fp8kit.moe.fp8_dispatch import fp8_all_to_all
 
 
 @dataclass
@@ -44,14 +60,19 @@ class EPGroup:
     """The expert-parallel layout of a run.
 
     Attributes:
-        mesh: 2-D DeviceMesh ``("edp", "ep")`` over the data-parallel ranks.
+        mesh: 2-D DeviceMesh ``("edp", "ep")`` over all ranks of the run (``edp x ep = dp x tp``).
         ep: experts are split over this many ranks.
-        dp: all data-parallel ranks (``edp x ep``): expert gradients are divided by it.
+        dp: all data-parallel ranks (``dp_replicate x dp_shard``): expert gradients are divided by it.
+        fp8_dispatch: the forward dispatch all-to-all sends E4M3 + 1x128 scales (``moe/fp8_dispatch.py``,
+            ``distributed.ep_fp8_dispatch``) instead of the activation dtype; the combine stays bf16.
+        tp_mesh: the run's 1-D ``tp`` DeviceMesh when ``tp > 1`` (the token rows are split over it), else None.
     """
 
     mesh: object
     ep: int
     dp: int
+    fp8_dispatch: bool = False
+    tp_mesh: object = None
 
     @property
     def group(self):
@@ -65,18 +86,16 @@ class EPGroup:
 def check_ep_layout(ep: int, dp: int, tp: int, key: str = "distributed.ep") -> None:
     """Check that expert parallelism over ``ep`` ranks fits the mesh (the one place this rule lives).
 
-    ``ep`` must divide the data-parallel size ``dp = dp_replicate x dp_shard`` (its ranks are borrowed
-    from data parallelism, as in torchtitan), and ``ep > 1`` needs ``tp = 1``. ``ep = 1`` always fits.
+    ``ep`` must divide ``dp x tp`` (``dp = dp_replicate x dp_shard``): its ranks are borrowed from data
+    parallelism and, with ``tp > 1``, tensor parallelism (module docstring). ``ep = 1`` always fits.
 
     Raises:
         ConfigError: naming ``key`` (the setting, e.g. ``distributed.ep``) and the sizes.
     """
-    if ep > 1 and dp % ep:
-        raise ConfigError(f"{key} = {ep} does not divide the data-parallel size dp_replicate x dp_shard = {dp} "
-                          f"(expert parallelism borrows its ranks from data parallelism)")
-    if ep > 1 and tp > 1:
-        raise ConfigError(f"{key} = {ep} with tp = {tp}: expert parallelism with tensor parallelism is not "
-                          f"supported; use tp = 1")
+    if ep > 1 and (dp * tp) % ep:
+        raise ConfigError(f"{key} = {ep} does not divide the number of ranks dp_replicate x dp_shard x tp = "
+                          f"{dp} x {tp} = {dp * tp} (expert parallelism borrows its ranks from data and tensor "
+                          f"parallelism)")
 
 
 def check_ep_divides_experts(ep: int, num_experts: int, where: str, key: str = "distributed.ep") -> None:
@@ -90,8 +109,8 @@ def check_ep_divides_experts(ep: int, num_experts: int, where: str, key: str = "
 
 
 def ep_mesh(device_type: str, dp: int, ep: int, tp: int):
-    """The ``("edp", "ep", "tp")`` DeviceMesh over the same ranks as the run's main mesh, and its 2-D
-    ``("edp", "ep")`` part.
+    """The ``("edp", "ep")`` DeviceMesh over the same ranks as the run's main mesh (``dp x tp`` ranks in
+    its order: groups of ``ep`` consecutive ranks).
 
     Raises:
         ConfigError: the sizes do not fit (:func:`check_ep_layout`).
@@ -99,8 +118,7 @@ def ep_mesh(device_type: str, dp: int, ep: int, tp: int):
     from torch.distributed.device_mesh import init_device_mesh
 
     check_ep_layout(ep, dp, tp)
-    mesh = init_device_mesh(device_type, (dp // ep, ep, tp), mesh_dim_names=("edp", "ep", "tp"))
-    return mesh["edp", "ep"]
+    return init_device_mesh(device_type, (dp * tp // ep, ep), mesh_dim_names=("edp", "ep"))
 
 
 def _scale_expert_grad(group: EPGroup):
@@ -110,9 +128,12 @@ def _scale_expert_grad(group: EPGroup):
         from torch.distributed.tensor import DTensor
 
         local = grad.to_local() if isinstance(grad, DTensor) else grad
-        local = local / group.dp
-        if edp.size() > 1:
-            dist.all_reduce(local, group=edp.get_group())
+        if edp.size() > 1:  # summed in float32, as FSDP2 reduces the other gradients (reduce_dtype)
+            total = local.float()
+            dist.all_reduce(total, group=edp.get_group())
+            local = (total / group.dp).to(local.dtype)
+        else:
+            local = local / group.dp
         if isinstance(grad, DTensor):
             return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
         return local
@@ -145,17 +166,80 @@ def local_weight(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if isinstance(w, DTensor) else w
 
 
+def _all_gather_rows(x: torch.Tensor, tp_mesh) -> torch.Tensor:
+    from torch.distributed._functional_collectives import all_gather_tensor
+
+    return all_gather_tensor(x.contiguous(), 0, tp_mesh.get_group()).wait()
+
+
+class _TPRows(torch.autograd.Function):
+    """This tp rank's rows of a tensor that every tp rank holds alike (rows a multiple of tp); backward:
+    the all-gather of the rows' gradients (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, tp_mesh):
+        ctx.tp_mesh = tp_mesh
+        n = x.shape[0] // tp_mesh.size()
+        r = tp_mesh.get_local_rank()
+        return x[r * n:(r + 1) * n].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_rows(grad, ctx.tp_mesh), None
+
+
+class _TPGather(torch.autograd.Function):
+    """The tp ranks' rows, all-gathered in rank order; backward: this rank's rows of the gradient (the
+    same on every tp rank, module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, tp_mesh):
+        ctx.tp_mesh, ctx.rows = tp_mesh, x.shape[0]
+        return _all_gather_rows(x, tp_mesh)
+
+    @staticmethod
+    def backward(ctx, grad):
+        r, n = ctx.tp_mesh.get_local_rank(), ctx.rows
+        return grad[r * n:(r + 1) * n].contiguous(), None
+
+
+def tp_rows(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, tp_mesh):
+    """This tp rank's share of the token rows (module docstring): ``(T, .)`` -> ``(ceil(T / tp), .)`` each,
+    zero rows (expert 0, router weight 0) padding ``T`` to a multiple of ``tp``. Differentiable."""
+    tp, t = tp_mesh.size(), hidden.shape[0]
+    pad = -t % tp
+    if pad:
+        hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
+        top_k_index = torch.cat([top_k_index, top_k_index.new_zeros(pad, top_k_index.shape[1])])
+        top_k_weights = torch.cat([top_k_weights, top_k_weights.new_zeros(pad, top_k_weights.shape[1])])
+    n = (t + pad) // tp
+    r = tp_mesh.get_local_rank()
+    return _TPRows.apply(hidden, tp_mesh), top_k_index[r * n:(r + 1) * n], _TPRows.apply(top_k_weights, tp_mesh)
+
+
 def ep_experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                        top_k_weights: torch.Tensor) -> torch.Tensor:
     """One MoE layer under expert parallelism (module docstring).
 
     Args:
         module: a ``Float8GroupedExperts`` after :func:`shard_experts` (``num_experts`` = global E).
-        hidden: (T, H) this rank's tokens; top_k_index / top_k_weights: (T, topk) router output.
+        hidden: (T, H) this rank's tokens; top_k_index / top_k_weights: (T, topk) router output. With
+            ``tp > 1`` they are the same on every tp rank, and each rank dispatches ``1/tp`` of the rows.
 
     Returns:
         (T, H) in ``hidden``'s dtype.
     """
+    group: EPGroup = module.ep_group
+    if group.tp_mesh is None:
+        return _ep_rows_forward(module, hidden, top_k_index, top_k_weights)
+    rows = tp_rows(hidden, top_k_index, top_k_weights, group.tp_mesh)
+    out = _TPGather.apply(_ep_rows_forward(module, *rows), group.tp_mesh)
+    return out[:hidden.shape[0]]
+
+
+def _ep_rows_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    """:func:`ep_experts_forward` of the token rows this rank dispatches."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
     group: EPGroup = module.ep_group
@@ -170,7 +254,10 @@ def ep_experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: tor
     dist.all_to_all_single(recv_counts, counts, group=group.group)  # [src, local expert] counts for me
     splits = torch.stack([counts.view(ep, local).sum(1), recv_counts.view(ep, local).sum(1)]).tolist()
     send_splits, recv_splits = splits
-    recv = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, group.group)
+    if group.fp8_dispatch:  # E4M3 + 1x128 scales out, the bf16 gradient back (moe/fp8_dispatch.py)
+        recv = fp8_all_to_all(x_sorted, recv_splits, send_splits, group.group)
+    else:
+        recv = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, group.group)
     local_ids = torch.repeat_interleave(torch.arange(local, device=ids.device).repeat(ep), recv_counts)
     # The received row count changes every step. torchao's token-keyed autotuning is made once per process
     # (Float8GroupedExperts.grouped_kernel -> grouped_mm.tune_once_for_all_row_counts; without it every new

@@ -22,11 +22,14 @@ from torch import nn
 from fp8kit.base.errors import Fp8kitError
 from fp8kit.moe import routing
 from fp8kit.moe.expert_parallel import ep_experts_forward, local_weight
+from fp8kit.moe.fused_experts import fused_rowwise_experts
+from fp8kit.moe.grouped_loop import group_bounds
 from fp8kit.moe.grouped_mm import (
     GroupedGemmConfig,
     bf16_grouped_mm,
     fp8_grouped_mm,
     resolve_grouped_kernel,
+    scaled_grouped_gemm,
     tune_once_for_all_row_counts,
 )
 
@@ -54,6 +57,21 @@ def layout_problem(module: nn.Module) -> str | None:
         return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not (E, 2I, H) and (E, H, I)"
     if not (hasattr(module, "_apply_gate") or hasattr(module, "act_fn")):
         return "no _apply_gate / act_fn"
+    return None
+
+
+def fused_gate_problem(module: nn.Module) -> str | None:
+    """Why the gate of HF experts ``module`` is not the ``silu(gate) * up`` of concatenated halves that the fused
+    expert MLP computes (``moe/fused_experts.py``), or None. Decided once, when the module is swapped in (the
+    check reads bound-method attributes that ``torch.compile`` does not trace faithfully)."""
+    gate_fn = getattr(getattr(module, "_apply_gate", None), "__func__", None)
+    if hasattr(module, "_apply_gate") and getattr(gate_fn, "__name__", "") != "_default_apply_gate":
+        return f"{type(module).__name__} has its own _apply_gate (only silu(gate) * up of concatenated halves is fused)"
+    if not getattr(module, "is_concatenated", True):
+        return "gate and up are interleaved (is_concatenated = False)"
+    act = getattr(module, "act_fn", None)
+    if type(act).__name__ not in ("SiLU", "SiLUActivation"):
+        return f"activation {type(act).__name__} is not SiLU"
     return None
 
 
@@ -99,6 +117,7 @@ class Float8GroupedExperts(nn.Module):
         self.config = config or GroupedGemmConfig()
         self._kernels: dict[str, str] = {}  # device -> resolved grouped-GEMM kernel
         self.ep_group = None  # set by moe/expert_parallel.shard_experts
+        self.gate_problem = fused_gate_problem(source)  # None: the fused expert MLP computes this gate
         self.__dict__["source"] = source  # not a submodule: its weights are ours
 
     def extra_repr(self) -> str:
@@ -117,15 +136,31 @@ class Float8GroupedExperts(nn.Module):
         key = str(device)
         if key not in self._kernels:
             self._kernels[key] = resolve_grouped_kernel(self.config, device)
-            if self._kernels[key] == "torchao" and self.ep_group is not None:
+            if self._kernels[key] in ("torchao", "fused") and self.ep_group is not None:
                 tune_once_for_all_row_counts()
         return self._kernels[key]
 
-    def _linear(self, name: str, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    def _linear(self, name: str, x: torch.Tensor, offs: torch.Tensor,
+                bounds: list[tuple[int, int]] | None = None) -> torch.Tensor:
         w = local_weight(getattr(self, name))
         if name in self.fp8_weights:
-            return fp8_grouped_mm(x, w, offs, self.grouped_kernel(x.device), compile_quantize=self.config.compile_quantize)
+            return fp8_grouped_mm(x, w, offs, self.grouped_kernel(x.device), compile_quantize=self.config.compile_quantize,
+                                  emulate=self.config.emulate, bounds=bounds)
         return bf16_grouped_mm(x, w, offs)
+
+    def _host_bounds(self, offs: torch.Tensor, device: torch.device) -> list[tuple[int, int]] | None:
+        """The groups' rows on the host, copied once per layer when an FP8 weight runs the per-expert loop."""
+        if self.fp8_weights and self.grouped_kernel(device) == "blockwise_loop":
+            return group_bounds(offs)
+        return None
+
+    def fused_problem(self, device: torch.device) -> str | None:
+        """Why this layer cannot run the ``fused`` kernel's whole-MLP path (``moe/fused_experts.py``), or None."""
+        if self.grouped_kernel(device) != "fused":
+            return "the grouped kernel is not 'fused'"
+        if self.fp8_weights != frozenset(WEIGHTS):
+            return f"only {sorted(self.fp8_weights)} in FP8 (the fused path needs both weights)"
+        return self.gate_problem
 
     def _gate(self, h: torch.Tensor) -> torch.Tensor:
         src = self.source
@@ -138,9 +173,15 @@ class Float8GroupedExperts(nn.Module):
         if getattr(self, "ep_group", None) is not None:  # expert parallel: moe/expert_parallel.py
             return ep_experts_forward(self, hidden_states, top_k_index, top_k_weights)
         d = routing.dispatch(top_k_index, self.num_experts)
+        if self.fp8_weights and self.fused_problem(hidden_states.device) is None:
+            gemm, out_dtype = scaled_grouped_gemm(hidden_states.device)
+            y = fused_rowwise_experts(hidden_states, local_weight(self.gate_up_proj), local_weight(self.down_proj),
+                                      d.gather_idx, d.pair_rows, d.offs, gemm, out_dtype or hidden_states.dtype)
+            return routing.combine(y, d, top_k_weights, hidden_states.dtype)
         x = routing.gather(hidden_states, d)
-        h = self._gate(self._linear("gate_up_proj", x, d.offs))
-        y = self._linear("down_proj", h, d.offs)
+        bounds = self._host_bounds(d.offs, x.device)
+        h = self._gate(self._linear("gate_up_proj", x, d.offs, bounds))
+        y = self._linear("down_proj", h, d.offs, bounds)
         return routing.combine(y, d, top_k_weights, hidden_states.dtype)
 
 

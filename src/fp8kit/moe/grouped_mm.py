@@ -5,9 +5,8 @@ operands rowwise (``moe/quantize.py``) and run one grouped GEMM through a groupe
 (:data:`GROUPED_KERNELS`, chosen by :func:`resolve_grouped_kernel`):
 
 ``torchao``            torchao's ``_to_fp8_rowwise_then_scaled_grouped_mm``: the same
-                       ``torch._scaled_grouped_mm`` GEMMs with torchao's fused Triton quantization
-                       kernels. The default on Hopper, the fastest end to end (``benchmarks/grouped_gemm.py``;
-                       figures in docs/benchmarks.md).
+                       ``torch._scaled_grouped_mm`` GEMMs with torchao's Triton quantization kernels, per
+                       weight (the default on Hopper before ``fused``; figures in docs/benchmarks.md).
 ``scaled_grouped_mm``  ``torch._scaled_grouped_mm`` (CUTLASS, Hopper SM90) with fp8kit's own
                        quantization (``moe/quantize.py``, compiled): the reference CUDA path, the
                        same numerics as the emulation; slower (its per-group scales use a scatter).
@@ -16,6 +15,18 @@ operands rowwise (``moe/quantize.py``) and run one grouped GEMM through a groupe
                        accumulates with ``use_fast_accum`` and writes bf16, the emulation accumulates
                        and writes in the input's dtype, so the two differ by rounding (SQNR between them
                        in docs/benchmarks.md, from ``benchmarks/grouped_gemm.py``). No speed-up.
+``fused``              rowwise, the whole expert MLP as one autograd Function with fp8kit's fused Triton
+                       quantization (dispatch gather + cast, SwiGLU + cast, per-group wgrad scales without a
+                       scatter, both weight copies in one pass; ``moe/fused_experts.py``); the GEMMs are
+                       ``torch._scaled_grouped_mm`` (emulated on the CPU). For gated SiLU experts with both
+                       weights in FP8; a layer that does not qualify runs the per-weight path
+                       (``torchao`` kernels on CUDA, ``emulated`` on the CPU). The default on Hopper:
+                       a Qwen3-30B-A3B expert layer 0.90x BF16 vs torchao's 0.73x, end to end 0.953x vs
+                       0.885x (``benchmarks/moe_layer.py``, docs/benchmarks.md section 4).
+``blockwise_loop``     the *blockwise* recipe (``GroupedGemmConfig.recipe = "blockwise"``, DeepSeek-V3's
+                       1x128 / 128x128 E4M3): a loop of dense cuBLAS blockwise GEMMs, one per expert
+                       (``moe/grouped_loop.py``); emulated in float32 on the CPU or with ``emulate``.
+                       The only kernel of that recipe (torch 2.11 has no blockwise grouped GEMM).
 
 Group layout (all kernels): ``offs`` (E,) int32 holds the cumulative end row of each expert's
 group; groups must start on multiples of 16 rows (``moe/routing.py`` pads them), because the wgrad
@@ -38,7 +49,9 @@ from fp8kit.base.errors import CapabilityError, ConfigError
 from fp8kit.moe import quantize as q
 
 #: The grouped-GEMM kernels :func:`fp8_grouped_mm` can run (``auto``: let :func:`resolve_grouped_kernel` pick).
-GROUPED_KERNELS = ("auto", "scaled_grouped_mm", "torchao", "emulated")
+GROUPED_KERNELS = ("auto", "scaled_grouped_mm", "torchao", "emulated", "blockwise_loop", "fused")
+#: Recipes of FP8 grouped experts: rowwise (torch._scaled_grouped_mm) or blockwise (moe/grouped_loop.py).
+GROUPED_RECIPES = ("rowwise", "blockwise")
 ALIGN = 16  # rows per group alignment the FP8 grouped GEMM needs (wgrad groups along K)
 
 
@@ -47,9 +60,11 @@ class GroupedGemmConfig:
     """How FP8 grouped GEMMs run.
 
     Attributes:
-        kernel: the grouped-GEMM kernel, one of :data:`GROUPED_KERNELS`; ``auto`` = ``torchao`` on a Hopper
-            GPU (``scaled_grouped_mm`` if torchao's MoE kernels cannot be imported), ``emulated`` on the CPU
-            (see :func:`resolve_grouped_kernel`).
+        kernel: the grouped-GEMM kernel, one of :data:`GROUPED_KERNELS`; ``auto`` = ``fused`` on a Hopper
+            GPU, ``emulated`` on the CPU (see :func:`resolve_grouped_kernel`); always ``blockwise_loop`` for the
+            blockwise recipe.
+        recipe: ``rowwise`` (per-row / per-expert-channel scales; the run's tensorwise, rowwise and delayed
+            recipes) or ``blockwise`` (``fp8.recipe = "blockwise"``: 1x128 / 128x128 blocks).
         compile_quantize: ``torch.compile`` the quantization functions on CUDA (fuses amax, scale and
             cast into one or two kernels per operand).
         emulate: allow the emulation on a CUDA GPU without an FP8 grouped kernel (``fp8.emulate``).
@@ -58,6 +73,16 @@ class GroupedGemmConfig:
     kernel: str = "auto"
     compile_quantize: bool = True
     emulate: bool = False
+    recipe: str = "rowwise"
+
+    @classmethod
+    def for_fp8_recipe(cls, recipe: str, emulate: bool = False, kernel: str = "auto") -> GroupedGemmConfig:
+        """The experts' config for a run's ``fp8.recipe`` and ``fp8.grouped_kernel``: ``blockwise`` -> blockwise
+        experts (``blockwise_loop``, whatever ``kernel`` says), every other recipe -> rowwise grouped GEMMs
+        (Hopper's only grouped FP8 kernel has rowwise scales) on ``kernel``."""
+        if recipe == "blockwise":
+            return cls(emulate=emulate, recipe="blockwise")
+        return cls(kernel=kernel, emulate=emulate, recipe="rowwise")
 
 
 def grouped_fp8_support(device: torch.device) -> tuple[bool, str]:
@@ -76,9 +101,8 @@ def grouped_fp8_support(device: torch.device) -> tuple[bool, str]:
 def resolve_grouped_kernel(config: GroupedGemmConfig, device: torch.device) -> str:
     """The grouped-GEMM kernel (one of :data:`GROUPED_KERNELS` but ``auto``) that runs on ``device``.
 
-    ``auto`` picks ``torchao`` where the kernel runs (falling back, with a warning, to
-    ``scaled_grouped_mm`` when torchao's MoE kernels cannot be imported) and ``emulated`` on the CPU
-    (where FP8 runs in software anyway). On a CUDA GPU without the kernel, emulation must be asked for
+    ``auto`` picks ``fused`` where ``torch._scaled_grouped_mm`` runs (Hopper) and ``emulated`` on the CPU
+    (where FP8 runs in software anyway); the blockwise recipe always resolves to ``blockwise_loop``. On a CUDA GPU without the kernel, emulation must be asked for
     (``fp8.emulate``).
 
     Raises:
@@ -89,14 +113,28 @@ def resolve_grouped_kernel(config: GroupedGemmConfig, device: torch.device) -> s
     if config.kernel not in GROUPED_KERNELS:
         raise ConfigError(f"FP8 grouped GEMM: unknown kernel {config.kernel!r}; choose one of "
                           f"{', '.join(GROUPED_KERNELS)}")
+    if config.recipe not in GROUPED_RECIPES:
+        raise ConfigError(f"FP8 grouped GEMM: unknown recipe {config.recipe!r}; choose one of {', '.join(GROUPED_RECIPES)}")
+    if config.recipe == "blockwise" or config.kernel == "blockwise_loop":
+        if config.kernel not in ("auto", "blockwise_loop") or config.recipe != "blockwise":
+            raise ConfigError(f"FP8 grouped GEMM: kernel {config.kernel!r} does not run recipe {config.recipe!r} "
+                              f"(blockwise experts run only on the blockwise_loop kernel)")
+        if device.type == "cuda" and not config.emulate:
+            from fp8kit.fp8.kernels.ops import blockwise_gemm_support
+
+            ok, reason = blockwise_gemm_support(device)
+            if not ok:
+                raise CapabilityError(f"FP8 MoE experts, blockwise recipe: {reason}; or keep the experts in BF16 "
+                                      f"with fp8.exclude = [\"experts\"]")
+        return "blockwise_loop"
     ok, reason = grouped_fp8_support(device)
+    if config.kernel == "fused":
+        if device.type == "cuda" and not ok and not config.emulate:
+            raise CapabilityError(f"FP8 grouped GEMM kernel 'fused': {reason}")
+        return "fused"
     if config.kernel == "auto":
         if ok:
-            if _torchao_grouped() is not None:
-                return "torchao"
-            warnings.warn("fp8kit: torchao's FP8 grouped-GEMM kernels cannot be imported; MoE experts use "
-                          "fp8kit's slower scaled_grouped_mm path", stacklevel=2)
-            return "scaled_grouped_mm"
+            return "fused"
         if device.type == "cpu" or config.emulate:
             return "emulated"
         raise CapabilityError(
@@ -258,7 +296,8 @@ def _check(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> None:
 
 
 def fp8_grouped_mm(
-    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, kernel: str, *, compile_quantize: bool = True
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, kernel: str, *, compile_quantize: bool = True,
+    emulate: bool = False, bounds: list[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """Differentiable FP8 grouped GEMM ``out[rows of group e] = x[rows] @ w[e]^T``.
 
@@ -271,6 +310,8 @@ def fp8_grouped_mm(
         offs: (E,) int32 cumulative end rows of the groups (non-decreasing; equal ends = empty expert).
         kernel: a resolved grouped-GEMM kernel (:func:`resolve_grouped_kernel`), not ``auto``.
         compile_quantize: compile the quantization functions (``scaled_grouped_mm`` only).
+        emulate: ``blockwise_loop`` only: multiply in float32 on CUDA too.
+        bounds: ``blockwise_loop`` only: the groups' host-side ``(start, end)`` rows, if already known.
 
     Returns:
         (P, N) in bf16 on CUDA (the kernel's output dtype), in ``x.dtype`` when emulated; rows past
@@ -289,8 +330,31 @@ def fp8_grouped_mm(
         return _FP8GroupedMM.apply(x, w, offs, _cuda_scaled_grouped_mm, compile_quantize, torch.bfloat16)
     if kernel == "emulated":
         return _FP8GroupedMM.apply(x, w, offs, emulated_scaled_grouped_mm, False, x.dtype)
-    raise ValueError(f"fp8_grouped_mm: kernel must be resolved first (scaled_grouped_mm, torchao, emulated), "
+    if kernel == "fused":  # a single weight of a fused-kernel layer: the per-weight rowwise path
+        return fp8_grouped_mm(x, w, offs, per_weight_kernel(x.device), compile_quantize=compile_quantize)
+    if kernel == "blockwise_loop":
+        from fp8kit.moe.grouped_loop import blockwise_loop_mm
+
+        return blockwise_loop_mm(x, w, offs, emulate=emulate, bounds=bounds)
+    raise ValueError(f"fp8_grouped_mm: kernel must be resolved first (scaled_grouped_mm, torchao, emulated, blockwise_loop), "
                      f"got {kernel!r}")
+
+
+def per_weight_kernel(device: torch.device) -> str:
+    """The per-weight rowwise kernel a ``fused`` layer falls back to: ``torchao`` on a Hopper GPU with torchao's
+    MoE kernels, else ``scaled_grouped_mm`` there, ``emulated`` elsewhere."""
+    if grouped_fp8_support(device)[0]:
+        return "torchao" if _torchao_grouped() is not None else "scaled_grouped_mm"
+    return "emulated"
+
+
+def scaled_grouped_gemm(device: torch.device) -> tuple[Callable, torch.dtype | None]:
+    """``(gemm, out_dtype)`` with ``torch._scaled_grouped_mm`` semantics for the fused path on ``device``: the
+    CUTLASS kernel with bf16 output on a Hopper GPU, else the float32 emulation (``out_dtype`` None: the input's
+    dtype)."""
+    if grouped_fp8_support(device)[0]:
+        return _cuda_scaled_grouped_mm, torch.bfloat16
+    return emulated_scaled_grouped_mm, None
 
 
 def bf16_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

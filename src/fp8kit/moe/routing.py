@@ -92,15 +92,63 @@ def dispatch(top_k_index: torch.Tensor, num_experts: int, align: int = ALIGN, ro
     return Dispatch(gather_idx, pair_rows, ends.to(torch.int32), counts)
 
 
+class _GatherRows(torch.autograd.Function):
+    """``hidden[gather_idx]`` with a zero row for padding; backward as a gather, not a scatter.
+
+    The gradient of token ``t`` is the sum of the gradients of its ``topk`` padded rows,
+    ``dx[pair_rows].view(T, topk, H).sum(1)``: a gather and a reduction over topk (deterministic, no
+    atomics). Autograd's own backward of ``x[idx]`` is an accumulating ``index_put`` that sorts the indices
+    first (``indexing_backward_kernel``: 7 ms of a 85 ms DeepSeek-V3 expert layer on the H100,
+    ``benchmarks/moe_layer.py``).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, gather_idx, pair_rows):
+        ctx.save_for_backward(pair_rows)
+        ctx.tokens = hidden.shape[0]
+        return torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])[gather_idx]
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        (pair_rows,) = ctx.saved_tensors
+        return sum_token_rows(grad_rows, pair_rows, ctx.tokens, grad_rows.dtype), None, None
+
+
+def sum_token_rows(rows: torch.Tensor, pair_rows: torch.Tensor, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """(P, H) per-row values -> (T, H): each token's ``topk`` rows (``pair_rows``, pairs in token-major order)
+    summed in at least float32, cast to ``dtype``. The gradient of the dispatch gather, as a gather."""
+    picked = rows[pair_rows].view(tokens, pair_rows.numel() // max(tokens, 1), rows.shape[1])
+    acc = torch.promote_types(rows.dtype, torch.float32)
+    return picked.sum(dim=1, dtype=acc).to(dtype)
+
+
+class _PairRows(torch.autograd.Function):
+    """``rows[pair_rows]`` (each padded row is used by at most one pair); backward writes each pair's gradient
+    into its own row (``index_copy_``, no accumulation needed) instead of autograd's sorting ``index_put``."""
+
+    @staticmethod
+    def forward(ctx, rows, pair_rows):
+        ctx.save_for_backward(pair_rows)
+        ctx.rows = rows.shape[0]
+        return rows[pair_rows]
+
+    @staticmethod
+    def backward(ctx, grad_pairs):
+        (pair_rows,) = ctx.saved_tensors
+        out = grad_pairs.new_zeros(ctx.rows, grad_pairs.shape[1])
+        return out.index_copy_(0, pair_rows, grad_pairs), None
+
+
 def gather(hidden: torch.Tensor, d: Dispatch) -> torch.Tensor:
-    """(T, H) tokens -> (P, H) padded expert-sorted rows (padding rows are zeros). Differentiable."""
-    return torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])[d.gather_idx]
+    """(T, H) tokens -> (P, H) padded expert-sorted rows (padding rows are zeros). Differentiable; the gradient
+    of a token is the float32 sum of its rows' gradients (``_GatherRows``)."""
+    return _GatherRows.apply(hidden, d.gather_idx, d.pair_rows)
 
 
 def combine(rows: torch.Tensor, d: Dispatch, top_k_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """(P, H) expert outputs -> (T, H): each token's outputs weighted by its router weights and summed
     (:func:`weighted_sum`)."""
-    return weighted_sum(rows[d.pair_rows], top_k_weights, out_dtype)
+    return weighted_sum(_PairRows.apply(rows, d.pair_rows), top_k_weights, out_dtype)
 
 
 def weighted_sum(pair_rows: torch.Tensor, top_k_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -27,7 +27,7 @@ class ParallelDims:
         dp_shard: FSDP2 sharding size (``-1`` resolved).
         tp: tensor-parallel size.
         world_size: the number of processes.
-        ep: expert-parallel size (ranks borrowed from data parallelism; ``fp8kit.moe.expert_parallel``).
+        ep: expert-parallel size (ranks borrowed from data and tensor parallelism; ``fp8kit.moe.expert_parallel``).
     """
 
     dp_replicate: int
@@ -61,7 +61,7 @@ def resolve_dims(dp_shard: int, dp_replicate: int, tp: int, ep: int, world_size:
     Raises:
         ConfigError: the product of the sizes differs from the world size (naming the keys and the
             world size), or ``ep`` does not fit (``moe.expert_parallel.check_ep_layout``: ``ep`` must
-            divide ``dp_replicate x dp_shard``, and ``ep > 1`` needs ``tp = 1``).
+            divide ``dp_replicate x dp_shard x tp``).
     """
     if dp_shard == -1:
         rest = dp_replicate * tp

@@ -3,7 +3,7 @@
 ``fp8kit.parallel.prepare.prepare_model`` applies them in this order (torchtitan's ``parallelize``), each
 step's reason next to it there::
 
-    tensor parallel (DTensor styles; FP8 linears through torchao's Float8 styles)
+    tensor parallel (DTensor styles; FP8 linears through torchao's Float8 styles or tp_own's styles)
       -> expert parallel (MoE: E / ep experts per rank, all-to-all token dispatch; fp8kit.moe.expert_parallel)
       -> FP8 conversion of the remaining FP8 linears
       -> activation checkpointing (torch's checkpoint_wrapper per block)
@@ -18,6 +18,14 @@ TP plan for HF Llama / Qwen2 blocks (Megatron style)::
         input [B, T, in/tp], output all-reduced to replicated [B, T, out]
     embed_tokens, norms, lm_head                                 replicated (the same on every tp rank)
 
+MoE blocks (Qwen3-MoE, Qwen2-MoE, Mixtral: the block's ``mlp`` holds ``experts``): only the attention is
+tensor parallel. The router and the experts are whole on every tp rank and see the whole (replicated)
+tokens; under expert parallelism each tp rank dispatches its own 1/tp of the token rows and the outputs
+are all-gathered over tp (``fp8kit.moe.expert_parallel``: no token is computed twice), the ``ep`` ranks
+borrowed from data and tensor parallelism. Without expert parallelism every tp rank computes the experts
+on all tokens (the same work tp times). With sequence parallelism the MoE block's input is all-gathered
+(bf16) and its output sliced back to this rank's token shard.
+
 ``distributed.sequence_parallel`` also splits the norms and the residual stream over tokens
 (``[B, T/tp, H]``) between the linears; the embeddings stay whole-sequence because HF's decoder computes
 the rotary positions and the causal mask from the embedding output's length (see :func:`apply_tp`).
@@ -25,11 +33,15 @@ Sequence-parallel communication is BF16: the all-gather of the attention / MLP i
 the row-parallel outputs' gradients in backward (``tp_styles.Float8RowwiseParallelSP``: the gradient is
 cast to E5M2 after that all-gather, on the whole sequence, as without SP).
 
-A linear decided FP8 that is tensor-parallel becomes a ``Float8Linear`` just before its TP style is
-applied, because torchao's ``Float8ColwiseParallel`` / ``Float8RowwiseParallel`` only accept
-``Float8Linear`` modules; its FP8 casts then see TP-sharded DTensor weights, so the tensorwise amax of a
-weight, an input or a gradient is reduced over the ``tp`` mesh by DTensor (the right process group),
-and FSDP2's FP8 all-gather reduces the weight amax over the ``dp_shard`` mesh of its DTensor.
+A linear decided FP8 that is tensor-parallel becomes its FP8 module just before its TP style is
+applied. torchao recipes: a ``Float8Linear``, because torchao's ``Float8ColwiseParallel`` /
+``Float8RowwiseParallel`` only accept ``Float8Linear`` modules; its FP8 casts then see TP-sharded DTensor
+weights, so the tensorwise amax of a weight, an input or a gradient is reduced over the ``tp`` mesh by
+DTensor (the right process group), and FSDP2's FP8 all-gather reduces the weight amax over the ``dp_shard``
+mesh of its DTensor. fp8kit's own recipes (blockwise, delayed): a ``Float8BlockwiseLinear`` /
+``Float8DelayedLinear`` under ``parallel/tp_own.py``'s styles, computing on its local shards; blockwise
+shards are whole 128-blocks (the same scales as one process), delayed amaxes are MAX-reduced over the
+data- and tensor-parallel ranks (``tp_own.amax_group``).
 """
 
 from __future__ import annotations
@@ -40,12 +52,17 @@ import torch
 from torch import nn
 
 from fp8kit.base.errors import ConfigError
+from fp8kit.fp8.recipes import recipe_info
 from fp8kit.moe.grouped_mm import GroupedGemmConfig
 from fp8kit.parallel.convert import ConversionOptions, apply_fp8, fp8_fqns
+from fp8kit.parallel.tp_own import OwnColwiseParallel, OwnRowwiseParallel, check_shard
 from fp8kit.selective.decide import Decision
 
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+#: model types whose blocks the TP plan covers: Llama-style attention, and a dense MLP or a MoE block
+DENSE_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 
 @dataclass
@@ -97,10 +114,10 @@ def check_tp(hf_cfg, tp: int) -> None:
         v = getattr(hf_cfg, key, None)
         if isinstance(v, int) and v % tp:
             raise ConfigError(f"distributed.tp = {tp} does not divide the model's {key} = {v}")
-    if getattr(hf_cfg, "model_type", None) not in ("llama", "qwen2", "qwen3", "mistral"):
+    if getattr(hf_cfg, "model_type", None) not in DENSE_TYPES + MOE_TYPES:
         raise ConfigError(
-            f"distributed.tp = {tp}: the tensor-parallel plan covers Llama/Qwen-style dense blocks, not model_type "
-            f"{getattr(hf_cfg, 'model_type', None)!r}"
+            f"distributed.tp = {tp}: the tensor-parallel plan covers Llama/Qwen-style blocks (model_type "
+            f"{', '.join(DENSE_TYPES + MOE_TYPES)}), not model_type {getattr(hf_cfg, 'model_type', None)!r}"
         )
 
 
@@ -116,13 +133,20 @@ def apply_tp(model: nn.Module, tp_mesh, decisions: list[Decision], conversion: C
     norm's output is all-gathered before ``lm_head``; embeddings, rotary positions and the causal mask are
     computed on the whole sequence as without TP.
 
+    FP8 linears of fp8kit's own recipes (blockwise, delayed) get ``tp_own.OwnColwiseParallel`` /
+    ``OwnRowwiseParallel`` (their FP8 ops on local shards, bf16 collectives; ``parallel/tp_own.py``),
+    those of torchao's recipes torchao's Float8 styles.
+
     Raises:
-        ConfigError: a block lacks one of the planned linears (not a Llama/Qwen-style block).
+        ConfigError: a block lacks one of the planned linears (not a Llama/Qwen-style block), or an FP8
+            linear of an own recipe whose per-rank shard that recipe cannot run (``tp_own.check_shard``:
+            blockwise needs whole 128-blocks, delayed multiples of 16), naming the layer and the shapes.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
+        PrepareModuleInputOutput,
         RowwiseParallel,
         SequenceParallel,
         parallelize_module,
@@ -131,14 +155,25 @@ def apply_tp(model: nn.Module, tp_mesh, decisions: list[Decision], conversion: C
     fp8_names = fp8_fqns(decisions) if conversion is not None else set()
     blocks = _blocks(model)
     prefix = next(n for n, m in model.named_modules() if m is blocks)
-    # The FP8 TP styles require Float8Linear modules: convert those linears first (decisions are data).
-    tp_fp8 = [d for d in decisions if d.fqn in fp8_names and d.fqn.rsplit(".", 2)[-2] in ("self_attn", "mlp")]
+    # A MoE block (its mlp holds ``experts``) keeps its router and experts whole on every tp rank: only the
+    # attention is tensor parallel (module docstring, "MoE blocks").
+    moe = [hasattr(getattr(block, "mlp", None), "experts") for block in blocks]
+    names = [tuple(n for n in COLWISE + ROWWISE if not (m and n.startswith("mlp."))) for m in moe]
+    planned = {f"{prefix}.{i}.{n}" for i, ns in enumerate(names) for n in ns}
+    # The FP8 TP styles require the FP8 modules: convert those linears first (decisions are data). fp8kit's
+    # own recipes first check that every rank's shard is one they can run (before any module or collective).
+    tp_fp8 = [d for d in decisions if d.fqn in fp8_names and d.fqn in planned]
+    own = {d.fqn for d in tp_fp8 if recipe_info(d.recipe).engine == "fp8kit"}
+    for d in tp_fp8:
+        if d.fqn in own:
+            kind = "column" if d.fqn.endswith(COLWISE) else "row"
+            check_shard(d.fqn, tuple(d.site.weight_shape), d.recipe, kind, tp_mesh.size())
     if tp_fp8:
         apply_fp8(model, tp_fp8, conversion)
     n_fp8 = 0
     for i, block in enumerate(blocks):
         plan = {}
-        for name in COLWISE + ROWWISE:
+        for name in names[i]:
             fqn = f"{prefix}.{i}.{name}"
             try:
                 block.get_submodule(name)
@@ -146,7 +181,9 @@ def apply_tp(model: nn.Module, tp_mesh, decisions: list[Decision], conversion: C
                 raise ConfigError(f"distributed.tp: block {prefix}.{i} has no {name} (not a Llama/Qwen-style block)") from None
             fp8 = fqn in fp8_names
             n_fp8 += fp8
-            if fp8:
+            if fqn in own:  # fp8kit's Float8BlockwiseLinear / Float8DelayedLinear (parallel/tp_own.py)
+                col, row = OwnColwiseParallel, OwnRowwiseParallel
+            elif fp8:
                 from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
                 from fp8kit.parallel.tp_styles import Float8RowwiseParallelSP
@@ -168,9 +205,15 @@ def apply_tp(model: nn.Module, tp_mesh, decisions: list[Decision], conversion: C
                 desired_input_kwarg_layouts={"hidden_states": Replicate()},
                 use_local_output=True,
             )
-            plan["mlp"] = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-            )
+            if moe[i]:  # whole sequence in (all-gather), this rank's token shard of the output out (a slice)
+                plan["mlp"] = PrepareModuleInputOutput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                    output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
+                )
+            else:
+                plan["mlp"] = PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                )
         parallelize_module(block, tp_mesh, plan)
     if sequence_parallel:
         # Whole-sequence embeddings -> token shard at the first block (a local slice, no communication).
@@ -211,30 +254,39 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, param_dtype: torch.dtype, ignored_p
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, **kw)
 
 
-def apply_ep(model: nn.Module, mesh, ep: int, decisions: list[Decision], grouped: GroupedGemmConfig) -> set:
+def apply_ep(model: nn.Module, mesh, ep: int, decisions: list[Decision], grouped: GroupedGemmConfig, *,
+             fp8_dispatch: bool = False) -> set:
     """Expert parallelism over ``distributed.ep`` ranks (``fp8kit.moe.expert_parallel``); returns the expert
     parameters (for FSDP2 to ignore).
 
     Every experts module with 3-D weights becomes a ``Float8GroupedExperts`` (BF16 until the FP8
-    conversion decides otherwise) holding this rank's ``E / ep`` experts.
+    conversion decides otherwise) holding this rank's ``E / ep`` experts. ``fp8_dispatch``
+    (``distributed.ep_fp8_dispatch``): the dispatch all-to-all sends E4M3 + 1x128 scales
+    (``fp8kit.moe.fp8_dispatch``).
 
     Raises:
-        ConfigError: no MoE experts in the model, an experts layout fp8kit cannot run, or ``ep`` that
-            does not divide the experts / data-parallel size, or ``tp > 1``.
+        ConfigError: no MoE experts in the model, an experts layout fp8kit cannot run, ``ep`` that
+            does not divide the experts or ``dp x tp``, or ``fp8_dispatch`` with a hidden size that is not a
+            multiple of 128.
     """
     from fp8kit.moe.expert_parallel import EPGroup, ep_mesh, shard_experts
     from fp8kit.moe.experts import layout_problem, swap_in
+    from fp8kit.moe.fp8_dispatch import check_dispatch_hidden
 
     fqns = list(dict.fromkeys(d.site.module_fqn for d in decisions if d.site.is_grouped_weight))
     if not fqns:
         raise ConfigError(f"distributed.ep = {ep}: the model has no MoE experts to split")
-    dp = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
-    group = EPGroup(ep_mesh(mesh.device_type, dp, ep, mesh["tp"].size()), ep, dp)
-    params: set = set()
-    for fqn in fqns:
+    for fqn in fqns:  # before any collective: every rank refuses alike
         problem = layout_problem(model.get_submodule(fqn))
         if problem:
             raise ConfigError(f"distributed.ep = {ep}: {fqn}: {problem}")
+        if fp8_dispatch:
+            check_dispatch_hidden(model.get_submodule(fqn).gate_up_proj.shape[2], fqn)
+    dp, tp = mesh["dp_replicate"].size() * mesh["dp_shard"].size(), mesh["tp"].size()
+    group = EPGroup(ep_mesh(mesh.device_type, dp, ep, tp), ep, dp, fp8_dispatch=fp8_dispatch,
+                    tp_mesh=mesh["tp"] if tp > 1 else None)
+    params: set = set()
+    for fqn in fqns:
         module = swap_in(model, fqn, frozenset(), grouped)
         shard_experts(module, group)
         params.update((module.gate_up_proj, module.down_proj))

@@ -6,6 +6,7 @@ is torchtitan's ``parallelize`` and the PyTorch FP8 trainer recipe (TP -> EP -> 
 compile); a single process is the same path with every parallel size 1 (``mesh=None``)::
 
     1. tensor parallel    (mesh tp > 1)   DTensor styles per block; FP8 linears get torchao's Float8 styles
+                                          (torchao recipes) or parallel.tp_own's (blockwise, delayed)
     2. expert parallel    (ep > 1)        E / ep experts per rank, all-to-all token dispatch
     3. FP8 conversion     (options.fp8)   parallel.convert.apply_fp8 of the decisions not yet converted
     4. activation ckpt    (options.ac)    torch checkpoint_wrapper per transformer block
@@ -26,11 +27,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fp8kit.base.errors import ConfigError
 from fp8kit.fp8.delayed import DelayedScaling, DelayedScalingState
-from fp8kit.fp8.recipes import recipe_info
 from fp8kit.moe.grouped_mm import GroupedGemmConfig
-from fp8kit.parallel.convert import ConversionOptions, apply_fp8
+from fp8kit.parallel.convert import FP8_LINEARS, ConversionOptions, apply_fp8, plain_named_modules
 from fp8kit.parallel.parallelize import (
     Parallelized,
     apply_ac,
@@ -40,6 +39,7 @@ from fp8kit.parallel.parallelize import (
     check_tp,
     fp8_all_gather_choice,
 )
+from fp8kit.parallel.tp_own import amax_group
 from fp8kit.selective.decide import Decision
 
 
@@ -59,6 +59,8 @@ class PrepareOptions:
         compile: ``torch.compile`` each block.
         sequence_parallel: with tp > 1, split norms and the residual stream over tokens.
         ep: expert-parallel size.
+        ep_fp8_dispatch: with ``ep > 1``, the dispatch all-to-all sends E4M3 + 1x128 scales
+            (``fp8kit.moe.fp8_dispatch``); with ``ep = 1`` a note that it has no effect.
         param_dtype: the parameters' dtype (FSDP2's mixed precision computes in bf16 either way).
     """
 
@@ -72,6 +74,7 @@ class PrepareOptions:
     compile: bool = False
     sequence_parallel: bool = False
     ep: int = 1
+    ep_fp8_dispatch: bool = False
     param_dtype: torch.dtype = torch.bfloat16
 
 
@@ -115,19 +118,21 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
         delayed=DelayedScalingState(options.delayed),
     )
     done = Prepared(conversion=conversion)
+    remaining = decisions  # the decisions step 3 converts
+    if tp > 1 or fsdp:  # one delayed scale per tensor across the data- and tensor-parallel ranks
+        conversion.delayed.group = amax_group(mesh)
 
     # 1. Tensor parallel first: it changes the shapes the later steps see (per-rank weight shards), and
     #    the FP8 TP styles must own the linear's input/output hooks before FSDP2 wraps the block.
     if tp > 1:
         if hf_cfg is not None:
             check_tp(hf_cfg, tp)
-        if options.fp8 and not recipe_info(options.recipe).tensor_parallel:
-            raise ConfigError(
-                f"fp8.recipe = {options.recipe!r} with distributed.tp = {tp}: this recipe has no tensor-parallel "
-                f"styles yet; use distributed.tp = 1 (FSDP2) or fp8.recipe = \"tensorwise\" / \"rowwise\""
-            )
         apply_tp(model, mesh["tp"], decisions, conversion if options.fp8 else None,
                  sequence_parallel=options.sequence_parallel)
+        # Its fp8kit-recipe linears are converted already; step 3 must not see them again (apply_fp8 skips
+        # converted torchao Float8Linear modules, an nn.Linear subclass, but refuses non-nn.Linear modules).
+        own = {fqn for fqn, (_, m) in plain_named_modules(model).items() if isinstance(m, FP8_LINEARS)}
+        remaining = [d for d in decisions if d.fqn not in own]
         done.steps.append("tp+sp" if options.sequence_parallel else "tp")
 
     # 2. Expert parallel before FP8: the experts modules become fp8kit's grouped experts holding only this
@@ -135,14 +140,17 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     #    FP8 GEMMs see the local experts; FSDP2 later leaves these weights alone (ignored_params).
     expert_params: set[nn.Parameter] = set()
     if options.ep > 1:
-        expert_params = apply_ep(model, mesh, options.ep, decisions, options.grouped)
+        expert_params = apply_ep(model, mesh, options.ep, decisions, options.grouped,
+                                 fp8_dispatch=options.ep_fp8_dispatch)
         done.steps.append(f"ep{options.ep}")
+    elif options.ep_fp8_dispatch:
+        done.notes.append("distributed.ep_fp8_dispatch = true has no effect: no expert parallelism (ep = 1)")
 
     # 3. FP8 conversion of the remaining linears and experts, after TP (it sees the TP-sharded modules)
     #    and before AC (AC must recompute through the FP8 modules) and FSDP2 (FP8 all-gather needs
     #    torchao's weight wrapper in place when fully_shard takes the parameters).
     if options.fp8:
-        apply_fp8(model, decisions, conversion)
+        apply_fp8(model, remaining, conversion)
         done.steps.append("fp8")
         done.fp8_all_gather = conversion.fsdp_float8_all_gather
         if options.fp8_all_gather and not fsdp:
@@ -157,9 +165,6 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     # 5. FSDP2 last among the module transformations: it takes the final parameters (TP DTensors, FP8
     #    weight wrappers) and shards them over the data-parallel ranks.
     if fsdp:
-        from fp8kit.parallel.mesh import dp_group
-
-        conversion.delayed.group = dp_group(mesh)  # one delayed scale per tensor across the dp ranks
         apply_fsdp(model, _dp_mesh(mesh), param_dtype=options.param_dtype, ignored_params=expert_params)
         done.steps.append("fsdp2" if dp_replicate == 1 else "hsdp")
 

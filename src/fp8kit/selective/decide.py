@@ -29,8 +29,21 @@ from fp8kit.selective.policy import Policy
 from fp8kit.selective.rules import StaticRules
 from fp8kit.selective.sites import Site
 
-#: The recipe of every FP8 grouped expert weight (``fp8kit.moe``): rowwise E4M3 in all three GEMMs.
+#: The recipe of FP8 grouped expert weights (``fp8kit.moe``) under every run recipe but ``blockwise``: rowwise
+#: E4M3 in all three GEMMs (the only scaling ``torch._scaled_grouped_mm`` takes on Hopper).
 GROUPED_RECIPE = "rowwise"
+
+
+#: Most local experts a blockwise grouped site may have and still run FP8: blockwise experts are a per-expert loop
+#: of dense GEMMs (``moe/grouped_loop.py``), host-bound with many small experts (H100, ``benchmarks/moe_layer.py``:
+#: Mixtral's 8 experts 1.14x BF16, Qwen3-30B-A3B's 128 experts 0.04-0.10x).
+BLOCKWISE_LOOP_MAX_EXPERTS = 16
+
+
+def grouped_recipe(run_recipe: str) -> str:
+    """The recipe FP8 expert weights run under the run's ``fp8.recipe``: ``blockwise`` experts
+    (``moe/grouped_loop.py``) for ``blockwise``, :data:`GROUPED_RECIPE` for every other recipe."""
+    return "blockwise" if run_recipe == "blockwise" else GROUPED_RECIPE
 
 
 @dataclass(frozen=True)
@@ -43,8 +56,8 @@ class Decision:
         rule: short id of the rule that decided (``linear``, ``head``, ``dims%16``, ``exclude``,
             ``mixed_precision``, ``policy``, ...).
         reason: one sentence for the conversion report.
-        recipe: the FP8 recipe (``None`` for BF16 sites); grouped expert weights always run
-            :data:`GROUPED_RECIPE` (the only scaling ``torch._scaled_grouped_mm`` takes on Hopper).
+        recipe: the FP8 recipe (``None`` for BF16 sites); grouped expert weights run
+            :func:`grouped_recipe` of the run's recipe (blockwise or rowwise).
         tp / etp: the parallel sizes the decision used.
         num_gemms: local experts per rank for grouped sites (``num_experts / ep``), else None.
         num_tokens: the component's token count (``seq_length x micro_batch_size`` or explicit).
@@ -133,7 +146,7 @@ def decide(sites: list[Site], options: DecideOptions) -> list[Decision]:
     shape_of = _auto_shapes(sites, rules, options)
     out: list[Decision] = []
     for site in sites:
-        recipe = GROUPED_RECIPE if site.is_grouped_weight else options.recipe
+        recipe = grouped_recipe(options.recipe) if site.is_grouped_weight else options.recipe
         num_gemms = None
         if site.num_gemms is not None:
             check_ep_divides_experts(options.ep, site.num_gemms, site.fqn)
@@ -145,6 +158,13 @@ def decide(sites: list[Site], options: DecideOptions) -> list[Decision]:
         verdict = rules.check(site)
         if not verdict.candidate:
             out.append(Decision(site, "bf16", verdict.rule, verdict.reason, **ctx))
+            continue
+        if recipe == "blockwise" and site.is_grouped_weight and (num_gemms or 0) > BLOCKWISE_LOOP_MAX_EXPERTS:
+            out.append(Decision(site, "bf16", "blockwise-loop", (
+                f"blockwise experts run a per-expert loop of dense GEMMs (torch has no blockwise grouped GEMM): "
+                f"with {num_gemms} local experts it is host-bound (128 experts measured 0.04-0.10x BF16); kept "
+                f"BF16 -- fp8.recipe = tensorwise / rowwise / delayed runs experts on the fused rowwise grouped "
+                f"GEMM, or expert parallelism brings the local experts to <= {BLOCKWISE_LOOP_MAX_EXPERTS}"), **ctx))
             continue
         if options.mixed_precision != "fp8":
             out.append(Decision(site, "bf16", "mixed_precision",

@@ -14,7 +14,8 @@ flags), in this order, the first that applies giving the reason:
 5. the weight must be 2-D;
 6. in_features and out_features must be divisible by 16 (``torch._scaled_mm`` and
    ``torch._scaled_grouped_mm`` need it), or by the recipe's block (128 for ``blockwise``:
-   ``fp8.recipes.RECIPES[...].dims_multiple``);
+   ``fp8.recipes.RECIPES[...].dims_multiple``; grouped expert weights too: blockwise experts run
+   ``moe/grouped_loop.py``);
 7. ``fp8.exclude`` patterns; 8. ``fp8.include`` patterns (when any are given).
 
 Patterns match whole dotted name parts (``selective/patterns.py``). A site that passes every rule is an FP8
@@ -44,7 +45,7 @@ class StaticRules:
 
     include: tuple[FqnPattern, ...] = ()
     exclude: tuple[FqnPattern, ...] = ()
-    dims_multiple: int = 16  # of linear layers: the recipe's (grouped expert weights: always 16)
+    dims_multiple: int = 16  # the recipe's (linear layers and grouped expert weights alike)
 
     @classmethod
     def from_lists(cls, include: list[str], exclude: list[str], dims_multiple: int = 16) -> StaticRules:
@@ -71,7 +72,7 @@ class StaticRules:
                 False, "dims%16", f"in_features={k}, out_features={n}: not both divisible by 16"
             )
         m = self.dims_multiple
-        if not site.is_grouped_weight and m != 16 and (k % m or n % m):
+        if m != 16 and (k % m or n % m):
             return StaticVerdict(
                 False, f"dims%{m}", f"in_features={k}, out_features={n}: not both divisible by {m} "
                 f"(the recipe's {m}-element blocks)"

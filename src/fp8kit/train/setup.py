@@ -29,6 +29,7 @@ from fp8kit.base.errors import CapabilityError, CheckpointError, ConfigError
 from fp8kit.base.runtime import device_name, is_main, launched_world_size, resolve_device, versions
 from fp8kit.bench.auto import resolve_auto
 from fp8kit.config import RunConfig
+from fp8kit.config.optim_choice import resolve_optimizer
 from fp8kit.config.options import grouped_gemm_config, moe_topk, options_from_config
 from fp8kit.config.prepare_options import prepare_options
 from fp8kit.config.pretrained import resolve_pretrained
@@ -206,12 +207,8 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
     """
     say = status or (lambda _m: None)
     cfg = resolve_pretrained(cfg)  # model.pretrained fixes data.vocab_size / data.tokenizer (idempotent)
+    cfg, optim_choice = resolve_optimizer(cfg)  # optim.name / train.param_dtype = auto -> concrete (idempotent)
     d = cfg.distributed
-    if d.etp > 1:  # planning key only: training with it would decide FP8 for shapes the run does not have
-        raise ConfigError(
-            f"distributed.etp = {d.etp}: expert tensor parallelism is not executed by fp8kit train (each rank holds "
-            f"whole experts); etp is a policy-lookup key for `fp8kit plan`. Set distributed.etp = 1 to train"
-        )
     dims = resolve_dims(d.dp_shard, d.dp_replicate, d.tp, d.ep, launched_world_size())
     if dims.distributed:
         check_distributed_config(cfg)
@@ -337,6 +334,7 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
         "flops_per_token": setup.flops_per_token,
         "bf16_peak_flops": setup.peak_flops,
         "warnings": setup.warnings,
+        "optimizer_choice": optim_choice,  # what optim.name / train.param_dtype = auto chose, and why
         "selective_auto": auto.info,  # selective_fp8 = "auto": the measured table, or why nothing was measured
         "training_state_bytes": training_state_bytes([p for p in model.parameters() if p.requires_grad], optimizer),
         "parallel": {

@@ -193,6 +193,9 @@ def _parallel_desc(setup: Setup) -> str:
     desc += f" ({' -> '.join(p['steps'])})"
     if setup.cfg.train.mixed_precision == "fp8" and (p["dp_shard"] > 1 or p["dp_replicate"] > 1):
         desc += ", FP8 all-gather" if p["fp8_all_gather"] else ", BF16 all-gather"
+    d = setup.cfg.distributed
+    if d.ep > 1:  # the precision of the MoE token dispatch (moe/fp8_dispatch.py); the combine is bf16
+        desc += f", EP dispatch: {'fp8 (E4M3 + 1x128 scales)' if d.ep_fp8_dispatch else 'bf16'}"
     return desc
 
 
@@ -233,7 +236,9 @@ def _print_start(setup: Setup, console: Console) -> None:
     console.print(f"data: {info['corpus']}; {info['tokens']:,} tokens ({info['tokenizer']})")
     console.print(f"FP8: {setup.capability}")
     console.print(f"parallel: {_parallel_desc(setup)}")
-    console.print(f"optimizer: {_optim_desc(cfg)}; training state {format_state_bytes(info['training_state_bytes'])}")
+    choice = f" ({info['optimizer_choice']})" if info.get("optimizer_choice") else ""
+    console.print(f"optimizer: {_optim_desc(cfg)}{choice}; training state "
+                  f"{format_state_bytes(info['training_state_bytes'])}")
     for w in setup.warnings:
         console.print(f"[bold yellow]warning:[/] {w}")
     print_auto_table(info.get("selective_auto", {}), console)  # selective_fp8 = "auto": the measured table

@@ -1,0 +1,138 @@
+"""The whole gated expert MLP in rowwise FP8 as one autograd Function, quantization fused into the token path
+(the ``fused`` grouped kernel).
+
+``out[rows of e] = (silu(x W_up_gate[e]^T) * (x W_up_up[e]^T)) W_down[e]^T`` for the expert-sorted rows ``x``
+of the tokens (``routing.Dispatch``), with every GEMM a ``torch._scaled_grouped_mm`` on rowwise E4M3 operands
+(the recipe of ``moe/quantize.py``, power-of-two scales), and every cast done by a fused Triton kernel of
+``moe/rowwise_quant.py`` that reads its input once and never writes a bf16 intermediate it does not need:
+
+============================  ===========================================================  ============
+step                          kernel                                                       replaces
+============================  ===========================================================  ============
+dispatch + x cast             ``gather_quantize_rows(hidden, gather_idx)``: FP8 x in       gather, cast
+                              expert order, the bf16 permuted copy never exists
+weights, fprop + dgrad        ``quantize_experts_dual(W)`` once per forward; the dgrad     two casts
+                              copy is saved for the backward (no re-cast from bf16)
+SwiGLU + down's input cast    ``swiglu_quantize_rows(h)``: ``a`` (kept for the backward)   act, cast
+                              and its FP8 copy from one read of ``h``
+down wgrad operands           ``quantize_group_cols_dual(dy, a)``: per-(expert, column)    scatter amax
+                              scales without a scatter, both operands in one launch
+up wgrad operands             ``quantize_group_cols_dual(dh, hidden, index_x=gather_idx)``  gather, scatter
+                              reads the tokens through the dispatch index again
+token gradient                ``dx[pair_rows]`` summed over the top-k (a gather)           index_put
+============================  ===========================================================  ============
+
+The output gradient's rowwise casts (dgrad of both GEMMs) use ``gather_quantize_rows`` with the identity index.
+The SwiGLU backward is :func:`swiglu_backward` (float32), compiled on CUDA.
+
+Numerics equal the unfused rowwise path (``moe/grouped_mm.fp8_grouped_mm`` with the ``scaled_grouped_mm`` /
+``emulated`` kernels) up to the order of the float32 top-k sum of the token gradient, since every cast is
+the same function bit for bit (the GPU tests of ``rowwise_quant`` check it); on the CPU the casts run their
+PyTorch references and the GEMMs the float32 emulation, which CI tests.
+
+Applies to gated SiLU experts whose gate and up halves are concatenated (transformers' ``act_fn`` path:
+Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3), with both weights in FP8; anything else runs the unfused path
+(``moe/experts.py`` decides). Rows past the last group are never read downstream (as in the unfused path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from fp8kit.moe import rowwise_quant as rq
+from fp8kit.moe.routing import sum_token_rows
+
+GemmFn = Callable[..., torch.Tensor]
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+    """Gradient ``dh (P, 2I)`` of ``a = silu(gate) * up`` (``gate, up = h.chunk(2, -1)``) given ``da (P, I)``:
+    ``dgate = da * up * s * (1 + g (1 - s))``, ``dup = da * silu(g)``, ``s = sigmoid(g)``, in float32, rounded
+    to ``h.dtype`` (the formula of ``token_quant.swiglu_backward``, without its 128-multiple requirement)."""
+    gate, up = h.chunk(2, dim=-1)
+    g, u, d = gate.float(), up.float(), da.float()
+    s = torch.sigmoid(g)
+    return torch.cat([d * u * s * (1.0 + g * (1.0 - s)), d * g * s], dim=1).to(h.dtype)
+
+
+def _swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+    """:func:`swiglu_backward` compiled on CUDA (one fused kernel), eager elsewhere and under an outer compile."""
+    if not h.is_cuda or torch.compiler.is_compiling():
+        return swiglu_backward(h, da)
+    if "swiglu_bwd" not in _COMPILED:
+        _COMPILED["swiglu_bwd"] = torch.compile(swiglu_backward, dynamic=None)
+    return _COMPILED["swiglu_bwd"](h, da)
+
+
+def _rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise E4M3 copy of a 2-D tensor (identity gather: one fused read on CUDA)."""
+    return rq.gather_quantize_rows(t, torch.arange(t.shape[0], device=t.device))
+
+
+class _FusedRowwiseMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, w_up, w_down, gather_idx, pair_rows, offs, gemm, out_dtype):
+        xq, xs = rq.gather_quantize_rows(hidden, gather_idx)
+        up_f, up_fs, up_d, up_ds = rq.quantize_experts_dual(w_up)
+        down_f, down_fs, down_d, down_ds = rq.quantize_experts_dual(w_down)
+        h = gemm(xq, up_f, xs, up_fs, offs, out_dtype)
+        a, aq, as_ = rq.swiglu_quantize_rows(h)
+        y = gemm(aq, down_f, as_, down_fs, offs, out_dtype)
+        ctx.save_for_backward(hidden, gather_idx, pair_rows, offs, h, a, up_d, up_ds, down_d, down_ds)
+        ctx.gemm, ctx.out_dtype = gemm, out_dtype
+        ctx.dtypes = (hidden.dtype, w_up.dtype, w_down.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        hidden, gather_idx, pair_rows, offs, h, a, up_d, up_ds, down_d, down_ds = ctx.saved_tensors
+        gemm, out_dtype = ctx.gemm, ctx.out_dtype
+        x_dtype, up_dtype, down_dtype = ctx.dtypes
+        dy = dy.to(a.dtype).contiguous()
+        # down_proj: dgrad and wgrad
+        dyq, dys = _rows(dy)
+        da = gemm(dyq, down_d, dys, down_ds, offs, out_dtype)
+        gt, gts, ac, acs = rq.quantize_group_cols_dual(dy, a, offs)
+        dw_down = gemm(gt, ac, gts, acs, offs, out_dtype)
+        # SwiGLU
+        dh = _swiglu_backward(h, da.to(h.dtype))
+        # gate_up_proj: dgrad and wgrad (x read again through the dispatch index)
+        dhq, dhs = _rows(dh)
+        dx_rows = gemm(dhq, up_d, dhs, up_ds, offs, out_dtype)
+        ht, hts, xc, xcs = rq.quantize_group_cols_dual(dh, hidden, offs, index_x=gather_idx)
+        dw_up = gemm(ht, xc, hts, xcs, offs, out_dtype)
+        # tokens: the sum of each token's top-k rows (rows past the last group are never picked)
+        dhidden = sum_token_rows(dx_rows, pair_rows, hidden.shape[0], x_dtype)
+        return dhidden, dw_up.to(up_dtype), dw_down.to(down_dtype), None, None, None, None, None
+
+
+def fused_rowwise_experts(
+    hidden: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, gather_idx: torch.Tensor,
+    pair_rows: torch.Tensor, offs: torch.Tensor, gemm: GemmFn, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The expert MLP of the dispatched tokens in rowwise FP8 with fused quantization (module docstring).
+
+    Args:
+        hidden: (T, H) tokens (bf16 on CUDA).
+        w_up: (E, 2I, H) ``gate_up_proj`` (gate rows first, then up); w_down: (E, H, I) ``down_proj``.
+        gather_idx, pair_rows, offs: the ``routing.Dispatch`` of the tokens (groups aligned to 16 rows).
+        gemm: ``torch._scaled_grouped_mm`` semantics (``grouped_mm._cuda_scaled_grouped_mm`` on Hopper,
+            ``grouped_mm.emulated_scaled_grouped_mm`` elsewhere).
+        out_dtype: the GEMMs' output dtype (bf16 on CUDA).
+
+    Returns:
+        (P, H) expert outputs in expert order, in ``out_dtype`` (rows past ``offs[-1]`` undefined on CUDA);
+        gradients flow to ``hidden``, ``w_up`` and ``w_down`` (in their dtypes).
+
+    Raises:
+        ValueError: shapes that do not fit (from the quantization ops, naming the tensor).
+    """
+    e, two_i, hdim = w_up.shape
+    if w_down.shape != (e, hdim, two_i // 2) or hidden.shape[1] != hdim:
+        raise ValueError(f"fused_rowwise_experts: hidden {tuple(hidden.shape)}, gate_up_proj {tuple(w_up.shape)} and "
+                         f"down_proj {tuple(w_down.shape)} are not (T, H), (E, 2I, H), (E, H, I)")
+    return _FusedRowwiseMLP.apply(hidden, w_up, w_down, gather_idx, pair_rows, offs, gemm, out_dtype)

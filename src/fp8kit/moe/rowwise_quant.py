@@ -1,0 +1,395 @@
+"""Fused rowwise E4M3 quantization for the FP8 grouped GEMM of MoE experts: the casts of
+:mod:`fp8kit.moe.quantize`, fused with what comes before them, equal to them bit for bit.
+
+The rowwise recipe of :mod:`fp8kit.moe.quantize` (power-of-two scales ``round_scale_pow2(scale_from_amax(
+amax, e4m3, AMAX_EPS))``, ``fp8/scaling.py``; cast ``saturate(x * scale)`` to E4M3; ``inv_scale = 1 / scale``)
+without the intermediate copies and separate amax passes:
+
+- :func:`gather_quantize_rows`: the dispatch gather (``routing.Dispatch.gather_idx``) + ``quantize_rows``;
+  the gathered BF16 copy is never written.
+- :func:`swiglu_quantize_rows`: ``a = silu(gate) * up`` (:func:`fp8kit.moe.token_quant.swiglu_ref`, bit for
+  bit) + ``quantize_rows(a)``, from one read of ``h``.
+- :func:`quantize_group_cols_fused` / :func:`quantize_group_cols_dual`: the wgrad operands (one scale per
+  (group, column)) without the scatter: groups are contiguous row ranges; ``x`` optionally read through
+  the dispatch index.
+- :func:`quantize_experts_dual`: both right operands of the expert weights (fprop: over K; dgrad: over N).
+
+Each is a ``torch.library`` op (``torch.ops.fp8kit.moe_rw_*``): CUDA runs the Triton kernels of
+:mod:`fp8kit.moe.rowwise_quant_triton`, every other device (and empty inputs) the PyTorch reference below,
+which calls the functions of :mod:`fp8kit.moe.quantize` on the materialized input. The GPU test
+(tests/test_moe_rowwise_quant_gpu.py) asserts equal bits. The ops are opaque to Inductor and have no
+autograd formula (their callers are ``autograd.Function`` s). NaN inputs are out of contract (the kernels'
+max does not propagate NaN as ``torch.amax`` does).
+
+Bytes moved per element (bf16 input ``b = 2``; the reference's in parentheses, counting its intermediates):
+gather ``b + 1`` (``3b + 1 + 2*4``: gather write/read, abs/amax, float32 product); SwiGLU ``2b`` read, ``b + 1``
+written; group columns ``2b`` read (the second pass mostly from L2) ``+ 1`` written (the reference: a
+float32 abs copy, a scatter, a gathered scale per element, the cast and a transposing copy); expert weights
+``2b`` read ``+ 2`` written (two ``quantize_experts`` calls: ``~4b + 4`` plus float32 temporaries).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from fp8kit.moe.quantize import group_ids, quantize_experts, quantize_group_cols, quantize_rows
+from fp8kit.moe.token_quant import swiglu_ref
+
+FP8 = torch.float8_e4m3fn
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+_INTS = (torch.int64, torch.int32)
+
+
+# --------------------------------------------------------------------------- checks
+
+def _check_float(t: torch.Tensor, dims: int, name: str, where: str) -> None:
+    if t.dim() != dims or t.dtype not in _FLOATS:
+        raise ValueError(f"{where}: {name} must be a {dims}-D bf16 / fp16 / fp32 tensor, got {t.dtype} {tuple(t.shape)}")
+
+
+def _check_index(index: torch.Tensor, device: torch.device, name: str, where: str) -> None:
+    if index.dim() != 1 or index.dtype not in _INTS or index.device != device:
+        raise ValueError(f"{where}: {name} must be a 1-D int64 / int32 tensor on {device}, got "
+                         f"{index.dtype} {tuple(index.shape)} on {index.device}")
+
+
+def _check_offs(offs: torch.Tensor, device: torch.device, where: str) -> None:
+    if offs.dim() != 1 or offs.numel() == 0 or offs.dtype not in _INTS or offs.device != device:
+        raise ValueError(f"{where}: offs must be a non-empty 1-D int32 / int64 tensor of cumulative group ends on "
+                         f"{device}, got {offs.dtype} {tuple(offs.shape)} on {offs.device}")
+
+
+def _check_gather(src: torch.Tensor, index: torch.Tensor) -> None:
+    where = "fp8kit::moe_rw_gather_quant"
+    _check_float(src, 2, "src", where)
+    _check_index(index, src.device, "index", where)
+
+
+def _check_h(h: torch.Tensor) -> int:
+    """The intermediate size ``I`` of ``h (P, 2I)``, after checking ``h``."""
+    where = "fp8kit::moe_rw_swiglu_quant"
+    _check_float(h, 2, "h", where)
+    if h.shape[1] % 2:
+        raise ValueError(f"{where}: h must be (P, 2I) with an even last dim, got shape {tuple(h.shape)}")
+    return h.shape[1] // 2
+
+
+def _check_group(x: torch.Tensor, offs: torch.Tensor, index: torch.Tensor | None, name: str, where: str) -> int:
+    """The row count ``P`` of the (possibly gathered) ``x``, after checking the arguments."""
+    _check_float(x, 2, name, where)
+    _check_offs(offs, x.device, where)
+    if index is None:
+        return x.shape[0]
+    _check_index(index, x.device, "index", where)
+    return index.shape[0]
+
+
+def _check_dual(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, index_x: torch.Tensor | None) -> None:
+    where = "fp8kit::moe_rw_group_cols_dual_quant"
+    p = _check_group(g, offs, None, "g", where)
+    px = _check_group(x, offs, index_x, "x", where)
+    if px != p:
+        rows = "index_x" if index_x is not None else "x"
+        raise ValueError(f"{where}: g has {p} rows but {rows} gives {px} (g {tuple(g.shape)}, x {tuple(x.shape)})")
+
+
+def _check_w(w: torch.Tensor) -> None:
+    _check_float(w, 3, "w", "fp8kit::moe_rw_experts_dual_quant")
+
+
+# --------------------------------------------------------------------------- reference
+
+def _gathered(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``cat([src, zeros(1, K)])[index]``: the dispatch gather (``routing.gather``), index ``T`` a zero row."""
+    return torch.cat([src, src.new_zeros(1, src.shape[1])])[index]
+
+
+def gather_quantize_rows_ref(src: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference of :func:`gather_quantize_rows`: ``quantize_rows(cat([src, zeros(1, K)])[index])``."""
+    _check_gather(src, index)
+    return quantize_rows(_gathered(src, index))
+
+
+def swiglu_quantize_rows_ref(h: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PyTorch reference of :func:`swiglu_quantize_rows`: ``a = swiglu_ref(h)``, then ``quantize_rows(a)``."""
+    _check_h(h)
+    a = swiglu_ref(h, interleaved)
+    return (a, *quantize_rows(a))
+
+
+def quantize_group_cols_ref(
+    x: torch.Tensor, offs: torch.Tensor, index: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference of the op behind :func:`quantize_group_cols_fused`: ``(data (C, P) row-major, inv)`` of
+    ``quantize_group_cols(rows, group_ids(offs, P), E, transposed=True)``, ``rows`` = ``x`` or ``x`` gathered."""
+    p = _check_group(x, offs, index, "x", "fp8kit::moe_rw_group_cols_quant")
+    rows = x if index is None else _gathered(x, index)
+    return quantize_group_cols(rows, group_ids(offs, p), offs.shape[0], transposed=True)
+
+
+def quantize_group_cols_dual_ref(
+    g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, index_x: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PyTorch reference of the op behind :func:`quantize_group_cols_dual`: both ``(C, P)`` row-major buffers."""
+    _check_dual(g, x, offs, index_x)
+    return (*quantize_group_cols_ref(g, offs, None), *quantize_group_cols_ref(x, offs, index_x))
+
+
+def quantize_experts_dual_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PyTorch reference of the op behind :func:`quantize_experts_dual`: ``quantize_experts(w, -1)`` and
+    ``quantize_experts(w, -2)``, data as their row-major buffers ``(E, N, K)`` and ``(E, K, N)``."""
+    _check_w(w)
+    fprop, fprop_inv = quantize_experts(w, -1)
+    dgrad, dgrad_inv = quantize_experts(w, -2)
+    return fprop.transpose(-2, -1), fprop_inv, dgrad.transpose(-2, -1), dgrad_inv
+
+
+# --------------------------------------------------------------------------- ops
+
+@functools.cache
+def _triton_kernels():
+    """:mod:`fp8kit.moe.rowwise_quant_triton`, or None (then the CUDA ops run the reference, with one warning)."""
+    try:
+        from fp8kit.moe import rowwise_quant_triton
+    except ImportError as e:  # pragma: no cover - CUDA torch ships triton
+        warnings.warn(f"fp8kit MoE rowwise quantization: triton unavailable ({e}); using the slow PyTorch reference",
+                      stacklevel=3)
+        return None
+    return rowwise_quant_triton
+
+
+def _rows_last(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with unit stride along its last dim (the kernels' only layout requirement)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _f32(like: torch.Tensor, *shape: int) -> torch.Tensor:
+    return like.new_empty(*shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("fp8kit::moe_rw_gather_quant", mutates_args=())
+def _gather_op(src: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return gather_quantize_rows_ref(src, index)
+
+
+@_gather_op.register_kernel("cuda")
+def _(src, index):
+    _check_gather(src, index)
+    kernels = _triton_kernels()
+    if kernels is None or index.numel() == 0 or src.shape[1] == 0:
+        return gather_quantize_rows_ref(src, index)
+    with torch.cuda.device(src.device):
+        return kernels.gather_quantize_rows(_rows_last(src), index.contiguous())
+
+
+@_gather_op.register_fake
+def _(src, index):
+    _check_gather(src, index)
+    return src.new_empty(index.shape[0], src.shape[1], dtype=FP8), _f32(src, index.shape[0])
+
+
+@torch.library.custom_op("fp8kit::moe_rw_swiglu_quant", mutates_args=())
+def _swiglu_op(h: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return swiglu_quantize_rows_ref(h, interleaved)
+
+
+@_swiglu_op.register_kernel("cuda")
+def _(h, interleaved):
+    i = _check_h(h)
+    kernels = _triton_kernels()
+    if kernels is None or h.shape[0] == 0 or i == 0:
+        return swiglu_quantize_rows_ref(h, interleaved)
+    with torch.cuda.device(h.device):
+        return kernels.swiglu_quantize_rows(_rows_last(h), interleaved)
+
+
+@_swiglu_op.register_fake
+def _(h, interleaved):
+    i = _check_h(h)
+    p = h.shape[0]
+    return h.new_empty(p, i), h.new_empty(p, i, dtype=FP8), _f32(h, p)
+
+
+@torch.library.custom_op("fp8kit::moe_rw_group_cols_quant", mutates_args=())
+def _group_op(x: torch.Tensor, offs: torch.Tensor, index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_group_cols_ref(x, offs, index)
+
+
+@_group_op.register_kernel("cuda")
+def _(x, offs, index):
+    p = _check_group(x, offs, index, "x", "fp8kit::moe_rw_group_cols_quant")
+    kernels = _triton_kernels()
+    if kernels is None or p == 0 or x.shape[1] == 0:
+        return quantize_group_cols_ref(x, offs, index)
+    with torch.cuda.device(x.device):
+        return kernels.quantize_group_cols(_rows_last(x), offs.contiguous(), None if index is None else index.contiguous())
+
+
+@_group_op.register_fake
+def _(x, offs, index):
+    p = _check_group(x, offs, index, "x", "fp8kit::moe_rw_group_cols_quant")
+    c = x.shape[1]
+    return x.new_empty(c, p, dtype=FP8), _f32(x, offs.shape[0] * c)
+
+
+@torch.library.custom_op("fp8kit::moe_rw_group_cols_dual_quant", mutates_args=())
+def _dual_op(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, index_x: torch.Tensor | None) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return quantize_group_cols_dual_ref(g, x, offs, index_x)
+
+
+@_dual_op.register_kernel("cuda")
+def _(g, x, offs, index_x):
+    _check_dual(g, x, offs, index_x)
+    kernels = _triton_kernels()
+    if kernels is None or g.numel() == 0 or x.shape[1] == 0:
+        return quantize_group_cols_dual_ref(g, x, offs, index_x)
+    with torch.cuda.device(g.device):
+        return kernels.quantize_group_cols_dual(_rows_last(g), _rows_last(x), offs.contiguous(),
+                                                None if index_x is None else index_x.contiguous())
+
+
+@_dual_op.register_fake
+def _(g, x, offs, index_x):
+    _check_dual(g, x, offs, index_x)
+    (p, n), k, e = g.shape, x.shape[1], offs.shape[0]
+    return g.new_empty(n, p, dtype=FP8), _f32(g, e * n), g.new_empty(k, p, dtype=FP8), _f32(g, e * k)
+
+
+@torch.library.custom_op("fp8kit::moe_rw_experts_dual_quant", mutates_args=())
+def _experts_op(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return quantize_experts_dual_ref(w)
+
+
+@_experts_op.register_kernel("cuda")
+def _(w):
+    _check_w(w)
+    kernels = _triton_kernels()
+    if kernels is None or w.numel() == 0:
+        return quantize_experts_dual_ref(w)
+    with torch.cuda.device(w.device):
+        return kernels.quantize_experts_dual(_rows_last(w))
+
+
+@_experts_op.register_fake
+def _(w):
+    _check_w(w)
+    e, n, k = w.shape
+    return w.new_empty(e, n, k, dtype=FP8), _f32(w, e, n), w.new_empty(e, k, n, dtype=FP8), _f32(w, e, k)
+
+
+# --------------------------------------------------------------------------- public entry points
+
+def gather_quantize_rows(src: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise E4M3 copy of the rows of ``src`` gathered by ``index`` (a zero row where ``index == T``).
+
+    Equal bit for bit to ``quantize_rows(torch.cat([src, zeros(1, K)])[index])`` (:mod:`fp8kit.moe.quantize`);
+    on CUDA one Triton kernel reads each source row through ``index``.
+
+    Args:
+        src: ``(T, K)`` bf16 / fp16 / fp32 tokens.
+        index: ``(P,)`` int64 (or int32) source row of each output row, on ``src``'s device, values in
+            ``[0, T]``, ``T`` meaning a zero row (``routing.Dispatch.gather_idx``). Values outside that range
+            are the caller's contract: the CPU path raises IndexError (and wraps negative values), the CUDA
+            kernel does not check them.
+
+    Returns:
+        ``(q (P, K) E4M3 row-major, inv_scale (P,) float32)``; zero rows get ``inv_scale = 2^-48`` (amax
+        floored at ``AMAX_EPS``).
+
+    Raises:
+        ValueError: ``src`` not a 2-D float tensor; ``index`` not a 1-D integer tensor on ``src``'s device.
+    """
+    return torch.ops.fp8kit.moe_rw_gather_quant(src, index)
+
+
+def swiglu_quantize_rows(h: torch.Tensor, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SwiGLU of the gate_up output and its rowwise E4M3 copy, from one read of ``h``.
+
+    Args:
+        h: ``(P, 2I)`` bf16 / fp16 / fp32; gate and up split as by :func:`fp8kit.moe.token_quant.split_gate_up`
+            (halves, or even / odd columns when ``interleaved``).
+        interleaved: the gate_up layout (transformers' ``is_concatenated = False``).
+
+    Returns:
+        ``(a (P, I) h.dtype, q (P, I) E4M3 row-major, inv_scale (P,) float32)``: ``a = silu(gate) * up`` bit for
+        bit as :func:`fp8kit.moe.token_quant.swiglu_ref` (Cephes ``expf`` sigmoid, float32, one rounding), then
+        ``quantize_rows(a)`` of those rounded values.
+
+    Raises:
+        ValueError: ``h`` not a 2-D float tensor or its last dim odd.
+    """
+    return torch.ops.fp8kit.moe_rw_swiglu_quant(h, interleaved)
+
+
+def quantize_group_cols_fused(
+    x: torch.Tensor, offs: torch.Tensor, *, transposed: bool, index: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One E4M3 scale per (group, column) of ``x`` (P, C) or of ``x`` gathered by ``index``: a wgrad operand.
+
+    Equal bit for bit to ``quantize_group_cols(rows, group_ids(offs, P), E, transposed=transposed)``
+    (:mod:`fp8kit.moe.quantize`), ``rows = x`` or ``cat([x, zeros(1, C)])[index]``, on the whole tensor: rows
+    past ``offs[-1]`` are cast with their own dummy group's scale, as the reference does. On CUDA one program
+    per (group, column block) reduces the group's rows and casts them; no scatter, no gathered copy.
+
+    Args:
+        x: ``(P, C)`` bf16 / fp16 / fp32, rows grouped contiguously; with ``index``: ``(T, C)`` source rows.
+        offs: ``(E,)`` int32 / int64 cumulative group ends (sorted; the grouped GEMM's ``offs``).
+        transposed: ``True`` for the left operand ``g^T``: data ``(C, P)`` row-major; ``False`` for the right
+            operand ``x``: data ``(P, C)`` column-major (a ``(C, P)`` row-major buffer viewed transposed).
+        index: optional ``(P,)`` int64 / int32 row of ``x`` per row, ``T`` = a zero row (as in
+            :func:`gather_quantize_rows`).
+
+    Returns:
+        ``(data, inv_scale (E*C,) float32, group-major)``.
+
+    Raises:
+        ValueError: ``x`` not a 2-D float tensor; ``offs`` or ``index`` not 1-D integer tensors on ``x``'s
+            device; ``offs`` empty.
+    """
+    data, inv = torch.ops.fp8kit.moe_rw_group_cols_quant(x, offs, index)
+    return (data if transposed else data.t()), inv
+
+
+def quantize_group_cols_dual(
+    g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, index_x: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both wgrad operands in one launch: ``g`` as :func:`quantize_group_cols_fused` with ``transposed=True``
+    and ``x`` (read through ``index_x`` if given) with ``transposed=False``.
+
+    Args:
+        g: ``(P, N)`` output gradients; x: ``(P, K)`` activations, or ``(T, K)`` with ``index_x (P,)``;
+        offs: ``(E,)`` cumulative group ends.
+
+    Returns:
+        ``(g_data (N, P) row-major, g_inv (E*N,), x_data (P, K) column-major, x_inv (E*K,))``, all float32
+        scales group-major.
+
+    Raises:
+        ValueError: as :func:`quantize_group_cols_fused`, or ``g`` and ``x`` / ``index_x`` with different row counts.
+    """
+    g_data, g_inv, x_data, x_inv = torch.ops.fp8kit.moe_rw_group_cols_dual_quant(g, x, offs, index_x)
+    return g_data, g_inv, x_data.t(), x_inv
+
+
+def quantize_experts_dual(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both right operands of the expert weights ``w`` (E, N, K): ``quantize_experts(w, -1)`` and
+    ``quantize_experts(w, -2)`` (:mod:`fp8kit.moe.quantize`), bit for bit.
+
+    On CUDA two kernels (one read of ``w`` could not know a column's scale before the whole column is seen):
+    the first reads ``w`` once for the row amax (fprop) and the column amax (dgrad, atomic max), the second
+    reads it again and writes both casts of each tile.
+
+    Returns:
+        ``(fprop_data (E, K, N), fprop_inv (E, N), dgrad_data (E, N, K), dgrad_inv (E, K))``: ``fprop_data`` the
+        transposed view of an ``(E, N, K)`` row-major buffer, ``dgrad_data`` column-major (an ``(E, K, N)``
+        row-major buffer viewed transposed), exactly the layouts ``quantize_experts`` returns.
+
+    Raises:
+        ValueError: ``w`` not a 3-D float tensor.
+    """
+    fprop, fprop_inv, dgrad, dgrad_inv = torch.ops.fp8kit.moe_rw_experts_dual_quant(w)
+    return fprop.transpose(-2, -1), fprop_inv, dgrad.transpose(-2, -1), dgrad_inv

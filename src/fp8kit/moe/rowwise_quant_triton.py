@@ -1,0 +1,407 @@
+"""Triton kernels of :mod:`fp8kit.moe.rowwise_quant` (CUDA): fused rowwise E4M3 casts for the FP8 grouped GEMM.
+
+Every kernel computes the bits of its reference in :mod:`fp8kit.moe.quantize`:
+
+- scale: ``_scale_of`` (``fp8.kernels.blockwise_triton``: IEEE ``1 / clamp(amax, eps, f32_max)`` times 448,
+  the two roundings of ``scaling.scale_from_amax``), then ``exp2(floor(log2(scale)))`` with libdevice's
+  ``__nv_log2f`` / ``__nv_exp2f``, the functions torch's CUDA ``log2`` / ``exp2`` call
+  (``scaling.round_scale_pow2``). Triton's own ``tl.log2`` is ``lg2.approx`` and could floor a scale a few
+  ulps below a power of two differently;
+- cast: ``clamp(x * scale, -448, 448)`` then the RTNE E4M3 conversion (``scaling.quantize``);
+- ``inv_scale = 1 / scale`` by an IEEE division (exact: ``scale`` is a power of two).
+
+Kernels (the wrappers below expect non-empty inputs; the ops run the reference on empty ones):
+
+- :func:`gather_quantize_rows`: one program per ``ROWS`` output rows, each read through ``index`` (one
+  read when the row fits one ``BLOCK_K`` chunk, else a second pass over the chunks, L1/L2-resident).
+- :func:`swiglu_quantize_rows`: one program per ``ROWS`` rows of ``h``, the same way: ``a = silu(gate) * up`` with
+  :func:`fp8kit.moe.token_quant_triton._sigmoid` (launched with ``enable_fp_fusion=False``, as token_quant).
+- :func:`quantize_group_cols`: one program per (group ``0..E``, ``BC``-column block): pass 1 the column amax over
+  the group's rows ``[offs[g-1], offs[g])`` (group ``E`` = the rows past ``offs[-1]``, the reference's
+  dummy group), pass 2 re-reads them (L2) and writes the ``(C, P)`` row-major cast. The dual launch
+  serves ``g`` and ``x`` from one grid (the program's column block says which).
+- :func:`quantize_experts_dual`: two kernels. ``_experts_amax_kernel``, per (expert, ``BN`` rows of ``N``):
+  walks ``K``, keeps the row amax (written with the fprop ``inv_scale``) and atomically maxes the column
+  amax into an ``(E, K)`` buffer; ``_experts_cast_kernel``, per (expert, ``BN x BK`` tile): both casts of
+  the tile, from one read. ``atomic_max`` is order-independent, so the result is deterministic.
+
+Imported only on CUDA (inside the ops' CUDA implementations); validated bit for bit in Triton's CPU
+interpreter too (with ``_round_pow2`` swapped for ``tl.log2`` / ``tl.exp2``: the interpreter has no libdevice).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from fp8kit.fp8.kernels.blockwise_triton import _scale_of
+from fp8kit.fp8.scaling import AMAX_EPS, DTYPE_MAX, F32_MAX
+from fp8kit.moe.token_quant_triton import _sigmoid
+
+FP8 = torch.float8_e4m3fn
+_FP8_MAX = DTYPE_MAX[FP8]
+#: Largest row chunk of the row kernels (a longer row is walked in chunks, twice).
+_MAX_BLOCK_K = 8192
+_KW = dict(EPS=AMAX_EPS, AMAX_MAX=F32_MAX, FP8_MAX=_FP8_MAX)
+
+
+# --------------------------------------------------------------------------- scale and cast
+
+@triton.jit
+def _round_pow2(scale):
+    # scaling.round_scale_pow2: torch.exp2(torch.floor(torch.log2(scale))), same libdevice functions as torch CUDA.
+    return libdevice.exp2(tl.floor(libdevice.log2(scale)))
+
+
+@triton.jit
+def _pow2_scale(amax, EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr):
+    # moe.quantize._scale: round_scale_pow2(scale_from_amax(amax, e4m3, AMAX_EPS)).
+    return _round_pow2(_scale_of(amax, EPS, AMAX_MAX, FP8_MAX))
+
+
+@triton.jit
+def _inv(scale):
+    return tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
+def _cast(x, scale, FP8_MAX: tl.constexpr):
+    # scaling.quantize: saturate(x * scale) in float32, then RTNE to E4M3.
+    return tl.clamp(x * scale, -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+
+
+# --------------------------------------------------------------------------- rows (fprop / dgrad left operand)
+
+@triton.jit
+def _gather_chunk(src_ptr, src_row, valid, c0, K, stride_src, BLOCK_K: tl.constexpr):
+    cols = c0 + tl.arange(0, BLOCK_K)
+    mask = valid[:, None] & (cols < K)[None, :]
+    return tl.load(src_ptr + src_row[:, None] * stride_src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_rows(q_ptr, x, scale, rows, pmask, c0, K, FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr):
+    cols = c0 + tl.arange(0, BLOCK_K)
+    mask = pmask[:, None] & (cols < K)[None, :]
+    tl.store(q_ptr + rows[:, None] * K + cols[None, :], _cast(x, scale[:, None], FP8_MAX), mask=mask)
+
+
+@triton.jit
+def _gather_rows_kernel(
+    src_ptr, idx_ptr, q_ptr, inv_ptr, T, P, K, stride_src,
+    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
+    EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    offs_p = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    pmask = offs_p < P
+    rows = offs_p.to(tl.int64)
+    src_row = tl.load(idx_ptr + offs_p, mask=pmask, other=0).to(tl.int64)
+    valid = pmask & (src_row < T)  # index T: the zero row
+    if CHUNKS == 1:
+        x = _gather_chunk(src_ptr, src_row, valid, 0, K, stride_src, BLOCK_K)
+        scale = _pow2_scale(tl.max(tl.abs(x), axis=1), EPS, AMAX_MAX, FP8_MAX)
+        _store_rows(q_ptr, x, scale, rows, pmask, 0, K, FP8_MAX, BLOCK_K)
+    else:
+        amax = tl.zeros((ROWS,), tl.float32)
+        for c in range(CHUNKS):
+            x = _gather_chunk(src_ptr, src_row, valid, c * BLOCK_K, K, stride_src, BLOCK_K)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        scale = _pow2_scale(amax, EPS, AMAX_MAX, FP8_MAX)
+        for c in range(CHUNKS):
+            x = _gather_chunk(src_ptr, src_row, valid, c * BLOCK_K, K, stride_src, BLOCK_K)
+            _store_rows(q_ptr, x, scale, rows, pmask, c * BLOCK_K, K, FP8_MAX, BLOCK_K)
+    tl.store(inv_ptr + offs_p, _inv(scale), mask=pmask)
+
+
+@triton.jit
+def _swiglu_chunk(h_ptr, a_ptr, rows, pmask, c0, INTER, stride_h,
+                  STORE_A: tl.constexpr, INTERLEAVED: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    # a = silu(gate) * up of columns [c0, c0 + BLOCK_K) of a, rounded to a's dtype (token_quant.swiglu_ref).
+    cols = c0 + tl.arange(0, BLOCK_K)
+    cmask = cols < INTER
+    if INTERLEAVED:  # gate = h[:, 0::2], up = h[:, 1::2]: read 2 x BLOCK_K columns contiguously, split
+        c2 = 2 * c0 + tl.arange(0, 2 * BLOCK_K)
+        gu = tl.load(h_ptr + rows[:, None] * stride_h + c2[None, :], mask=pmask[:, None] & (c2 < 2 * INTER)[None, :],
+                     other=0.0)
+        g, u = tl.split(tl.reshape(gu, (ROWS, BLOCK_K, 2)))
+    else:  # gate = h[:, :INTER], up = h[:, INTER:]
+        mask = pmask[:, None] & cmask[None, :]
+        ptr = h_ptr + rows[:, None] * stride_h + cols[None, :]
+        g = tl.load(ptr, mask=mask, other=0.0)
+        u = tl.load(ptr + INTER, mask=mask, other=0.0)
+    g = g.to(tl.float32)
+    a = (g * _sigmoid(g) * u.to(tl.float32)).to(a_ptr.dtype.element_ty)
+    if STORE_A:
+        tl.store(a_ptr + rows[:, None] * INTER + cols[None, :], a, mask=pmask[:, None] & cmask[None, :])
+    return a.to(tl.float32)
+
+
+@triton.jit
+def _swiglu_rows_kernel(
+    h_ptr, a_ptr, q_ptr, inv_ptr, P, INTER, stride_h,
+    INTERLEAVED: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
+    EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    offs_p = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    pmask = offs_p < P
+    rows = offs_p.to(tl.int64)
+    if CHUNKS == 1:
+        a = _swiglu_chunk(h_ptr, a_ptr, rows, pmask, 0, INTER, stride_h, True, INTERLEAVED, ROWS, BLOCK_K)
+        scale = _pow2_scale(tl.max(tl.abs(a), axis=1), EPS, AMAX_MAX, FP8_MAX)
+        _store_rows(q_ptr, a, scale, rows, pmask, 0, INTER, FP8_MAX, BLOCK_K)
+    else:
+        amax = tl.zeros((ROWS,), tl.float32)
+        for c in range(CHUNKS):
+            a = _swiglu_chunk(h_ptr, a_ptr, rows, pmask, c * BLOCK_K, INTER, stride_h, True, INTERLEAVED, ROWS, BLOCK_K)
+            amax = tl.maximum(amax, tl.max(tl.abs(a), axis=1))
+        scale = _pow2_scale(amax, EPS, AMAX_MAX, FP8_MAX)
+        for c in range(CHUNKS):
+            a = _swiglu_chunk(h_ptr, a_ptr, rows, pmask, c * BLOCK_K, INTER, stride_h, False, INTERLEAVED, ROWS,
+                              BLOCK_K)
+            _store_rows(q_ptr, a, scale, rows, pmask, c * BLOCK_K, INTER, FP8_MAX, BLOCK_K)
+    tl.store(inv_ptr + offs_p, _inv(scale), mask=pmask)
+
+
+def _row_blocks(k: int) -> tuple[int, int, int, int]:
+    """``(ROWS, BLOCK_K, CHUNKS, num_warps)`` for rows of ``k`` elements (about 4-8K elements per program)."""
+    block_k = min(triton.next_power_of_2(max(k, 1)), _MAX_BLOCK_K)
+    rows = max(1, 2048 // block_k)
+    return rows, block_k, triton.cdiv(k, block_k), 8 if block_k >= 4096 else 4
+
+
+def gather_quantize_rows(src: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`fp8kit.moe.rowwise_quant.gather_quantize_rows_ref` (same bits).
+
+    Args:
+        src: CUDA ``(T, K)`` float tensor, unit stride along K.
+        index: CUDA ``(P,)`` contiguous int64 / int32, values in ``[0, T]`` (unchecked).
+    """
+    t, k = src.shape
+    p = index.shape[0]
+    q = torch.empty(p, k, dtype=FP8, device=src.device)
+    inv = torch.empty(p, dtype=torch.float32, device=src.device)
+    if t == 0:  # every index is the zero row: give the kernel one real row to point at
+        src = src.new_zeros(1, k)
+    rows, block_k, chunks, warps = _row_blocks(k)
+    _gather_rows_kernel[(triton.cdiv(p, rows),)](
+        src, index, q, inv, t, p, k, src.stride(0),
+        ROWS=rows, BLOCK_K=block_k, CHUNKS=chunks, num_warps=warps, **_KW)
+    return q, inv
+
+
+def swiglu_quantize_rows(h: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`fp8kit.moe.rowwise_quant.swiglu_quantize_rows_ref` (same bits).
+
+    Args:
+        h: CUDA ``(P, 2I)`` float tensor, unit stride along the last dim.
+        interleaved: gate / up in even / odd columns instead of halves.
+    """
+    p, i = h.shape[0], h.shape[1] // 2
+    a = torch.empty(p, i, dtype=h.dtype, device=h.device)
+    q = torch.empty(p, i, dtype=FP8, device=h.device)
+    inv = torch.empty(p, dtype=torch.float32, device=h.device)
+    rows, block_k, chunks, warps = _row_blocks(i)
+    _swiglu_rows_kernel[(triton.cdiv(p, rows),)](
+        h, a, q, inv, p, i, h.stride(0),
+        INTERLEAVED=interleaved, ROWS=rows, BLOCK_K=block_k, CHUNKS=chunks, num_warps=warps,
+        enable_fp_fusion=False, **_KW)
+    return a, q, inv
+
+
+# --------------------------------------------------------------------------- group columns (wgrad operands)
+
+@triton.jit
+def _group_rows(x_ptr, idx_ptr, offs_p, end, cols, cmask, T, stride_x, GATHER: tl.constexpr):
+    pmask = offs_p < end
+    if GATHER:
+        src_row = tl.load(idx_ptr + offs_p, mask=pmask, other=0).to(tl.int64)
+        pmask = pmask & (src_row < T)
+    else:
+        src_row = offs_p.to(tl.int64)
+    return tl.load(x_ptr + src_row[:, None] * stride_x + cols[None, :], mask=pmask[:, None] & cmask[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _group_cols_block(
+    x_ptr, idx_ptr, offs_ptr, data_ptr, inv_ptr, pid_g, pid_c, T, P, C, E, stride_x,
+    GATHER: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    # Group pid_g's rows [start, end) (group E: the rows past offs[-1]), columns [pid_c * BC, + BC).
+    start = tl.minimum(tl.load(offs_ptr + pid_g - 1, mask=pid_g > 0, other=0), P)
+    end = tl.minimum(tl.load(offs_ptr + pid_g, mask=pid_g < E, other=P), P)
+    cols = (pid_c * BC + tl.arange(0, BC)).to(tl.int64)
+    cmask = cols < C
+    amax = tl.zeros((BC,), tl.float32)
+    for r in range(start, end, BR):
+        x = _group_rows(x_ptr, idx_ptr, r + tl.arange(0, BR), end, cols, cmask, T, stride_x, GATHER)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
+    scale = _pow2_scale(amax, EPS, AMAX_MAX, FP8_MAX)
+    tl.store(inv_ptr + pid_g * C + cols, _inv(scale), mask=cmask & (pid_g < E))
+    for r in range(start, end, BR):
+        offs_p = r + tl.arange(0, BR)
+        x = _group_rows(x_ptr, idx_ptr, offs_p, end, cols, cmask, T, stride_x, GATHER)
+        q = tl.trans(_cast(x, scale[None, :], FP8_MAX))  # (BC, BR): data[c, p], p contiguous
+        tl.store(data_ptr + cols[:, None] * P + offs_p[None, :], q, mask=cmask[:, None] & (offs_p < end)[None, :])
+
+
+@triton.jit
+def _group_cols_kernel(
+    x_ptr, idx_ptr, offs_ptr, data_ptr, inv_ptr, T, P, C, E, stride_x,
+    GATHER: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    _group_cols_block(x_ptr, idx_ptr, offs_ptr, data_ptr, inv_ptr, tl.program_id(0), tl.program_id(1),
+                      T, P, C, E, stride_x, GATHER, BR, BC, EPS, AMAX_MAX, FP8_MAX)
+
+
+@triton.jit
+def _group_cols_dual_kernel(
+    g_ptr, g_data_ptr, g_inv_ptr, N, stride_g,
+    x_ptr, idx_ptr, x_data_ptr, x_inv_ptr, K, stride_x, T,
+    offs_ptr, P, E, NB_G,
+    GATHER: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    # Column blocks [0, NB_G) are g's, the rest x's.
+    pid_g = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    if pid_c < NB_G:
+        _group_cols_block(g_ptr, idx_ptr, offs_ptr, g_data_ptr, g_inv_ptr, pid_g, pid_c, T, P, N, E, stride_g,
+                          False, BR, BC, EPS, AMAX_MAX, FP8_MAX)
+    else:
+        _group_cols_block(x_ptr, idx_ptr, offs_ptr, x_data_ptr, x_inv_ptr, pid_g, pid_c - NB_G, T, P, K, E, stride_x,
+                          GATHER, BR, BC, EPS, AMAX_MAX, FP8_MAX)
+
+
+_BR, _BC, _GROUP_WARPS = 64, 64, 4
+
+
+def _group_out(like: torch.Tensor, p: int, c: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(c, p, dtype=FP8, device=like.device),
+            torch.empty(e * c, dtype=torch.float32, device=like.device))
+
+
+def quantize_group_cols(
+    x: torch.Tensor, offs: torch.Tensor, index: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`fp8kit.moe.rowwise_quant.quantize_group_cols_ref`: ``(data (C, P) row-major,
+    inv_scale (E*C,))``; the caller views ``data`` as it needs (``.t()`` for the right operand).
+
+    Args:
+        x: CUDA ``(P, C)`` (``(T, C)`` with ``index``) float tensor, unit stride along C.
+        offs: CUDA ``(E,)`` contiguous int32 / int64 cumulative group ends (sorted; unchecked).
+        index: None, or CUDA ``(P,)`` contiguous int64 / int32 row of ``x`` per row, ``T`` = zero row.
+    """
+    rows, c = x.shape
+    p = rows if index is None else index.shape[0]
+    e = offs.shape[0]
+    data, inv = _group_out(x, p, c, e)
+    x, t = _gather_source(x)
+    _group_cols_kernel[(e + 1, triton.cdiv(c, _BC))](
+        x, x if index is None else index, offs, data, inv, t, p, c, e, x.stride(0),
+        GATHER=index is not None, BR=_BR, BC=_BC, num_warps=_GROUP_WARPS, **_KW)
+    return data, inv
+
+
+def quantize_group_cols_dual(
+    g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, index_x: torch.Tensor | None
+) -> tuple[torch.Tensor, ...]:
+    """Both wgrad operands in one launch: ``(g_data (N, P), g_inv (E*N,), x_data (K, P), x_inv (E*K,))``, row-major
+    ``(C, P)`` buffers as :func:`quantize_group_cols` returns them. ``g``: CUDA ``(P, N)``; ``x``: ``(P, K)``, or
+    ``(T, K)`` read through ``index_x``."""
+    p, n = g.shape
+    k = x.shape[1]
+    e = offs.shape[0]
+    g_data, g_inv = _group_out(g, p, n, e)
+    x_data, x_inv = _group_out(x, p, k, e)
+    nb_g, nb_x = triton.cdiv(n, _BC), triton.cdiv(k, _BC)
+    x, t = _gather_source(x)
+    _group_cols_dual_kernel[(e + 1, nb_g + nb_x)](
+        g, g_data, g_inv, n, g.stride(0),
+        x, x if index_x is None else index_x, x_data, x_inv, k, x.stride(0), t,
+        offs, p, e, nb_g,
+        GATHER=index_x is not None, BR=_BR, BC=_BC, num_warps=_GROUP_WARPS, **_KW)
+    return g_data, g_inv, x_data, x_inv
+
+
+def _gather_source(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(x, T)``; a zero-row ``x`` gets one real row to point at (every index is then the zero row, T = 0)."""
+    if x.shape[0] == 0:
+        return x.new_zeros(1, x.shape[1]), 0
+    return x, x.shape[0]
+
+
+# --------------------------------------------------------------------------- expert weights (both right operands)
+
+@triton.jit
+def _experts_amax_kernel(
+    w_ptr, row_amax_ptr, col_amax_ptr, fprop_inv_ptr, N, K, stride_e, stride_n,
+    BN: tl.constexpr, BK: tl.constexpr, EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    e = tl.program_id(0)
+    offs_n = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
+    nmask = offs_n < N
+    base = w_ptr + e.to(tl.int64) * stride_e + offs_n[:, None] * stride_n
+    row_amax = tl.zeros((BN,), tl.float32)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        kmask = offs_k < K
+        a = tl.abs(tl.load(base + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32))
+        row_amax = tl.maximum(row_amax, tl.max(a, axis=1))
+        tl.atomic_max(col_amax_ptr + e * K + offs_k, tl.max(a, axis=0), mask=kmask)
+    tl.store(row_amax_ptr + e * N + offs_n, row_amax, mask=nmask)
+    tl.store(fprop_inv_ptr + e * N + offs_n, _inv(_pow2_scale(row_amax, EPS, AMAX_MAX, FP8_MAX)), mask=nmask)
+
+
+@triton.jit
+def _experts_cast_kernel(
+    w_ptr, row_amax_ptr, col_amax_ptr, fprop_ptr, dgrad_ptr, dgrad_inv_ptr, N, K, stride_e, stride_n,
+    BN: tl.constexpr, BK: tl.constexpr, EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    e = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+    offs_k = (tl.program_id(2) * BK + tl.arange(0, BK)).to(tl.int64)
+    nmask = offs_n < N
+    kmask = offs_k < K
+    mask = nmask[:, None] & kmask[None, :]
+    w = tl.load(w_ptr + e.to(tl.int64) * stride_e + offs_n[:, None] * stride_n + offs_k[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    row_scale = _pow2_scale(tl.load(row_amax_ptr + e * N + offs_n, mask=nmask, other=0.0), EPS, AMAX_MAX, FP8_MAX)
+    col_scale = _pow2_scale(tl.load(col_amax_ptr + e * K + offs_k, mask=kmask, other=0.0), EPS, AMAX_MAX, FP8_MAX)
+    out = e.to(tl.int64) * N * K
+    tl.store(fprop_ptr + out + offs_n[:, None] * K + offs_k[None, :], _cast(w, row_scale[:, None], FP8_MAX), mask=mask)
+    dq = tl.trans(_cast(w, col_scale[None, :], FP8_MAX))  # (BK, BN): dgrad[e, k, n] row-major, n contiguous
+    tl.store(dgrad_ptr + out + offs_k[:, None] * N + offs_n[None, :], dq, mask=kmask[:, None] & nmask[None, :])
+    tl.store(dgrad_inv_ptr + e * K + offs_k, _inv(col_scale), mask=kmask & (pid_n == 0))
+
+
+_BN, _BK, _EXPERT_WARPS = 64, 128, 8
+
+
+def quantize_experts_dual(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`fp8kit.moe.rowwise_quant.quantize_experts_dual_ref`: ``(fprop (E, N, K) row-major,
+    fprop_inv (E, N), dgrad (E, K, N) row-major, dgrad_inv (E, K))``; the caller takes the transposed views.
+
+    Args:
+        w: CUDA ``(E, N, K)`` float tensor, unit stride along K.
+    """
+    e, n, k = w.shape
+    dev = w.device
+    fprop = torch.empty(e, n, k, dtype=FP8, device=dev)
+    dgrad = torch.empty(e, k, n, dtype=FP8, device=dev)
+    fprop_inv = torch.empty(e, n, dtype=torch.float32, device=dev)
+    dgrad_inv = torch.empty(e, k, dtype=torch.float32, device=dev)
+    row_amax = torch.empty(e, n, dtype=torch.float32, device=dev)
+    col_amax = torch.zeros(e, k, dtype=torch.float32, device=dev)
+    nb = triton.cdiv(n, _BN)
+    _experts_amax_kernel[(e, nb)](w, row_amax, col_amax, fprop_inv, n, k, w.stride(0), w.stride(1),
+                                  BN=_BN, BK=_BK, num_warps=_EXPERT_WARPS, **_KW)
+    _experts_cast_kernel[(e, nb, triton.cdiv(k, _BK))](
+        w, row_amax, col_amax, fprop, dgrad, dgrad_inv, n, k, w.stride(0), w.stride(1),
+        BN=_BN, BK=_BK, num_warps=_EXPERT_WARPS, **_KW)
+    return fprop, fprop_inv, dgrad, dgrad_inv

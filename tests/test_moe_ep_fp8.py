@@ -1,0 +1,304 @@
+"""FP8 token dispatch under expert parallelism (``distributed.ep_fp8_dispatch``) and expert parallel with
+tensor parallel, on gloo CPU ranks (torchrun) against one process.
+
+Two torchrun launches; this file is also their worker (``python tests/test_moe_ep_fp8.py MODE OUT CACHE``):
+
+- ``ep2`` (2 ranks): 10 training steps of tiny-moe with ep = 2 and FP8 dispatch, recording every payload the
+  dispatch all-to-all sends; then a model whose hidden size (192) is not a multiple of 128, which must be
+  refused at set-up.
+- ``eptp`` (4 ranks): one MoE layer under dp 2 x tp 2 with ep = 2 and ep = 4, bf16 or FP8 dispatch, against
+  the same layer in one process on the global batch (float32: outputs and every gradient to 1e-5); then 5
+  training steps of tiny-moe with dp 2 x tp 2 (sequence parallel), ep = 2, FP8 dispatch (the LR warmup does
+  not depend on train.steps: they are the reference's first 5).
+
+Thresholds (training losses, relative to one process on the same global batch, bf16): 0.5% per step,
+tighter than the issue's 3% (measured 2.0e-4 for ep = 2 over 10 steps and 6.8e-4 for dp 2 x tp 2 x ep 2,
+torch 2.13 CPU; a missing 1/dp on the expert gradients drifts by > 1.5% within 10 steps, which 3% would
+not catch). FP8 dispatch rounds every token to E4M3 (3 mantissa bits, one scale per 128 elements) on its
+way to the experts; routing is unchanged (the router runs before the dispatch). The layer comparison is
+float32 and exact up to summation order: 1e-5 of the largest reference value (measured <= 1e-6).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8kit.base.errors import ConfigError
+from fp8kit.fp8.blockwise import dequantize_rows, quantize_1x128
+from fp8kit.moe.fp8_dispatch import check_dispatch_hidden, pack, payload_row_bytes, unpack
+
+ROOT = Path(__file__).resolve().parent.parent
+
+STEPS = ["train.steps=10", "train.eval_every=0", "train.checkpoint_every=0", "train.final_checkpoint=false"]
+RANKS = ["train.micro_batch_size=2", "train.eval_batches=1"]  # global batch 4 = the reference's
+MOE = ["model.preset=tiny-moe", "train.mixed_precision=bf16"]
+LOSS_RTOL = 5e-3  # per step, relative (module docstring)
+LAYER_RTOL = 1e-5  # max |diff| / max |reference|, float32 layer (module docstring)
+HIDDEN = 256  # tiny-moe
+
+
+# ----------------------------------------------------------------------------------------------------------
+# In-process: the payload format and the set-up check
+
+
+def test_payload_is_uint8_e4m3_plus_scales_about_half_of_bf16():
+    x = torch.randn(37, HIDDEN, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) * 3
+    payload = pack(x)
+    assert payload.dtype == torch.uint8 and payload.shape == (37, HIDDEN + 4 * HIDDEN // 128), payload.shape
+    ratio = payload.numel() / (x.numel() * x.element_size())
+    assert 0.5 < ratio <= 0.52, f"FP8 payload / bf16 bytes = {ratio:.4f}"
+    q, s = quantize_1x128(x)
+    want = dequantize_rows(q, s).to(torch.bfloat16)
+    got = unpack(payload, HIDDEN, torch.bfloat16)
+    assert torch.equal(got, want), f"max |diff| {(got.float() - want.float()).abs().max().item()}"
+    err = (got.float() - x.float()).pow(2).mean() / x.float().pow(2).mean()
+    sqnr = -10 * torch.log10(err).item()
+    assert sqnr >= 25, f"E4M3 + 1x128 round trip SQNR {sqnr:.1f} dB < 25 dB"
+
+
+def test_hidden_size_not_a_multiple_of_128_is_refused():
+    check_dispatch_hidden(256, "model.layers.0.mlp.experts")
+    with pytest.raises(ConfigError) as e:
+        check_dispatch_hidden(192, "model.layers.0.mlp.experts")
+    msg = str(e.value)
+    assert "distributed.ep_fp8_dispatch" in msg and "hidden size 192" in msg and "multiple of 128" in msg, msg
+
+
+def test_payload_row_bytes():
+    assert payload_row_bytes(7168) == 7168 + 4 * 56  # DeepSeek-V3: 0.5156x of bf16's 14336 bytes
+
+
+def test_etp_was_removed_but_old_configs_with_etp_1_load(tmp_path):
+    """Old configs and run directories' resolved_config.toml carry ``etp = 1``: they load, with a note."""
+    from fp8kit.config import load_config
+
+    old = tmp_path / "resolved_config.toml"
+    old.write_text("[distributed]\nep = 1\netp = 1\n")
+    cfg = load_config(old)
+    assert "etp" not in cfg.to_dict()["distributed"], cfg.to_dict()["distributed"]
+    assert any("distributed.etp = 1 is ignored (the key was removed" in n for n in cfg.notes), cfg.notes
+    old.write_text("[distributed]\netp = 2\n")
+    with pytest.raises(ConfigError, match="distributed.etp = 2: expert tensor parallelism is not supported"):
+        load_config(old)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Multi-process (torchrun, gloo)
+
+
+def _torchrun(nproc: int, args: list[str], timeout: int = 300) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
+           str(Path(__file__).resolve()), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def _run_overrides(cache) -> list[str]:
+    from tests.conftest import small_run_overrides
+
+    return small_run_overrides(cache) + STEPS + MOE
+
+
+@pytest.fixture(scope="module")
+def reference(cache_dir, tmp_path_factory):
+    """One process, global batch 4, the torchrun runs' initialisation (meta init); ep_fp8_dispatch is set
+    (ep = 1: it must only warn)."""
+    from fp8kit.config import load_config
+    from fp8kit.train.trainer import train
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = load_config(None, _run_overrides(cache_dir) + ["distributed.meta_init=true",
+                                                             "distributed.ep_fp8_dispatch=true"])
+        return train(cfg, tmp_path_factory.mktemp("ref") / "run")
+    finally:
+        torch.set_num_threads(before)
+
+
+def _losses(run: Path) -> list[float]:
+    from fp8kit.train.metrics import read_metrics
+
+    return [r["loss"] for r in read_metrics(run / "metrics.jsonl")]
+
+
+def _close(got: list[float], want: list[float], what: str, fall: float) -> None:
+    rel = [abs(a - b) / abs(b) for a, b in zip(got, want, strict=True)]
+    table = "\n".join(f"  step {i + 1}: {a:.5f} vs {b:.5f} (rel {r:.1e})"
+                      for i, (a, b, r) in enumerate(zip(got, want, rel, strict=True)))
+    assert max(rel) <= LOSS_RTOL, f"{what}: max relative diff {max(rel):.2e} > {LOSS_RTOL}\n{table}"
+    assert all(torch.isfinite(torch.tensor(got))) and got[-1] < got[0] - fall, f"{what}: does not train\n{table}"
+
+
+def test_ep_fp8_dispatch_without_ep_warns(reference):
+    note = "distributed.ep_fp8_dispatch = true has no effect: no expert parallelism (ep = 1)"
+    assert note in reference.summary["parallel_notes"], reference.summary["parallel_notes"]
+
+
+def test_ep2_fp8_dispatch_trains_like_one_process(reference, cache_dir, tmp_path):
+    _torchrun(2, ["ep2", str(tmp_path), str(cache_dir)])
+    run = tmp_path / "run"
+    _close(_losses(run), [r["loss"] for r in reference.metrics], "ep=2, FP8 dispatch, vs 1 process", fall=0.5)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["parallel"].endswith("(ep2 -> fsdp2), EP dispatch: fp8 (E4M3 + 1x128 scales)"), summary["parallel"]
+
+    sent = json.loads((tmp_path / "payloads.json").read_text())
+    forward = [c for c in sent if c["dtype"] == "torch.uint8"]
+    backward = [c for c in sent if c["dtype"] != "torch.uint8"]
+    # 2 MoE layers x (10 steps + 1 final validation batch) forward dispatches; the 10 steps' backward
+    # returns the bf16 gradient
+    assert len(forward) == 2 * (10 + 1) and len(backward) == 2 * 10, (len(forward), len(backward), sent[:3])
+    assert all(c["cols"] == HIDDEN + HIDDEN // 32 for c in forward), {c["cols"] for c in forward}
+    assert all(c["dtype"] == "torch.bfloat16" and c["cols"] == HIDDEN for c in backward), backward[:2]
+    # rank 0 sends its 2 x 64 tokens x top-2 = 256 (token, expert) pairs per layer over the two ranks
+    assert all(c["rows_sent"] == 256 for c in forward[:2]), forward[:2]
+    sent_bytes = sum(c["rows_sent"] * c["cols"] for c in forward)
+    bf16_bytes = sum(c["rows_sent"] * HIDDEN * 2 for c in forward)
+    assert sent_bytes / bf16_bytes == pytest.approx(264 / 512), (sent_bytes, bf16_bytes)
+
+    error = (tmp_path / "hidden192.txt").read_text()
+    assert error.startswith("ConfigError: distributed.ep_fp8_dispatch = true: model.layers.0.mlp.experts has "
+                            "hidden size 192, not a multiple of 128"), error
+
+
+def test_ep_with_tp_matches_one_process(reference, cache_dir, tmp_path):
+    _torchrun(4, ["eptp", str(tmp_path), str(cache_dir)])
+    layer = json.loads((tmp_path / "layer.json").read_text())
+    assert len(layer) == 3 * 4, layer  # 3 layouts x 4 ranks
+    for r in layer:
+        worst = max(r["rel"].values())
+        assert worst <= LAYER_RTOL, f"{r['case']} rank {r['rank']}: {r['rel']}"
+    run = tmp_path / "run"
+    _close(_losses(run), [r["loss"] for r in reference.metrics[:5]], "dp 2 x tp 2 (SP), ep=2, FP8 dispatch vs 1 "
+           "process", fall=0.1)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["parallel"].startswith("4 ranks: dp_replicate 1 x dp_shard 2 x tp 2 (tp+sp -> ep2 -> fsdp2)"), \
+        summary["parallel"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The torchrun worker
+
+
+def _layer_case(mesh, ep: int, fp8_dispatch: bool, tokens: int = 21) -> dict:
+    """One MoE layer (8 experts, top-2, hidden 256, float32) on this rank's tokens against the same layer in
+    one process on all data-parallel ranks' tokens: relative max errors of the output and every gradient."""
+    from transformers import AutoConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from fp8kit.moe.expert_parallel import EPGroup, ep_mesh, shard_experts
+    from fp8kit.moe.experts import Float8GroupedExperts
+
+    dp, tp = mesh["dp_shard"].size(), mesh["tp"].size()
+    e, topk = 8, 2
+    cfg = AutoConfig.for_model("qwen3_moe", hidden_size=HIDDEN, moe_intermediate_size=128, num_experts=e,
+                               num_experts_per_tok=topk)
+
+    def layer() -> Float8GroupedExperts:
+        torch.manual_seed(0)
+        src = Qwen3MoeExperts(cfg)
+        with torch.no_grad():
+            src.gate_up_proj.normal_(0, 0.06)
+            src.down_proj.normal_(0, 0.09)
+        return Float8GroupedExperts(src, frozenset())
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(dp, tokens, HIDDEN, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(dp * tokens)]).view(dp, tokens, topk)
+    w = torch.rand(dp, tokens, topk, generator=g)
+    dy = torch.randn(dp, tokens, HIDDEN, generator=g)
+
+    # one process: every data-parallel rank's tokens; the objective is the mean over dp of each rank's loss
+    ref = layer()
+    rx, rw = x.clone().requires_grad_(), w.clone().requires_grad_()
+    xin = rx
+    if fp8_dispatch:  # what the experts receive; the gradient goes straight through (moe/fp8_dispatch.py)
+        q, s = quantize_1x128(rx.detach().view(-1, HIDDEN))
+        xin = rx + (dequantize_rows(q, s).view_as(rx) - rx).detach()
+    ry = ref(xin.view(-1, HIDDEN), ids.view(-1, topk), rw.view(-1, topk)).view(dp, tokens, HIDDEN)
+    ((ry * dy).sum() / dp).backward()
+
+    i = mesh["dp_shard"].get_local_rank()
+    mod = layer()
+    shard_experts(mod, EPGroup(ep_mesh("cpu", dp, ep, tp), ep, dp, fp8_dispatch=fp8_dispatch,
+                               tp_mesh=mesh["tp"] if tp > 1 else None))
+    lx, lw = x[i].clone().requires_grad_(), w[i].clone().requires_grad_()
+    y = mod(lx, ids[i], lw)
+    (y * dy[i]).sum().backward()  # this rank's loss; the expert hook divides by dp
+
+    def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+        return ((got - want).abs().max() / want.abs().max()).item()
+
+    out = {"output": rel(y, ry[i]), "grad_hidden": rel(lx.grad, dp * rx.grad[i]),
+           "grad_router_weights": rel(lw.grad, dp * rw.grad[i])}
+    for name in ("gate_up_proj", "down_proj"):
+        p = getattr(mod, name)
+        n, r = e // ep, mod.ep_group.rank
+        out[f"grad_{name}"] = rel(p.grad.to_local(), getattr(ref, name).grad[r * n:(r + 1) * n])
+    return out
+
+
+def _record_payloads(log: list[dict]) -> None:
+    from fp8kit.moe import fp8_dispatch
+
+    real = fp8_dispatch._exchange
+
+    def exchange(t, out_splits, in_splits, group):
+        log.append({"dtype": str(t.dtype), "cols": t.shape[1], "rows_sent": sum(in_splits)})
+        return real(t, out_splits, in_splits, group)
+
+    fp8_dispatch._exchange = exchange
+
+
+def _worker(mode: str, out: Path, cache: str) -> None:
+    import torch.distributed as dist
+
+    from fp8kit.config import load_config
+    from fp8kit.train.trainer import train
+
+    torch.set_num_threads(1)
+    sets = _run_overrides(cache) + RANKS + ["distributed.ep=2", "distributed.ep_fp8_dispatch=true"]
+    if mode == "ep2":
+        log: list[dict] = []
+        _record_payloads(log)
+        train(load_config(None, sets), out / "run")
+        if dist.get_rank() == 0:
+            (out / "payloads.json").write_text(json.dumps(log))
+        from fp8kit.models.presets import PRESETS
+
+        hf = dict(PRESETS["tiny-moe"], hidden_size=192)
+        (out / "hidden192.json").write_text(json.dumps(hf))
+        try:
+            train(load_config(None, sets + [f"model.hf_config={out / 'hidden192.json'}"]), out / "bad")
+            message = "no error"
+        except ConfigError as e:
+            message = f"ConfigError: {e}"
+        if dist.get_rank() == 0:
+            (out / "hidden192.txt").write_text(message)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dist.init_process_group("gloo")
+        mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        results = [{"case": f"dp2 x tp2, ep={ep}, fp8_dispatch={fp8}", "rank": dist.get_rank(),
+                    "rel": _layer_case(mesh, ep, fp8)} for ep, fp8 in ((2, False), (2, True), (4, False))]
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, results)
+        if dist.get_rank() == 0:
+            (out / "layer.json").write_text(json.dumps([r for rs in gathered for r in rs]))
+        train(load_config(None, sets + ["distributed.tp=2", "distributed.sequence_parallel=true", "train.steps=5"]),
+              out / "run")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], Path(sys.argv[2]), sys.argv[3])

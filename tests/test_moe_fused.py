@@ -1,0 +1,132 @@
+"""The fused rowwise FP8 expert MLP (``moe/fused_experts.py``, grouped kernel ``fused``) on the CPU reference path.
+
+On the CPU its casts run the PyTorch references of ``moe/rowwise_quant.py`` and its GEMMs the float32 emulation of
+``torch._scaled_grouped_mm``; the GPU test of ``rowwise_quant`` checks the Triton kernels against those references
+bit for bit. Thresholds as ``tests/test_moe_grouped.py``: whole layer vs float64 output >= 18 dB, gradients >= 17 dB
+(torchao's floors); fused vs the unfused per-weight path (same casts, SwiGLU rounded once instead of twice)
+>= 30 dB on every output and gradient.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+from fp8kit.moe import routing
+from fp8kit.moe.experts import Float8GroupedExperts
+from fp8kit.moe.fused_experts import fused_rowwise_experts
+from fp8kit.moe.grouped_mm import GroupedGemmConfig, emulated_scaled_grouped_mm
+from tests.conftest import sqnr
+from tests.test_moe_grouped import GRAD_DB, OUT_DB, _reference_experts, _routings, assert_sqnr
+
+
+@pytest.mark.parametrize("tokens", [1, 37, 200])
+def test_fused_mlp_matches_float64_reference(tokens):
+    """Uniform, unbalanced and empty-expert routings; experts without tokens get exactly zero gradients."""
+    e, hdim, inter = 8, 64, 48
+    torch.manual_seed(tokens)
+    for name, idx in _routings(tokens, e):
+        h = torch.randn(tokens, hdim)
+        w_up = torch.randn(e, 2 * inter, hdim) / hdim ** 0.5
+        w_down = torch.randn(e, hdim, inter) / inter ** 0.5
+        weights = torch.softmax(torch.randn(tokens, 2), dim=-1)
+        g = torch.randn(tokens, hdim)
+        ref_leaves = [t.double().requires_grad_() for t in (h, w_up, w_down)]
+        ref = _reference_experts(*ref_leaves, idx, weights.double())
+        ref.backward(g.double())
+        leaves = [t.to(torch.bfloat16).requires_grad_() for t in (h, w_up, w_down)]
+        d = routing.dispatch(idx, e)
+        y = fused_rowwise_experts(leaves[0], leaves[1], leaves[2], d.gather_idx, d.pair_rows, d.offs,
+                                  emulated_scaled_grouped_mm, torch.bfloat16)
+        out = routing.combine(y, d, weights, torch.float32)
+        out.backward(g)
+        where = f"{name}, {tokens} tokens"
+        assert_sqnr(ref, out, OUT_DB, f"{where}: output")
+        assert_sqnr(ref_leaves[0].grad, leaves[0].grad, GRAD_DB, f"{where}: dx")
+        used = torch.unique(idx)
+        unused = torch.ones(e, dtype=torch.bool)
+        unused[used] = False
+        for i, wname in ((1, "dw_up"), (2, "dw_down")):
+            assert leaves[i].grad.dtype == torch.bfloat16
+            assert_sqnr(ref_leaves[i].grad[used], leaves[i].grad[used], GRAD_DB, f"{where}: {wname}")
+            leftover = leaves[i].grad[unused].abs().max().item() if unused.any() else 0.0
+            assert leftover == 0.0, f"{where}: experts without tokens got {wname} up to {leftover}"
+
+
+def _hf_experts(e: int = 8, hdim: int = 128, inter: int = 64) -> Qwen3MoeExperts:
+    cfg = Qwen3MoeConfig(hidden_size=hdim, moe_intermediate_size=inter, num_experts=e, hidden_act="silu")
+    mod = Qwen3MoeExperts(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        mod.gate_up_proj.copy_(torch.randn_like(mod.gate_up_proj) / hdim ** 0.5)
+        mod.down_proj.copy_(torch.randn_like(mod.down_proj) / inter ** 0.5)
+    return mod.to(torch.bfloat16)
+
+
+def _run(module, hidden, idx, weights, g):
+    x = hidden.clone().requires_grad_()
+    module.gate_up_proj.grad = module.down_proj.grad = None
+    out = module(x, idx, weights)
+    out.backward(g)
+    return out.detach().float(), x.grad.float(), module.gate_up_proj.grad.float(), module.down_proj.grad.float()
+
+
+def test_fused_kernel_in_the_experts_module_matches_the_per_weight_path():
+    """Float8GroupedExperts with kernel ``fused`` (whole-MLP path) against the same module on the per-weight
+    emulated path: >= 30 dB on output and every gradient; one FP8 weight only, or a custom gate, falls back to
+    the per-weight path (and says why)."""
+    src = _hf_experts()
+    t = 96
+    torch.manual_seed(1)
+    hidden = torch.randn(t, 128, dtype=torch.bfloat16)
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(t)])
+    weights = torch.softmax(torch.randn(t, 2), dim=-1).to(torch.bfloat16)
+    g = torch.randn(t, 128, dtype=torch.bfloat16)
+    both = frozenset(("gate_up_proj", "down_proj"))
+    fused = Float8GroupedExperts(src, both, GroupedGemmConfig(kernel="fused"))
+    assert fused.fused_problem(torch.device("cpu")) is None
+    got = _run(fused, hidden, idx, weights, g)
+    fused.fp8_weights = both
+    per_weight = Float8GroupedExperts.__new__(Float8GroupedExperts)
+    torch.nn.Module.__init__(per_weight)
+    per_weight.__dict__.update({k: v for k, v in fused.__dict__.items() if k not in ("_parameters", "_modules")})
+    per_weight.gate_up_proj, per_weight.down_proj = fused.gate_up_proj, fused.down_proj
+    per_weight.config, per_weight._kernels = GroupedGemmConfig(kernel="emulated"), {}
+    ref = _run(per_weight, hidden, idx, weights, g)
+    for what, a, b in zip(("output", "dx", "dw_up", "dw_down"), ref, got, strict=True):
+        db = sqnr(a, b)
+        assert db >= 30.0, f"fused vs per-weight {what}: {db:.1f} dB < 30"
+    fused.fp8_weights = frozenset(("down_proj",))
+    assert "only ['down_proj'] in FP8" in fused.fused_problem(torch.device("cpu"))
+    _run(fused, hidden, idx, weights, g)  # runs the per-weight path
+    custom = _hf_experts()
+    custom._apply_gate = lambda h: h[:, : h.shape[1] // 2]
+    other = Float8GroupedExperts(custom, both, GroupedGemmConfig(kernel="fused"))
+    assert "own _apply_gate" in other.fused_problem(torch.device("cpu"))
+
+
+def test_fused_layer_compiled_equals_eager():
+    """torch.compile of the fused layer (aot_eager) equals eager bit for bit on the CPU and takes the fused path
+    (the casts are torch.library ops with fake kernels). Not fullgraph here: the CPU GEMM emulation reads the
+    group offsets on the host; the CUDA grouped GEMM does not."""
+    src = _hf_experts()
+    module = Float8GroupedExperts(src, frozenset(("gate_up_proj", "down_proj")), GroupedGemmConfig(kernel="fused"))
+    t = 64
+    torch.manual_seed(2)
+    hidden = torch.randn(t, 128, dtype=torch.bfloat16)
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(t)])
+    weights = torch.softmax(torch.randn(t, 2), dim=-1).to(torch.bfloat16)
+    calls = []
+    import fp8kit.moe.experts as experts_mod
+
+    real = experts_mod.fused_rowwise_experts
+    experts_mod.fused_rowwise_experts = lambda *a: calls.append(1) or real(*a)
+    try:
+        eager = module(hidden, idx, weights)
+        compiled = torch.compile(module, backend="aot_eager")(hidden, idx, weights)
+    finally:
+        experts_mod.fused_rowwise_experts = real
+    assert len(calls) == 2, f"the fused path ran {len(calls)} of 2 times"
+    assert torch.equal(eager, compiled), f"max |diff| {(eager.float() - compiled.float()).abs().max().item()}"

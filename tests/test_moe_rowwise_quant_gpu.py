@@ -1,0 +1,159 @@
+"""Fused rowwise MoE quantization on a CUDA GPU (marker ``gpu``; skipped without CUDA): the Triton kernels of
+:mod:`fp8kit.moe.rowwise_quant_triton` against the PyTorch references run on the same GPU, bit for bit.
+
+Run on a Hopper GPU: ``pytest -m gpu tests/test_moe_rowwise_quant_gpu.py``. Shapes are real: T = 16384 tokens
+routed top-8 over 128 experts (8 of them never picked) by ``routing.dispatch``, so P = 133,024 padded rows with
+empty groups and rows past the last group; hidden K = 2048 / 7168, intermediate I = 768 / 2048. Every output
+(values, scales, and the layouts ``torch._scaled_grouped_mm`` reads) has exactly the reference's bits; the output
+buffers come from an allocator poisoned with NaN patterns, so an element the kernels leave unwritten fails.
+The fp32 cases put 448 / amax a few ulps from a power of two, where ``floor(log2(scale))`` depends on the
+``log2`` implementation (the kernels call libdevice's, as torch's CUDA ``log2`` does).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from fp8kit.moe import routing
+from fp8kit.moe import rowwise_quant as rq
+from fp8kit.moe.quantize import group_ids, quantize_experts, quantize_group_cols, quantize_rows
+from fp8kit.moe.token_quant import split_gate_up
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+TOKENS, TOPK, EXPERTS, UNUSED = 16384, 8, 128, 8
+
+
+def _real(*shape, scale=1.0, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    t = torch.randn(*shape, generator=g, device="cuda") * scale
+    n = max(1, t.numel() // 1000)
+    idx = torch.randint(0, t.numel(), (n,), generator=g, device="cuda")
+    t.view(-1)[idx] *= torch.empty(n, device="cuda").uniform_(10, 30, generator=g)
+    return t.to(dtype)
+
+
+@functools.cache
+def _dispatch() -> routing.Dispatch:
+    """Random top-8 of 128 experts for 16384 tokens; the last 8 experts are never picked (empty groups)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.rand(TOKENS, EXPERTS, generator=g, device="cuda")
+    logits[:, EXPERTS - UNUSED:] = -1.0
+    d = routing.dispatch(logits.topk(TOPK, dim=-1).indices, EXPERTS)
+    assert (d.tokens_per_expert == 0).sum().item() == UNUSED and d.offs[-1].item() < d.rows
+    return d
+
+
+def _poison_allocator(nbytes: int) -> None:
+    """Leave freed blocks full of 0x7F (E4M3 NaN, a float32 NaN pattern) for the next allocations."""
+    torch.full((nbytes,), 0x7F, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _assert_same(got, ref, where):
+    torch.cuda.synchronize()
+    assert len(got) == len(ref), f"{where}: {len(got)} outputs vs {len(ref)}"
+    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+        assert a.shape == b.shape and a.dtype == b.dtype, f"{where} [{i}]: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+        assert a.stride() == b.stride(), f"{where} [{i}]: strides {a.stride()} vs {b.stride()}"
+        diff = (_bits(a) != _bits(b)).sum().item()
+        assert diff == 0, f"{where} [{i}]: {diff} of {a.numel()} elements differ from the reference"
+
+
+def _near_pow2_amax(n: int) -> torch.Tensor:
+    """n float32 amaxes 1.75 * 2^s * (1 + k 2^-23): 448 / amax within a few ulps of 2^(8 - s)."""
+    vals = [1.75 * 2.0**s * (1 + k * 2.0**-23) for s in (-7, -1, 0, 3) for k in range(-8, 9)]
+    return torch.tensor(vals * (n // len(vals) + 1), device="cuda")[:n]
+
+
+@pytest.mark.parametrize("k", [2048, 7168])
+def test_gather_quantize_rows_matches_reference(k):
+    d = _dispatch()
+    src = _real(TOKENS, k, seed=k)
+    _poison_allocator(4 * d.rows * k)
+    got = rq.gather_quantize_rows(src, d.gather_idx)
+    _assert_same(got, quantize_rows(routing.gather(src, d)), f"gather K={k}")
+
+
+def test_fp32_scales_next_to_a_power_of_two_match_torch_log2():
+    amax = _near_pow2_amax(4096)
+    src = (torch.rand(amax.numel(), 2048, device="cuda") * 2 - 1) * amax[:, None] * 0.9
+    src[:, 100] = amax
+    index = torch.arange(src.shape[0] + 1, device="cuda").flip(0)
+    _assert_same(rq.gather_quantize_rows(src, index), rq.gather_quantize_rows_ref(src, index), "gather fp32 near 2^n")
+    offs = torch.arange(1, 2049, dtype=torch.int32, device="cuda")  # 1-row groups of src^T: amax per column
+    x = src[:, :2048].t().contiguous()
+    _assert_same(rq.quantize_group_cols_fused(x, offs, transposed=True),
+                 quantize_group_cols(x, group_ids(offs, x.shape[0]), 2048, transposed=True), "group cols fp32 near 2^n")
+    w = src[:1024].reshape(4, 256, 2048)
+    _assert_same(rq.quantize_experts_dual(w), (*quantize_experts(w, -1), *quantize_experts(w, -2)),
+                 "experts fp32 near 2^n (rows)")
+    w = src[:, :1024].t().contiguous().reshape(4, 256, 4096)
+    _assert_same(rq.quantize_experts_dual(w), (*quantize_experts(w, -1), *quantize_experts(w, -2)),
+                 "experts fp32 near 2^n (columns)")
+
+
+@pytest.mark.parametrize("i,interleaved", [(768, False), (2048, False), (768, True)])
+def test_swiglu_quantize_rows_matches_reference(i, interleaved):
+    h = _real(_dispatch().rows, 2 * i, scale=3.0, seed=i)
+    gates = torch.tensor([-1e4, -100.0, -87.5, -86.9, 86.9, 87.5, 100.0, 0.0], device="cuda").to(h.dtype)
+    split_gate_up(h, interleaved)[0][0, : gates.numel()] = gates  # the SiLU clamps, in the gate columns
+    _poison_allocator(4 * h.numel())
+    got = rq.swiglu_quantize_rows(h, interleaved)
+    _assert_same(got, rq.swiglu_quantize_rows_ref(h, interleaved), f"swiglu I={i} interleaved={interleaved}")
+
+
+@pytest.mark.parametrize("k", [2048, 7168])
+@pytest.mark.parametrize("transposed", [True, False])
+def test_quantize_group_cols_through_the_index_matches_reference(k, transposed):
+    d = _dispatch()
+    src = _real(TOKENS, k, seed=k + 1)
+    _poison_allocator(4 * d.rows * k)
+    got = rq.quantize_group_cols_fused(src, d.offs, transposed=transposed, index=d.gather_idx)
+    ref = quantize_group_cols(routing.gather(src, d), group_ids(d.offs, d.rows), EXPERTS, transposed=transposed)
+    _assert_same(got, ref, f"group cols indexed K={k} transposed={transposed}")
+
+
+def test_quantize_group_cols_tail_rows_and_dual_match_reference():
+    d = _dispatch()
+    g = _real(d.rows, 2048, seed=5)  # rows past offs[-1] hold values too: the reference casts them (dummy group)
+    x = _real(TOKENS, 2048, seed=6)
+    gid = group_ids(d.offs, d.rows)
+    ref_g = quantize_group_cols(g, gid, EXPERTS, transposed=True)
+    ref_x = quantize_group_cols(routing.gather(x, d), gid, EXPERTS, transposed=False)
+    _poison_allocator(8 * d.rows * 2048)
+    _assert_same(rq.quantize_group_cols_fused(g, d.offs, transposed=True), ref_g, "group cols plain")
+    _assert_same(rq.quantize_group_cols_dual(g, x, d.offs, d.gather_idx), (*ref_g, *ref_x), "group cols dual")
+
+
+@pytest.mark.parametrize("e,n,k", [(128, 1536, 2048), (128, 2048, 768), (8, 4096, 7168)])
+def test_quantize_experts_dual_matches_reference(e, n, k):
+    w = _real(e, n, k, scale=0.02, seed=n + k)
+    _poison_allocator(2 * w.numel())
+    got = rq.quantize_experts_dual(w)
+    _assert_same(got, (*quantize_experts(w, -1), *quantize_experts(w, -2)), f"experts E={e} N={n} K={k}")
+
+
+def test_ops_compile_fullgraph_equal_eager():
+    torch._dynamo.reset()
+    d = _dispatch()
+    src, h, g, w = _real(TOKENS, 2048, seed=7), _real(d.rows, 1536, seed=8), _real(d.rows, 2048, seed=9), \
+        _real(16, 1536, 2048, seed=10)
+
+    def fn(src, idx, offs, h, g, w):
+        return (*rq.gather_quantize_rows(src, idx), *rq.swiglu_quantize_rows(h),
+                *rq.quantize_group_cols_fused(src, offs, transposed=False, index=idx),
+                *rq.quantize_group_cols_dual(g, src, offs, idx), *rq.quantize_experts_dual(w))
+
+    args = (src, d.gather_idx, d.offs, h, g, w)
+    _assert_same(torch.compile(fn, fullgraph=True)(*args), fn(*args), "compiled vs eager")
