@@ -18,12 +18,11 @@ from fp8kit.moe.grouped_loop import blockwise_loop_mm, group_bounds
 from fp8kit.moe.grouped_mm import GroupedGemmConfig, fp8_grouped_mm, resolve_grouped_kernel
 from tests.test_moe_grouped import (
     FP8_GEMM_DB,
-    GRAD_DB,
     NOT_QUANTIZED_DB,
-    OUT_DB,
-    _reference_experts,
     assert_sqnr,
+    check_layer,
     grouped_reference_f64,
+    layer_case,
 )
 
 
@@ -82,15 +81,7 @@ def test_blockwise_experts_layer_vs_float64_reference():
     e, hdim, inter, tokens = 6, 128, 128, 90
     torch.manual_seed(0)
     idx = torch.stack([torch.randperm(4)[:2] for _ in range(tokens)])  # experts 4, 5 get nothing
-    h = torch.randn(tokens, hdim)
-    w_up = torch.randn(e, 2 * inter, hdim) / hdim ** 0.5
-    w_down = torch.randn(e, hdim, inter) / inter ** 0.5
-    weights = torch.softmax(torch.randn(tokens, 2), dim=-1)
-    g = torch.randn(tokens, hdim)
-    ref_leaves = [t.double().requires_grad_() for t in (h, w_up, w_down)]
-    ref = _reference_experts(*ref_leaves, idx, weights.double())
-    ref.backward(g.double())
-    leaves = [t.to(torch.bfloat16).requires_grad_() for t in (h, w_up, w_down)]
+    leaves, weights, g, ref_leaves, ref = layer_case(idx, e, hdim, inter)
     d = routing.dispatch(idx, e)
     bounds = group_bounds(d.offs)
     x = routing.gather(leaves[0], d)
@@ -98,11 +89,8 @@ def test_blockwise_experts_layer_vs_float64_reference():
     y = blockwise_loop_mm(torch.nn.functional.silu(gate) * u, leaves[2], d.offs, bounds=bounds)
     out = routing.combine(y, d, weights, torch.float32)
     out.backward(g)
-    assert_sqnr(ref, out, OUT_DB, "output")
-    assert_sqnr(ref_leaves[0].grad, leaves[0].grad, GRAD_DB, "dx")
-    for i, name in ((1, "dw_up"), (2, "dw_down")):
-        assert_sqnr(ref_leaves[i].grad[:4], leaves[i].grad[:4].float(), GRAD_DB, name)
-        assert leaves[i].grad[4:].abs().max().item() == 0.0, f"experts without tokens got a nonzero {name}"
+    unused = check_layer("blockwise layer", idx, e, leaves, ref_leaves, ref, out)
+    assert unused[4:].all()
 
 
 def test_blockwise_recipe_resolves_to_the_loop_and_mismatches_are_refused():

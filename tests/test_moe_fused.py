@@ -19,7 +19,7 @@ from fp8kit.moe.experts import Float8GroupedExperts
 from fp8kit.moe.fused_experts import fused_rowwise_experts
 from fp8kit.moe.grouped_mm import GroupedGemmConfig, emulated_scaled_grouped_mm
 from tests.conftest import sqnr
-from tests.test_moe_grouped import GRAD_DB, OUT_DB, _reference_experts, _routings, assert_sqnr
+from tests.test_moe_grouped import _routings, check_layer, layer_case
 
 
 @pytest.mark.parametrize("tokens", [1, 37, 200])
@@ -28,31 +28,14 @@ def test_fused_mlp_matches_float64_reference(tokens):
     e, hdim, inter = 8, 64, 48
     torch.manual_seed(tokens)
     for name, idx in _routings(tokens, e):
-        h = torch.randn(tokens, hdim)
-        w_up = torch.randn(e, 2 * inter, hdim) / hdim ** 0.5
-        w_down = torch.randn(e, hdim, inter) / inter ** 0.5
-        weights = torch.softmax(torch.randn(tokens, 2), dim=-1)
-        g = torch.randn(tokens, hdim)
-        ref_leaves = [t.double().requires_grad_() for t in (h, w_up, w_down)]
-        ref = _reference_experts(*ref_leaves, idx, weights.double())
-        ref.backward(g.double())
-        leaves = [t.to(torch.bfloat16).requires_grad_() for t in (h, w_up, w_down)]
+        leaves, weights, g, ref_leaves, ref = layer_case(idx, e, hdim, inter)
         d = routing.dispatch(idx, e)
         y = fused_rowwise_experts(leaves[0], leaves[1], leaves[2], d.gather_idx, d.pair_rows, d.offs,
                                   emulated_scaled_grouped_mm, torch.bfloat16)
         out = routing.combine(y, d, weights, torch.float32)
         out.backward(g)
-        where = f"{name}, {tokens} tokens"
-        assert_sqnr(ref, out, OUT_DB, f"{where}: output")
-        assert_sqnr(ref_leaves[0].grad, leaves[0].grad, GRAD_DB, f"{where}: dx")
-        used = torch.unique(idx)
-        unused = torch.ones(e, dtype=torch.bool)
-        unused[used] = False
-        for i, wname in ((1, "dw_up"), (2, "dw_down")):
-            assert leaves[i].grad.dtype == torch.bfloat16
-            assert_sqnr(ref_leaves[i].grad[used], leaves[i].grad[used], GRAD_DB, f"{where}: {wname}")
-            leftover = leaves[i].grad[unused].abs().max().item() if unused.any() else 0.0
-            assert leftover == 0.0, f"{where}: experts without tokens got {wname} up to {leftover}"
+        assert leaves[1].grad.dtype == leaves[2].grad.dtype == torch.bfloat16
+        check_layer(f"{name}, {tokens} tokens", idx, e, leaves, ref_leaves, ref, out)
 
 
 def _hf_experts(e: int = 8, hdim: int = 128, inter: int = 64) -> Qwen3MoeExperts:

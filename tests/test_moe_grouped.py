@@ -132,6 +132,38 @@ def _routings(t: int, e: int):
     yield "empty-experts", empty
 
 
+def layer_case(idx: torch.Tensor, e: int, hdim: int, inter: int):
+    """Random inputs of one MoE layer for routing ``idx`` (T, 2) over ``e`` experts, and the float64 reference
+    (the HF experts formula, backward done). Returns ``(leaves, weights, g, ref_leaves, ref)``: ``leaves`` the
+    bf16 ``(h, w_up, w_down)`` requiring grad, ``ref_leaves`` their float64 twins holding the reference grads."""
+    tokens = idx.shape[0]
+    h = torch.randn(tokens, hdim)
+    w_up = torch.randn(e, 2 * inter, hdim) / hdim ** 0.5
+    w_down = torch.randn(e, hdim, inter) / inter ** 0.5
+    weights = torch.softmax(torch.randn(tokens, 2), dim=-1)
+    g = torch.randn(tokens, hdim)
+    ref_leaves = [t.double().requires_grad_() for t in (h, w_up, w_down)]
+    ref = _reference_experts(*ref_leaves, idx, weights.double())
+    ref.backward(g.double())
+    leaves = [t.to(torch.bfloat16).requires_grad_() for t in (h, w_up, w_down)]
+    return leaves, weights, g, ref_leaves, ref
+
+
+def check_layer(where: str, idx: torch.Tensor, e: int, leaves, ref_leaves, ref, out) -> torch.Tensor:
+    """Output >= OUT_DB and dx / dw of the experts with tokens >= GRAD_DB against the reference; experts no
+    token chose got exactly zero weight gradients. Returns the mask of those unused experts."""
+    assert_sqnr(ref, out, OUT_DB, f"{where}: output")
+    assert_sqnr(ref_leaves[0].grad, leaves[0].grad, GRAD_DB, f"{where}: dx")
+    used = torch.unique(idx)
+    unused = torch.ones(e, dtype=torch.bool)
+    unused[used] = False
+    for i, wname in ((1, "dw_up"), (2, "dw_down")):
+        assert_sqnr(ref_leaves[i].grad[used], leaves[i].grad[used].float(), GRAD_DB, f"{where}: {wname}")
+        leftover = leaves[i].grad[unused].abs().max().item() if unused.any() else 0.0
+        assert leftover == 0.0, f"{where}: experts without tokens got {wname} up to {leftover}"
+    return unused
+
+
 @pytest.mark.parametrize("tokens", [1, 7, 37, 200])
 def test_fp8_experts_match_float64_reference(tokens):
     """A whole MoE layer (dispatch, FP8 gate_up, SiLU gate, FP8 down, weighted combine) against the HF
@@ -140,17 +172,7 @@ def test_fp8_experts_match_float64_reference(tokens):
     e, hdim, inter = 8, 64, 48
     torch.manual_seed(tokens)
     for name, idx in _routings(tokens, e):
-        h = torch.randn(tokens, hdim)
-        w_up = torch.randn(e, 2 * inter, hdim) / hdim ** 0.5
-        w_down = torch.randn(e, hdim, inter) / inter ** 0.5
-        weights = torch.softmax(torch.randn(tokens, 2), dim=-1)
-        g = torch.randn(tokens, hdim)
-
-        ref_leaves = [t.double().requires_grad_() for t in (h, w_up, w_down)]
-        ref = _reference_experts(*ref_leaves, idx, weights.double())
-        ref.backward(g.double())
-
-        leaves = [t.to(torch.bfloat16).requires_grad_() for t in (h, w_up, w_down)]
+        leaves, weights, g, ref_leaves, ref = layer_case(idx, e, hdim, inter)
         d = routing.dispatch(idx, e)
         x = routing.gather(leaves[0], d)
         up = fp8_grouped_mm(x, leaves[1], d.offs, "emulated")
@@ -158,19 +180,9 @@ def test_fp8_experts_match_float64_reference(tokens):
         y = fp8_grouped_mm(torch.nn.functional.silu(gate) * u, leaves[2], d.offs, "emulated")
         out = routing.combine(y, d, weights, torch.float32)
         out.backward(g)
-
-        where = f"{name}, {tokens} tokens"
-        assert_sqnr(ref, out, OUT_DB, f"{where}: output")
-        assert_sqnr(ref_leaves[0].grad, leaves[0].grad, GRAD_DB, f"{where}: dx")
-        used = torch.unique(idx)
-        unused = torch.ones(e, dtype=torch.bool)
-        unused[used] = False
+        unused = check_layer(f"{name}, {tokens} tokens", idx, e, leaves, ref_leaves, ref, out)
         if name == "empty-experts":
-            assert unused.any(), f"{where}: the routing was meant to leave experts 3.. without tokens"
-        for i, wname in ((1, "dw_up"), (2, "dw_down")):
-            assert_sqnr(ref_leaves[i].grad[used], leaves[i].grad[used], GRAD_DB, f"{where}: {wname}")
-            leftover = leaves[i].grad[unused].abs().max().item() if unused.any() else 0.0
-            assert leftover == 0.0, f"{where}: experts without tokens got {wname} up to {leftover}"
+            assert unused.any(), f"{name}: the routing was meant to leave experts 3.. without tokens"
 
 
 def test_dispatch_layout_is_aligned_and_complete():

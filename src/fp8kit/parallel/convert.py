@@ -105,10 +105,10 @@ def apply_fp8(model: nn.Module, decisions: list[Decision], options: ConversionOp
         if not (d.is_fp8 and not d.site.is_grouped):
             continue
         real = modules.get(d.fqn)
+        if real is not None and isinstance(real[1], (*FP8_LINEARS, float8.Float8Linear)):
+            continue  # converted already (an earlier call, or tensor parallel's own-recipe styles)
         if real is None or not isinstance(real[1], nn.Linear):
             raise Fp8kitError(f"FP8 decision for {d.fqn!r}, which is not an nn.Linear of this model")
-        if isinstance(real[1], (*FP8_LINEARS, float8.Float8Linear)):
-            continue
         if not d.recipe:
             raise Fp8kitError(f"FP8 decision for {d.fqn!r} carries no recipe")
         by_recipe.setdefault(d.recipe, set()).add(real[0])

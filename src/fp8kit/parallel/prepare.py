@@ -29,7 +29,7 @@ from torch import nn
 
 from fp8kit.fp8.delayed import DelayedScaling, DelayedScalingState
 from fp8kit.moe.grouped_mm import GroupedGemmConfig
-from fp8kit.parallel.convert import FP8_LINEARS, ConversionOptions, apply_fp8, plain_named_modules
+from fp8kit.parallel.convert import ConversionOptions, apply_fp8
 from fp8kit.parallel.parallelize import (
     Parallelized,
     apply_ac,
@@ -118,7 +118,6 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
         delayed=DelayedScalingState(options.delayed),
     )
     done = Prepared(conversion=conversion)
-    remaining = decisions  # the decisions step 3 converts
     if tp > 1 or fsdp:  # one delayed scale per tensor across the data- and tensor-parallel ranks
         conversion.delayed.group = amax_group(mesh)
 
@@ -129,10 +128,6 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
             check_tp(hf_cfg, tp)
         apply_tp(model, mesh["tp"], decisions, conversion if options.fp8 else None,
                  sequence_parallel=options.sequence_parallel)
-        # Its fp8kit-recipe linears are converted already; step 3 must not see them again (apply_fp8 skips
-        # converted torchao Float8Linear modules, an nn.Linear subclass, but refuses non-nn.Linear modules).
-        own = {fqn for fqn, (_, m) in plain_named_modules(model).items() if isinstance(m, FP8_LINEARS)}
-        remaining = [d for d in decisions if d.fqn not in own]
         done.steps.append("tp+sp" if options.sequence_parallel else "tp")
 
     # 2. Expert parallel before FP8: the experts modules become fp8kit's grouped experts holding only this
@@ -150,7 +145,7 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     #    and before AC (AC must recompute through the FP8 modules) and FSDP2 (FP8 all-gather needs
     #    torchao's weight wrapper in place when fully_shard takes the parameters).
     if options.fp8:
-        apply_fp8(model, remaining, conversion)
+        apply_fp8(model, decisions, conversion)  # skips what tensor parallel converted already
         done.steps.append("fp8")
         done.fp8_all_gather = conversion.fsdp_float8_all_gather
         if options.fp8_all_gather and not fsdp:
