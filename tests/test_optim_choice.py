@@ -26,3 +26,19 @@ def test_auto_resolves_to_a_high_precision_master(sets, name, dtype, why):
     again, _ = resolve_optimizer(out)
     assert again is out, "resolving twice must change nothing"
     assert cfg.optim.name == load_config(None, sets).optim.name, "the input config was modified"
+
+
+def test_auto_keeps_the_optimizer_of_the_checkpoint_being_resumed():
+    """An AdamW checkpoint (e.g. from an expert-parallel run) resumed in one process stays AdamW under auto; an
+    FP8AdamW checkpoint stays FP8AdamW; a resumed FP8AdamW checkpoint where FP8AdamW cannot run (tp = 2) gives
+    adamw, which the resume's optimizer check then refuses with its own message."""
+    cfg = load_config(None, ["optim.name=auto"])
+    out, note = resolve_optimizer(cfg, saved="adamw")
+    # train.param_dtype stays as configured (the checkpoint's weights load into either dtype)
+    assert (out.optim.name, out.train.param_dtype) == ("adamw", "bf16") and "holds AdamW states" in note
+    out, note = resolve_optimizer(cfg, saved="fp8_adamw")
+    assert out.optim.name == "fp8_adamw" and "holds FP8AdamW states" in note
+    out, _ = resolve_optimizer(load_config(None, ["optim.name=auto", "distributed.tp=2"]), saved="fp8_adamw")
+    assert out.optim.name == "adamw"
+    explicit, _ = resolve_optimizer(load_config(None, ["optim.name=fp8_adamw"]), saved="adamw")
+    assert explicit.optim.name == "fp8_adamw", "an explicit choice is never overridden (the resume refuses instead)"

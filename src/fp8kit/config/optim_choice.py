@@ -25,15 +25,26 @@ from __future__ import annotations
 from fp8kit.config.schema import RunConfig
 
 
-def resolve_optimizer(cfg: RunConfig) -> tuple[RunConfig, str]:
+def resolve_optimizer(cfg: RunConfig, saved: str | None = None) -> tuple[RunConfig, str]:
     """``cfg`` with ``optim.name`` and ``train.param_dtype`` concrete (module docstring), and one line saying what
     was chosen and why (empty when both were given explicitly).
+
+    Args:
+        cfg: the run config.
+        saved: ``"adamw"`` / ``"fp8_adamw"``: the optimizer whose states the checkpoint being resumed holds
+            (``train.checkpoint.saved_optimizer``); ``auto`` keeps it, so a run resumes in another layout
+            (e.g. an expert-parallel checkpoint in one process) without switching optimizers. A saved
+            FP8AdamW where it cannot run falls through to the rules (and the resume refuses the mismatch).
 
     Returns:
         ``(config, note)``; ``config`` is ``cfg`` itself when nothing was ``auto``.
     """
     o, t, d = cfg.optim, cfg.train, cfg.distributed
     name, dtype, why = o.name, t.param_dtype, ""
+    if name == "auto" and saved == "adamw":
+        name, why = "adamw", "optim.name = auto -> adamw (the checkpoint being resumed holds AdamW states)"
+        if dtype == "auto":
+            dtype = "fp32"
     if name == "auto":
         blockers = []
         if d.tp > 1 or d.ep > 1:
@@ -44,7 +55,8 @@ def resolve_optimizer(cfg: RunConfig) -> tuple[RunConfig, str]:
             blockers.append("train.param_dtype = \"fp32\" asks for FP32 parameters")
         name = "adamw" if blockers else "fp8_adamw"
         why = (f"optim.name = auto -> adamw with an FP32 master ({'; '.join(blockers)})" if blockers else
-               "optim.name = auto -> fp8_adamw (scaled FP16 master, 7 bytes/param)")
+               "optim.name = auto -> fp8_adamw (scaled FP16 master, 7 bytes/param"
+               + ("; the checkpoint being resumed holds FP8AdamW states)" if saved == "fp8_adamw" else ")"))
         if name == "adamw" and "param_dtype" not in t.model_fields_set:
             dtype = "fp32"  # the default bf16 would update bf16 weights in place: not what auto promises
         elif name == "adamw" and dtype == "bf16":

@@ -207,15 +207,16 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
     """
     say = status or (lambda _m: None)
     cfg = resolve_pretrained(cfg)  # model.pretrained fixes data.vocab_size / data.tokenizer (idempotent)
-    cfg, optim_choice = resolve_optimizer(cfg)  # optim.name / train.param_dtype = auto -> concrete (idempotent)
+    resume_ckpt = ckpt.find_checkpoint(resume) if resume is not None else None
+    resume_state = ckpt.load_train_state(resume_ckpt) if resume_ckpt is not None else None
+    saved = ckpt.saved_optimizer(resume_ckpt, resume_state) if resume_ckpt is not None else None
+    cfg, optim_choice = resolve_optimizer(cfg, saved)  # optim.name / train.param_dtype = auto -> concrete
     d = cfg.distributed
     dims = resolve_dims(d.dp_shard, d.dp_replicate, d.tp, d.ep, launched_world_size())
     if dims.distributed:
         check_distributed_config(cfg)
     device = resolve_device(cfg.train.device)
     capability = check_fp8_capability(cfg, device)
-    resume_ckpt = ckpt.find_checkpoint(resume) if resume is not None else None
-    resume_state = ckpt.load_train_state(resume_ckpt) if resume_ckpt is not None else None
     mesh = None
     if dims.distributed:
         from fp8kit.parallel.mesh import init_distributed
