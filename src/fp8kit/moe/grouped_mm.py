@@ -46,7 +46,9 @@ from dataclasses import dataclass
 import torch
 
 from fp8kit.base.errors import CapabilityError, ConfigError
+from fp8kit.fp8.kernels.ops import blockwise_gemm_support
 from fp8kit.moe import quantize as q
+from fp8kit.moe.grouped_loop import blockwise_loop_mm
 
 #: The grouped-GEMM kernels :func:`fp8_grouped_mm` can run (``auto``: let :func:`resolve_grouped_kernel` pick).
 GROUPED_KERNELS = ("auto", "scaled_grouped_mm", "torchao", "emulated", "blockwise_loop", "fused")
@@ -120,8 +122,6 @@ def resolve_grouped_kernel(config: GroupedGemmConfig, device: torch.device) -> s
             raise ConfigError(f"FP8 grouped GEMM: kernel {config.kernel!r} does not run recipe {config.recipe!r} "
                               f"(blockwise experts run only on the blockwise_loop kernel)")
         if device.type == "cuda" and not config.emulate:
-            from fp8kit.fp8.kernels.ops import blockwise_gemm_support
-
             ok, reason = blockwise_gemm_support(device)
             if not ok:
                 raise CapabilityError(f"FP8 MoE experts, blockwise recipe: {reason}; or keep the experts in BF16 "
@@ -333,8 +333,6 @@ def fp8_grouped_mm(
     if kernel == "fused":  # a single weight of a fused-kernel layer: the per-weight rowwise path
         return fp8_grouped_mm(x, w, offs, per_weight_kernel(x.device), compile_quantize=compile_quantize)
     if kernel == "blockwise_loop":
-        from fp8kit.moe.grouped_loop import blockwise_loop_mm
-
         return blockwise_loop_mm(x, w, offs, emulate=emulate, bounds=bounds)
     raise ValueError(f"fp8_grouped_mm: kernel must be resolved first (scaled_grouped_mm, torchao, emulated, blockwise_loop), "
                      f"got {kernel!r}")
