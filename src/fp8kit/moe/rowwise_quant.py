@@ -30,11 +30,9 @@ float32 abs copy, a scatter, a gathered scale per element, the cast and a transp
 
 from __future__ import annotations
 
-import functools
-import warnings
-
 import torch
 
+from fp8kit.base.triton_lib import triton_module
 from fp8kit.moe.quantize import group_ids, quantize_experts, quantize_group_cols, quantize_rows
 from fp8kit.moe.token_quant import swiglu_ref
 
@@ -149,16 +147,9 @@ def quantize_experts_dual_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 # --------------------------------------------------------------------------- ops
 
-@functools.cache
 def _triton_kernels():
-    """:mod:`fp8kit.moe.rowwise_quant_triton`, or None (then the CUDA ops run the reference, with one warning)."""
-    try:
-        from fp8kit.moe import rowwise_quant_triton
-    except ImportError as e:  # pragma: no cover - CUDA torch ships triton
-        warnings.warn(f"fp8kit MoE rowwise quantization: triton unavailable ({e}); using the slow PyTorch reference",
-                      stacklevel=3)
-        return None
-    return rowwise_quant_triton
+    """:mod:`fp8kit.moe.rowwise_quant_triton`, or None (``base.triton_lib.triton_module``)."""
+    return triton_module("fp8kit.moe.rowwise_quant_triton", "MoE rowwise quantization")
 
 
 def _rows_last(t: torch.Tensor) -> torch.Tensor:

@@ -30,12 +30,11 @@ Subnormal products are kept on both sides (Triton does not flush plain float32 a
 
 from __future__ import annotations
 
-import functools
 import struct
-import warnings
 
 import torch
 
+from fp8kit.base.triton_lib import triton_module
 from fp8kit.fp8 import blockwise
 from fp8kit.fp8.blockwise import BLOCK, FP8, padded_rows
 
@@ -135,16 +134,9 @@ def swiglu_quantize_act_ref(h: torch.Tensor, interleaved: bool) -> tuple[torch.T
 
 # --------------------------------------------------------------------------- ops
 
-@functools.cache
 def _triton_kernels():
-    """:mod:`fp8kit.moe.token_quant_triton`, or None (then the CUDA ops run the reference, with one warning)."""
-    try:
-        from fp8kit.moe import token_quant_triton
-    except ImportError as e:  # pragma: no cover - CUDA torch ships triton
-        warnings.warn(f"fp8kit MoE token quantization: triton unavailable ({e}); using the slow PyTorch reference",
-                      stacklevel=3)
-        return None
-    return token_quant_triton
+    """:mod:`fp8kit.moe.token_quant_triton`, or None (``base.triton_lib.triton_module``)."""
+    return triton_module("fp8kit.moe.token_quant_triton", "MoE token quantization")
 
 
 def _fake_quantized(like: torch.Tensor, m, k: int) -> Quantized:

@@ -38,7 +38,6 @@ lookup replaces them, or :func:`clear_weight_cache` runs.
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -46,6 +45,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fp8kit.base.errors import CapabilityError
+from fp8kit.base.triton_lib import triton_module
 from fp8kit.fp8 import blockwise
 from fp8kit.fp8.blockwise import BLOCK, FP8, padded_rows, round_up4
 
@@ -93,16 +93,9 @@ def _require_blockwise_gemm(device: torch.device) -> None:
         raise CapabilityError(f'fp8.recipe = "blockwise": {reason}')
 
 
-@functools.cache
 def _triton_kernels():
-    """The Triton module, or None (then the CUDA ops run the reference, with one warning)."""
-    try:
-        from fp8kit.fp8.kernels import blockwise_triton
-    except ImportError as e:  # pragma: no cover - CUDA torch ships triton
-        warnings.warn(f"fp8kit blockwise: triton unavailable ({e}); quantizing with the slow PyTorch reference",
-                      stacklevel=3)
-        return None
-    return blockwise_triton
+    """:mod:`fp8kit.fp8.kernels.blockwise_triton`, or None (``base.triton_lib.triton_module``)."""
+    return triton_module("fp8kit.fp8.kernels.blockwise_triton", "blockwise quantization")
 
 
 def _prepare(t: torch.Tensor, what: str, where: str, rows_blocked: bool) -> torch.Tensor:
