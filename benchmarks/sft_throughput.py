@@ -236,11 +236,20 @@ def cmd_sft(args) -> int:
                     row.update(path="fp8kit train" if path == "fp8kit" else "Trainer", error=str(e))
                 print(json.dumps(row), flush=True)
                 results.append(row)
+                if args.out:  # rewritten after every row: a time limit loses at most the running variant
+                    _write_sft(args.out, results, args, chat_ok)
     _print_sft(results, chat_ok, args)
     if args.out:
-        Path(args.out).write_text(json.dumps({"rows": results, "args": vars(args), "chat_format": chat_ok,
-                                              "versions": _versions()}, indent=1) + "\n")
+        _write_sft(args.out, results, args, chat_ok)
     return 0 if all("error" not in r for r in results) else 1
+
+
+def _write_sft(out: str, rows: list[dict], args, chat_ok: bool) -> None:
+    import datetime
+
+    Path(out).write_text(json.dumps({"rows": rows, "args": vars(args), "chat_format": chat_ok,
+                                     "date": datetime.date.today().isoformat(), "versions": _versions()},
+                                    indent=1) + "\n")
 
 
 def _print_sft(rows: list[dict], chat_ok: bool, args) -> None:

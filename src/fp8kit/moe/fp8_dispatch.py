@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from fp8kit.base.errors import ConfigError
+from fp8kit.base.triton_lib import triton_module
 from fp8kit.fp8.blockwise import BLOCK, FP8, dequantize_rows, quantize_1x128
 
 #: bytes of one float32 decoding scale
@@ -56,8 +57,8 @@ def payload_row_bytes(hidden: int) -> int:
     return hidden + SCALE_BYTES * (hidden // BLOCK)
 
 
-def pack(x: torch.Tensor) -> torch.Tensor:
-    """Quantize tokens to the FP8 dispatch payload.
+def pack_reference(x: torch.Tensor) -> torch.Tensor:
+    """Quantize tokens to the FP8 dispatch payload (plain PyTorch: the CPU path and the Triton kernel's reference).
 
     Args:
         x: ``(S, H)`` float tensor, ``H`` a multiple of 128.
@@ -70,8 +71,9 @@ def pack(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([q.view(torch.uint8), scale_inv.contiguous().view(torch.uint8)], dim=1)
 
 
-def unpack(payload: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
-    """The tokens of a :func:`pack` payload, dequantized (``q * scale_inv`` in float32, then ``dtype``).
+def unpack_reference(payload: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    """The tokens of a :func:`pack` payload, dequantized (``q * scale_inv`` in float32, then ``dtype``); plain
+    PyTorch (the CPU path and the Triton kernel's reference).
 
     Args:
         payload: ``(R, payload_row_bytes(hidden))`` uint8.
@@ -82,6 +84,46 @@ def unpack(payload: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tens
     q = payload[:, :hidden].contiguous().view(FP8)
     scale_inv = payload[:, hidden:].contiguous().view(torch.float32)
     return dequantize_rows(q, scale_inv).to(dtype)
+
+
+def _kernels():
+    """:mod:`fp8kit.moe.fp8_dispatch_triton`, or None (``base.triton_lib.triton_module``)."""
+    return triton_module("fp8kit.moe.fp8_dispatch_triton", "FP8 expert-parallel dispatch")
+
+
+@torch.library.custom_op("fp8kit::ep_dispatch_pack", mutates_args=())
+def _pack_op(x: torch.Tensor) -> torch.Tensor:
+    k = _kernels() if x.is_cuda else None
+    return k.pack(x if x.stride(-1) == 1 else x.contiguous()) if k is not None else pack_reference(x)
+
+
+@_pack_op.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], payload_row_bytes(x.shape[1]), dtype=torch.uint8)
+
+
+@torch.library.custom_op("fp8kit::ep_dispatch_unpack", mutates_args=())
+def _unpack_op(payload: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    k = _kernels() if payload.is_cuda else None
+    return k.unpack(payload.contiguous(), hidden, dtype) if k is not None else unpack_reference(payload, hidden, dtype)
+
+
+@_unpack_op.register_fake
+def _(payload: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    return payload.new_empty(payload.shape[0], hidden, dtype=dtype)
+
+
+def pack(x: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_reference`'s payload; on CUDA one fused Triton pass (:mod:`fp8kit.moe.fp8_dispatch_triton`,
+    equal bit for bit). ``x``: ``(S, H)`` float, ``H`` a multiple of 128 -> ``(S, payload_row_bytes(H))`` uint8.
+    A ``torch.library`` custom op (``torch.ops.fp8kit.ep_dispatch_pack``)."""
+    return _pack_op(x)
+
+
+def unpack(payload: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`unpack_reference`; on CUDA one fused Triton pass (equal bit for bit). ``payload``: ``(R,
+    payload_row_bytes(hidden))`` uint8 -> ``(R, hidden)`` of ``dtype``. Custom op ``fp8kit::ep_dispatch_unpack``."""
+    return _unpack_op(payload, hidden, dtype)
 
 
 def _exchange(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
