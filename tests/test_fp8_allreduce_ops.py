@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from fp8kit.comm import AutoScaleState, fp8_all_reduce
 from fp8kit.comm import allreduce_ops as ops
-from fp8kit.comm.fp8_allreduce import _pieces
+from fp8kit.comm.fp8_allreduce import AUTO_MAX_PIECES, _pieces
 from fp8kit.comm.unify import params_tensor
 
 E5M2, E4M3 = torch.float8_e5m2, torch.float8_e4m3fn
@@ -171,7 +171,7 @@ def test_pieces_cover_the_chunk():
     assert _pieces(100, 1, 0) == [(0, 100)] and _pieces(100, None, 0) == [(0, 100)]
     assert _pieces(5000, 2, 0) == [(0, 3072), (3072, 1928)]  # aligned to 1024 elements
     assert _pieces(10, 4, 0) == [(0, 10)]  # never more pieces than 1024-element blocks
-    assert len(_pieces(1 << 26, None, 4 << 30)) == 4 and len(_pieces(1 << 20, None, 1 << 20)) == 1  # auto
+    assert len(_pieces(1 << 26, None, 4 << 30)) == AUTO_MAX_PIECES == 1 and len(_pieces(1 << 20, None, 1 << 20)) == 1  # auto: one piece (measured)
     for chunk, k in ((1, 3), (4097, 3), (123_457, 5)):
         p = _pieces(chunk, k, 0)
         assert p[0][0] == 0 and sum(c for _, c in p) == chunk and all(c > 0 for _, c in p)

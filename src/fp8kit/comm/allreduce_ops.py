@@ -163,7 +163,10 @@ def scale_vec_ref(g: torch.Tensor, values: torch.Tensor, params: torch.Tensor, f
     amax32, counts = stats_ref(g, mu.float().reshape(1), fp8)  # of y = f32(g) * f32(mu), the auto-scaled gradient
     amax = amax32.to(torch.float64)
     nonfinite = counts[1] > 0
-    frac = counts[0].to(torch.float64) / g.numel()  # saturated fraction of g'_i = mu * g_i (paper: auto-scaling)
+    # saturated fraction of g'_i = mu * g_i (paper: auto-scaling). Divided by a tensor, not a Python int: CUDA
+    # torch computes `t / scalar` as `t * (1 / scalar)` (two roundings); tensor / tensor is one IEEE division
+    # on every device, as the kernel's div.rn.f64.
+    frac = counts[0].to(torch.float64) / torch.tensor(float(g.numel()), dtype=torch.float64, device=g.device)
     cand = torch.where(init, torch.where(frac > params[DELTA], mu * params[BACKOFF], mu), math.inf)
     return torch.stack([cand, -frac, -torch.where(nonfinite, 0.0, amax), -nonfinite.to(torch.float64)])
 

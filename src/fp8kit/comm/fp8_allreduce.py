@@ -66,8 +66,11 @@ _REFERENCE = SimpleNamespace(quantize=ops.quantize_ref, sum_requant=ops.sum_requ
 
 #: Pipeline pieces (``pipeline_chunks=None``, fused path on CUDA): one piece per this many bytes of the
 #: tensor, at most ``AUTO_MAX_PIECES``; a piece's chunk is a multiple of ``PIECE_ALIGN`` elements (aligned loads).
+#: Measured on 2 x H200 over NVLink (docs/benchmarks.md, 2026-11-23): 4 pieces were slower than one at every size
+#: from 32M to 1G elements (e.g. 512M e5m2: 4.94 vs 3.93 ms): the pieces' extra scalar reductions and launches
+#: cost more than the overlap gains, so the default is one piece; ``pipeline_chunks=k`` still pipelines.
 AUTO_PIECE_BYTES = 64 << 20
-AUTO_MAX_PIECES = 4
+AUTO_MAX_PIECES = 1
 PIECE_ALIGN = 1024
 
 
