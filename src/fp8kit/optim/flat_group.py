@@ -23,7 +23,7 @@ import types
 
 import torch
 
-from fp8kit.fp8.scaling import is_scaled, storage_dtype
+from fp8kit.fp8.scaling import DTYPE_MAX, is_scaled, scale_from_amax, storage_dtype
 from fp8kit.optim.layout import FlatLayout
 from fp8kit.optim.numerics import (
     HP_FIELDS,
@@ -99,10 +99,11 @@ class FlatGroup:
         self.shard = ShardInfo(params, prec.block_size, device) if sharded else None
         self.layout = FlatLayout.build([self.local(p).numel() for p in params], prec.block_size, device)
         L, T = self.layout, len(params)
-        self.work = torch.zeros(L.total, device=device, dtype=pdtype)
-        for i, p in enumerate(params):
-            L.segment(self.work, i).copy_(self.local(p).detach().reshape(-1))
-            if not sharded:
+        # FSDP2: no flat copy of the weights (they stay in FSDP2's shards; the master is built from them)
+        self.work = None if sharded else torch.zeros(L.total, device=device, dtype=pdtype)
+        if not sharded:
+            for i, p in enumerate(params):
+                L.segment(self.work, i).copy_(p.detach().reshape(-1))
                 p.data = L.segment(self.work, i).view(p.shape)
         n_scales = T if prec.granularity == "tensor" else L.num_blocks
 
@@ -123,9 +124,10 @@ class FlatGroup:
             m_rounding=prec.m_rounding, m_expand=prec.m_expand,
         )
         if self.master is not None:
-            self._store_master(self.work)
-        if sharded:
-            self.work = None  # FSDP2 owns the weights: a temporary flat buffer per step (work_buffer)
+            if sharded:
+                self._store_master_from_shards()
+            else:
+                self._store_master(self.work)
         self.m, self.m_scale = scaled(self.spec.m)
         self.m_k = torch.ones(n_scales, device=device, dtype=torch.float32) if prec.m_expand == "coat" else None
         self.v, self.v_scale = scaled(self.spec.v)
@@ -149,7 +151,7 @@ class FlatGroup:
         self.seg_start = torch.tensor(L.offsets, device=device, dtype=torch.int64)
         self._table_host: list[int] | None = None
         self.work_version = self.param_versions()
-        self.trust_master = False  # FP8AdamW.load_state_dict under FSDP2: keep the master at the next step
+        self.trust_master = False  # set by FP8AdamW.load_state_dict: keep the restored master at the next step
 
     @staticmethod
     def local(p: torch.Tensor) -> torch.Tensor:
@@ -190,6 +192,36 @@ class FlatGroup:
             s = reduced_scales(x, x, x, None, None, None, None, None, self.master, self.master_scale,
                                L.block_owner, self.spec, self.shard.reduce_max_)[2]
         store(x, self.master, self.master_scale, L.block_owner, self.spec, s)
+
+    def _store_master_from_shards(self, chunk: int = 1 << 24) -> None:
+        """FSDP2: (re)build the master from the parameters' local shards, without a flat copy of the weights.
+
+        The same values as ``_store_master`` of the flat weights, bit for bit: per-tensor amax of the local
+        shard (exact in any dtype), MAX-reduced over the shards, ``scale_from_amax`` with ``spec.eps``, then
+        ``saturate(f32(w) * scale)`` in the master's dtype (``numerics.store``'s float32 product), written
+        segment by segment in pieces of ``chunk`` elements. Peak extra memory: a few float32 copies of one
+        piece (~0.25 GiB), instead of ~16 bytes per local parameter for the whole group at once (a flat bf16
+        copy, its float32 copy, its abs, the product and its clamp), which made building FP8AdamW under FSDP2
+        need more memory than training with it.
+        """
+        L, dev = self.layout, self.master.device
+        if self.master_scale is None:  # unscaled master (bf16): a plain cast
+            for i, p in enumerate(self.params):
+                L.segment(self.master, i).copy_(self.local(p).detach().reshape(-1))
+            return
+        amax = torch.zeros(1, len(self.params), device=dev, dtype=torch.float32)
+        for i, p in enumerate(self.params):
+            loc = self.local(p).detach()
+            if loc.numel():
+                amax[0, i] = loc.abs().amax().float()
+        self.shard.reduce_max_(amax)
+        s = scale_from_amax(amax[0], self.master.dtype, self.spec.eps)
+        mx = DTYPE_MAX[self.master.dtype]
+        for i, p in enumerate(self.params):
+            src, dst = self.local(p).detach().reshape(-1), L.segment(self.master, i)
+            for a in range(0, src.numel(), chunk):
+                dst[a : a + chunk].copy_((src[a : a + chunk].float() * s[i]).clamp(-mx, mx).to(dst.dtype))
+        self.master_scale.copy_(s)
 
     def buffers(self) -> dict[str, torch.Tensor | None]:
         """The saved states (``state_dict``); ``m_k`` only with COAT's expansion."""
@@ -269,10 +301,7 @@ class FlatGroup:
                 store(self.work.view(-1, self.layout.block).float(), self.master, self.master_scale,
                       self.layout.block_owner, self.spec)
             else:  # collective: every rank loads the same weights at the same step
-                flat = torch.zeros(self.layout.total, device=self.seg_start.device, dtype=self.params[0].dtype)
-                for i, p in enumerate(self.params):
-                    self.layout.segment(flat, i).copy_(self.local(p).detach().reshape(-1))
-                self._store_master(flat)
+                self._store_master_from_shards()
         self.work_version = now
 
     def param_versions(self) -> int:

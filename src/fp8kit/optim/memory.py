@@ -38,7 +38,9 @@ def training_state_bytes(params: list[torch.Tensor], optimizer: torch.optim.Opti
     """
     from fp8kit.optim.fp8_adamw import FP8AdamW
 
-    n = sum(p.numel() for p in params)
+    # FSDP2 (DTensor) parameters: this rank's shards on both sides of the ratio (FP8AdamW's flat buffers
+    # hold only the local shards; dividing them by the global count would halve the figure at dp_shard 2)
+    n = sum(_local(p).numel() for p in params)
     if isinstance(optimizer, FP8AdamW):
         b = optimizer.memory_bytes()
         shared = b["master"] == 0  # bf16_sr over bf16 parameters: the working weights are the master
@@ -46,12 +48,12 @@ def training_state_bytes(params: list[torch.Tensor], optimizer: torch.optim.Opti
                "working": 0 if shared else b["working"]}
     else:
         raw = dict.fromkeys(ROLES, 0)
-        raw["master"] = sum(p.numel() * p.element_size() for p in params)
+        raw["master"] = sum(_nbytes(p) for p in params)
         raw["grad"] = raw["master"]
         for p in params:
             st = optimizer.state.get(p, {})
-            raw["m"] += _nbytes(st.get("exp_avg")) if st else p.numel() * p.element_size()
-            raw["v"] += _nbytes(st.get("exp_avg_sq")) if st else p.numel() * p.element_size()
+            raw["m"] += _nbytes(st.get("exp_avg")) if st else _nbytes(p)
+            raw["v"] += _nbytes(st.get("exp_avg_sq")) if st else _nbytes(p)
     out = {k: raw[k] / n for k in ROLES}
     out["state"] = out["master"] + out["grad"] + out["m"] + out["v"]
     out["total"] = out["state"] + out["working"]
@@ -59,8 +61,13 @@ def training_state_bytes(params: list[torch.Tensor], optimizer: torch.optim.Opti
     return out
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, else ``t``."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+    return 0 if t is None else _local(t).numel() * _local(t).element_size()
 
 
 def format_state_bytes(b: dict[str, float]) -> str:
