@@ -99,7 +99,8 @@ def test_state_bytes_per_param_recorded(runs):
         "FP8AdamW (master fp16"
     )
     assert (
-        "optimizer: FP8AdamW (master fp16, grad param, m e4m3 rounded stochastic, v fp16, per tensor); training state master "
+        "optimizer: FP8AdamW (master fp16, grad param, m e4m3 rounded stochastic, v fp16, per tensor) "
+        "(train.param_dtype = auto -> bf16); training state master "
         "2.00 + grad 2.00 + m 1.00 + v 2.00 = 7.00 B/param (9.00 with working weights)" in " ".join(fp8_out.split())
     ), fp8_out[:2000]  # the console wraps long lines: compare with whitespace runs joined
     assert (

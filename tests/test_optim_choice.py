@@ -9,14 +9,18 @@ from fp8kit.config.optim_choice import resolve_optimizer
 
 
 @pytest.mark.parametrize("sets, name, dtype, why", [
-    ([], "adamw", "bf16", ""),  # the defaults are left alone
+    ([], "fp8_adamw", "bf16", "auto -> fp8_adamw"),  # the defaults: a high-precision master
     (["optim.name=auto"], "fp8_adamw", "bf16", "auto -> fp8_adamw"),
-    (["optim.name=auto", "distributed.tp=2"], "adamw", "fp32", "tp = 2"),
-    (["optim.name=auto", "distributed.ep=2"], "adamw", "fp32", "ep = 2"),
-    (["optim.name=auto", "train.async_checkpoint=true"], "adamw", "fp32", "async_checkpoint"),
-    (["optim.name=auto", "train.param_dtype=fp32"], "adamw", "fp32", "asks for FP32 parameters"),
-    (["train.param_dtype=auto"], "adamw", "fp32", "param_dtype = auto -> fp32"),
-    (["optim.name=fp8_adamw", "train.param_dtype=auto"], "fp8_adamw", "bf16", "param_dtype = auto -> bf16"),
+    (["distributed.tp=2"], "adamw", "fp32", "tp = 2"),
+    (["distributed.ep=2"], "adamw", "fp32", "ep = 2"),
+    (["train.async_checkpoint=true"], "fp8_adamw", "bf16", "auto -> fp8_adamw"),  # async DCP holds its states
+    (["train.param_dtype=fp32"], "adamw", "fp32", "asks for FP32 parameters"),
+    (["distributed.tp=2", "train.param_dtype=bf16"], "adamw", "bf16", "bf16 weights updated in place"),
+    (["optim.name=adamw"], "adamw", "fp32", "param_dtype = auto -> fp32"),
+    # bf16 weights updated in place by AdamW: only when asked for, and then nothing to resolve
+    (["optim.name=adamw", "train.param_dtype=bf16"], "adamw", "bf16", ""),
+    (["optim.name=fp8_adamw"], "fp8_adamw", "bf16", "param_dtype = auto -> bf16"),
+    (["optim.name=fp8_adamw", "train.param_dtype=fp32"], "fp8_adamw", "fp32", ""),
 ])
 def test_auto_resolves_to_a_high_precision_master(sets, name, dtype, why):
     cfg = load_config(None, sets)
@@ -32,10 +36,12 @@ def test_auto_keeps_the_optimizer_of_the_checkpoint_being_resumed():
     """An AdamW checkpoint (e.g. from an expert-parallel run) resumed in one process stays AdamW under auto; an
     FP8AdamW checkpoint stays FP8AdamW; a resumed FP8AdamW checkpoint where FP8AdamW cannot run (tp = 2) gives
     adamw, which the resume's optimizer check then refuses with its own message."""
-    cfg = load_config(None, ["optim.name=auto"])
+    cfg = load_config(None, [])
     out, note = resolve_optimizer(cfg, saved="adamw")
-    # train.param_dtype stays as configured (the checkpoint's weights load into either dtype)
-    assert (out.optim.name, out.train.param_dtype) == ("adamw", "bf16") and "holds AdamW states" in note
+    # train.param_dtype = auto gives AdamW its FP32 master (the checkpoint's weights load into either dtype)
+    assert (out.optim.name, out.train.param_dtype) == ("adamw", "fp32") and "holds AdamW states" in note, note
+    out, note = resolve_optimizer(load_config(None, ["train.param_dtype=bf16"]), saved="adamw")
+    assert (out.optim.name, out.train.param_dtype) == ("adamw", "bf16"), note
     out, note = resolve_optimizer(cfg, saved="fp8_adamw")
     assert out.optim.name == "fp8_adamw" and "holds FP8AdamW states" in note
     out, _ = resolve_optimizer(load_config(None, ["optim.name=auto", "distributed.tp=2"]), saved="fp8_adamw")

@@ -258,6 +258,11 @@ class FP8AdamW(torch.optim.Optimizer):
         differ (they change how the next steps compute, not what was saved). Checkpoints written before
         ``m_expand`` existed count as ``m_expand = "none"``.
 
+        The restored master weights are the ones the next step starts from, even if the model's weights
+        are written between this call and that step (``torch.distributed.checkpoint.state_dict.set_state_dict``
+        loads the model after the optimizer; load the checkpoint's own weights, or the master wins). A
+        1-byte state may arrive as its ``uint8`` bytes (:func:`fp8kit.optim.state_io.float8_as_bytes`).
+
         Raises:
             ValueError: when the state was saved with other state precisions or parameter shapes, or by
                 another optimizer.
@@ -267,14 +272,7 @@ class FP8AdamW(torch.optim.Optimizer):
             raise ValueError("FP8AdamW.load_state_dict: not an FP8AdamW state (no 'flat' entry and no per-parameter "
                              "'m'/'v' states); was it saved by torch AdamW?")
         if "fp8adamw" in state_dict:
-            saved = state_dict["fp8adamw"]["precision"]
-            mine = self.precision.as_dict()
-            diff = [k for k, old in STATE_FIELDS.items() if saved.get(k, old) != mine[k]]
-            if diff:
-                raise ValueError(
-                    f"FP8AdamW.load_state_dict: saved with precision {saved}, this optimizer has {mine} "
-                    f"(differing in {', '.join(diff)})"
-                )
+            self.check_saved_precision(state_dict["fp8adamw"]["precision"])
         groups = state_dict["param_groups"]
         if len(groups) != len(self._flat) or any(len(g["params"]) != len(fg.params) for g, fg in zip(groups, self._flat, strict=False)):
             raise ValueError(
@@ -296,11 +294,29 @@ class FP8AdamW(torch.optim.Optimizer):
         self._step_tensor.fill_(step)
         for fg in self._flat:  # the restored master is authoritative from here
             fg.work_version = fg.param_versions()
-            # FSDP2 bumps the DTensor parameters' versions between the load and the first step (its lazy
-            # init): the restored master is kept until that step (a model load after this one is not seen)
-            fg.trust_master = fg.shard is not None
+            # Kept at the next step even if the weights are written before it: torch.distributed.checkpoint's
+            # set_state_dict loads the optimizer before the model (one process and FSDP2), and FSDP2 bumps
+            # the DTensor parameters' versions at its lazy init. Rebuilding the master from the bf16 weights
+            # there would round it (resumes within ~1e-3 instead of exactly).
+            fg.trust_master = True
         super().load_state_dict({"state": {}, "param_groups": groups})
         self._refresh_state()
+
+    def check_saved_precision(self, saved: dict) -> None:
+        """Refuse states saved with other state precisions (``state_dict()["fp8adamw"]["precision"]``; the
+        fields of ``STATE_FIELDS``). ``fp8kit.train.checkpoint.load_into`` calls it before a full-state load,
+        which keeps only the per-parameter entries.
+
+        Raises:
+            ValueError: naming both precisions and the differing fields.
+        """
+        mine = self.precision.as_dict()
+        diff = [k for k, old in STATE_FIELDS.items() if saved.get(k, old) != mine[k]]
+        if diff:
+            raise ValueError(
+                f"FP8AdamW.load_state_dict: saved with precision {saved}, this optimizer has {mine} "
+                f"(differing in {', '.join(diff)})"
+            )
 
     def _load_flat(self, flat: list[dict]) -> None:
         for gi, (fg, saved_bufs) in enumerate(zip(self._flat, flat, strict=True)):

@@ -18,6 +18,11 @@ DCP saves the payloads as sharded tensors and reshards them on load (dp_shard = 
 single-process checkpoint loads into FSDP2 through ``set_state_dict(full_state_dict=True)``. A payload is
 stored with its own scale and no requantization happens on a reshard, because the per-tensor scales are
 the unsharded tensor's (``optim/sharded.py``).
+
+Gloo has no float8 type ("Invalid scalar type"), and ``set_state_dict(full_state_dict=True)`` scatters each
+full state to its shards (``distribute_tensor``): :func:`float8_as_bytes` turns the E4M3 states of a full
+state dict into their ``uint8`` bytes for that, and :func:`load_entry` takes ``uint8`` bytes back into a
+float8 state (the bytes are the payload; E4M3 is the only 1-byte state, so nothing is ambiguous).
 """
 
 from __future__ import annotations
@@ -29,6 +34,22 @@ from fp8kit.optim.flat_group import FlatGroup
 #: per-parameter state names, in order (those whose buffer exists)
 DATA_NAMES = ("m", "v", "master")
 SCALE_NAMES = ("m_scale", "m_k", "v_scale", "master_scale")
+
+
+#: float8 dtypes a state can be stored in (sent as their uint8 bytes through collectives: gloo has none)
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def float8_as_bytes(osd: dict) -> dict:
+    """``osd`` (a ``torch.optim`` layout state dict, any keys) with every float8 tensor of ``osd["state"]``
+    replaced by its ``uint8`` view (same bytes, no copy), for a scatter or broadcast over gloo; the other
+    entries are the same objects. :func:`load_entry` reads the bytes back as the state's float8 dtype."""
+    state = {
+        key: {name: (t.view(torch.uint8) if isinstance(t, torch.Tensor) and t.dtype in FLOAT8_DTYPES else t)
+              for name, t in st.items()} if isinstance(st, dict) else st
+        for key, st in (osd.get("state") or {}).items()
+    }
+    return {**osd, "state": state}
 
 
 def param_entry(fg: FlatGroup, ti: int, bufs: dict[str, torch.Tensor | None], step: int,
@@ -58,6 +79,8 @@ def param_entry(fg: FlatGroup, ti: int, bufs: dict[str, torch.Tensor | None], st
 def load_entry(fg: FlatGroup, ti: int, key, st: dict) -> int:
     """Copy a saved entry (:func:`param_entry`'s layout) into group ``fg``'s buffers; returns its step.
 
+    A ``uint8`` source for a float8 state is its bytes (:func:`float8_as_bytes`).
+
     Raises:
         ValueError: names, dtypes or sizes that differ from this optimizer's (another precision or model).
     """
@@ -77,6 +100,8 @@ def load_entry(fg: FlatGroup, ti: int, key, st: dict) -> int:
             dst = L.segment(buf, ti)
         else:
             dst = buf[ti : ti + 1] if fg.spec.granularity == "tensor" else buf[L.block_range(ti)]
+        if src.dtype == torch.uint8 and dst.dtype in FLOAT8_DTYPES:  # bytes of a float8 state (float8_as_bytes)
+            src = src.view(dst.dtype)
         if src.dtype != dst.dtype:
             raise ValueError(
                 f"FP8AdamW.load_state_dict: state {name!r} of parameter {key!r} was saved as {src.dtype}, this "

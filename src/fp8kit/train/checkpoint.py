@@ -38,6 +38,7 @@ from torch import nn
 
 from fp8kit.base.errors import CheckpointError
 from fp8kit.base.runtime import barrier, is_main
+from fp8kit.optim.state_io import float8_as_bytes
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
@@ -386,7 +387,12 @@ def load_into(ckpt: Path, model: nn.Module, optimizer, state: dict, *, param_ord
         if optimizer is None:
             set_model_state_dict(model, full, options=opts)
             return
-        osd = _optimizer_state_by_fqn(state["optimizer"], param_order or [])
+        # set_state_dict scatters each full state to its shards: gloo has no float8, so FP8AdamW's E4M3
+        # states go as their bytes (the optimizer reads them back as E4M3)
+        osd = float8_as_bytes(_optimizer_state_by_fqn(state["optimizer"], param_order or []))
+        check_saved_precision = getattr(optimizer, "check_saved_precision", None)
+        if check_saved_precision is not None and "fp8adamw" in state["optimizer"]:
+            check_saved_precision(state["optimizer"]["fp8adamw"]["precision"])
         set_state_dict(model, optimizer, model_state_dict=full, optim_state_dict=osd, options=opts)
     except CheckpointError:
         raise
