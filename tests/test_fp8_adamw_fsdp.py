@@ -135,7 +135,7 @@ def _trained_bf16(steps: int = 5):
     return model, opt, x, y
 
 
-def test_float8_states_load_from_their_bytes_bit_exact(one_thread):
+def test_float8_states_load_from_their_bytes_bit_exact(one_thread):  # noqa: F811 (pytest fixture)
     """A full-state load over gloo (1 process -> FSDP2) sends the E4M3 states as uint8 (gloo has no float8):
     loaded from those bytes the states equal the saved ones bit for bit; bytes into an FP16 state are refused."""
     _, opt, _, _ = _trained_bf16()
@@ -157,7 +157,7 @@ def test_float8_states_load_from_their_bytes_bit_exact(one_thread):
         fp16_m.load_state_dict(raw)
 
 
-def test_set_state_dict_in_one_process_resumes_exactly(one_thread):
+def test_set_state_dict_in_one_process_resumes_exactly(one_thread):  # noqa: F811 (pytest fixture)
     """torch.distributed.checkpoint's set_state_dict (what a DCP / async checkpoint's resume calls) loads the
     optimizer before the model; the restored FP16 master must survive that model load (rebuilt from the bf16
     weights instead, the resumed losses drifted by ~1e-3 on the LM: torch 2.13 CPU)."""
