@@ -3,7 +3,7 @@
 2-rank NCCL run (skipped with fewer than 2 GPUs) of the fused path against the reference path.
 
 Run: ``pytest -m gpu tests/test_fp8_allreduce_gpu.py`` (the NCCL test launches ``torchrun --nproc_per_node 2``
-itself; it also trains a small FSDP2 model with and without :func:`fp8kit.comm.apply_fp8_reduce_scatter` and
+itself and runs both algorithms, "scatter" and "gather", fused against their reference paths; it also trains a small FSDP2 model with and without :func:`fp8kit.comm.apply_fp8_reduce_scatter` and
 asserts the losses agree within 0.5 % per step). Inputs are realistic gradients (randn * 1e-3 with 0.1 %
 outliers of 0.05) of 2^24 + 12345 elements (not a multiple of the block), scaled to the format's range with
 the auto-scaling mu (and 2x above it, so values saturate); outputs go into buffers poisoned with 0x7F bytes
@@ -24,8 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8kit.comm import AutoScaleState
+from fp8kit.comm import AutoScaleState, fp8_allreduce_bytes
 from fp8kit.comm import allreduce_ops as ops
+from fp8kit.comm.autoscale import gather_row_bytes
 from fp8kit.comm.unify import params_tensor
 
 pytestmark = [
@@ -168,6 +169,43 @@ def test_sum_requant_and_sum_dequant_match_reference(fmt, world):
             _assert_same(got, ref, f"sum_dequant {fmt} N={world} {dtype} mul={mul:.3g}")
 
 
+def _gather_rows(world: int, n: int, row: int, fp8: torch.dtype) -> torch.Tensor:
+    """``world`` ranks' whole FP8 tensors of ``n`` realistic values in rows of ``row`` bytes, padded with 0x7F (NaN,
+    which must never reach the result): the "gather" all-gather's output, uint8 ``[world * row]``."""
+    m = FP8_MAX[fp8]
+    gs = [_grad(n, 20 + r, torch.float32) for r in range(world)]
+    mu = (m / max(x.abs().max() for x in gs)).reshape(1)
+    rows = torch.full((world, row), 0x7F, dtype=torch.uint8, device="cuda")
+    for r, x in enumerate(gs):
+        rows[r, :n] = (x * mu).clamp(-m, m).to(fp8).view(torch.uint8)
+    return rows.reshape(-1)
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+@pytest.mark.parametrize("fmt", list(FP8S))
+def test_gather_mean_matches_reference(fmt, world):
+    """The "gather" pass (rank-order float32 sum, * f32(1/N), / scale): aligned padded rows (``fp8_all_reduce``'s
+    layout), unaligned rows (row = n, odd: no 16-byte specialisation), and a pipeline piece at an offset."""
+    fp8 = FP8S[fmt]
+    layouts = [(N, gather_row_bytes(N), 0), (N, N, 0), (50_000 - 7, 50_000, world * 3 * 1024)]
+    for n, row, lo in layouts:
+        rows = _gather_rows(world, n, row, fp8)
+        if lo:  # the rows at byte offset lo of a larger buffer (a later pipeline piece)
+            rows = torch.cat([torch.full((lo,), 0x7F, dtype=torch.uint8, device="cuda"), rows])
+        piece = rows[lo:]
+        for dtype in DTYPES:
+            for sv in (12345.678, 0.7):
+                scale = torch.tensor([sv], device="cuda")
+                got, ref = _poisoned(n, dtype), _poisoned(n, dtype)
+                ops.gather_mean_into(piece, scale, got, world, fp8)
+                ops.gather_mean_ref(piece, scale, ref, world, fp8)
+                _assert_same(got, ref, f"gather_mean {fmt} N={world} n={n} row={row} lo={lo} {dtype} scale={sv}")
+                assert not got.isnan().any(), "the 0x7F (NaN) padding reached the result"
+        got = _poisoned(n, torch.bfloat16)
+        ops.gather_mean_into(piece, torch.tensor([math.nan], device="cuda"), got, world, fp8)
+        assert got.isnan().all(), "a NaN scale (some rank held an inf / NaN) must give NaN everywhere"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt", list(FP8S))
 def test_dequantize_matches_reference(fmt, dtype):
@@ -260,15 +298,28 @@ def _nccl_worker(out_dir: Path) -> None:
     for fmt in FP8S:
         for dtype in (torch.bfloat16, torch.float32):
             for n in (N, 1001):
-                variants = {"fused": {}, "fused_p4": {"pipeline_chunks": 4}, "reference": {"reference": True}}
+                # each fused variant against its algorithm's reference path; "auto" is gather at 2 ranks
+                variants = {"fused": ({"algorithm": "scatter"}, "reference"),
+                            "fused_p4": ({"algorithm": "scatter", "pipeline_chunks": 4}, "reference"),
+                            "reference": ({"algorithm": "scatter", "reference": True}, "reference"),
+                            "gather": ({"algorithm": "gather"}, "gather_reference"),
+                            "gather_p4": ({"algorithm": "gather", "pipeline_chunks": 4}, "gather_reference"),
+                            "gather_reference": ({"algorithm": "gather", "reference": True}, "gather_reference"),
+                            "auto": ({}, "gather_reference")}  # fmt: skip
                 states = {k: AutoScaleState(fp8_dtype=fmt) for k in variants}
                 case = {}
                 for step in range(3):  # lazy init, a saturating step on rank 1 (mu halves), a quiet step
                     g = _grad(n, 100 * step + rank, dtype) * (100.0 if step == 1 and rank == 1 else 1.0)
-                    outs = {k: fp8_all_reduce(g.clone(), state=states[k], **kw) for k, kw in variants.items()}
-                    case[f"step{step}"] = {k: torch.equal(_bits(o), _bits(outs["reference"])) for k, o in outs.items()}
+                    outs = {k: fp8_all_reduce(g.clone(), state=states[k], **kw) for k, (kw, _) in variants.items()}
+                    case[f"step{step}"] = {k: torch.equal(_bits(outs[k]), _bits(outs[against]))
+                                           for k, (_, against) in variants.items()}  # fmt: skip
+                # the state's meaning does not depend on the algorithm: all equal
                 case["states"] = {k: s.stats() == states["reference"].stats() for k, s in states.items()}
                 case["halvings"] = states["reference"].stats()["halvings"]
+                case["bytes"] = {k: s.last_bytes_sent for k, s in states.items()}
+                case["bytes_ok"] = all(
+                    s.last_bytes_sent == fp8_allreduce_bytes(n, 2, "gather" if k.startswith(("gather", "auto")) else
+                                                             "scatter") for k, s in states.items())  # fmt: skip
                 res[f"allreduce/{fmt}/{str(dtype).removeprefix('torch.')}/{n}"] = case
             x = _grad(2 * 3_000_001, 7 + rank, dtype)
             outs = {}
@@ -282,7 +333,9 @@ def _nccl_worker(out_dir: Path) -> None:
     g = _grad(1 << 20, 5 + rank, torch.bfloat16)
     if rank == 1:
         g[1234] = math.inf
-    res["nonfinite_all_nan"] = bool(fp8_all_reduce(g, state=AutoScaleState(), pipeline_chunks=2).isnan().all())
+    for alg in ("scatter", "gather"):
+        out = fp8_all_reduce(g.clone(), state=AutoScaleState(), pipeline_chunks=2, algorithm=alg)
+        res[f"nonfinite_all_nan_{alg}"] = bool(out.isnan().all())
     res["fsdp_loss_rel"] = _fsdp_losses_rel(rank)
     torch.cuda.synchronize()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(res, indent=1))
@@ -302,9 +355,10 @@ def test_two_rank_nccl_fused_equals_reference(tmp_path):
                 for step in range(3):
                     assert all(c[f"step{step}"].values()), f"rank {rank} {case} step {step}: {c[f'step{step}']}"
                 assert all(c["states"].values()) and c["halvings"] == 1, f"rank {rank} {case}: {c}"
+                assert c["bytes_ok"], f"rank {rank} {case}: last_bytes_sent {c['bytes']}"
             elif case.startswith("reduce_scatter/"):
                 assert c, f"rank {rank} {case}: fused reduce-scatter differs from the reference"
-        assert r["nonfinite_all_nan"], rank
+        assert r["nonfinite_all_nan_scatter"] and r["nonfinite_all_nan_gather"], (rank, r)
         assert r["fsdp_loss_rel"] < FSDP_LOSS_REL_TOL, (
             f"rank {rank}: FSDP2 with the FP8 reduce-scatter vs plain FSDP2, loss differs by {r['fsdp_loss_rel']:.3%}")
 

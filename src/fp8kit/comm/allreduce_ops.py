@@ -29,6 +29,10 @@ growth_factor, mu_max, growth_interval]`` of the ``AutoScaleState``):
   ``out = (t * f32(mul)) / scale`` cast to ``out``'s dtype (the reduce-scatter's output, no second FP8 rounding).
 - :func:`dequantize_into` ``(data uint8[>= L], scale f32[1], out [L])``: ``out = f32(data[:L]) / scale`` cast to
   ``out``'s dtype (IEEE division, round to nearest even).
+- :func:`gather_mean_into` ``(rows uint8[N * L], scale f32[1], out [n], N)``, ``n <= L``: the "gather" algorithm's
+  one pass after its all-gather: ``t = q_0 + ... + q_{N-1}`` in float32 in rank order over the first ``n`` bytes
+  of each row ``q_i = rows[i L : i L + n]``, then ``out = (t * f32(1/N)) / scale`` cast to ``out``'s dtype (the
+  dequantized mean, one FP8 rounding in all; NaN everywhere for a NaN ``scale``).
 
 The mutating ops (``*_into``) write into ``out``, which may be a contiguous slice of a larger buffer (the
 all-gather's send slot, a pipeline piece of the gradient); ``register_fake`` gives ``torch.compile`` their
@@ -133,6 +137,25 @@ def _check_sum(recv: torch.Tensor, out: torch.Tensor, world: int, out_dtypes: tu
     return out.numel()
 
 
+def _check_gather_mean(rows: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, world: int,
+                       fp8: torch.dtype) -> int:
+    """The row length ``L`` of ``rows [world * L]``, after checking the arguments."""
+    where = "fp8kit::comm_ar_gather_mean"
+    _check_1d(rows, "rows", (torch.uint8,), where)
+    _check_1d(out, "out", _FLOATS, where)
+    _check_same_device(rows, out, "rows and out", where)
+    _check_scale(scale, rows.device, "scale", where)
+    _check_fp8(fp8, where)
+    if world < 1 or rows.numel() % world:
+        raise ValueError(f"{where}: rows must hold world * L bytes (world = {world} >= 1 rows of L bytes), "
+                         f"got {rows.numel()}")
+    row = rows.numel() // world
+    if out.numel() > row:
+        raise ValueError(f"{where}: out has {out.numel()} elements, more than a row's {row} bytes "
+                         f"(rows {rows.numel()} / world {world})")
+    return row
+
+
 def _check_dequantize(data: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, fp8: torch.dtype) -> None:
     where = "fp8kit::comm_ar_dequant"
     _check_1d(data, "data", (torch.uint8,), where)
@@ -218,9 +241,10 @@ def quantize_ref(g: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, fp8: t
     out[k:].zero_()
 
 
-def _rank_sum(recv: torch.Tensor, world: int, c: int, fp8: torch.dtype) -> torch.Tensor:
-    """``q_0 + ... + q_{world-1}`` in float32, in rank order, of ``recv`` viewed as ``[world, c]`` FP8."""
-    rows = recv.view(fp8).view(world, c)
+def _rank_sum(recv: torch.Tensor, world: int, c: int, fp8: torch.dtype, length: int | None = None) -> torch.Tensor:
+    """``q_0 + ... + q_{world-1}`` in float32, in rank order, of ``recv`` viewed as ``[world, c]`` FP8 (of the first
+    ``length`` columns, default all ``c``)."""
+    rows = recv.view(fp8).view(world, c)[:, :length]
     total = rows[0].float()
     for i in range(1, world):
         total = total + rows[i].float()
@@ -251,6 +275,17 @@ def dequantize_ref(data: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, f
     """PyTorch reference of :func:`dequantize_into`: ``out = f32(data[:L]) / scale`` in ``out``'s dtype."""
     _check_dequantize(data, scale, out, fp8)
     out.copy_(dequantize(data[: out.numel()].view(fp8), scale))
+
+
+def gather_mean_ref(rows: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, world: int, fp8: torch.dtype) -> None:
+    """PyTorch reference of :func:`gather_mean_into`: ``out = (sum_i q_i[:n] * f32(1/N)) / scale`` in ``out``'s dtype.
+
+    The float32 operations of the kernel, in its order: the rank-order sum, one multiply by the float32 ``1/N``
+    (a Python float holding a float32 value: one IEEE multiply on every device), one division by the ``scale``
+    tensor (tensor / tensor: an IEEE division on CPU and CUDA alike), the cast of ``copy_`` (nearest even).
+    """
+    row = _check_gather_mean(rows, scale, out, world, fp8)
+    out.copy_(dequantize(_rank_sum(rows, world, row, fp8, out.numel()) * inverse_world(world), scale))
 
 
 # --------------------------------------------------------------------------- ops
@@ -386,6 +421,26 @@ def _(data, scale, out, fp8) -> None:
     _check_dequantize(data, scale, out, fp8)
 
 
+@torch.library.custom_op("fp8kit::comm_ar_gather_mean", mutates_args=("out",))
+def _gather_mean_op(rows: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, world: int, fp8: torch.dtype) -> None:
+    gather_mean_ref(rows, scale, out, world, fp8)
+
+
+@_gather_mean_op.register_kernel("cuda")
+def _(rows, scale, out, world, fp8):
+    row = _check_gather_mean(rows, scale, out, world, fp8)
+    k = _kernels()
+    if k is None or out.numel() == 0 or out.dtype not in KERNEL_DTYPES:
+        return gather_mean_ref(rows, scale, out, world, fp8)
+    with torch.cuda.device(rows.device):
+        k.gather_mean(rows.view(fp8), scale, out, world, row, inverse_world(world))
+
+
+@_gather_mean_op.register_fake
+def _(rows, scale, out, world, fp8) -> None:
+    _check_gather_mean(rows, scale, out, world, fp8)
+
+
 # --------------------------------------------------------------------------- entry points
 
 def scale_vec(g: torch.Tensor, values: torch.Tensor, params: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
@@ -471,3 +526,21 @@ def dequantize_into(data: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, 
         ValueError: wrong shapes, dtypes or devices.
     """
     torch.ops.fp8kit.comm_ar_dequant(data, scale, out, fp8)
+
+
+def gather_mean_into(rows: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, world: int, fp8: torch.dtype) -> None:
+    """The "gather" all-reduce's last pass: ``out = ((q_0 + ... + q_{N-1}) * f32(1/N)) / scale`` in ``out``'s dtype.
+
+    ``q_i`` is the first ``n = out.numel()`` FP8 values of row ``i`` of ``rows`` viewed as ``[N, L]`` (rank ``i``'s
+    quantized gradient, zero-padded to ``L``); the sum is float32 in rank order 0..N-1, so every rank computes the
+    same bits; a NaN ``scale`` (some rank held an inf / NaN) gives NaN everywhere.
+
+    Args:
+        rows: contiguous uint8 ``[N * L]`` (the all-gather's output, or a pipeline piece of it); scale: float32
+            ``(1,)`` (``mu_g``, or NaN); out: contiguous 1-D float ``[n]``, ``n <= L`` (the gradient, written in
+            place); world: ``N``; fp8: the format.
+
+    Raises:
+        ValueError: wrong shapes (``rows.numel()`` not a multiple of ``N``, ``n > L``), dtypes or devices.
+    """
+    torch.ops.fp8kit.comm_ar_gather_mean(rows, scale, out, world, fp8)

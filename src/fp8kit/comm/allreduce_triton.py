@@ -25,6 +25,9 @@ Kernels (one program per ``BLOCK`` elements; 64-bit offsets; the wrappers expect
 - :func:`sum_rows`: ``recv [N, c]`` FP8 -> the float32 rank sum, then either FP8 of ``sum * (1/N)``
   (``requant``, the all-gather's payload) or ``(sum * mul) / scale`` in ``out``'s dtype (the reduce-scatter).
 - :func:`dequantize`: FP8 ``[L]`` -> ``out [L]`` (its dtype) ``= q / scale``.
+- :func:`gather_mean`: the "gather" algorithm's pass: ``rows [N, L]`` FP8 (every rank's whole tensor) -> the float32
+  rank sum of the first ``n`` columns, ``out [n] = (sum * (1/N)) / scale`` in ``out``'s dtype; the rows are loaded
+  under a mask on ``L`` (a multiple of 16 in ``fp8_all_reduce``: aligned vector loads), stored under one on ``n``.
 
 Imported only on CUDA (inside the ops' CUDA implementations, through ``base.triton_lib``).
 """
@@ -163,6 +166,19 @@ def _dequant_kernel(q_ptr, scale_ptr, out_ptr, L, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, tl.div_rn(x, tl.load(scale_ptr)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _gather_mean_kernel(rows_ptr, scale_ptr, out_ptr, n, row, mul, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inrow = offs < row  # the padded row (all of it is written by the all-gather): aligned loads when row % 16 == 0
+    ptr = rows_ptr + offs
+    acc = tl.load(ptr, mask=inrow, other=0.0).to(tl.float32)
+    for _ in tl.static_range(1, WORLD):  # rank order ((q_0 + q_1) + q_2) + ..., as the reference; 64-bit pointers
+        ptr += row
+        acc = acc + tl.load(ptr, mask=inrow, other=0.0).to(tl.float32)
+    y = tl.div_rn(acc * mul, tl.load(scale_ptr))  # one multiply (nothing to contract), one IEEE division
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=offs < n)
+
+
 def scale_vec(g: torch.Tensor, values: torch.Tensor, params: torch.Tensor, fp8_max: float) -> torch.Tensor:
     """``allreduce_ops.scale_vec_ref``: the stats pass over ``g`` (non-empty) and one program finishing it."""
     n = g.numel()
@@ -208,3 +224,11 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
     """``out = q[:L] / scale`` in ``out``'s dtype; ``q`` an FP8 view."""
     L = out.numel()
     _dequant_kernel[(triton.cdiv(L, BLOCK),)](q, scale, out, L, BLOCK=BLOCK, num_warps=NUM_WARPS)
+
+
+def gather_mean(rows: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, world: int, row: int, mul: float) -> None:
+    """``out [n] = (sum_i rows[i, :n] * mul) / scale`` in ``out``'s dtype; ``rows`` an FP8 view ``[world * row]``,
+    ``0 < n <= row``; ``mul`` must hold a float32 value."""
+    n = out.numel()
+    _gather_mean_kernel[(triton.cdiv(n, BLOCK),)](rows, scale, out, n, row, mul, WORLD=world, BLOCK=BLOCK,
+                                                  num_warps=NUM_WARPS)

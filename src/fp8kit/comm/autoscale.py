@@ -56,19 +56,58 @@ def ring_allreduce_bytes(numel: int, world_size: int, element_size: int = 2) -> 
     return 2 * (world_size - 1) * numel * element_size // world_size
 
 
-def fp8_allreduce_bytes(numel: int, world_size: int) -> int:
-    """Bytes one rank sends in one ``fp8_all_reduce`` of ``numel`` elements (any input dtype).
+#: ``fp8_all_reduce``'s reduction algorithms (``algorithm=``); "auto" picks one from the world size.
+ALGORITHMS = ("auto", "scatter", "gather")
+#: The "gather" algorithm pads each rank's FP8 row to a multiple of this many bytes (16-byte aligned rows for the
+#: fused kernel's vector loads; at most 15 bytes more per rank).
+GATHER_ROW_ALIGN = 16
 
-    ``(N-1) * chunk`` (all-to-all of the FP8 chunks, the rank's own chunk stays local)
-    ``+ (N-1) * chunk`` (ring all-gather of the FP8 mean chunks)
-    ``+ 2 (N-1)/N * 32`` (ring all-reduce of the 4 float64 scalars), with ``chunk = ceil(numel / N)``
-    bytes (one byte per element). About half of ``ring_allreduce_bytes(numel, N, 2)`` (BF16) and a
-    quarter of FP32. 0 for ``world_size`` 1 or an empty tensor (nothing is sent).
+
+def pick_algorithm(algorithm: str, world_size: int) -> str:
+    """``"scatter"`` or ``"gather"``: ``algorithm`` itself, or for ``"auto"`` gather when ``world_size == 2``.
+
+    Why (bytes per rank, ``L`` the FP8 tensor in bytes): scatter sends ``2 (N-1)/N L`` in two collectives
+    (all-to-all, all-gather), gather ``(N-1) L`` in one (all-gather of every rank's whole tensor). At ``N = 2``
+    both send ``L``, and gather saves a collective's latency and the second FP8 rounding; at ``N > 2`` gather
+    sends ``N/2`` times the bytes (1.5x at 3, 4x at 8), so scatter is chosen.
+
+    Raises:
+        ValueError: ``algorithm`` is not one of :data:`ALGORITHMS`.
     """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"fp8kit.comm: algorithm must be 'auto', 'scatter' or 'gather', got {algorithm!r}")
+    if algorithm == "auto":
+        return "gather" if world_size == 2 else "scatter"
+    return algorithm
+
+
+def gather_row_bytes(numel: int) -> int:
+    """One rank's FP8 row in the "gather" algorithm: ``numel`` rounded up to :data:`GATHER_ROW_ALIGN` bytes."""
+    return -(-numel // GATHER_ROW_ALIGN) * GATHER_ROW_ALIGN
+
+
+def fp8_allreduce_bytes(numel: int, world_size: int, algorithm: str = "auto") -> int:
+    """Bytes one rank sends in one ``fp8_all_reduce(..., algorithm=algorithm)`` of ``numel`` elements (any dtype).
+
+    ``"scatter"``: ``(N-1) * chunk`` (all-to-all of the FP8 chunks, the rank's own chunk stays local)
+    ``+ (N-1) * chunk`` (ring all-gather of the FP8 mean chunks), ``chunk = ceil(numel / N)`` bytes (one byte
+    per element): about half of ``ring_allreduce_bytes(numel, N, 2)`` (BF16) and a quarter of FP32.
+    ``"gather"``: ``(N-1) * L`` (ring all-gather of every rank's whole FP8 tensor, ``L = gather_row_bytes(numel)``),
+    the same as scatter at ``N = 2`` (up to the padding), ``N/2`` times it above.
+    Both: ``+ 2 (N-1)/N * 32`` (ring all-reduce of the 4 float64 scalars). ``"auto"``: :func:`pick_algorithm`'s
+    choice for ``world_size``. 0 for ``world_size`` 1 or an empty tensor (nothing is sent).
+
+    Raises:
+        ValueError: an unknown ``algorithm``.
+    """
+    algorithm = pick_algorithm(algorithm, world_size)
     if world_size <= 1 or numel == 0:
         return 0
-    chunk = -(-numel // world_size)
-    return 2 * (world_size - 1) * chunk + ring_allreduce_bytes(4, world_size, 8)
+    if algorithm == "gather":
+        wire = (world_size - 1) * gather_row_bytes(numel)
+    else:
+        wire = 2 * (world_size - 1) * -(-numel // world_size)
+    return wire + ring_allreduce_bytes(4, world_size, 8)
 
 
 @dataclass
@@ -102,8 +141,9 @@ class AutoScaleState:
         backoff: mu's factor on a saturated step, in (0, 1); default 0.5 (the paper's halving).
 
     Counters (python ints, this rank): ``calls`` (calls that communicated), ``bytes_sent`` (bytes this
-    rank sent, see ``fp8_allreduce_bytes``), ``bf16_ring_bytes`` (what a BF16 ring all-reduce of the same
-    tensors would have sent, ``ring_allreduce_bytes``), ``last_bytes_sent``.
+    rank sent, ``fp8_allreduce_bytes`` of each call's algorithm), ``bf16_ring_bytes`` (what a BF16 ring
+    all-reduce of the same tensors would have sent, ``ring_allreduce_bytes``), ``last_bytes_sent`` (the last
+    call's bytes).
     Per key (read with ``stats(key)``): ``mu``, ``steps_below`` (consecutive quiet steps), ``halvings``,
     ``growths``, ``initialized``, ``last_saturation`` (the largest per-rank saturated fraction of the
     last step), ``numel`` (a key used with another size is re-initialised from its amax, counted in

@@ -4,8 +4,9 @@ FP8-LM (Peng et al. 2023, arXiv:2310.18313, section 2, "FP8 gradient and all-red
 the paper's code is Microsoft's MS-AMP) sends gradients in FP8. Summing FP8 values across N ranks overflows
 (post-scaling, ``(g_1 + ... + g_N) / N``) and dividing first underflows (pre-scaling,
 ``g_1/N + ... + g_N/N``); the paper's fix is a shared factor ``mu`` (auto-scaling, ``g'_i = mu * g_i``)
-and one scale for all ranks (scale unification, ``s'_g = min(s'_1, ..., s'_N)``). Per call, on every rank
-(``f32`` = rounded to float32; all elementwise math in float32)::
+and one scale for all ranks (scale unification, ``s'_g = min(s'_1, ..., s'_N)``). Two reduction algorithms
+(``algorithm=``) share the scale and the quantize pass. Per call, on every rank (``f32`` = rounded to float32;
+all elementwise math in float32), "scatter"::
 
     stats  = amax |mu g|, #(|mu g| > FP8_MAX), #(not finite)         pass 1: reads g        (comm.unify)
     cand   = mu * backoff if frac(|mu g| > FP8_MAX) > delta else mu   (auto-scaling rule, paper)
@@ -18,21 +19,37 @@ and one scale for all ranks (scale unification, ``s'_g = min(s'_1, ..., s'_N)``)
     all_gather(m_r as uint8)                 [N * chunk] fp8 (NCCL: in place, m_r written into its slot)
     g      = f32(m) / f32(mu_g)              pass 4: dequantized into ``tensor`` (its dtype), NaN if bad
 
-The paper's ``g = g''_1 + ... + g''_N, s = N * s'_g`` (sum in FP8, divide by the scale) is done here as a
-reduce-scatter whose sum runs in float32 and whose mean is requantized with the unified scale, so the
-sum cannot overflow FP8 for any N. Bytes per rank: ``2 (N-1)/N`` of the FP8 buffer plus 32 bytes,
-about half of a BF16 ring all-reduce (``fp8_allreduce_bytes`` vs ``ring_allreduce_bytes``).
+"gather" (the same stats, scalar all-reduce and mu_g)::
+
+    q      = FP8(saturate(f32(g) * f32(mu_g)))  [L], L = n rounded up to 16, zero-padded   pass 2
+    all_gather(q as uint8)                   [N, L] fp8: every rank's whole tensor (NCCL: in place)
+    g      = ((q_0 + ... + q_{N-1}) * f32(1/N)) / f32(mu_g)   pass 3: float32 sum in rank order over the first n
+                                             columns, dequantized into ``tensor`` (its dtype), NaN if bad
+
+The paper's ``g = g''_1 + ... + g''_N, s = N * s'_g`` (sum in FP8, divide by the scale) is done here with a
+float32 sum, so it cannot overflow FP8 for any N: "scatter" reduce-scatters (all-to-all, float32 sum) and
+requantizes the mean with the unified scale for its all-gather (two FP8 roundings); "gather" all-gathers the
+quantized tensors and sums them on every rank (one FP8 rounding; the fixed rank order gives every rank the same
+bits). Bytes per rank (``fp8_allreduce_bytes(n, N, algorithm)``): scatter ``2 (N-1)/N`` of the FP8 buffer,
+gather ``(N-1)`` of it, both plus 32 bytes; at ``N = 2`` both send one FP8 buffer, half of a BF16 ring
+all-reduce (``ring_allreduce_bytes``). ``algorithm="auto"`` (the default) takes gather at ``N = 2`` (the same
+bytes in one collective instead of two, whose latency dominates at small sizes, and one rounding instead of
+two) and scatter above (gather would send ``N/2`` times the bytes). Measured on 2 x H200 over NVLink
+(docs/benchmarks.md, "FP8 gradient all-reduce") with scatter: 1.07-1.20x the bf16 all-reduce's time at 512M-1G
+elements, 1.18-1.70x at 32M-128M, where the collectives' latency dominates.
 The casts are ``fp8kit.fp8.scaling.quantize``'s (multiply in float32, saturate, round to nearest even: no inf).
 
-Fused path. The four passes, and the float64 bookkeeping around the scalar all-reduce, are ``torch.library``
-ops (:mod:`fp8kit.comm.allreduce_ops`): on CUDA each pass is one Triton kernel (:mod:`fp8kit.comm.allreduce_triton`)
-that reads its input once and writes straight into the collective's buffer (the gradient is never copied to
-float32), and the bookkeeping two single-program kernels (instead of ~40 tiny torch launches); elsewhere, and
-with ``reference=True`` on CUDA, the plain PyTorch references run; both give the same bits. HBM traffic per element for a bf16 gradient: 2 + 3
-(passes 1, 2) + 1.5 (pass 3, per rank's share) + 3 (pass 4) bytes, against ~90 for the unfused passes. The
-collectives are asynchronous: with ``pipeline_chunks`` > 1 the padded tensor is exchanged in pieces (each
-``N * c`` elements, rank r reducing chunk r of each piece) and piece i+1 is quantized while piece i is on the
-wire; the result is the same bit for bit (every pass is elementwise, mu_g is the whole tensor's).
+Fused path. The passes (four for scatter, three for gather), and the float64 bookkeeping around the scalar
+all-reduce, are ``torch.library`` ops (:mod:`fp8kit.comm.allreduce_ops`): on CUDA each pass is one Triton kernel
+(:mod:`fp8kit.comm.allreduce_triton`) that reads its input once and writes straight into the collective's buffer
+(the gradient is never copied to float32), and the bookkeeping two single-program kernels (instead of ~40 tiny
+torch launches); elsewhere, and with ``reference=True`` on CUDA, the plain PyTorch references run; both give the
+same bits. HBM traffic per element for a bf16 gradient, scatter: 2 + 3 (passes 1, 2) + 1.5 (pass 3, per rank's
+share) + 3 (pass 4) bytes; gather: 2 + 3 (passes 1, 2) + N + 2 (pass 3); against ~90 for the unfused passes.
+The collectives are asynchronous: with ``pipeline_chunks`` > 1 the padded tensor is exchanged in pieces
+(scatter: each ``N * c`` elements, rank r reducing chunk r of each piece; gather: elements ``[o, o + c)`` of
+every rank's tensor) and piece i+1 is quantized while piece i is on the wire; the result is the same bit for
+bit (every pass is elementwise, mu_g is the whole tensor's).
 
 Non-finite gradients: if any rank holds an inf or NaN, the result is NaN everywhere on every rank (a
 saturating cast would otherwise turn an inf into a finite FP8_MAX and hide it from AMP's GradScaler) and
@@ -51,7 +68,14 @@ import torch
 import torch.distributed as dist
 
 from fp8kit.comm import allreduce_ops as ops
-from fp8kit.comm.autoscale import AutoScaleState, fp8_allreduce_bytes, ring_allreduce_bytes
+from fp8kit.comm.autoscale import (
+    ALGORITHMS,
+    AutoScaleState,
+    fp8_allreduce_bytes,
+    gather_row_bytes,
+    pick_algorithm,
+    ring_allreduce_bytes,
+)
 from fp8kit.comm.unify import unify_scale
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -61,8 +85,10 @@ _initial_mu = ops.initial_mu  # the name the tests import
 
 #: The fused passes (``torch.ops.fp8kit.comm_*``: Triton on CUDA, the references elsewhere) and the plain
 #: PyTorch references (``reference=True``): the same math, the same bits.
-_FUSED = SimpleNamespace(quantize=ops.quantize_into, sum_requant=ops.sum_requant_into, dequantize=ops.dequantize_into)
-_REFERENCE = SimpleNamespace(quantize=ops.quantize_ref, sum_requant=ops.sum_requant_ref, dequantize=ops.dequantize_ref)
+_FUSED = SimpleNamespace(quantize=ops.quantize_into, sum_requant=ops.sum_requant_into, dequantize=ops.dequantize_into,
+                         gather_mean=ops.gather_mean_into)
+_REFERENCE = SimpleNamespace(quantize=ops.quantize_ref, sum_requant=ops.sum_requant_ref, dequantize=ops.dequantize_ref,
+                             gather_mean=ops.gather_mean_ref)
 
 #: Pipeline pieces (``pipeline_chunks=None``, fused path on CUDA): one piece per this many bytes of the
 #: tensor, at most ``AUTO_MAX_PIECES``; a piece's chunk is a multiple of ``PIECE_ALIGN`` elements (aligned loads).
@@ -82,12 +108,13 @@ def fp8_all_reduce(
     *,
     pipeline_chunks: int | None = None,
     reference: bool = False,
+    algorithm: str = "auto",
 ) -> torch.Tensor:
     """Average ``tensor`` over the ranks of ``group`` through FP8, in place; returns ``tensor``.
 
     The result is the mean over ranks (all-reduce SUM then ``/ world_size``) up to FP8 rounding: two
-    roundings to ``state.fp8_dtype`` with the unified scale ``mu`` (each at most 2^-3 relative for
-    E5M2, 2^-4 for E4M3; values below ``min_subnormal / mu`` flush to zero; values above
+    roundings (algorithm "scatter") or one ("gather") to ``state.fp8_dtype`` with the unified scale ``mu`` (each
+    at most 2^-3 relative for E5M2, 2^-4 for E4M3; values below ``min_subnormal / mu`` flush to zero; values above
     ``FP8_MAX / mu`` are clipped: at most a fraction ``delta`` per rank on a step where mu is not
     halved, any fraction that still exceeds it after a halving). Every rank ends with the same values
     and the same ``state``. See the module docstring for the algorithm and its
@@ -106,22 +133,29 @@ def fp8_all_reduce(
             on CUDA with the fused kernels; one piece otherwise.
         reference: run the plain PyTorch passes (``allreduce_ops.*_ref``) instead of the fused ops, also on
             CUDA (the unfused path, for benchmarks and tests; same bits).
+        algorithm: ``"scatter"`` (all-to-all, float32 sum, requantize, all-gather of the means),
+            ``"gather"`` (all-gather of every rank's FP8 tensor, float32 sum and dequantize on every rank), or
+            ``"auto"``: gather for 2 ranks (the same bytes, one collective and one FP8 rounding less), scatter
+            otherwise (``autoscale.pick_algorithm``). Both use the same ``mu`` and state rules, and every rank
+            ends with the same bits; the results of the two differ by the second rounding.
 
     Returns:
         ``tensor``, overwritten with the mean.
 
     Raises:
         ValueError: ``tensor`` is not a tensor of one of the dtypes above, ``state`` is not an
-            ``AutoScaleState``, ``key`` is not a str or int, or ``pipeline_chunks`` is not None or an int >= 1.
+            ``AutoScaleState``, ``key`` is not a str or int, ``pipeline_chunks`` is not None or an int >= 1, or
+            ``algorithm`` is not "auto", "scatter" or "gather".
         RuntimeError: ``torch.distributed`` is not initialised.
     """
-    _check_args(tensor, state, key, pipeline_chunks)
+    _check_args(tensor, state, key, pipeline_chunks, algorithm)
     if group is None and state is not None:
         group = state.process_group
     world = dist.get_world_size(group)
     n = tensor.numel()
     if world == 1 or n == 0:
         return tensor
+    algorithm = pick_algorithm(algorithm, world)
     st = state if state is not None else AutoScaleState(process_group=group)
     fp8 = st.dtype
     impl = _REFERENCE if reference else _FUSED
@@ -132,15 +166,31 @@ def fp8_all_reduce(
     # scale = f32(mu_g); out_scale = f32(mu_g) or NaN if any rank saw inf/NaN; new_values: the key after the call
     scale, out_scale, new_values = unify_scale(src, st, key, group, reference=reference)
 
-    # --- FP8 reduce-scatter (all-to-all + float32 sum) and all-gather, in pipeline pieces ----------------
+    # --- the FP8 exchange, in pipeline pieces ------------------------------------------------------------
+    auto_bytes = n * tensor.element_size() if tensor.is_cuda and not reference else 0
+    inplace = tensor.is_cuda and "nccl" in str(dist.get_backend(group))  # NCCL: in-place all-gather
+    exchange = _gather_exchange if algorithm == "gather" else _scatter_exchange
+    exchange(src, scale, out_scale, fp8, impl, group, world, pipeline_chunks, auto_bytes, inplace)
+    if not contiguous:
+        tensor.copy_(src.view(tensor.shape))
+
+    # --- auto-scale state (computed by unify_scale from all-reduced values only: the same on every rank) --
+    st._store(key, new_values, fp8_allreduce_bytes(n, world, algorithm), ring_allreduce_bytes(n, world, 2))
+    return tensor
+
+
+def _scatter_exchange(src: torch.Tensor, scale: torch.Tensor, out_scale: torch.Tensor, fp8: torch.dtype,
+                      impl: SimpleNamespace, group: dist.ProcessGroup | None, world: int,
+                      pipeline_chunks: int | None, auto_bytes: int, inplace: bool) -> None:
+    """Algorithm "scatter": FP8 reduce-scatter (all-to-all + float32 sum, requantized) and all-gather of the
+    means, then ``src = m / out_scale``. ``src`` contiguous ``[n]``, input and output."""
+    n = src.numel()
     rank = dist.get_rank(group)
     chunk = -(-n // world)  # the padded tensor [N * chunk]: rank r reduces chunk r of each piece
-    fused_cuda = tensor.is_cuda and not reference
-    pieces = _pieces(chunk, pipeline_chunks, n * tensor.element_size() if fused_cuda else 0)
-    q = torch.empty(world * chunk, dtype=torch.uint8, device=tensor.device)  # send, then all-gather output
-    recv = torch.empty(world * chunk, dtype=torch.uint8, device=tensor.device)
-    inplace = tensor.is_cuda and "nccl" in str(dist.get_backend(group))  # NCCL: in-place all-gather
-    means = None if inplace else torch.empty(chunk, dtype=torch.uint8, device=tensor.device)
+    pieces = _pieces(chunk, pipeline_chunks, auto_bytes)
+    q = torch.empty(world * chunk, dtype=torch.uint8, device=src.device)  # send, then all-gather output
+    recv = torch.empty(world * chunk, dtype=torch.uint8, device=src.device)
+    means = None if inplace else torch.empty(chunk, dtype=torch.uint8, device=src.device)
 
     def send(off: int, c: int) -> dist.Work:
         lo = world * off
@@ -173,17 +223,45 @@ def fp8_all_reduce(
             finish(*pieces[p - 1])
     gathered.pop(len(pieces) - 1).wait()
     finish(*pieces[-1])
-    if not contiguous:
-        tensor.copy_(src.view(tensor.shape))
 
-    # --- auto-scale state (computed by unify_scale from all-reduced values only: the same on every rank) --
-    st._store(key, new_values, fp8_allreduce_bytes(n, world), ring_allreduce_bytes(n, world, 2))
-    return tensor
+
+def _gather_exchange(src: torch.Tensor, scale: torch.Tensor, out_scale: torch.Tensor, fp8: torch.dtype,
+                     impl: SimpleNamespace, group: dist.ProcessGroup | None, world: int,
+                     pipeline_chunks: int | None, auto_bytes: int, inplace: bool) -> None:
+    """Algorithm "gather": all-gather of every rank's FP8 tensor (padded to ``L``), then on every rank
+    ``src = (sum_i q_i * f32(1/N)) / out_scale`` (one pass, rank order). ``src`` contiguous ``[n]``, input and
+    output. Piece ``(o, c)`` (elements ``[o, o + c)`` of every rank's row) is gathered into
+    ``rows[N o, N (o + c))`` viewed as ``[N, c]``."""
+    n = src.numel()
+    rank = dist.get_rank(group)
+    row = gather_row_bytes(n)  # [L], L a multiple of 16: aligned rows for the fused pass
+    pieces = _pieces(row, pipeline_chunks, auto_bytes)
+    rows = torch.empty(world * row, dtype=torch.uint8, device=src.device)  # all-gather output
+    q = None if inplace else torch.empty(row, dtype=torch.uint8, device=src.device)  # gloo: a separate send buffer
+
+    def send(o: int, c: int) -> dist.Work:
+        slot = rows[world * o + rank * c : world * o + (rank + 1) * c] if inplace else q[o : o + c]
+        impl.quantize(src[o : min(n, o + c)], scale, slot, fp8)  # FP8(sat(mu_g g)), zeros past n
+        return _all_gather_single(rows[world * o : world * (o + c)], slot, group=group, async_op=True)
+
+    def finish(o: int, c: int) -> None:
+        out = src[o : min(n, o + c)]
+        if out.numel():
+            impl.gather_mean(rows[world * o : world * (o + c)], out_scale, out, world, fp8)  # mean / mu_g (NaN if bad)
+
+    # piece p + 1 is quantized and sent before piece p is summed into src (disjoint elements of src)
+    sent = {0: send(*pieces[0])}
+    for p in range(len(pieces)):
+        if p + 1 < len(pieces):
+            sent[p + 1] = send(*pieces[p + 1])
+        sent.pop(p).wait()
+        finish(*pieces[p])
 
 
 def _pieces(chunk: int, pipeline_chunks: int | None, auto_bytes: int) -> list[tuple[int, int]]:
-    """``(offset, length)`` of each piece of the per-rank chunk ``[0, chunk)``; piece ``(o, c)`` covers elements
-    ``[N o, N (o + c))`` of the padded tensor. ``auto_bytes`` > 0 enables the automatic count."""
+    """``(offset, length)`` of each piece of the per-rank chunk ``[0, chunk)``; with "scatter" piece ``(o, c)``
+    covers elements ``[N o, N (o + c))`` of the padded tensor, with "gather" (``chunk`` = the row ``L``) elements
+    ``[o, o + c)`` of every rank's tensor. ``auto_bytes`` > 0 enables the automatic count."""
     if pipeline_chunks is None:
         pipeline_chunks = min(AUTO_MAX_PIECES, max(1, auto_bytes // AUTO_PIECE_BYTES)) if auto_bytes else 1
     size = -(-chunk // pipeline_chunks)
@@ -216,7 +294,8 @@ def fp8_allreduce_hook(state: AutoScaleState, bucket: dist.GradBucket) -> torch.
     return fut
 
 
-def _check_args(tensor: object, state: object, key: object, pipeline_chunks: object = None) -> None:
+def _check_args(tensor: object, state: object, key: object, pipeline_chunks: object = None,
+                algorithm: object = "auto") -> None:
     if not isinstance(tensor, torch.Tensor) or tensor.dtype not in _INPUT_DTYPES:
         what = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
         raise ValueError(f"fp8_all_reduce: tensor must be float32, bfloat16, float16 or float64, got {what}")
@@ -230,6 +309,8 @@ def _check_args(tensor: object, state: object, key: object, pipeline_chunks: obj
         isinstance(pipeline_chunks, bool) or not isinstance(pipeline_chunks, int) or pipeline_chunks < 1
     ):
         raise ValueError(f"fp8_all_reduce: pipeline_chunks must be None or an int >= 1, got {pipeline_chunks!r}")
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
+        raise ValueError(f"fp8_all_reduce: algorithm must be 'auto', 'scatter' or 'gather', got {algorithm!r}")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "fp8_all_reduce: torch.distributed is not initialized (call dist.init_process_group)"
