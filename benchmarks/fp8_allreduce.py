@@ -18,18 +18,24 @@ For each buffer size (elements; default 32M, 128M, 512M, 1G on CUDA over NVLink 
 with 0.1 % outliers of 0.05, in ``--dtype``, default bf16) is averaged by
 
 - ``dist.all_reduce`` (SUM) in the same dtype: the baseline (NCCL's ring/tree all-reduce), and
-- ``fp8_all_reduce`` for each ``--fp8`` format (default e5m2 and e4m3), with a persistent ``AutoScaleState``
-  (mu initialised during warm-up), i.e. the steady state of training: the fused path with each
-  ``--pipeline`` setting (default ``1,2,4,auto``: pieces of the FP8 exchange; ``auto`` is the library's
+- ``fp8_all_reduce`` for each ``--fp8`` format (default e5m2 and e4m3) and each ``--algorithm`` (default
+  ``scatter,gather``: all-to-all + float32 sum + requantize + all-gather, or one all-gather of every rank's
+  FP8 tensor + float32 sum; the library's ``auto`` takes gather at 2 ranks), with a persistent
+  ``AutoScaleState`` (mu initialised during warm-up), i.e. the steady state of training: the fused path with
+  each ``--pipeline`` setting (default ``1,2,4,auto``: pieces of the FP8 exchange; ``auto`` is the library's
   default) and, unless ``--no-reference``, the unfused PyTorch path (``reference=True``, the passes as plain
-  torch ops: the "before" of the fused kernels), whose result must equal the fused one bit for bit.
+  torch ops: the "before" of the fused kernels), whose result must equal the fused one of the same algorithm
+  bit for bit (the two algorithms' results differ: scatter rounds to FP8 twice, gather once).
+
+Rows are labelled ``fp8 FORMAT ALGORITHM VARIANT`` (and carry ``algorithm`` in the JSON), so one run compares
+the algorithms at every size.
 
 Reported per variant: time (ms, the slowest rank's median), bus bandwidth (``busbw``: nccl-tests' convention
 on the payload, ``2 (N-1)/N * numel * element_size / time``, so FP8 and bf16 rows compare directly; and
 ``wire_gbps``, the bytes this rank really sends / time), bytes sent (BF16: ``2 (N-1)/N * numel * 2``; FP8:
-``fp8_allreduce_bytes``), speed-up vs the baseline, error vs the float32 mean (SQNR in dB and relative L2
-error; the baseline's own rounding is shown too: its SUM is done in bf16), mu, and whether the fused result
-equals the reference path's.
+``fp8_allreduce_bytes`` of the row's algorithm), speed-up vs the baseline, error vs the float32 mean (SQNR in
+dB and relative L2 error; the baseline's own rounding is shown too: its SUM is done in bf16), mu, and whether
+the fused result equals the reference path's of the same algorithm.
 
 Timing (CUDA): ``ms`` is ``fp8kit.bench.timing.time_ms`` (the GPU is held while the host enqueues all
 iterations, so the host's launch time is hidden, as when the host runs ahead in a training step);
@@ -57,6 +63,7 @@ import torch.distributed as dist
 
 from fp8kit.bench.timing import time_ms
 from fp8kit.comm import AutoScaleState, fp8_all_reduce, fp8_allreduce_bytes, ring_allreduce_bytes
+from fp8kit.comm.autoscale import ALGORITHMS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_SIZES = {"nvlink": "32M,128M,512M,1G", "sockets": "32M,128M", "cpu": "100K,1M"}
@@ -70,6 +77,15 @@ def parse_sizes(text: str) -> list[int]:
     for part in text.split(","):
         p = part.strip().upper()
         out.append(int(float(p[:-1]) * mult[p[-1]]) if p[-1:] in mult else int(p))
+    return out
+
+
+def parse_algorithms(text: str) -> list[str]:
+    """``scatter,gather`` -> ["scatter", "gather"]; each must be one of ``fp8_all_reduce``'s algorithms."""
+    out = [a.strip() for a in text.split(",") if a.strip()]
+    bad = [a for a in out if a not in ALGORITHMS]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"--algorithm: {bad or text!r} not in {', '.join(ALGORITHMS)}")
     return out
 
 
@@ -151,33 +167,37 @@ def bench_size(n: int, args, device: torch.device, rank: int, world: int) -> lis
     del base
     buf = g.clone()
     t = measure(lambda buf=buf: dist.all_reduce(buf), device, args.warmup, args.iters)
-    rows = [row(f"{args.dtype} all_reduce", t, payload, speedup=1.0, **base_err, mu=None)]
+    rows = [row(f"{args.dtype} all_reduce", t, payload, speedup=1.0, **base_err, mu=None, algorithm=None)]
     del buf
     base_ms = rows[0]["ms"]
 
     for fmt in args.fp8.split(","):
-        variants = [(f"fused pipeline={'auto' if p is None else p}", {"pipeline_chunks": p}) for p in args.pipeline]
-        if not args.no_reference:
-            variants.append(("reference (unfused)", {"reference": True}))
-        first = None
-        for label, kw in variants:
-            state = AutoScaleState(fp8_dtype=fmt)
-            out = fp8_all_reduce(g.clone(), state=state, **kw)  # first call: lazy init of mu from the amax
-            err = errors(ref, out)
-            if first is None:
-                first, same = out, True
-            else:
-                same = all_ranks_true(torch.equal(out, first), device)
-                del out
-            buf = g.clone()
-            t = measure(lambda buf=buf, state=state, kw=kw: fp8_all_reduce(buf, state=state, **kw), device,
-                        args.warmup, args.iters)
-            assert state.last_bytes_sent == fp8_allreduce_bytes(n, world)
-            stats = state.stats()
-            rows.append(row(f"fp8 {fmt} {label}", t, state.last_bytes_sent, speedup=base_ms / t["ms"], **err,
-                            mu=stats["mu"], halvings=stats["halvings"], equals_first_variant=same))
-            del buf
-        del first
+        for alg in args.algorithm:
+            variants = [(f"fused pipeline={'auto' if p is None else p}", {"pipeline_chunks": p})
+                        for p in args.pipeline]  # fmt: skip
+            if not args.no_reference:
+                variants.append(("reference (unfused)", {"reference": True}))
+            first = None  # the first variant of this format and algorithm: the others must give its bits
+            for label, kw in variants:
+                kw = {**kw, "algorithm": alg}
+                state = AutoScaleState(fp8_dtype=fmt)
+                out = fp8_all_reduce(g.clone(), state=state, **kw)  # first call: lazy init of mu from the amax
+                err = errors(ref, out)
+                if first is None:
+                    first, same = out, True
+                else:
+                    same = all_ranks_true(torch.equal(out, first), device)
+                    del out
+                buf = g.clone()
+                t = measure(lambda buf=buf, state=state, kw=kw: fp8_all_reduce(buf, state=state, **kw), device,
+                            args.warmup, args.iters)
+                assert state.last_bytes_sent == fp8_allreduce_bytes(n, world, alg), (alg, state.last_bytes_sent)
+                stats = state.stats()
+                rows.append(row(f"fp8 {fmt} {alg} {label}", t, state.last_bytes_sent, speedup=base_ms / t["ms"],
+                                **err, mu=stats["mu"], halvings=stats["halvings"], equals_first_variant=same,
+                                algorithm=alg))
+                del buf
+            del first
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
@@ -210,6 +230,8 @@ def main() -> int:
                          "sockets: 32M,128M; cpu: 100K,1M)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="gradient dtype (and baseline's)")
     ap.add_argument("--fp8", default="e5m2,e4m3", help="FP8 formats to run, comma-separated")
+    ap.add_argument("--algorithm", default="scatter,gather", type=parse_algorithms,
+                    help="fp8_all_reduce algorithms to run, comma-separated: scatter, gather, auto")
     ap.add_argument("--pipeline", default="1,2,4,auto", type=parse_pipeline,
                     help="pipeline_chunks settings of the fused path, comma-separated ints or 'auto'")
     ap.add_argument("--no-reference", action="store_true", help="skip the unfused reference path")
@@ -252,7 +274,7 @@ def main() -> int:
             out_path.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "format": "fp8kit-fp8-allreduce-bench",
-        "version": 2,
+        "version": 3,
         "device": name,
         "device_type": device.type,
         "backend": dist.get_backend(),

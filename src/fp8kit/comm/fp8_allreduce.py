@@ -274,7 +274,8 @@ def fp8_allreduce_hook(state: AutoScaleState, bucket: dist.GradBucket) -> torch.
     """DDP communication hook: ``ddp_model.register_comm_hook(AutoScaleState(), fp8_allreduce_hook)``.
 
     Averages the bucket's flat gradient buffer (``bucket.buffer()``: 1-D, the gradients' dtype) with
-    ``fp8_all_reduce(buffer, state.process_group, state, key)`` and returns it in an already completed
+    ``fp8_all_reduce(buffer, state.process_group, state, key)`` (its default ``algorithm="auto"``: gather for 2
+    ranks, scatter otherwise; a hook of your own can pass another) and returns it in an already completed
     Future. The collectives run synchronously inside the hook: in this version communication does not
     overlap the rest of the backward pass (on CUDA the host does not wait, but the compute stream
     waits for each collective).
