@@ -16,6 +16,7 @@ step, on the training loss):
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -56,6 +57,13 @@ def _torchrun(nproc: int, args: list[str], *, timeout: int = 300, ok: bool = Tru
     if ok:
         assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc
+
+
+def torchrun_rank_results(script: str, nproc: int, out: Path, *, timeout: int = 300) -> list[dict]:
+    """Run ``script OUT`` under ``torchrun`` on ``nproc`` gloo ranks; each rank writes ``OUT/rank{r}.json``:
+    returns those records in rank order (asserts the launch succeeded)."""
+    _torchrun(nproc, [script, str(out)], timeout=timeout)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
 def _sets(sets: list[str]) -> list[str]:

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -41,6 +39,7 @@ from fp8kit.comm import (
     fp8_allreduce_hook,
     ring_allreduce_bytes,
 )
+from tests.test_distributed import torchrun_rank_results
 
 WORLD = 2
 GROWTH_INTERVAL = 5
@@ -370,12 +369,7 @@ def _worker(out_dir: Path) -> None:
 def runs(tmp_path_factory) -> list[dict]:
     """The two ranks' results of one real 2-process gloo run of ``_worker``."""
     out = tmp_path_factory.mktemp("fp8_allreduce")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
-           __file__, str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return torchrun_rank_results(__file__, WORLD, out, timeout=300)
 
 
 def test_accuracy_vs_full_precision_mean(runs):

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,6 +34,7 @@ import torch.distributed as dist
 from fp8kit.comm import AutoScaleState, fp8_all_reduce, fp8_allreduce_bytes, ring_allreduce_bytes
 from fp8kit.comm import allreduce_ops as ops
 from fp8kit.comm.autoscale import GATHER_ROW_ALIGN, gather_row_bytes, pick_algorithm
+from tests.test_distributed import torchrun_rank_results
 
 E5M2, E4M3 = torch.float8_e5m2, torch.float8_e4m3fn
 FMTS = {"e5m2": E5M2, "e4m3": E4M3}
@@ -391,12 +390,7 @@ def runs(request, tmp_path_factory) -> list[dict]:
     """The ranks' results of one real gloo run of ``_worker`` on 2, then 3 processes."""
     world = request.param
     out = tmp_path_factory.mktemp(f"fp8_allreduce_gather{world}")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
-           __file__, str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    return torchrun_rank_results(__file__, world, out, timeout=900)
 
 
 def test_gather_equals_written_out_pieces_and_reference(runs):

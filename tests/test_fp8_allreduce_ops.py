@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from fp8kit.comm import AutoScaleState, fp8_all_reduce
 from fp8kit.comm import allreduce_ops as ops
 from fp8kit.comm.fp8_allreduce import AUTO_MAX_PIECES, _pieces
 from fp8kit.comm.unify import params_tensor
+from tests.test_distributed import torchrun_rank_results
 
 E5M2, E4M3 = torch.float8_e5m2, torch.float8_e4m3fn
 FP8_MAX = {E5M2: 57344.0, E4M3: 448.0}
@@ -280,12 +279,7 @@ def _pipeline_worker(out_dir: Path) -> None:
 @pytest.fixture(scope="module")
 def pipeline_runs(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("fp8_allreduce_pipeline")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
-           __file__, str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return torchrun_rank_results(__file__, WORLD, out, timeout=600)
 
 
 def test_pipelined_and_reference_equal_one_piece(pipeline_runs):

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fp8kit.comm import AutoScaleState, Fp8ReduceScatter, apply_fp8_reduce_scatter
+from tests.test_distributed import torchrun_rank_results
 
 WORLD = 2
 STEPS = 12
@@ -173,12 +172,7 @@ def _worker(out_dir: Path) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("fp8_reduce_scatter")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
-           __file__, str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return torchrun_rank_results(__file__, WORLD, out, timeout=600)
 
 
 def test_comm_equals_the_written_out_algorithm(runs):
