@@ -27,8 +27,13 @@ with 0.1 % outliers of 0.05, in ``--dtype``, default bf16) is averaged by
   torch ops: the "before" of the fused kernels), whose result must equal the fused one of the same algorithm
   bit for bit (the two algorithms' results differ: scatter rounds to FP8 twice, gather once).
 
-Rows are labelled ``fp8 FORMAT ALGORITHM VARIANT`` (and carry ``algorithm`` in the JSON), so one run compares
-the algorithms at every size.
+and each ``--scaling`` (default ``current,delayed``: ``AutoScaleState(scaling=...)``; delayed scaling quantizes
+with the mu of earlier calls and sends its statistics with the payload, one pipeline piece only). Each variant's
+first call initialises mu (current scaling in both); errors and the bit check are taken on its second call (the
+steady state), which both scalings compute with the same mu on this input.
+
+Rows are labelled ``fp8 FORMAT ALGORITHM SCALING VARIANT`` (and carry ``algorithm`` and ``scaling`` in the JSON), so
+one run compares the algorithms and scalings at every size.
 
 Reported per variant: time (ms, the slowest rank's median), bus bandwidth (``busbw``: nccl-tests' convention
 on the payload, ``2 (N-1)/N * numel * element_size / time``, so FP8 and bf16 rows compare directly; and
@@ -63,7 +68,7 @@ import torch.distributed as dist
 
 from fp8kit.bench.timing import time_ms
 from fp8kit.comm import AutoScaleState, fp8_all_reduce, fp8_allreduce_bytes, ring_allreduce_bytes
-from fp8kit.comm.autoscale import ALGORITHMS
+from fp8kit.comm.autoscale import ALGORITHMS, SCALINGS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_SIZES = {"nvlink": "32M,128M,512M,1G", "sockets": "32M,128M", "cpu": "100K,1M"}
@@ -86,6 +91,15 @@ def parse_algorithms(text: str) -> list[str]:
     bad = [a for a in out if a not in ALGORITHMS]
     if bad or not out:
         raise argparse.ArgumentTypeError(f"--algorithm: {bad or text!r} not in {', '.join(ALGORITHMS)}")
+    return out
+
+
+def parse_scalings(text: str) -> list[str]:
+    """``current,delayed`` -> ["current", "delayed"]; each must be one of ``AutoScaleState``'s scalings."""
+    out = [a.strip() for a in text.split(",") if a.strip()]
+    bad = [a for a in out if a not in SCALINGS]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"--scaling: {bad or text!r} not in {', '.join(SCALINGS)}")
     return out
 
 
@@ -173,15 +187,17 @@ def bench_size(n: int, args, device: torch.device, rank: int, world: int) -> lis
 
     for fmt in args.fp8.split(","):
         for alg in args.algorithm:
-            variants = [(f"fused pipeline={'auto' if p is None else p}", {"pipeline_chunks": p})
-                        for p in args.pipeline]  # fmt: skip
+            variants = [(scaling, f"fused pipeline={'auto' if p is None else p}", {"pipeline_chunks": p})
+                        for scaling in args.scaling for p in args.pipeline
+                        if scaling == "current" or p in (None, 1)]  # fmt: skip
             if not args.no_reference:
-                variants.append(("reference (unfused)", {"reference": True}))
+                variants += [(scaling, "reference (unfused)", {"reference": True}) for scaling in args.scaling]
             first = None  # the first variant of this format and algorithm: the others must give its bits
-            for label, kw in variants:
+            for scaling, label, kw in variants:
                 kw = {**kw, "algorithm": alg}
-                state = AutoScaleState(fp8_dtype=fmt)
-                out = fp8_all_reduce(g.clone(), state=state, **kw)  # first call: lazy init of mu from the amax
+                state = AutoScaleState(fp8_dtype=fmt, scaling=scaling)
+                fp8_all_reduce(g.clone(), state=state, **kw)  # first call: lazy init of mu from the amax (current)
+                out = fp8_all_reduce(g.clone(), state=state, **kw)  # the steady state (delayed: mu of the first)
                 err = errors(ref, out)
                 if first is None:
                     first, same = out, True
@@ -191,11 +207,11 @@ def bench_size(n: int, args, device: torch.device, rank: int, world: int) -> lis
                 buf = g.clone()
                 t = measure(lambda buf=buf, state=state, kw=kw: fp8_all_reduce(buf, state=state, **kw), device,
                             args.warmup, args.iters)
-                assert state.last_bytes_sent == fp8_allreduce_bytes(n, world, alg), (alg, state.last_bytes_sent)
+                assert state.last_bytes_sent == fp8_allreduce_bytes(n, world, alg, scaling), (alg, scaling)
                 stats = state.stats()
-                rows.append(row(f"fp8 {fmt} {alg} {label}", t, state.last_bytes_sent, speedup=base_ms / t["ms"],
-                                **err, mu=stats["mu"], halvings=stats["halvings"], equals_first_variant=same,
-                                algorithm=alg))
+                rows.append(row(f"fp8 {fmt} {alg} {scaling} {label}", t, state.last_bytes_sent,
+                                speedup=base_ms / t["ms"], **err, mu=stats["mu"], halvings=stats["halvings"],
+                                equals_first_variant=same, algorithm=alg, scaling=scaling))
                 del buf
             del first
     if device.type == "cuda":
@@ -232,6 +248,9 @@ def main() -> int:
     ap.add_argument("--fp8", default="e5m2,e4m3", help="FP8 formats to run, comma-separated")
     ap.add_argument("--algorithm", default="scatter,gather", type=parse_algorithms,
                     help="fp8_all_reduce algorithms to run, comma-separated: scatter, gather, auto")
+    ap.add_argument("--scaling", default="current,delayed", type=parse_scalings,
+                    help="AutoScaleState scalings to run, comma-separated: current (this call's statistics, a "
+                         "scalar all-reduce before the transfer), delayed (earlier calls' mu; one piece only)")
     ap.add_argument("--pipeline", default="1,2,4,auto", type=parse_pipeline,
                     help="pipeline_chunks settings of the fused path, comma-separated ints or 'auto'")
     ap.add_argument("--no-reference", action="store_true", help="skip the unfused reference path")
@@ -274,7 +293,7 @@ def main() -> int:
             out_path.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "format": "fp8kit-fp8-allreduce-bench",
-        "version": 3,
+        "version": 4,
         "device": name,
         "device_type": device.type,
         "backend": dist.get_backend(),

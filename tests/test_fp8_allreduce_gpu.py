@@ -127,6 +127,36 @@ def test_nonfinite_inputs(fmt):
     _assert_same(got, ref, f"quantize nonfinite {fmt}", fp8)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", list(FP8S))
+def test_delayed_scaling_kernels_match_reference(fmt, dtype):
+    """quantize_stats (FP8 bytes into a row, the statistics into its float64 trailer) and scale_update_delayed (the
+    MIN of strided rows) against their references, auto-scaled, saturating and below range."""
+    fp8, m = FP8S[fmt], FP8_MAX[FP8S[fmt]]
+    g = _grad(N, 3, dtype)
+    amax = g.float().abs().max().item()
+    params = params_tensor(AutoScaleState(growth_interval=3), torch.device("cuda"))
+    row = gather_row_bytes(N - 1000)
+    for factor in (1.0, 2.0, 0.3):
+        values = _values(m / amax * factor * (1 + 2**-30), True, 3.0)
+        bufs = []
+        for fn in (ops.quantize_stats_into, ops.quantize_stats_ref):
+            buf = _poisoned(row + 32, torch.uint8)
+            fn(g[: N - 1000], values, params, buf[:row], buf[row:].view(torch.float64), fp8)
+            bufs.append(buf)
+        _assert_same(bufs[0][:row], bufs[1][:row], f"quantize_stats bytes {fmt} {dtype} x{factor}", fp8)
+        _assert_same(bufs[0][row:].view(torch.float64), bufs[1][row:].view(torch.float64),
+                     f"quantize_stats statistics {fmt} {dtype} x{factor}")
+        _assert_same(bufs[0][row:].view(torch.float64), ops.scale_vec_ref(g[: N - 1000], values, params, fp8),
+                     f"quantize_stats statistics vs scale_vec {fmt} {dtype} x{factor}")
+        rows = torch.stack([bufs[0], bufs[1], bufs[0]]).reshape(-1)  # three ranks' rows
+        vecs = rows.view(3, row + 32)[:, row:].view(torch.float64)
+        for a, b, what in zip(ops.scale_update_delayed(vecs, values, params, fp8),
+                              ops.scale_update_delayed_ref(vecs, values, params, fp8), ("out_scale", "values"),
+                              strict=True):
+            _assert_same(a, b, f"scale_update_delayed {what} {fmt} {dtype} x{factor}")
+
+
 def test_initial_mu_matches_reference_near_the_float32_limits():
     """mu0 = FP8_MAX / amax over 8 decades and at the clamps (eps, F32_MAX): torch's two float32 roundings."""
     params = params_tensor(AutoScaleState(), torch.device("cuda"))
@@ -305,8 +335,16 @@ def _nccl_worker(out_dir: Path) -> None:
                             "gather": ({"algorithm": "gather"}, "gather_reference"),
                             "gather_p4": ({"algorithm": "gather", "pipeline_chunks": 4}, "gather_reference"),
                             "gather_reference": ({"algorithm": "gather", "reference": True}, "gather_reference"),
-                            "auto": ({}, "gather_reference")}  # fmt: skip
-                states = {k: AutoScaleState(fp8_dtype=fmt) for k in variants}
+                            "auto": ({}, "gather_reference"),
+                            # delayed scaling (the first call runs current scaling): fused vs its reference path
+                            "gather_delayed": ({"algorithm": "gather"}, "gather_delayed_reference"),
+                            "gather_delayed_reference": ({"algorithm": "gather", "reference": True},
+                                                         "gather_delayed_reference"),
+                            "scatter_delayed": ({"algorithm": "scatter"}, "scatter_delayed_reference"),
+                            "scatter_delayed_reference": ({"algorithm": "scatter", "reference": True},
+                                                          "scatter_delayed_reference")}  # fmt: skip
+                states = {k: AutoScaleState(fp8_dtype=fmt, scaling="delayed" if "delayed" in k else "current")
+                          for k in variants}  # fmt: skip
                 case = {}
                 for step in range(3):  # lazy init, a saturating step on rank 1 (mu halves), a quiet step
                     g = _grad(n, 100 * step + rank, dtype) * (100.0 if step == 1 and rank == 1 else 1.0)
@@ -319,23 +357,29 @@ def _nccl_worker(out_dir: Path) -> None:
                 case["bytes"] = {k: s.last_bytes_sent for k, s in states.items()}
                 case["bytes_ok"] = all(
                     s.last_bytes_sent == fp8_allreduce_bytes(n, 2, "gather" if k.startswith(("gather", "auto")) else
-                                                             "scatter") for k, s in states.items())  # fmt: skip
+                                                             "scatter", s.scaling) for k, s in states.items())  # fmt: skip
                 res[f"allreduce/{fmt}/{str(dtype).removeprefix('torch.')}/{n}"] = case
-            x = _grad(2 * 3_000_001, 7 + rank, dtype)
-            outs = {}
-            for name, ref in (("fused", False), ("reference", True)):
-                out = torch.empty(3_000_001, dtype=dtype, device=dev)
-                Fp8ReduceScatter(AutoScaleState(fp8_dtype=fmt), "k", reference=ref)(
-                    out, x.clone(), dist.group.WORLD, dist.ReduceOp.AVG)
-                outs[name] = out
-            res[f"reduce_scatter/{fmt}/{str(dtype).removeprefix('torch.')}"] = torch.equal(
-                _bits(outs["fused"]), _bits(outs["reference"]))
+            for scaling in ("current", "delayed"):
+                outs = {}
+                for name, ref in (("fused", False), ("reference", True)):
+                    comm = Fp8ReduceScatter(AutoScaleState(fp8_dtype=fmt, scaling=scaling), "k", reference=ref)
+                    for step in range(2):  # delayed: the second call quantizes with the first call's mu
+                        x = _grad(2 * 3_000_001, 7 + 10 * step + rank, dtype)
+                        out = torch.empty(3_000_001, dtype=dtype, device=dev)
+                        comm(out, x, dist.group.WORLD, dist.ReduceOp.AVG)
+                    outs[name] = out
+                res[f"reduce_scatter/{scaling}/{fmt}/{str(dtype).removeprefix('torch.')}"] = torch.equal(
+                    _bits(outs["fused"]), _bits(outs["reference"]))
     g = _grad(1 << 20, 5 + rank, torch.bfloat16)
     if rank == 1:
         g[1234] = math.inf
     for alg in ("scatter", "gather"):
         out = fp8_all_reduce(g.clone(), state=AutoScaleState(), pipeline_chunks=2, algorithm=alg)
         res[f"nonfinite_all_nan_{alg}"] = bool(out.isnan().all())
+        st = AutoScaleState(scaling="delayed")
+        fp8_all_reduce(_grad(1 << 20, 9 + rank, torch.bfloat16), state=st, algorithm=alg)  # initialise: current
+        out = fp8_all_reduce(g.clone(), state=st, algorithm=alg)
+        res[f"nonfinite_all_nan_{alg}_delayed"] = bool(out.isnan().all())
     res["fsdp_loss_rel"] = _fsdp_losses_rel(rank)
     torch.cuda.synchronize()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(res, indent=1))
@@ -359,6 +403,7 @@ def test_two_rank_nccl_fused_equals_reference(tmp_path):
             elif case.startswith("reduce_scatter/"):
                 assert c, f"rank {rank} {case}: fused reduce-scatter differs from the reference"
         assert r["nonfinite_all_nan_scatter"] and r["nonfinite_all_nan_gather"], (rank, r)
+        assert r["nonfinite_all_nan_scatter_delayed"] and r["nonfinite_all_nan_gather_delayed"], (rank, r)
         assert r["fsdp_loss_rel"] < FSDP_LOSS_REL_TOL, (
             f"rank {rank}: FSDP2 with the FP8 reduce-scatter vs plain FSDP2, loss differs by {r['fsdp_loss_rel']:.3%}")
 

@@ -21,6 +21,14 @@ growth_factor, mu_max, growth_interval]`` of the ``AutoScaleState``):
   new_values f64[6])``: the unified ``mu_g`` (``cand_g``, or ``mu0 = FP8_MAX / global amax`` for an
   uninitialised key), ``out_scale`` = ``mu_g`` or NaN if any rank held an inf / NaN, and the key's values after the
   auto-scaling rule (halve, initialise, count quiet steps, grow), all in float64 as the reference.
+- :func:`scale_update_delayed` ``(vecs f64[N, 4], values, params)`` -> ``(out_scale f32[1], new_values f64[6])``:
+  delayed scaling's bookkeeping after the transfer: ``vec`` = the element-wise MIN of the N ranks' rows (what the
+  scalar all-reduce computes; ``vecs`` may be a strided view into the all-gather's buffer), the same next values
+  as :func:`scale_update`, and ``out_scale`` = ``f32(mu)`` (the scale this call quantized with: the key's
+  ``mu`` before the call) or NaN if any rank held an inf / NaN.
+- :func:`quantize_stats_into` ``(g [k], values, params, out uint8[L], vec f64[4])``: delayed scaling's one pass:
+  ``out`` as :func:`quantize_into` with ``scale = f32(values[MU])``, and ``vec`` = :func:`scale_vec` of the same
+  ``g`` (the statistics of the same products), from one read of ``g``.
 - :func:`quantize_into` ``(g [k], scale f32[1], out uint8[L])``: ``out[:k] = FP8(saturate(f32(g) * scale))``,
   ``out[k:] = 0`` (the padding). NaN stays NaN.
 - :func:`sum_requant_into` ``(recv uint8[N * c], out uint8[c], N)``: ``t = q_0 + q_1 + ... + q_{N-1}`` in float32,
@@ -111,6 +119,34 @@ def _check_scale_update(vec: torch.Tensor, values: torch.Tensor, params: torch.T
     _check_f64(values, N_VALUES, vec.device, "values", where)
     _check_f64(params, N_PARAMS, vec.device, "params", where)
     _check_fp8(fp8, where)
+
+
+def _check_scale_update_delayed(vecs: torch.Tensor, values: torch.Tensor, params: torch.Tensor,
+                                fp8: torch.dtype) -> None:
+    where = "fp8kit::comm_ar_scale_update_delayed"
+    if vecs.dim() != 2 or vecs.shape[0] < 1 or vecs.shape[1] != N_VEC or vecs.dtype != torch.float64 \
+            or vecs.stride(1) != 1:
+        raise ValueError(f"{where}: vecs must be a float64 [N >= 1, {N_VEC}] tensor with unit column stride, got "
+                         f"{vecs.dtype} {tuple(vecs.shape)} strides {vecs.stride()}")
+    _check_f64(values, N_VALUES, vecs.device, "values", where)
+    _check_f64(params, N_PARAMS, vecs.device, "params", where)
+    _check_fp8(fp8, where)
+
+
+def _check_quantize_stats(g: torch.Tensor, values: torch.Tensor, params: torch.Tensor, out: torch.Tensor,
+                          vec: torch.Tensor, fp8: torch.dtype) -> None:
+    where = "fp8kit::comm_ar_quantize_stats"
+    _check_1d(g, "g", _FLOATS, where)
+    if g.numel() == 0:
+        raise ValueError(f"{where}: g is empty")
+    _check_1d(out, "out", (torch.uint8,), where)
+    _check_same_device(g, out, "g and out", where)
+    _check_f64(values, N_VALUES, g.device, "values", where)
+    _check_f64(params, N_PARAMS, g.device, "params", where)
+    _check_f64(vec, N_VEC, g.device, "vec", where)
+    _check_fp8(fp8, where)
+    if g.numel() > out.numel():
+        raise ValueError(f"{where}: g has {g.numel()} elements, more than out's {out.numel()}")
 
 
 def _check_quantize(g: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, fp8: torch.dtype) -> None:
@@ -209,6 +245,21 @@ def scale_update_ref(vec: torch.Tensor, values: torch.Tensor, params: torch.Tens
                      fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PyTorch reference of :func:`scale_update`: ``(scale f32[1], out_scale f32[1], new_values f64[6])``."""
     _check_scale_update(vec, values, params, fp8)
+    mu_g, bad, new = _update_math(vec, values, params, fp8)
+    return mu_g.float().reshape(1), torch.where(bad, math.nan, mu_g).float().reshape(1), new
+
+
+def scale_update_delayed_ref(vecs: torch.Tensor, values: torch.Tensor, params: torch.Tensor,
+                             fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference of :func:`scale_update_delayed`: ``(out_scale f32[1], new_values f64[6])``."""
+    _check_scale_update_delayed(vecs, values, params, fp8)
+    _, bad, new = _update_math(vecs.amin(0), values, params, fp8)
+    return torch.where(bad, math.nan, values[MU]).float().reshape(1), new
+
+
+def _update_math(vec: torch.Tensor, values: torch.Tensor, params: torch.Tensor,
+                 fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(mu_g f64[], bad bool[], new_values f64[6])`` from the all-reduced ``vec`` (float64 throughout)."""
     cand_g, frac_max, gamax, bad = vec[0], -vec[1], -vec[2], vec[3] < 0
     mu, init = values[MU], values[INITIALIZED] > 0
     mu0 = initial_mu(gamax, fp8)
@@ -230,7 +281,15 @@ def scale_update_ref(vec: torch.Tensor, values: torch.Tensor, params: torch.Tens
             torch.where(init & ~bad, frac_max, values[LAST_SATURATION]),
         ]
     )
-    return mu_g.float().reshape(1), torch.where(bad, math.nan, mu_g).float().reshape(1), new
+    return mu_g, bad, new
+
+
+def quantize_stats_ref(g: torch.Tensor, values: torch.Tensor, params: torch.Tensor, out: torch.Tensor,
+                       vec: torch.Tensor, fp8: torch.dtype) -> None:
+    """PyTorch reference of :func:`quantize_stats_into`: ``quantize_ref(g, f32(mu), out)`` and ``vec = scale_vec_ref(g)``."""
+    _check_quantize_stats(g, values, params, out, vec, fp8)
+    quantize_ref(g, values[MU].float().reshape(1), out, fp8)
+    vec.copy_(scale_vec_ref(g, values, params, fp8))
 
 
 def quantize_ref(g: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, fp8: torch.dtype) -> None:
@@ -336,6 +395,50 @@ def _(vec, values, params, fp8):
 def _(vec, values, params, fp8):
     _check_scale_update(vec, values, params, fp8)
     return vec.new_empty(1, dtype=torch.float32), vec.new_empty(1, dtype=torch.float32), values.new_empty(N_VALUES)
+
+
+@torch.library.custom_op("fp8kit::comm_ar_scale_update_delayed", mutates_args=())
+def _scale_update_delayed_op(vecs: torch.Tensor, values: torch.Tensor, params: torch.Tensor,
+                             fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return scale_update_delayed_ref(vecs, values, params, fp8)
+
+
+@_scale_update_delayed_op.register_kernel("cuda")
+def _(vecs, values, params, fp8):
+    _check_scale_update_delayed(vecs, values, params, fp8)
+    k = _kernels()
+    if k is None:
+        return scale_update_delayed_ref(vecs, values, params, fp8)
+    with torch.cuda.device(vecs.device):
+        _, out_scale, new = k.scale_update(vecs, values, params, DTYPE_MAX[fp8], delayed=True)
+        return out_scale, new
+
+
+@_scale_update_delayed_op.register_fake
+def _(vecs, values, params, fp8):
+    _check_scale_update_delayed(vecs, values, params, fp8)
+    return vecs.new_empty(1, dtype=torch.float32), values.new_empty(N_VALUES)
+
+
+@torch.library.custom_op("fp8kit::comm_ar_quantize_stats", mutates_args=("out", "vec"))
+def _quantize_stats_op(g: torch.Tensor, values: torch.Tensor, params: torch.Tensor, out: torch.Tensor,
+                       vec: torch.Tensor, fp8: torch.dtype) -> None:
+    quantize_stats_ref(g, values, params, out, vec, fp8)
+
+
+@_quantize_stats_op.register_kernel("cuda")
+def _(g, values, params, out, vec, fp8):
+    _check_quantize_stats(g, values, params, out, vec, fp8)
+    k = _kernels()
+    if k is None or g.dtype not in KERNEL_DTYPES:
+        return quantize_stats_ref(g, values, params, out, vec, fp8)
+    with torch.cuda.device(g.device):
+        k.quantize_stats(g, values, params, out.view(fp8), vec, DTYPE_MAX[fp8])
+
+
+@_quantize_stats_op.register_fake
+def _(g, values, params, out, vec, fp8) -> None:
+    _check_quantize_stats(g, values, params, out, vec, fp8)
 
 
 @torch.library.custom_op("fp8kit::comm_ar_quantize", mutates_args=("out",))
@@ -473,6 +576,43 @@ def scale_update(vec: torch.Tensor, values: torch.Tensor, params: torch.Tensor,
         ValueError: tensors of the wrong shape, dtype or device, or an unknown ``fp8``.
     """
     return torch.ops.fp8kit.comm_ar_scale_update(vec, values, params, fp8)
+
+
+def scale_update_delayed(vecs: torch.Tensor, values: torch.Tensor, params: torch.Tensor,
+                         fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Delayed scaling's bookkeeping after the transfer, from every rank's statistics (one tiny kernel on CUDA).
+
+    Args:
+        vecs: float64 ``[N, 4]``, row ``i`` rank ``i``'s :func:`scale_vec` (unit column stride; any row stride, e.g.
+            the trailers of the all-gather's rows); values: the key's float64 ``(6,)``; params: float64 ``(5,)``.
+
+    Returns:
+        ``(out_scale, new_values)``: float32 ``(1,)`` ``f32(values[MU])`` (the scale the payload was quantized with)
+        or NaN when any rank held an inf or NaN; float64 ``(6,)``, :func:`scale_update`'s next values for the
+        element-wise MIN of the rows.
+
+    Raises:
+        ValueError: tensors of the wrong shape, dtype, strides or device, or an unknown ``fp8``.
+    """
+    return torch.ops.fp8kit.comm_ar_scale_update_delayed(vecs, values, params, fp8)
+
+
+def quantize_stats_into(g: torch.Tensor, values: torch.Tensor, params: torch.Tensor, out: torch.Tensor,
+                        vec: torch.Tensor, fp8: torch.dtype) -> None:
+    """Delayed scaling's one pass over ``g``: quantize with the key's current ``mu`` and measure the products.
+
+    ``out[:k] = FP8(saturate(f32(g) * f32(values[MU])))`` as bytes, ``out[k:] = 0``, and ``vec`` = :func:`scale_vec`
+    ``(g, values, params)`` (amax, saturated fraction and non-finite count of the same products), one read of ``g``.
+
+    Args:
+        g: contiguous 1-D bf16 / fp16 / fp32 / fp64 ``[k]``, ``k > 0``; values, params: as :func:`scale_vec`;
+        out: contiguous 1-D uint8 ``[L >= k]``; vec: contiguous float64 ``(4,)`` (written; may be a view into the
+        all-gather's send row); fp8: the format.
+
+    Raises:
+        ValueError: tensors of the wrong shape, dtype, layout or device, an empty ``g``, ``k > L``, unknown ``fp8``.
+    """
+    torch.ops.fp8kit.comm_ar_quantize_stats(g, values, params, out, vec, fp8)
 
 
 def quantize_into(g: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, fp8: torch.dtype) -> None:

@@ -22,6 +22,10 @@ Kernels (one program per ``BLOCK`` elements; 64-bit offsets; the wrappers expect
   come as a float64 tensor (a Python float argument would be rounded to float32); negation is ``* -1.0``
   (Triton's unary minus is ``0 - x``, which loses torch's ``-0.0``).
 - :func:`quantize`: ``g [k]`` -> FP8 ``[L]``, zeros past ``k`` (the padding), written into the send buffer.
+- :func:`quantize_stats`: delayed scaling's pass: :func:`quantize` with ``f32(mu)`` and :func:`scale_vec`'s
+  partials from the same products (one read of ``g``), then the same one-program finish into ``vec``.
+- :func:`scale_update` with ``delayed=True``: the element-wise MIN of ``N`` ranks' vectors (rows of a strided
+  ``[N, 4]`` view) first, then the same program with ``out_scale = f32(mu)`` (or NaN).
 - :func:`sum_rows`: ``recv [N, c]`` FP8 -> the float32 rank sum, then either FP8 of ``sum * (1/N)``
   (``requant``, the all-gather's payload) or ``(sum * mul) / scale`` in ``out``'s dtype (the reduce-scatter).
 - :func:`dequantize`: FP8 ``[L]`` -> ``out [L]`` (its dtype) ``= q / scale``.
@@ -96,13 +100,25 @@ def _vec_kernel(amax_ptr, cnt_ptr, G, values_ptr, params_ptr, vec_ptr, n, BLOCK:
 
 
 @triton.jit
-def _update_kernel(vec_ptr, values_ptr, params_ptr, scale_ptr, out_scale_ptr, new_ptr, FP8_MAX: tl.constexpr,
-                   EPS: tl.constexpr, F32_MAX: tl.constexpr):
-    # one program: scale_update_ref's math (initial_mu in float32, the rest in float64)
-    cand_g = tl.load(vec_ptr)
-    frac_max = tl.load(vec_ptr + 1) * -1.0
-    gamax = tl.load(vec_ptr + 2) * -1.0
-    bad = tl.load(vec_ptr + 3) < 0
+def _update_kernel(vec_ptr, vec_stride, values_ptr, params_ptr, scale_ptr, out_scale_ptr, new_ptr,
+                   FP8_MAX: tl.constexpr, EPS: tl.constexpr, F32_MAX: tl.constexpr, WORLD: tl.constexpr,
+                   DELAYED: tl.constexpr):
+    # one program: scale_update_ref's math (initial_mu in float32, the rest in float64); WORLD > 1: the MIN of
+    # WORLD vectors (row i at vec_ptr + i * vec_stride) first, as the scalar all-reduce computes it
+    v0 = tl.load(vec_ptr)
+    v1 = tl.load(vec_ptr + 1)
+    v2 = tl.load(vec_ptr + 2)
+    v3 = tl.load(vec_ptr + 3)
+    for i in tl.static_range(1, WORLD):
+        row = vec_ptr + i * vec_stride
+        v0 = tl.minimum(v0, tl.load(row))
+        v1 = tl.minimum(v1, tl.load(row + 1))
+        v2 = tl.minimum(v2, tl.load(row + 2))
+        v3 = tl.minimum(v3, tl.load(row + 3))
+    cand_g = v0
+    frac_max = v1 * -1.0
+    gamax = v2 * -1.0
+    bad = v3 < 0
     mu = tl.load(values_ptr)
     steps0 = tl.load(values_ptr + 1)
     init = tl.load(values_ptr + 4) > 0
@@ -126,8 +142,27 @@ def _update_kernel(vec_ptr, values_ptr, params_ptr, scale_ptr, out_scale_ptr, ne
     tl.store(new_ptr + 3, tl.load(values_ptr + 3) + grow.to(tl.float64))
     tl.store(new_ptr + 4, (init | initializing).to(tl.float64))
     tl.store(new_ptr + 5, tl.where(init & ~bad, frac_max, tl.load(values_ptr + 5)))
-    tl.store(scale_ptr, mu_g.to(tl.float32))
-    tl.store(out_scale_ptr, tl.where(bad, float("nan"), mu_g).to(tl.float32))
+    used = mu if DELAYED else mu_g  # delayed: the payload was quantized with the key's mu before this call
+    tl.store(scale_ptr, used.to(tl.float32))
+    tl.store(out_scale_ptr, tl.where(bad, float("nan"), used).to(tl.float32))
+
+
+@triton.jit
+def _quantize_stats_kernel(g_ptr, values_ptr, q_ptr, amax_ptr, cnt_ptr, k, L, G, FP8_MAX: tl.constexpr,
+                           F32_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    # _quantize_kernel with scale f32(mu) and _stats_kernel's partials of the same products y = f32(g) * f32(mu)
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < k
+    mu = tl.load(values_ptr).to(tl.float32)  # values[MU], float64 -> float32 (RTNE, as torch's .float())
+    y = tl.load(g_ptr + offs, mask=inb, other=0.0).to(tl.float32) * mu
+    a = tl.abs(y)
+    finite = a <= F32_MAX  # false for inf and NaN; masked lanes are 0
+    tl.store(amax_ptr + pid, tl.max(tl.where(finite, a, 0.0), axis=0))
+    tl.store(cnt_ptr + pid, tl.sum((a > FP8_MAX).to(tl.int32), axis=0))
+    tl.store(cnt_ptr + G + pid, tl.sum((~finite).to(tl.int32), axis=0))
+    q = tl.where(inb, _saturate(y, FP8_MAX), 0.0)  # the padding: +0
+    tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=offs < L)
 
 
 @triton.jit
@@ -192,15 +227,32 @@ def scale_vec(g: torch.Tensor, values: torch.Tensor, params: torch.Tensor, fp8_m
     return vec
 
 
-def scale_update(vec: torch.Tensor, values: torch.Tensor, params: torch.Tensor,
-                 fp8_max: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``allreduce_ops.scale_update_ref`` in one single-thread program: ``(scale, out_scale, new_values)``."""
+def scale_update(vec: torch.Tensor, values: torch.Tensor, params: torch.Tensor, fp8_max: float, *,
+                 delayed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``allreduce_ops.scale_update_ref`` in one single-thread program: ``(scale, out_scale, new_values)``.
+
+    ``vec`` float64 ``(4,)``, or with ``delayed`` a ``[N, 4]`` view (unit column stride) whose rows' MIN is taken
+    first, and the scales are ``f32(mu)`` (``scale_update_delayed_ref``)."""
+    world, stride = (vec.shape[0], vec.stride(0)) if vec.dim() == 2 else (1, 0)
     scale = torch.empty(1, dtype=torch.float32, device=vec.device)
     out_scale = torch.empty_like(scale)
     new = torch.empty(6, dtype=torch.float64, device=vec.device)
-    _update_kernel[(1,)](vec, values, params, scale, out_scale, new, FP8_MAX=fp8_max, EPS=AMAX_EPS,
-                         F32_MAX=_F32_MAX, num_warps=1)
+    _update_kernel[(1,)](vec, stride, values, params, scale, out_scale, new, FP8_MAX=fp8_max, EPS=AMAX_EPS,
+                         F32_MAX=_F32_MAX, WORLD=world, DELAYED=delayed, num_warps=1)
     return scale, out_scale, new
+
+
+def quantize_stats(g: torch.Tensor, values: torch.Tensor, params: torch.Tensor, q: torch.Tensor, vec: torch.Tensor,
+                   fp8_max: float) -> None:
+    """``allreduce_ops.quantize_stats_ref``: ``q[:k] = FP8(saturate(g * f32(mu)))``, ``q[k:] = 0`` (``q`` an FP8
+    view ``[L]``) and ``vec`` = the statistics of the same products, in one read of ``g`` plus one tiny program."""
+    n, L = g.numel(), q.numel()
+    grid = triton.cdiv(L, BLOCK)
+    amax = torch.empty(grid, dtype=torch.float32, device=g.device)
+    cnt = torch.empty(2, grid, dtype=torch.int32, device=g.device)
+    _quantize_stats_kernel[(grid,)](g, values, q, amax, cnt, n, L, grid, FP8_MAX=fp8_max, F32_MAX=_F32_MAX,
+                                    BLOCK=BLOCK, num_warps=NUM_WARPS)
+    _vec_kernel[(1,)](amax, cnt, grid, values, params, vec, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
 def quantize(g: torch.Tensor, scale: torch.Tensor, q: torch.Tensor, fp8_max: float) -> None:

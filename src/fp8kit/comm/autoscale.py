@@ -11,6 +11,19 @@ gradient by a factor ``mu`` before casting it to FP8 (``g'_i = mu * g_i``) and a
 Here ``backoff`` is the paper's ``1/2`` and ``growth_factor`` its ``2^(1/1000)``. A value *saturates*
 when ``|mu * g| > FP8_MAX`` (float32), i.e. when the saturating cast clips it.
 
+Current or delayed (``scaling``). With ``scaling="current"`` (the default) a call measures its own gradient
+first: a stats pass and one scalar MIN all-reduce before the FP8 transfer, so a saturating step is halved on the
+same step (and then clips at most what is left after one halving). With ``scaling="delayed"`` a call quantizes with
+the ``mu`` the earlier calls left, in the same pass that measures this call's statistics; the statistics travel
+with the payload (the "gather" algorithm appends them to each rank's row of its all-gather; "scatter" and the
+FSDP2 reduce-scatter all-reduce them asynchronously beside the transfer) and decide the next call's ``mu``. This
+is the paper's wording ("mu is set to 1/2 for the subsequent step") and Transformer Engine's delayed scaling: it
+removes the stats pass and the scalar collective from the critical path (the latency that dominates below
+~256 MB); the price is that a sudden jump of the gradient range clips that one step's values above
+``FP8_MAX / mu`` (more than ``delta`` of them) and halves mu for the next. The rule, the unified scale and the
+counters are the same in both modes; a key's first call (and a call while it is uninitialised) always runs
+"current", since mu0 needs the global amax.
+
 Initial mu. ``mu`` is set lazily, on the first call for a key, to ``mu0 = FP8_MAX / global_amax``
 (``scale_from_amax`` of ``fp8kit.fp8.scaling``, the global amax taken over all ranks, so every rank
 starts with the same ``mu``; rounded down by one float32 ulp where needed so that ``mu0 * amax <= FP8_MAX``
@@ -58,6 +71,10 @@ def ring_allreduce_bytes(numel: int, world_size: int, element_size: int = 2) -> 
 
 #: ``fp8_all_reduce``'s reduction algorithms (``algorithm=``); "auto" picks one from the world size.
 ALGORITHMS = ("auto", "scatter", "gather")
+#: When a call's ``mu`` is decided (``AutoScaleState.scaling``): from this call's statistics or from earlier calls'.
+SCALINGS = ("current", "delayed")
+#: The "gather" algorithm with delayed scaling appends this many bytes to each rank's row: its float64[4] statistics.
+VEC_BYTES = 32
 #: The "gather" algorithm pads each rank's FP8 row to a multiple of this many bytes (16-byte aligned rows for the
 #: fused kernel's vector loads; at most 15 bytes more per rank).
 GATHER_ROW_ALIGN = 16
@@ -86,7 +103,7 @@ def gather_row_bytes(numel: int) -> int:
     return -(-numel // GATHER_ROW_ALIGN) * GATHER_ROW_ALIGN
 
 
-def fp8_allreduce_bytes(numel: int, world_size: int, algorithm: str = "auto") -> int:
+def fp8_allreduce_bytes(numel: int, world_size: int, algorithm: str = "auto", scaling: str = "current") -> int:
     """Bytes one rank sends in one ``fp8_all_reduce(..., algorithm=algorithm)`` of ``numel`` elements (any dtype).
 
     ``"scatter"``: ``(N-1) * chunk`` (all-to-all of the FP8 chunks, the rank's own chunk stays local)
@@ -94,15 +111,20 @@ def fp8_allreduce_bytes(numel: int, world_size: int, algorithm: str = "auto") ->
     per element): about half of ``ring_allreduce_bytes(numel, N, 2)`` (BF16) and a quarter of FP32.
     ``"gather"``: ``(N-1) * L`` (ring all-gather of every rank's whole FP8 tensor, ``L = gather_row_bytes(numel)``),
     the same as scatter at ``N = 2`` (up to the padding), ``N/2`` times it above.
-    Both: ``+ 2 (N-1)/N * 32`` (ring all-reduce of the 4 float64 scalars). ``"auto"``: :func:`pick_algorithm`'s
+    Both: ``+ 2 (N-1)/N * 32`` (ring all-reduce of the 4 float64 scalars), except gather with ``scaling="delayed"``,
+    whose rows carry the 32 bytes of statistics instead: ``(N-1) * (L + 32)``. ``"auto"``: :func:`pick_algorithm`'s
     choice for ``world_size``. 0 for ``world_size`` 1 or an empty tensor (nothing is sent).
 
     Raises:
-        ValueError: an unknown ``algorithm``.
+        ValueError: an unknown ``algorithm`` or ``scaling``.
     """
     algorithm = pick_algorithm(algorithm, world_size)
+    if scaling not in SCALINGS:
+        raise ValueError(f"fp8kit.comm: scaling must be 'current' or 'delayed', got {scaling!r}")
     if world_size <= 1 or numel == 0:
         return 0
+    if algorithm == "gather" and scaling == "delayed":
+        return (world_size - 1) * (gather_row_bytes(numel) + VEC_BYTES)
     if algorithm == "gather":
         wire = (world_size - 1) * gather_row_bytes(numel)
     else:
@@ -118,6 +140,8 @@ class _Entry:
     numel: int | None
     reinits: int = 0
     calls: int = 0
+    #: the host knows the key is initialised (delayed scaling may then skip the pre-transfer statistics)
+    ready: bool = False
 
 
 def _fresh() -> list[float]:
@@ -139,6 +163,9 @@ class AutoScaleState:
         growth_factor: mu's factor at each quiet step after the interval; >= 1 (1 disables growth);
             default ``2 ** (1 / 1000)`` (the paper's).
         backoff: mu's factor on a saturated step, in (0, 1); default 0.5 (the paper's halving).
+        scaling: ``"current"`` (default: each call's mu from its own statistics, one scalar all-reduce before
+            the transfer) or ``"delayed"`` (mu from earlier calls, statistics sent with the payload; module
+            docstring). The FP8 all-reduce with delayed scaling runs in one pipeline piece.
 
     Counters (python ints, this rank): ``calls`` (calls that communicated), ``bytes_sent`` (bytes this
     rank sent, ``fp8_allreduce_bytes`` of each call's algorithm), ``bf16_ring_bytes`` (what a BF16 ring
@@ -159,6 +186,7 @@ class AutoScaleState:
     growth_interval: int = 1000
     growth_factor: float = 2.0 ** (1.0 / 1000.0)
     backoff: float = 0.5
+    scaling: str = "current"
     calls: int = field(default=0, init=False)
     bytes_sent: int = field(default=0, init=False)
     bf16_ring_bytes: int = field(default=0, init=False)
@@ -180,6 +208,8 @@ class AutoScaleState:
             self.growth_factor, f"{where}.growth_factor", lo=1.0, hi=math.inf, text=">= 1", lo_open=False
         )
         _check_number(self.backoff, f"{where}.backoff", lo=0.0, hi=1.0, text="in (0, 1)")
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"{where}.scaling: unknown {self.scaling!r}; valid: current, delayed")
 
     # -- read-only views -------------------------------------------------------------------------
     @property
@@ -234,6 +264,7 @@ class AutoScaleState:
             "growth_interval": self.growth_interval,
             "growth_factor": self.growth_factor,
             "backoff": self.backoff,
+            "scaling": self.scaling,
             "calls": self.calls,
             "bytes_sent": self.bytes_sent,
             "bf16_ring_bytes": self.bf16_ring_bytes,
@@ -269,7 +300,8 @@ class AutoScaleState:
             if not (math.isfinite(vals[MU]) and vals[MU] > 0):
                 raise ValueError(f"{where}: keys[{key!r}].mu must be finite and > 0, got {d['mu']!r}")
             numel = None if d["numel"] is None else int(d["numel"])
-            entries[key] = _Entry(vals, numel, reinits=int(d.get("reinits", 0)), calls=int(d.get("calls", 0)))
+            entries[key] = _Entry(vals, numel, reinits=int(d.get("reinits", 0)), calls=int(d.get("calls", 0)),
+                                  ready=vals[INITIALIZED] > 0)
         self._entries = entries
         self.calls = int(sd.get("calls", 0))
         self.bytes_sent = int(sd.get("bytes_sent", 0))
@@ -282,13 +314,21 @@ class AutoScaleState:
         if e is None:
             e = self._entries[key] = _Entry(values=_fresh(), numel=numel)
         elif e.numel != numel:
-            e.values, e.numel, e.reinits = _fresh(), numel, e.reinits + 1  # calls go on counting
+            e.values, e.numel, e.reinits, e.ready = _fresh(), numel, e.reinits + 1, False  # calls go on counting
         if not isinstance(e.values, torch.Tensor) or e.values.device != device:
             e.values = torch.tensor(e.values, dtype=torch.float64, device=device)
         return e.values
 
+    def _delayed_ready(self, key: str | int, numel: int) -> bool:
+        """Whether this call of ``key`` may use delayed scaling: ``scaling == "delayed"`` and the host knows the
+        key is initialised for ``numel`` elements (no device sync)."""
+        e = self._entries.get(key)
+        return self.scaling == "delayed" and e is not None and e.numel == numel and e.ready
+
     def _store(self, key: str | int, values: torch.Tensor, sent: int, bf16: int) -> None:
         e = self._entries[key]
+        if self.scaling == "delayed" and not e.ready:  # one device sync per key, until it is initialised
+            e.ready = bool(values[INITIALIZED].item() > 0)
         e.values = values
         e.calls += 1
         self.calls += 1

@@ -26,6 +26,17 @@ all elementwise math in float32), "scatter"::
     g      = ((q_0 + ... + q_{N-1}) * f32(1/N)) / f32(mu_g)   pass 3: float32 sum in rank order over the first n
                                              columns, dequantized into ``tensor`` (its dtype), NaN if bad
 
+Delayed scaling (``AutoScaleState(scaling="delayed")``, see :mod:`fp8kit.comm.autoscale`): once the key is
+initialised, the stats pass, the scalar all-reduce and the bookkeeping program leave the critical path::
+
+    q, vec = FP8(saturate(f32(g) * f32(mu))), stats of the same products     one pass (quantize_stats)
+    gather:  all_gather([q | vec])       each row carries its rank's float64[4] statistics (32 bytes)
+             mu_next, out_scale = update(MIN of the N vecs), f32(mu) or NaN    one single-thread program
+             g = ((q_0 + ... + q_{N-1}) * f32(1/N)) / out_scale                as above
+    scatter: all_to_all(q), then all-reduce MIN of vec (queued behind it), then as above with out_scale
+
+so the transfer starts right after one pass over ``g``; ``mu`` for the next call follows the same rule.
+
 The paper's ``g = g''_1 + ... + g''_N, s = N * s'_g`` (sum in FP8, divide by the scale) is done here with a
 float32 sum, so it cannot overflow FP8 for any N: "scatter" reduce-scatters (all-to-all, float32 sum) and
 requantizes the mean with the unified scale for its all-gather (two FP8 roundings); "gather" all-gathers the
@@ -70,13 +81,14 @@ import torch.distributed as dist
 from fp8kit.comm import allreduce_ops as ops
 from fp8kit.comm.autoscale import (
     ALGORITHMS,
+    VEC_BYTES,
     AutoScaleState,
     fp8_allreduce_bytes,
     gather_row_bytes,
     pick_algorithm,
     ring_allreduce_bytes,
 )
-from fp8kit.comm.unify import unify_scale
+from fp8kit.comm.unify import params_tensor, unify_scale
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # torch >= 2.13 names it all_gather_single; all_gather_into_tensor is the older (deprecated) name.
@@ -86,9 +98,11 @@ _initial_mu = ops.initial_mu  # the name the tests import
 #: The fused passes (``torch.ops.fp8kit.comm_*``: Triton on CUDA, the references elsewhere) and the plain
 #: PyTorch references (``reference=True``): the same math, the same bits.
 _FUSED = SimpleNamespace(quantize=ops.quantize_into, sum_requant=ops.sum_requant_into, dequantize=ops.dequantize_into,
-                         gather_mean=ops.gather_mean_into)
+                         gather_mean=ops.gather_mean_into, quantize_stats=ops.quantize_stats_into,
+                         update_delayed=ops.scale_update_delayed)
 _REFERENCE = SimpleNamespace(quantize=ops.quantize_ref, sum_requant=ops.sum_requant_ref, dequantize=ops.dequantize_ref,
-                             gather_mean=ops.gather_mean_ref)
+                             gather_mean=ops.gather_mean_ref, quantize_stats=ops.quantize_stats_ref,
+                             update_delayed=ops.scale_update_delayed_ref)
 
 #: Pipeline pieces (``pipeline_chunks=None``, fused path on CUDA): one piece per this many bytes of the
 #: tensor, at most ``AUTO_MAX_PIECES``; a piece's chunk is a multiple of ``PIECE_ALIGN`` elements (aligned loads).
@@ -144,7 +158,7 @@ def fp8_all_reduce(
 
     Raises:
         ValueError: ``tensor`` is not a tensor of one of the dtypes above, ``state`` is not an
-            ``AutoScaleState``, ``key`` is not a str or int, ``pipeline_chunks`` is not None or an int >= 1, or
+            ``AutoScaleState``, ``key`` is not a str or int, ``pipeline_chunks`` is not None or an int >= 1 (or > 1 with a delayed-scaling state), or
             ``algorithm`` is not "auto", "scatter" or "gather".
         RuntimeError: ``torch.distributed`` is not initialised.
     """
@@ -161,6 +175,17 @@ def fp8_all_reduce(
     impl = _REFERENCE if reference else _FUSED
     contiguous = tensor.is_contiguous()
     src = tensor.view(-1) if contiguous else tensor.reshape(-1).contiguous()  # [n], also the output
+    inplace = tensor.is_cuda and "nccl" in str(dist.get_backend(group))  # NCCL: in-place all-gather
+
+    if st._delayed_ready(key, n):  # delayed scaling: quantize with mu now, this call's statistics ride along
+        values, params = st._values(key, n, src.device), params_tensor(st, src.device)
+        exchange_delayed = _gather_delayed if algorithm == "gather" else _scatter_delayed
+        new_values = exchange_delayed(src, values, params, fp8, impl, group, world, inplace)
+        if not contiguous:
+            tensor.copy_(src.view(tensor.shape))
+        st._store(key, new_values, fp8_allreduce_bytes(n, world, algorithm, "delayed"),
+                  ring_allreduce_bytes(n, world, 2))
+        return tensor
 
     # --- stats of mu * g and one scalar all-reduce: the unified scale mu_g (comm.unify) ------------------
     # scale = f32(mu_g); out_scale = f32(mu_g) or NaN if any rank saw inf/NaN; new_values: the key after the call
@@ -168,7 +193,6 @@ def fp8_all_reduce(
 
     # --- the FP8 exchange, in pipeline pieces ------------------------------------------------------------
     auto_bytes = n * tensor.element_size() if tensor.is_cuda and not reference else 0
-    inplace = tensor.is_cuda and "nccl" in str(dist.get_backend(group))  # NCCL: in-place all-gather
     exchange = _gather_exchange if algorithm == "gather" else _scatter_exchange
     exchange(src, scale, out_scale, fp8, impl, group, world, pipeline_chunks, auto_bytes, inplace)
     if not contiguous:
@@ -258,6 +282,49 @@ def _gather_exchange(src: torch.Tensor, scale: torch.Tensor, out_scale: torch.Te
         finish(*pieces[p])
 
 
+def _gather_delayed(src: torch.Tensor, values: torch.Tensor, params: torch.Tensor, fp8: torch.dtype,
+                    impl: SimpleNamespace, group: dist.ProcessGroup | None, world: int, inplace: bool) -> torch.Tensor:
+    """Algorithm "gather" with delayed scaling; returns the key's next values. Each rank's row is its FP8 tensor
+    ``[L]`` (quantized with ``f32(mu)``) followed by its float64[4] statistics (:data:`VEC_BYTES`): one pass over
+    ``src``, one all-gather, one tiny program taking the MIN of the N statistics, one summing pass."""
+    n = src.numel()
+    rank = dist.get_rank(group)
+    row = gather_row_bytes(n)
+    stride = row + VEC_BYTES  # a multiple of 16: the statistics are 8-byte aligned float64
+    rows = torch.empty(world * stride, dtype=torch.uint8, device=src.device)
+    slot = rows[rank * stride : (rank + 1) * stride] if inplace else torch.empty(stride, dtype=torch.uint8,
+                                                                                   device=src.device)
+    impl.quantize_stats(src, values, params, slot[:row], slot[row:].view(torch.float64), fp8)
+    _all_gather_single(rows, slot, group=group)
+    vecs = rows.view(world, stride)[:, row:].view(torch.float64)  # [N, 4], row stride stride / 8
+    out_scale, new_values = impl.update_delayed(vecs, values, params, fp8)
+    impl.gather_mean(rows, out_scale, src, world, fp8)  # rows of `stride` bytes, the first n columns summed
+    return new_values
+
+
+def _scatter_delayed(src: torch.Tensor, values: torch.Tensor, params: torch.Tensor, fp8: torch.dtype,
+                     impl: SimpleNamespace, group: dist.ProcessGroup | None, world: int, inplace: bool) -> torch.Tensor:
+    """Algorithm "scatter" with delayed scaling; returns the key's next values. The statistics' MIN all-reduce is
+    queued after the all-to-all (nothing waits for it before the transfer)."""
+    n = src.numel()
+    rank = dist.get_rank(group)
+    chunk = -(-n // world)
+    q = torch.empty(world * chunk, dtype=torch.uint8, device=src.device)
+    recv = torch.empty_like(q)
+    vec = torch.empty(4, dtype=torch.float64, device=src.device)
+    impl.quantize_stats(src, values, params, q, vec, fp8)
+    sent = dist.all_to_all_single(recv, q, group=group, async_op=True)
+    dist.all_reduce(vec, op=dist.ReduceOp.MIN, group=group)
+    sent.wait()
+    out_scale, new_values = impl.update_delayed(vec.view(1, 4), values, params, fp8)
+    slot = q[rank * chunk : (rank + 1) * chunk] if inplace else torch.empty(chunk, dtype=torch.uint8,
+                                                                             device=src.device)
+    impl.sum_requant(recv, slot, world, fp8)
+    _all_gather_single(q, slot, group=group)
+    impl.dequantize(q, out_scale, src, fp8)
+    return new_values
+
+
 def _pieces(chunk: int, pipeline_chunks: int | None, auto_bytes: int) -> list[tuple[int, int]]:
     """``(offset, length)`` of each piece of the per-rank chunk ``[0, chunk)``; with "scatter" piece ``(o, c)``
     covers elements ``[N o, N (o + c))`` of the padded tensor, with "gather" (``chunk`` = the row ``L``) elements
@@ -312,6 +379,9 @@ def _check_args(tensor: object, state: object, key: object, pipeline_chunks: obj
         raise ValueError(f"fp8_all_reduce: pipeline_chunks must be None or an int >= 1, got {pipeline_chunks!r}")
     if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
         raise ValueError(f"fp8_all_reduce: algorithm must be 'auto', 'scatter' or 'gather', got {algorithm!r}")
+    if state is not None and state.scaling == "delayed" and pipeline_chunks not in (None, 1):
+        raise ValueError(f"fp8_all_reduce: pipeline_chunks={pipeline_chunks} needs the state's scaling='current' "
+                         "(delayed scaling measures the whole tensor in the pass that quantizes it: one piece)")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "fp8_all_reduce: torch.distributed is not initialized (call dist.init_process_group)"

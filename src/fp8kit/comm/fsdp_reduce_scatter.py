@@ -13,7 +13,9 @@ per call and per rank (the passes of :mod:`fp8kit.comm.allreduce_ops`: Triton on
 
 ``mul`` follows FSDP's ``op``: ``AVG`` -> ``1/N`` (the mean; FSDP2's default for bf16 / fp32 reduce dtypes),
 ``SUM`` -> 1 (FSDP then divides by its pre/post factors itself), ``PREMUL_SUM(f)`` -> ``f`` (a
-``set_gradient_divide_factor``). The shard is written at full precision from the float32 sum: one FP8 rounding
+``set_gradient_divide_factor``). With ``AutoScaleState(scaling="delayed")`` an initialised key quantizes with
+its ``mu`` in the pass that measures the input, and the statistics' MIN all-reduce is queued behind the
+all-to-all (:mod:`fp8kit.comm.autoscale`). The shard is written at full precision from the float32 sum: one FP8 rounding
 per rank's value (the all-reduce has a second one, for its all-gather). The auto-scaling rule, the non-finite
 rule (NaN everywhere, state unchanged) and the state are those of ``fp8_all_reduce``; each FSDP module keeps
 its own ``mu`` under the key ``"fsdp:<module fqn>"``. Bytes per rank and call: ``(N-1) c`` plus 32 for the
@@ -33,7 +35,7 @@ from torch import nn
 
 from fp8kit.comm import allreduce_ops as ops
 from fp8kit.comm.autoscale import AutoScaleState, ring_allreduce_bytes
-from fp8kit.comm.unify import unify_scale
+from fp8kit.comm.unify import params_tensor, unify_scale
 
 try:  # torch >= 2.9 (FSDP2's pluggable collectives); checked again where it is needed
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
@@ -108,14 +110,23 @@ class Fp8ReduceScatter(_ReduceScatterBase):
         if world == 1:  # the sum over one rank is the input itself
             out.copy_(src.float() * torch.tensor(mul, dtype=torch.float32).item())
             return None
-        st, fp8 = self.state, self.state.dtype
-        scale, out_scale, new_values = unify_scale(src, st, self.key, group, reference=self.reference)
+        st, fp8, ref = self.state, self.state.dtype, self.reference
         q = torch.empty(src.numel(), dtype=torch.uint8, device=src.device)
         recv = torch.empty_like(q)
-        (ops.quantize_ref if self.reference else ops.quantize_into)(src, scale, q, fp8)
-        dist.all_to_all_single(recv, q, group=group)  # gloo / NCCL have no float8 dtypes: bytes
-        (ops.sum_dequant_ref if self.reference else ops.sum_dequant_into)(recv, out_scale, out.view(-1), world,
-                                                                           mul, fp8)
+        if st._delayed_ready(self.key, src.numel()):  # quantize with mu now; the statistics' MIN rides behind
+            values, params = st._values(self.key, src.numel(), src.device), params_tensor(st, src.device)
+            vec = torch.empty(4, dtype=torch.float64, device=src.device)
+            (ops.quantize_stats_ref if ref else ops.quantize_stats_into)(src, values, params, q, vec, fp8)
+            sent = dist.all_to_all_single(recv, q, group=group, async_op=True)
+            dist.all_reduce(vec, op=dist.ReduceOp.MIN, group=group)
+            sent.wait()
+            out_scale, new_values = (ops.scale_update_delayed_ref if ref else ops.scale_update_delayed)(
+                vec.view(1, 4), values, params, fp8)
+        else:
+            scale, out_scale, new_values = unify_scale(src, st, self.key, group, reference=ref)
+            (ops.quantize_ref if ref else ops.quantize_into)(src, scale, q, fp8)
+            dist.all_to_all_single(recv, q, group=group)  # gloo / NCCL have no float8 dtypes: bytes
+        (ops.sum_dequant_ref if ref else ops.sum_dequant_into)(recv, out_scale, out.view(-1), world, mul, fp8)
         c = out.numel()
         st._store(self.key, new_values, (world - 1) * c + ring_allreduce_bytes(4, world, 8), 2 * (world - 1) * c)
         return None
