@@ -6,8 +6,8 @@ For each size (elements of a bf16 gradient, ``randn * 1e-3`` with 0.1 % outliers
 ``dist.all_reduce``; ``gather current`` / ``gather delayed`` / ``scatter current`` / ``scatter delayed``:
 ``fp8_all_reduce`` in E5M2 with that algorithm and ``AutoScaleState(scaling=...)``, mu initialised by two
 warm-up calls), rank 0 profiles ``--iters`` calls and prints the device time per kernel name (ms per call,
-NCCL kernels included) and the span of one call on the GPU (first kernel start to last kernel end, median), so
-serialized gaps show as span minus busy time. Writes ``OUT/fp8_allreduce_profile.json`` (rank 0).
+NCCL kernels included), and the host's enqueue time per call (median of 20 calls while the GPU is held busy,
+so nothing blocks the host: the path's launch cost, which bounds the call when the GPU work is shorter). Writes ``OUT/fp8_allreduce_profile.json`` (rank 0).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import statistics
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -76,8 +77,18 @@ def profile_variant(variant: str, n: int, rank: int, device: torch.device, iters
     if start is not None:
         spans.append((end - start) / 1e3)
     top = sorted(per_name.items(), key=lambda kv: -kv[1])[:12]
+    # host enqueue time per call, the GPU held busy (nothing blocks the host): the launch cost of the path
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda._sleep(int(0.2 * 1.5e9))  # ~0.1-0.2 s of GPU spin at 1.5-2 GHz: longer than 20 enqueues
+    host = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
     return {"variant": variant, "numel": n, "span_ms": statistics.median(spans) if spans else None,
-            "busy_ms": sum(per_name.values()), "kernels_ms": dict(top)}
+            "busy_ms": sum(per_name.values()), "host_us_per_call": statistics.median(host), "kernels_ms": dict(top)}
 
 
 def main() -> int:
@@ -97,7 +108,7 @@ def main() -> int:
             if rank == 0:
                 results.append(r)
                 print(f"\n{n:,} elements, {v}: span {r['span_ms']:.3f} ms per call on the GPU, kernels busy "
-                      f"{r['busy_ms']:.3f} ms", flush=True)
+                      f"{r['busy_ms']:.3f} ms, host enqueue {r['host_us_per_call']:.0f} us per call", flush=True)
                 for name, ms in r["kernels_ms"].items():
                     print(f"  {ms:8.3f} ms  {name[:100]}")
     if rank == 0 and args.out:

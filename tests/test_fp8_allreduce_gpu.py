@@ -157,6 +157,35 @@ def test_delayed_scaling_kernels_match_reference(fmt, dtype):
             _assert_same(a, b, f"scale_update_delayed {what} {fmt} {dtype} x{factor}")
 
 
+def test_eager_calls_equal_the_ops():
+    """fp8kit.comm.eager launches the kernels without the dispatcher: the same bits as the ops."""
+    from fp8kit.comm import eager
+
+    fp8 = torch.float8_e5m2
+    g = _grad(N, 4, torch.bfloat16)
+    values = _values(57344.0 / g.float().abs().max().item(), True, 3.0)
+    params = params_tensor(AutoScaleState(), torch.device("cuda"))
+    row = gather_row_bytes(N)
+    a, b = _poisoned(row + 32, torch.uint8), _poisoned(row + 32, torch.uint8)
+    eager.quantize_stats(g, values, params, a[:row], a[row:].view(torch.float64), fp8)
+    ops.quantize_stats_into(g, values, params, b[:row], b[row:].view(torch.float64), fp8)
+    _assert_same(a, b, "eager quantize_stats")
+    rows = torch.cat([a, b])
+    vecs = rows.view(2, row + 32)[:, row:].view(torch.float64)
+    for x, y in zip(eager.update_delayed(vecs, values, params, fp8), ops.scale_update_delayed(vecs, values, params, fp8),
+                    strict=True):
+        _assert_same(x, y, "eager update_delayed")
+    o1, o2 = _poisoned(N, torch.bfloat16), _poisoned(N, torch.bfloat16)
+    scale = torch.tensor([1000.0], device="cuda")
+    eager.gather_mean(rows, scale, o1, 2, fp8)
+    ops.gather_mean_into(rows, scale, o2, 2, fp8)
+    _assert_same(o1, o2, "eager gather_mean")
+    v1, v2 = eager.scale_vec(g, values, params, fp8), ops.scale_vec(g, values, params, fp8)
+    _assert_same(v1, v2, "eager scale_vec")
+    for x, y in zip(eager.scale_update(v1, values, params, fp8), ops.scale_update(v1, values, params, fp8), strict=True):
+        _assert_same(x, y, "eager scale_update")
+
+
 def test_initial_mu_matches_reference_near_the_float32_limits():
     """mu0 = FP8_MAX / amax over 8 decades and at the clamps (eps, F32_MAX): torch's two float32 roundings."""
     params = params_tensor(AutoScaleState(), torch.device("cuda"))

@@ -79,6 +79,7 @@ import torch
 import torch.distributed as dist
 
 from fp8kit.comm import allreduce_ops as ops
+from fp8kit.comm import eager
 from fp8kit.comm.autoscale import (
     ALGORITHMS,
     VEC_BYTES,
@@ -95,11 +96,12 @@ _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _initial_mu = ops.initial_mu  # the name the tests import
 
-#: The fused passes (``torch.ops.fp8kit.comm_*``: Triton on CUDA, the references elsewhere) and the plain
-#: PyTorch references (``reference=True``): the same math, the same bits.
-_FUSED = SimpleNamespace(quantize=ops.quantize_into, sum_requant=ops.sum_requant_into, dequantize=ops.dequantize_into,
-                         gather_mean=ops.gather_mean_into, quantize_stats=ops.quantize_stats_into,
-                         update_delayed=ops.scale_update_delayed)
+#: The fused passes (``torch.ops.fp8kit.comm_*``: Triton on CUDA, the references elsewhere; in eager mode on CUDA
+#: launched without the dispatcher, :mod:`fp8kit.comm.eager`) and the plain PyTorch references
+#: (``reference=True``): the same math, the same bits.
+_FUSED = SimpleNamespace(quantize=eager.quantize, sum_requant=eager.sum_requant, dequantize=eager.dequantize,
+                         gather_mean=eager.gather_mean, quantize_stats=eager.quantize_stats,
+                         update_delayed=eager.update_delayed)
 _REFERENCE = SimpleNamespace(quantize=ops.quantize_ref, sum_requant=ops.sum_requant_ref, dequantize=ops.dequantize_ref,
                              gather_mean=ops.gather_mean_ref, quantize_stats=ops.quantize_stats_ref,
                              update_delayed=ops.scale_update_delayed_ref)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8kit.comm import allreduce_ops as ops
+from fp8kit.comm import eager
 from fp8kit.comm.autoscale import AutoScaleState, ring_allreduce_bytes
 from fp8kit.comm.unify import params_tensor, unify_scale
 
@@ -116,17 +117,17 @@ class Fp8ReduceScatter(_ReduceScatterBase):
         if st._delayed_ready(self.key, src.numel()):  # quantize with mu now; the statistics' MIN rides behind
             values, params = st._values(self.key, src.numel(), src.device), params_tensor(st, src.device)
             vec = torch.empty(4, dtype=torch.float64, device=src.device)
-            (ops.quantize_stats_ref if ref else ops.quantize_stats_into)(src, values, params, q, vec, fp8)
+            (ops.quantize_stats_ref if ref else eager.quantize_stats)(src, values, params, q, vec, fp8)
             sent = dist.all_to_all_single(recv, q, group=group, async_op=True)
             dist.all_reduce(vec, op=dist.ReduceOp.MIN, group=group)
             sent.wait()
-            out_scale, new_values = (ops.scale_update_delayed_ref if ref else ops.scale_update_delayed)(
+            out_scale, new_values = (ops.scale_update_delayed_ref if ref else eager.update_delayed)(
                 vec.view(1, 4), values, params, fp8)
         else:
             scale, out_scale, new_values = unify_scale(src, st, self.key, group, reference=ref)
-            (ops.quantize_ref if ref else ops.quantize_into)(src, scale, q, fp8)
+            (ops.quantize_ref if ref else eager.quantize)(src, scale, q, fp8)
             dist.all_to_all_single(recv, q, group=group)  # gloo / NCCL have no float8 dtypes: bytes
-        (ops.sum_dequant_ref if ref else ops.sum_dequant_into)(recv, out_scale, out.view(-1), world, mul, fp8)
+        (ops.sum_dequant_ref if ref else eager.sum_dequant)(recv, out_scale, out.view(-1), world, mul, fp8)
         c = out.numel()
         st._store(self.key, new_values, (world - 1) * c + ring_allreduce_bytes(4, world, 8), 2 * (world - 1) * c)
         return None

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fp8kit.comm import allreduce_ops as ops
+from fp8kit.comm import eager
 from fp8kit.comm.autoscale import AutoScaleState
 
 #: ``params`` tensors by (device, stream, options): made once, so a call copies nothing from the host (one per
@@ -49,6 +50,6 @@ def unify_scale(src: torch.Tensor, st: AutoScaleState, key: str | int, group: di
     fp8 = st.dtype
     values = st._values(key, src.numel(), src.device)  # float64[6]: mu, steps_below, halvings, growths, init, sat
     params = params_tensor(st, src.device)
-    vec = (ops.scale_vec_ref if reference else ops.scale_vec)(src, values, params, fp8)
+    vec = (ops.scale_vec_ref if reference else eager.scale_vec)(src, values, params, fp8)
     dist.all_reduce(vec, op=dist.ReduceOp.MIN, group=group)  # unified mu, max fraction, global amax, any bad
-    return (ops.scale_update_ref if reference else ops.scale_update)(vec, values, params, fp8)
+    return (ops.scale_update_ref if reference else eager.scale_update)(vec, values, params, fp8)
