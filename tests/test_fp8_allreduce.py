@@ -128,7 +128,7 @@ def _check_accuracy(rank: int) -> dict:
     for name, fp8 in FP8.items():
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             g = _grad(100 + rank, 50_000).to(dtype)
-            st = AutoScaleState(fp8_dtype=name)
+            st = AutoScaleState(scaling="current", fp8_dtype=name)
             out = fp8_all_reduce(g.clone(), state=st, key="w", algorithm="scatter")
             ref = _mean_f64(g)
             inputs = _all_ranks(g)
@@ -152,28 +152,28 @@ def _check_shapes(rank: int, algorithm: str) -> dict:
     for n in (1, 1001):  # smaller than world size; not a multiple of it
         g = _grad(300 + rank, n)
         res[f"n{n}_sqnr_db"] = _sqnr_db(
-            _mean_f64(g), fp8_all_reduce(g.clone(), state=AutoScaleState(), algorithm=algorithm)
+            _mean_f64(g), fp8_all_reduce(g.clone(), state=AutoScaleState(scaling="current"), algorithm=algorithm)
         )
-    z = fp8_all_reduce(torch.zeros(5000), state=AutoScaleState(), algorithm=algorithm)
+    z = fp8_all_reduce(torch.zeros(5000), state=AutoScaleState(scaling="current"), algorithm=algorithm)
     res["zeros_exact"] = bool((z == 0).all())
     g = _grad(400 + rank, 64 * 48).view(64, 48).t()  # [48, 64], non-contiguous
     x = g.clone()  # keeps the strides
-    out_nc = fp8_all_reduce(x, state=AutoScaleState(), algorithm=algorithm)
-    out_c = fp8_all_reduce(g.contiguous(), state=AutoScaleState(), algorithm=algorithm)
+    out_nc = fp8_all_reduce(x, state=AutoScaleState(scaling="current"), algorithm=algorithm)
+    out_c = fp8_all_reduce(g.contiguous(), state=AutoScaleState(scaling="current"), algorithm=algorithm)
     res["noncontiguous_equal"] = (
         not x.is_contiguous() and out_nc is x and torch.equal(out_nc, out_c) and out_nc.shape == (48, 64)
     )
     # mu0 = FP8_MAX / amax saturates nothing: the same 3 values twice -> no halving, 0 saturated
-    st, g = AutoScaleState(), _grad(500 + rank, 3)
+    st, g = AutoScaleState(scaling="current"), _grad(500 + rank, 3)
     for _ in range(2):
         fp8_all_reduce(g.clone(), state=st, algorithm=algorithm)
     res["mu0_no_saturation"] = st.stats()["halvings"] == 0 and st.stats()["last_saturation"] == 0.0
-    res["empty_ok"] = fp8_all_reduce(torch.empty(0), state=AutoScaleState(), algorithm=algorithm).numel() == 0
+    res["empty_ok"] = fp8_all_reduce(torch.empty(0), state=AutoScaleState(scaling="current"), algorithm=algorithm).numel() == 0
     return res
 
 
 def _check_autoscale(rank: int, out_dir: Path) -> dict:
-    st = AutoScaleState(growth_interval=GROWTH_INTERVAL)
+    st = AutoScaleState(scaling="current", growth_interval=GROWTH_INTERVAL)
     mus, fracs = [], []
 
     def call(i: int, factor: float = 1.0) -> torch.Tensor:
@@ -208,7 +208,7 @@ def _check_autoscale(rank: int, out_dir: Path) -> dict:
     # checkpoint round trip: torch.save / torch.load(weights_only=True), then the next call agrees bitwise
     path = out_dir / f"state{rank}.pt"
     torch.save(st.state_dict(), path)
-    st2 = AutoScaleState(growth_interval=GROWTH_INTERVAL)
+    st2 = AutoScaleState(scaling="current", growth_interval=GROWTH_INTERVAL)
     st2.load_state_dict(torch.load(path, weights_only=True))
     g = _grad(3000 + rank, 20_000)
     a, b = fp8_all_reduce(g.clone(), state=st), fp8_all_reduce(g.clone(), state=st2)
@@ -256,7 +256,7 @@ def _check_ddp(rank: int, out_dir: Path) -> dict:
     cap = 0.01  # MB: several buckets, so several keys
     plain = DDP(_ddp_model(), bucket_cap_mb=cap)
     models = {"e5m2": DDP(_ddp_model(), bucket_cap_mb=cap), "e4m3": DDP(_ddp_model(), bucket_cap_mb=cap)}
-    states = {k: AutoScaleState(fp8_dtype=k) for k in models}
+    states = {k: AutoScaleState(scaling="current", fp8_dtype=k) for k in models}
     for k, m in models.items():
         m.register_comm_hook(states[k], fp8_allreduce_hook)
     bf16 = DDP(_ddp_model(), bucket_cap_mb=cap)
@@ -287,7 +287,7 @@ def _check_ddp(rank: int, out_dir: Path) -> dict:
     torch.save({"model": fp8.module.state_dict(), "hook": state.state_dict()}, path)
     ck = torch.load(path, weights_only=True)
     resumed = DDP(_ddp_model(), bucket_cap_mb=cap)
-    st_resumed = AutoScaleState()
+    st_resumed = AutoScaleState(scaling="current")
     st_resumed.load_state_dict(ck["hook"])
     resumed.register_comm_hook(st_resumed, fp8_allreduce_hook)
     resumed.module.load_state_dict(ck["model"])
@@ -327,7 +327,7 @@ def _check_traffic(rank: int) -> dict:
         dist.all_reduce = spy(calls, "all_reduce", real["all_reduce"], 0)
         mod._all_gather_single = spy(calls, "all_gather", real["all_gather"], 1)
         try:
-            st = AutoScaleState()
+            st = AutoScaleState(scaling="current")
             fp8_all_reduce(_grad(5000 + rank, n).bfloat16(), state=st, algorithm="scatter")
         finally:
             dist.all_to_all_single, dist.all_reduce = real["all_to_all_single"], real["all_reduce"]
@@ -407,7 +407,7 @@ def test_mu_halves_on_overflow_then_grows(runs):
     a0, a1 = runs[0]["autoscale"], runs[1]["autoscale"]
     assert a0["mus"] == a1["mus"] and a0["final"] == a1["final"], "ranks disagree on mu"
     assert a0["mu_all_ranks"][0] == a0["mu_all_ranks"][1]
-    mu0, gf = a0["mu0"], AutoScaleState().growth_factor
+    mu0, gf = a0["mu0"], AutoScaleState(scaling="current").growth_factor
     assert mu0 == pytest.approx(57344 / 0.05, rel=1e-6)
     ov = a0["after_overflow"]
     assert ov["mu"] == mu0 / 2 and ov["halvings"] == 1 and ov["steps_below"] == 0, ov
@@ -548,14 +548,14 @@ def test_bad_call_arguments():
     with pytest.raises(ValueError, match="state must be an AutoScaleState"):
         fp8_all_reduce(torch.zeros(4), state={"mu": 1.0})
     with pytest.raises(ValueError, match="key must be a str or int"):
-        fp8_all_reduce(torch.zeros(4), state=AutoScaleState(), key=1.5)
+        fp8_all_reduce(torch.zeros(4), state=AutoScaleState(scaling="current"), key=1.5)
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
             fp8_all_reduce(torch.zeros(4))
 
 
 def _sd(**over) -> dict:
-    st = AutoScaleState(fp8_dtype="e4m3")
+    st = AutoScaleState(scaling="current", fp8_dtype="e4m3")
     sd = st.state_dict()
     sd["keys"] = {
         0: {"mu": 1234.5, "steps_below": 7, "halvings": 2, "growths": 1, "initialized": True,
@@ -569,14 +569,14 @@ def _sd(**over) -> dict:
 
 def test_state_dict_round_trip(tmp_path):
     sd = _sd()
-    st = AutoScaleState(fp8_dtype="e4m3", delta=0.01)
+    st = AutoScaleState(scaling="current", fp8_dtype="e4m3", delta=0.01)
     st.load_state_dict(sd)
     assert st.keys() == [0, "w"] and st.mu(0) == 1234.5 and st.stats("w")["reinits"] == 1
     assert st.bytes_sent == 1000 and st.calls == 9 and st.delta == 0.01  # options stay the object's own
     torch.save(st.state_dict(), tmp_path / "s.pt")
     back = torch.load(tmp_path / "s.pt", weights_only=True)
     assert back["keys"] == sd["keys"] and back["bf16_ring_bytes"] == 2000 and back["delta"] == 0.01
-    st2 = AutoScaleState(fp8_dtype="e4m3")
+    st2 = AutoScaleState(scaling="current", fp8_dtype="e4m3")
     st2.load_state_dict(back)
     assert st2.state_dict()["keys"] == sd["keys"]
     # values on a device (as after a call) read back the same
@@ -586,23 +586,23 @@ def test_state_dict_round_trip(tmp_path):
 
 def test_state_dict_errors():
     with pytest.raises(ValueError, match="fp8_dtype 'e4m3' in the state dict, 'e5m2' here"):
-        AutoScaleState().load_state_dict(_sd())
+        AutoScaleState(scaling="current").load_state_dict(_sd())
     with pytest.raises(ValueError, match="not an AutoScaleState state dict"):
-        AutoScaleState().load_state_dict({"mu": 1.0})
+        AutoScaleState(scaling="current").load_state_dict({"mu": 1.0})
     sd = _sd()
     del sd["keys"]["w"]["halvings"]
     with pytest.raises(ValueError, match=r"keys\['w'\] lacks halvings"):
-        AutoScaleState(fp8_dtype="e4m3").load_state_dict(sd)
+        AutoScaleState(scaling="current", fp8_dtype="e4m3").load_state_dict(sd)
     sd = _sd()
     sd["keys"][0]["mu"] = 0.0
     with pytest.raises(ValueError, match=r"keys\[0\].mu must be finite and > 0"):
-        AutoScaleState(fp8_dtype="e4m3").load_state_dict(sd)
+        AutoScaleState(scaling="current", fp8_dtype="e4m3").load_state_dict(sd)
     with pytest.raises(KeyError):
-        AutoScaleState().mu("never-used")
+        AutoScaleState(scaling="current").mu("never-used")
 
 
 def test_numel_change_reinitialises():
-    st = AutoScaleState()
+    st = AutoScaleState(scaling="current")
     st.load_state_dict(_sd(fp8_dtype="e5m2"))
     v = st._values(0, 100, torch.device("cpu"))
     assert v[0].item() == 1234.5
@@ -642,7 +642,7 @@ def test_world_size_one_is_exact_passthrough():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         g = _grad(7, 1000).bfloat16()
-        st = AutoScaleState()
+        st = AutoScaleState(scaling="current")
         out = fp8_all_reduce(g.clone(), state=st)
         assert torch.equal(out, g) and st.keys() == [] and st.bytes_sent == 0
     finally:

@@ -128,7 +128,7 @@ def test_delayed_ops_opcheck_and_bad_arguments():
 
 
 def test_scaling_option_and_bytes():
-    assert SCALINGS == ("current", "delayed") and AutoScaleState().scaling == "current"
+    assert SCALINGS == ("current", "delayed") and AutoScaleState().scaling == "delayed"
     with pytest.raises(ValueError, match="AutoScaleState.scaling: unknown 'late'; valid: current, delayed"):
         AutoScaleState(scaling="late")
     assert AutoScaleState(scaling="delayed").state_dict()["scaling"] == "delayed"
@@ -174,7 +174,7 @@ def _check_steps(rank: int, world: int) -> dict:
         for alg in ("gather", "scatter"):
             for dtype in (torch.float32, torch.bfloat16):
                 for n in (5, 40_001):
-                    cur, dly, dref = (AutoScaleState(fp8_dtype=fmt), AutoScaleState(fp8_dtype=fmt, scaling="delayed"),
+                    cur, dly, dref = (AutoScaleState(fp8_dtype=fmt, scaling="current"), AutoScaleState(fp8_dtype=fmt, scaling="delayed"),
                                       AutoScaleState(fp8_dtype=fmt, scaling="delayed"))  # fmt: skip
                     case = {"steps": []}
                     for step in range(5):
@@ -206,7 +206,7 @@ def _check_steps(rank: int, world: int) -> dict:
 
 def _check_lazy_and_nonfinite(rank: int, world: int) -> dict:
     res = {}
-    cur, dly = AutoScaleState(), AutoScaleState(scaling="delayed")
+    cur, dly = AutoScaleState(scaling="current"), AutoScaleState(scaling="delayed")
     outs, mus = [], []
     for g in (torch.zeros(3000), _grad(7 + rank, 3000), _grad(8 + rank, 3000)):  # zeros leave the key uninitialised
         mus.append(dly.stats()["mu"] if dly.keys() else math.nan)
@@ -263,7 +263,7 @@ def _check_reduce_scatter(rank: int, world: int) -> dict:
         return {"skipped": why}
     res = {}
     group = dist.group.WORLD
-    cur, dly = AutoScaleState(), AutoScaleState(scaling="delayed")
+    cur, dly = AutoScaleState(scaling="current"), AutoScaleState(scaling="delayed")
     rs_cur, rs_dly = Fp8ReduceScatter(cur, "k"), Fp8ReduceScatter(dly, "k")
     for step in range(3):
         x = _grad(70 * step + rank, world * 4000) * (100.0 if step == 1 and rank == 0 else 1.0)

@@ -232,7 +232,7 @@ def test_world_size_one_is_exact_passthrough():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         g = _grad(7, 1000).bfloat16()
-        st = AutoScaleState()
+        st = AutoScaleState(scaling="current")
         out = fp8_all_reduce(g.clone(), state=st, algorithm="gather")
         assert torch.equal(out, g) and st.keys() == [] and st.bytes_sent == 0 and st.calls == 0
     finally:
@@ -261,7 +261,7 @@ def _check_equivalences(rank: int, world: int) -> dict:
                             "gather_p7": {"algorithm": "gather", "pipeline_chunks": 7},
                             "gather_reference": {"algorithm": "gather", "reference": True},
                             "auto": {}, "scatter": {"algorithm": "scatter"}}  # fmt: skip
-                states = {k: AutoScaleState(fp8_dtype=fmt) for k in variants}
+                states = {k: AutoScaleState(scaling="current", fp8_dtype=fmt) for k in variants}
                 expect_auto = "gather" if world == 2 else "scatter"
                 case = {}
                 for step in range(3):  # lazy init; rank N-1 100x larger (mu halves); quiet
@@ -300,7 +300,7 @@ def _check_accuracy(rank: int, world: int) -> dict:
             ref = torch.stack([x.double() for x in inputs]).mean(0)
             case = {}
             for alg in ("gather", "scatter"):
-                st = AutoScaleState(fp8_dtype=fmt)
+                st = AutoScaleState(scaling="current", fp8_dtype=fmt)
                 out = fp8_all_reduce(g.clone(), state=st, algorithm=alg)
                 case[alg] = {"sqnr_db": _sqnr_db(ref, out), "worst_ratio": worst_ratio(out, inputs, st.mu(), fmt)}
             res[f"{fmt}/{str(dtype).removeprefix('torch.')}"] = case
@@ -311,7 +311,7 @@ def _check_nonfinite(rank: int, world: int) -> dict:
     res = {}
     for bad in (math.inf, -math.inf, math.nan):
         for pieces in (1, 3):
-            st = AutoScaleState()
+            st = AutoScaleState(scaling="current")
             fp8_all_reduce(_grad(40 + rank, 20_000), state=st, algorithm="gather")  # initialise mu
             before = st.stats()
             g = _grad(50 + rank, 20_000)
@@ -348,7 +348,7 @@ def _check_traffic(rank: int, world: int) -> dict:
             dist.all_reduce = spy(calls, "all_reduce", real[1], 0)
             mod._all_gather_single = spy(calls, "all_gather", real[2], 1)
             try:
-                st = AutoScaleState()
+                st = AutoScaleState(scaling="current")
                 fp8_all_reduce(_grad(5000 + rank, n).bfloat16(), state=st, algorithm=alg)
             finally:
                 dist.all_to_all_single, dist.all_reduce, mod._all_gather_single = real
@@ -359,15 +359,15 @@ def _check_traffic(rank: int, world: int) -> dict:
 
 def _check_shapes(rank: int, world: int) -> dict:
     res = {}
-    z = fp8_all_reduce(torch.zeros(5000), state=AutoScaleState(), algorithm="gather")
+    z = fp8_all_reduce(torch.zeros(5000), state=AutoScaleState(scaling="current"), algorithm="gather")
     res["zeros_exact"] = bool((z == 0).all())
     g = _grad(400 + rank, 64 * 48).view(64, 48).t()  # [48, 64], non-contiguous
     x = g.clone()
-    out_nc = fp8_all_reduce(x, state=AutoScaleState(), algorithm="gather")
-    out_c = fp8_all_reduce(g.contiguous(), state=AutoScaleState(), algorithm="gather")
+    out_nc = fp8_all_reduce(x, state=AutoScaleState(scaling="current"), algorithm="gather")
+    out_c = fp8_all_reduce(g.contiguous(), state=AutoScaleState(scaling="current"), algorithm="gather")
     res["noncontiguous_equal"] = (not x.is_contiguous() and out_nc is x and torch.equal(out_nc, out_c)
                                   and out_nc.shape == (48, 64))  # fmt: skip
-    st = AutoScaleState()
+    st = AutoScaleState(scaling="current")
     e = torch.empty(0)
     res["empty_untouched"] = fp8_all_reduce(e, state=st, algorithm="gather") is e and st.keys() == [] and st.calls == 0
     return res

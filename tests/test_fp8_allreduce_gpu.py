@@ -85,7 +85,7 @@ def test_scale_and_quantize_match_reference(fmt, dtype):
     fp8, m = FP8S[fmt], FP8_MAX[FP8S[fmt]]
     g = _grad(N, 1, dtype)
     amax = g.float().abs().max().item()
-    params = params_tensor(AutoScaleState(growth_interval=3), torch.device("cuda"))
+    params = params_tensor(AutoScaleState(scaling="current", growth_interval=3), torch.device("cuda"))
     saturated = False
     for factor in (1.0, 2.0, 0.3):  # auto-scaled, saturating, below range
         mu_v = m / amax * factor * (1 + 2**-30)  # not a float32 value: f32(mu) is rounded in both
@@ -114,7 +114,7 @@ def test_nonfinite_inputs(fmt):
     fp8 = FP8S[fmt]
     g = _grad(100_003, 2, torch.bfloat16)
     g[5], g[77], g[4096] = math.inf, -math.inf, math.nan
-    values, params = _values(1000.0), params_tensor(AutoScaleState(), torch.device("cuda"))
+    values, params = _values(1000.0), params_tensor(AutoScaleState(scaling="current"), torch.device("cuda"))
     v1 = ops.scale_vec(g, values, params, fp8)
     _assert_same(v1, ops.scale_vec_ref(g, values, params, fp8), f"scale_vec nonfinite {fmt}")
     assert v1[3].item() == -1.0, v1
@@ -135,7 +135,7 @@ def test_delayed_scaling_kernels_match_reference(fmt, dtype):
     fp8, m = FP8S[fmt], FP8_MAX[FP8S[fmt]]
     g = _grad(N, 3, dtype)
     amax = g.float().abs().max().item()
-    params = params_tensor(AutoScaleState(growth_interval=3), torch.device("cuda"))
+    params = params_tensor(AutoScaleState(scaling="current", growth_interval=3), torch.device("cuda"))
     row = gather_row_bytes(N - 1000)
     for factor in (1.0, 2.0, 0.3):
         values = _values(m / amax * factor * (1 + 2**-30), True, 3.0)
@@ -164,7 +164,7 @@ def test_eager_calls_equal_the_ops():
     fp8 = torch.float8_e5m2
     g = _grad(N, 4, torch.bfloat16)
     values = _values(57344.0 / g.float().abs().max().item(), True, 3.0)
-    params = params_tensor(AutoScaleState(), torch.device("cuda"))
+    params = params_tensor(AutoScaleState(scaling="current"), torch.device("cuda"))
     row = gather_row_bytes(N)
     a, b = _poisoned(row + 32, torch.uint8), _poisoned(row + 32, torch.uint8)
     eager.quantize_stats(g, values, params, a[:row], a[row:].view(torch.float64), fp8)
@@ -188,7 +188,7 @@ def test_eager_calls_equal_the_ops():
 
 def test_initial_mu_matches_reference_near_the_float32_limits():
     """mu0 = FP8_MAX / amax over 8 decades and at the clamps (eps, F32_MAX): torch's two float32 roundings."""
-    params = params_tensor(AutoScaleState(), torch.device("cuda"))
+    params = params_tensor(AutoScaleState(scaling="current"), torch.device("cuda"))
     amaxes = [0.0, 1e-13, 5e-39, 3.0e38, 3.4e38, 1e30] + [1.7 * 10.0**e * (1 + k * 2**-23) for e in range(-8, 1)
                                                           for k in range(5)]
     for fp8 in FP8S.values():
@@ -295,7 +295,7 @@ def test_ops_trace_with_torch_compile():
         return vec, scale, new, q, out
 
     g = _grad(1 << 20, 3, torch.bfloat16)
-    values, params = _values(1.0, init=False), params_tensor(AutoScaleState(), torch.device("cuda"))
+    values, params = _values(1.0, init=False), params_tensor(AutoScaleState(scaling="current"), torch.device("cuda"))
     torch._dynamo.reset()
     for a, b in zip(torch.compile(passes, fullgraph=True)(g, values, params), passes(g, values, params), strict=True):
         assert torch.equal(_bits(a), _bits(b))
@@ -327,7 +327,7 @@ def _fsdp_losses_rel(rank: int) -> float:
             fully_shard(model[i], mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         if fp8:
-            apply_fp8_reduce_scatter(model, AutoScaleState())
+            apply_fp8_reduce_scatter(model, AutoScaleState(scaling="current"))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         losses = []
         for step in range(10):
@@ -403,7 +403,7 @@ def _nccl_worker(out_dir: Path) -> None:
     if rank == 1:
         g[1234] = math.inf
     for alg in ("scatter", "gather"):
-        out = fp8_all_reduce(g.clone(), state=AutoScaleState(), pipeline_chunks=2, algorithm=alg)
+        out = fp8_all_reduce(g.clone(), state=AutoScaleState(scaling="current"), pipeline_chunks=2, algorithm=alg)
         res[f"nonfinite_all_nan_{alg}"] = bool(out.isnan().all())
         st = AutoScaleState(scaling="delayed")
         fp8_all_reduce(_grad(1 << 20, 9 + rank, torch.bfloat16), state=st, algorithm=alg)  # initialise: current

@@ -81,7 +81,7 @@ def _check_comm(rank: int) -> dict:
             for op_name, (op, mul) in ops.items():
                 x = _grad(10 + rank, 2 * 5003).to(dtype)
                 out = torch.empty(5003, dtype=dtype)
-                st = AutoScaleState(fp8_dtype=name)
+                st = AutoScaleState(scaling="current", fp8_dtype=name)
                 comm = Fp8ReduceScatter(st, "k")
                 ret = comm(output_tensor=out, input_tensor=x.clone(), group=dist.group.WORLD, op=op)
                 exp = _expected(_all_ranks(x), fp8, mul, rank)
@@ -94,7 +94,7 @@ def _check_comm(rank: int) -> dict:
     if rank == 1:
         x[5] = math.nan
     out = torch.empty(1000)
-    st = AutoScaleState()
+    st = AutoScaleState(scaling="current")
     Fp8ReduceScatter(st, "k")(out, x, dist.group.WORLD, ReduceOp.AVG)
     res["nan_everywhere"] = bool(out.isnan().all())
     res["nan_state_uninitialised"] = not st.stats("k")["initialized"]
@@ -142,7 +142,7 @@ def _check_fsdp(rank: int) -> dict:
     res = {"plain_losses": plain["losses"]}
     moved = (plain["params"] - init).norm().item()
     for name in FP8:
-        st = AutoScaleState(fp8_dtype=name)
+        st = AutoScaleState(scaling="current", fp8_dtype=name)
         run = _fsdp_run(rank, st)
         res[name] = {
             "losses": run["losses"],
@@ -223,7 +223,7 @@ def test_fsdp2_trains_like_plain_fsdp2(runs):
 
 def test_apply_needs_an_fsdp_model():
     with pytest.raises(ValueError, match="no FSDP2 module"):
-        apply_fp8_reduce_scatter(_model(), AutoScaleState())
+        apply_fp8_reduce_scatter(_model(), AutoScaleState(scaling="current"))
 
 
 def test_bad_comm_arguments():
@@ -232,8 +232,8 @@ def test_bad_comm_arguments():
     with pytest.raises(ValueError, match="state must be an AutoScaleState"):
         Fp8ReduceScatter({"mu": 1.0})
     with pytest.raises(ValueError, match="key must be a str or int"):
-        Fp8ReduceScatter(AutoScaleState(), key=1.5)
-    comm = Fp8ReduceScatter(AutoScaleState())
+        Fp8ReduceScatter(AutoScaleState(scaling="current"), key=1.5)
+    comm = Fp8ReduceScatter(AutoScaleState(scaling="current"))
     with pytest.raises(ValueError, match="async_op=True is not supported"):
         comm(torch.empty(2), torch.empty(4), None, dist.ReduceOp.AVG, async_op=True)
     with pytest.raises(ValueError, match="reduce op .* is not supported"):

@@ -11,15 +11,16 @@ gradient by a factor ``mu`` before casting it to FP8 (``g'_i = mu * g_i``) and a
 Here ``backoff`` is the paper's ``1/2`` and ``growth_factor`` its ``2^(1/1000)``. A value *saturates*
 when ``|mu * g| > FP8_MAX`` (float32), i.e. when the saturating cast clips it.
 
-Current or delayed (``scaling``). With ``scaling="current"`` (the default) a call measures its own gradient
+Current or delayed (``scaling``). With ``scaling="current"`` a call measures its own gradient
 first: a stats pass and one scalar MIN all-reduce before the FP8 transfer, so a saturating step is halved on the
-same step (and then clips at most what is left after one halving). With ``scaling="delayed"`` a call quantizes with
+same step (and then clips at most what is left after one halving). With ``scaling="delayed"`` (the default) a call quantizes with
 the ``mu`` the earlier calls left, in the same pass that measures this call's statistics; the statistics travel
 with the payload (the "gather" algorithm appends them to each rank's row of its all-gather; "scatter" and the
 FSDP2 reduce-scatter all-reduce them asynchronously beside the transfer) and decide the next call's ``mu``. This
 is the paper's wording ("mu is set to 1/2 for the subsequent step") and Transformer Engine's delayed scaling: it
 removes the stats pass and the scalar collective from the critical path (the latency that dominates below
-~256 MB); the price is that a sudden jump of the gradient range clips that one step's values above
+~256 MB: on 2 x H200 over NVLink it took the 32M-256M-element all-reduce from 1.05-1.48x to 0.84-1.18x the
+bf16 time, docs/benchmarks.md); the price is that a sudden jump of the gradient range clips that one step's values above
 ``FP8_MAX / mu`` (more than ``delta`` of them) and halves mu for the next. The rule, the unified scale and the
 counters are the same in both modes; a key's first call (and a call while it is uninitialised) always runs
 "current", since mu0 needs the global amax.
@@ -163,9 +164,10 @@ class AutoScaleState:
         growth_factor: mu's factor at each quiet step after the interval; >= 1 (1 disables growth);
             default ``2 ** (1 / 1000)`` (the paper's).
         backoff: mu's factor on a saturated step, in (0, 1); default 0.5 (the paper's halving).
-        scaling: ``"current"`` (default: each call's mu from its own statistics, one scalar all-reduce before
-            the transfer) or ``"delayed"`` (mu from earlier calls, statistics sent with the payload; module
-            docstring). The FP8 all-reduce with delayed scaling runs in one pipeline piece.
+        scaling: ``"delayed"`` (default: mu from earlier calls, statistics sent with the payload; module
+            docstring) or ``"current"`` (each call's mu from its own statistics, one scalar all-reduce before
+            the transfer; saturation is halved on the same call). The FP8 all-reduce with delayed scaling runs in
+            one pipeline piece.
 
     Counters (python ints, this rank): ``calls`` (calls that communicated), ``bytes_sent`` (bytes this
     rank sent, ``fp8_allreduce_bytes`` of each call's algorithm), ``bf16_ring_bytes`` (what a BF16 ring
@@ -186,7 +188,7 @@ class AutoScaleState:
     growth_interval: int = 1000
     growth_factor: float = 2.0 ** (1.0 / 1000.0)
     backoff: float = 0.5
-    scaling: str = "current"
+    scaling: str = "delayed"
     calls: int = field(default=0, init=False)
     bytes_sent: int = field(default=0, init=False)
     bf16_ring_bytes: int = field(default=0, init=False)
