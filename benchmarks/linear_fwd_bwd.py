@@ -10,7 +10,9 @@ For every (M tokens, K in_features, N out_features) it times ``dx, dw = autograd
 - ``fp8kit``: :class:`fp8kit.fp8.linear.Float8BlockwiseLinear`, weight quantized on every call
   (``cache_weight=False``: the same work per call as every other column);
 - ``fp8kit_cached``: the same with the weight cache (the steady state of gradient accumulation: the
-  weight is quantized once per optimizer step, not per micro-batch).
+  weight is quantized once per optimizer step, not per micro-batch);
+- ``fp8kit_delayed``: :class:`fp8kit.fp8.delayed.Float8DelayedLinear` (per-tensor E4M3 / E5M2 scales from the amax
+  history, this step's amax recorded in the cast), ``torch.compile(dynamic=False)`` as ``fp8kit train`` runs it.
 
 Host overhead is removed: each variant is captured in a CUDA graph after warm-up and the graph's replay
 is timed with ``triton.testing.do_bench`` (median, L2 flushed between replays); a variant that cannot be
@@ -42,6 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from fp8kit.base.torchao_lib import torchao_float8  # noqa: E402
 from fp8kit.fp8.blockwise import padded_rows  # noqa: E402
+from fp8kit.fp8.delayed import Float8DelayedLinear  # noqa: E402
+from fp8kit.fp8.delayed_state import DelayedScalingState  # noqa: E402
 from fp8kit.fp8.kernels import ops  # noqa: E402
 from fp8kit.fp8.linear import Float8BlockwiseLinear  # noqa: E402
 
@@ -49,7 +53,7 @@ MS = (4096, 8192, 16384)
 KN = ((4096, 6144), (4096, 4096), (4096, 14336), (14336, 4096), (2048, 2048), (2048, 8192))
 TARGETS = {(16384, 4096, 14336): 1.50, (8192, 4096, 4096): 1.25}
 HBM_TBPS = 3.35
-VARIANTS = ("bf16", "ao_tensorwise", "ao_rowwise", "ao_blockwise", "fp8kit", "fp8kit_cached")
+VARIANTS = ("bf16", "ao_tensorwise", "ao_rowwise", "ao_blockwise", "fp8kit", "fp8kit_cached", "fp8kit_delayed")
 
 
 def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
@@ -69,6 +73,8 @@ def build(variant: str, base: nn.Linear) -> nn.Module:
         from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear as AOBlockwise
 
         return AOBlockwise.from_float(lin)
+    if variant == "fp8kit_delayed":  # per-tensor scales from the amax history; static shapes (dynamic=False)
+        return torch.compile(Float8DelayedLinear.from_linear(lin, DelayedScalingState(), "linear"), dynamic=False)
     return Float8BlockwiseLinear.from_linear(lin, cache_weight=variant == "fp8kit_cached")
 
 
