@@ -10,7 +10,10 @@ All variants share the module code, the routing and the inputs; only the experts
   quantization kernels (fp8kit's default for the tensorwise / rowwise / delayed recipes);
 - ``rowwise-fused``: the same GEMMs with fp8kit's fused casts, the whole expert MLP one autograd Function
   (``moe/fused_experts.py``: dispatch gather + cast, SwiGLU + cast, wgrad scales without a scatter, both
-  weight copies in one pass; ``fp8.grouped_kernel = "fused"``);
+  weight copies in one pass; ``fp8.grouped_kernel = "fused"``), weights cast on every step (one micro-batch per
+  optimizer step);
+- ``rowwise-fused-accum``: the same with the expert-weight cache hit (the steady state of gradient accumulation:
+  weights cast once per optimizer step, ``GroupedGemmConfig.cache_weights``);
 - ``blockwise-loop``: the blockwise recipe (1x128 / 128x128, DeepSeek-V3) as a loop of dense cuBLAS
   blockwise GEMMs over the experts (``moe/grouped_loop.py``; one device-to-host copy of the group sizes per
   layer, included in the time).
@@ -59,7 +62,10 @@ MODELS = {
 VARIANTS = {
     "bf16": None,
     "rowwise-torchao": GroupedGemmConfig(kernel="torchao"),
-    "rowwise-fused": GroupedGemmConfig(kernel="fused"),
+    # weights cast every step (one micro-batch per optimizer step; the timed steps run no optimizer step, so a
+    # cached weight would never be re-cast) and the cached steady state of gradient accumulation
+    "rowwise-fused": GroupedGemmConfig(kernel="fused", cache_weights=False),
+    "rowwise-fused-accum": GroupedGemmConfig(kernel="fused", cache_weights=True),
     "blockwise-loop": GroupedGemmConfig(recipe="blockwise"),
 }
 

@@ -113,3 +113,49 @@ def test_fused_layer_compiled_equals_eager():
         experts_mod.fused_rowwise_experts = real
     assert len(calls) == 2, f"the fused path ran {len(calls)} of 2 times"
     assert torch.equal(eager, compiled), f"max |diff| {(eager.float() - compiled.float()).abs().max().item()}"
+
+
+def test_expert_weights_quantized_once_per_optimizer_step():
+    """The fused path casts each expert weight once per weight version and optimizer step: the second micro-batch
+    of a gradient-accumulation step hits the cache (outputs and accumulated gradients equal to the uncached run bit
+    for bit); an optimizer step, and ``clear_weight_cache()``, make the next forward cast again."""
+    from fp8kit.fp8.kernels.ops import clear_weight_cache
+    from fp8kit.moe.rowwise_quant import experts_cache_stats
+
+    both = frozenset(("gate_up_proj", "down_proj"))
+    cached = Float8GroupedExperts(_hf_experts(), both, GroupedGemmConfig(kernel="fused"))
+    plain = Float8GroupedExperts(_hf_experts(), both, GroupedGemmConfig(kernel="fused", cache_weights=False))
+    t = 64
+    torch.manual_seed(3)
+    batches = []
+    for _ in range(3):
+        hidden = torch.randn(t, 128, dtype=torch.bfloat16)
+        idx = torch.stack([torch.randperm(8)[:2] for _ in range(t)])
+        weights = torch.softmax(torch.randn(t, 2), dim=-1).to(torch.bfloat16)
+        batches.append((hidden, idx, weights, torch.randn(t, 128, dtype=torch.bfloat16)))
+
+    def micro(module, b):
+        out = module(b[0], b[1], b[2])
+        out.backward(b[3])
+        return out.detach()
+
+    clear_weight_cache()
+    s0 = experts_cache_stats()
+    outs = [micro(cached, b) for b in batches[:2]]  # one accumulation step of two micro-batches
+    s1 = experts_cache_stats()
+    assert (s1["misses"] - s0["misses"], s1["hits"] - s0["hits"]) == (2, 2), f"cache stats {s0} -> {s1}"
+    refs = [micro(plain, b) for b in batches[:2]]
+    assert experts_cache_stats() == s1, "cache_weights=False must not touch the cache"
+    for i, (a, b) in enumerate(zip(outs, refs, strict=True)):
+        assert torch.equal(a, b), f"micro-batch {i}: cached output differs by {(a.float() - b.float()).abs().max()}"
+    for name in both:
+        ga, gb = getattr(cached, name).grad, getattr(plain, name).grad
+        assert torch.equal(ga, gb), f"{name}: accumulated gradients differ by {(ga.float() - gb.float()).abs().max()}"
+    for module in (cached, plain):
+        torch.optim.SGD(module.parameters(), lr=0.1).step()  # changes the weights: the cache must not be reused
+    a, b = micro(cached, batches[2]), micro(plain, batches[2])
+    s2 = experts_cache_stats()
+    assert s2["misses"] - s1["misses"] == 2 and torch.equal(a, b), f"after the optimizer step: {s1} -> {s2}"
+    clear_weight_cache()
+    micro(cached, batches[2])
+    assert experts_cache_stats()["misses"] - s2["misses"] == 2, "clear_weight_cache() left the expert entries"

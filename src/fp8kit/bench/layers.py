@@ -179,7 +179,10 @@ def build_site_module(
 
                     module.linears[i] = Float8DelayedLinear.from_linear(lin, state, f"{site.name} gemm {i}")
                 else:
-                    module.linears[i] = Float8BlockwiseLinear.from_linear(lin, name=f"{site.name} gemm {i}")
+                    # cache_weight=False: the timed steps run no optimizer step, so a cached weight would hit on
+                    # every step and leave the weight's casts out; a training step with one micro-batch pays them
+                    module.linears[i] = Float8BlockwiseLinear.from_linear(lin, name=f"{site.name} gemm {i}",
+                                                                          cache_weight=False)
             except ValueError as e:
                 raise ConfigError(f"bench-layers: {e}") from None
     elif precision == "fp8":

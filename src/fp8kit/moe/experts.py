@@ -176,7 +176,8 @@ class Float8GroupedExperts(nn.Module):
         if self.fp8_weights and self.fused_problem(hidden_states.device) is None:
             gemm, out_dtype = scaled_grouped_gemm(hidden_states.device)
             y = fused_rowwise_experts(hidden_states, local_weight(self.gate_up_proj), local_weight(self.down_proj),
-                                      d.gather_idx, d.pair_rows, d.offs, gemm, out_dtype or hidden_states.dtype)
+                                      d.gather_idx, d.pair_rows, d.offs, gemm, out_dtype or hidden_states.dtype,
+                                      self.config.cache_weights)
             return routing.combine(y, d, top_k_weights, hidden_states.dtype)
         x = routing.gather(hidden_states, d)
         bounds = self._host_bounds(d.offs, x.device)

@@ -11,8 +11,8 @@ step                          kernel                                            
 ============================  ===========================================================  ============
 dispatch + x cast             ``gather_quantize_rows(hidden, gather_idx)``: FP8 x in       gather, cast
                               expert order, the bf16 permuted copy never exists
-weights, fprop + dgrad        ``quantize_experts_dual(W)`` once per forward; the dgrad     two casts
-                              copy is saved for the backward (no re-cast from bf16)
+weights, fprop + dgrad        ``quantize_experts_dual(W)`` once per weight version (cached  two casts
+                              across micro-batches); the dgrad copy serves the backward
 SwiGLU + down's input cast    ``swiglu_quantize_rows(h)``: ``a`` (kept for the backward)   act, cast
                               and its FP8 copy from one read of ``h``
 down wgrad operands           ``quantize_group_cols_dual(dy, a)``: per-(expert, column)    scatter amax
@@ -75,10 +75,10 @@ def _rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class _FusedRowwiseMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, w_up, w_down, gather_idx, pair_rows, offs, gemm, out_dtype):
+    def forward(ctx, hidden, w_up, w_down, gather_idx, pair_rows, offs, gemm, out_dtype, cache_weights):
         xq, xs = rq.gather_quantize_rows(hidden, gather_idx)
-        up_f, up_fs, up_d, up_ds = rq.quantize_experts_dual(w_up)
-        down_f, down_fs, down_d, down_ds = rq.quantize_experts_dual(w_down)
+        up_f, up_fs, up_d, up_ds = rq.quantize_experts_dual(w_up, cache=cache_weights)
+        down_f, down_fs, down_d, down_ds = rq.quantize_experts_dual(w_down, cache=cache_weights)
         h = gemm(xq, up_f, xs, up_fs, offs, out_dtype)
         a, aq, as_ = rq.swiglu_quantize_rows(h)
         y = gemm(aq, down_f, as_, down_fs, offs, out_dtype)
@@ -107,12 +107,12 @@ class _FusedRowwiseMLP(torch.autograd.Function):
         dw_up = gemm(ht, xc, hts, xcs, offs, out_dtype)
         # tokens: the sum of each token's top-k rows (rows past the last group are never picked)
         dhidden = sum_token_rows(dx_rows, pair_rows, hidden.shape[0], x_dtype)
-        return dhidden, dw_up.to(up_dtype), dw_down.to(down_dtype), None, None, None, None, None
+        return dhidden, dw_up.to(up_dtype), dw_down.to(down_dtype), None, None, None, None, None, None
 
 
 def fused_rowwise_experts(
     hidden: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, gather_idx: torch.Tensor,
-    pair_rows: torch.Tensor, offs: torch.Tensor, gemm: GemmFn, out_dtype: torch.dtype,
+    pair_rows: torch.Tensor, offs: torch.Tensor, gemm: GemmFn, out_dtype: torch.dtype, cache_weights: bool = True,
 ) -> torch.Tensor:
     """The expert MLP of the dispatched tokens in rowwise FP8 with fused quantization (module docstring).
 
@@ -123,6 +123,8 @@ def fused_rowwise_experts(
         gemm: ``torch._scaled_grouped_mm`` semantics (``grouped_mm._cuda_scaled_grouped_mm`` on Hopper,
             ``grouped_mm.emulated_scaled_grouped_mm`` elsewhere).
         out_dtype: the GEMMs' output dtype (bf16 on CUDA).
+        cache_weights: quantize each expert weight once per weight version and optimizer step, shared by the
+            micro-batches of a gradient-accumulation step (:mod:`fp8kit.fp8.weight_cache`; the same bits).
 
     Returns:
         (P, H) expert outputs in expert order, in ``out_dtype`` (rows past ``offs[-1]`` undefined on CUDA);
@@ -135,4 +137,4 @@ def fused_rowwise_experts(
     if w_down.shape != (e, hdim, two_i // 2) or hidden.shape[1] != hdim:
         raise ValueError(f"fused_rowwise_experts: hidden {tuple(hidden.shape)}, gate_up_proj {tuple(w_up.shape)} and "
                          f"down_proj {tuple(w_down.shape)} are not (T, H), (E, 2I, H), (E, H, I)")
-    return _FusedRowwiseMLP.apply(hidden, w_up, w_down, gather_idx, pair_rows, offs, gemm, out_dtype)
+    return _FusedRowwiseMLP.apply(hidden, w_up, w_down, gather_idx, pair_rows, offs, gemm, out_dtype, cache_weights)

@@ -70,12 +70,15 @@ class GroupedGemmConfig:
         compile_quantize: ``torch.compile`` the quantization functions on CUDA (fuses amax, scale and
             cast into one or two kernels per operand).
         emulate: allow the emulation on a CUDA GPU without an FP8 grouped kernel (``fp8.emulate``).
+        cache_weights: the ``fused`` kernel quantizes each expert weight once per weight version and optimizer
+            step and reuses it across gradient-accumulation micro-batches (:mod:`fp8kit.fp8.weight_cache`).
     """
 
     kernel: str = "auto"
     compile_quantize: bool = True
     emulate: bool = False
     recipe: str = "rowwise"
+    cache_weights: bool = True
 
     @classmethod
     def for_fp8_recipe(cls, recipe: str, emulate: bool = False, kernel: str = "auto") -> GroupedGemmConfig:

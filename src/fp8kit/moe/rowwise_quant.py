@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from fp8kit.base.triton_lib import triton_module
+from fp8kit.fp8.weight_cache import WeightCache
 from fp8kit.moe.quantize import group_ids, quantize_experts, quantize_group_cols, quantize_rows
 from fp8kit.moe.token_quant import swiglu_ref
 
@@ -272,6 +273,29 @@ def _(w):
     return w.new_empty(e, n, k, dtype=FP8), _f32(w, e, n), w.new_empty(e, k, n, dtype=FP8), _f32(w, e, k)
 
 
+_EXPERTS_CACHE = WeightCache(lambda w: torch.ops.fp8kit.moe_rw_experts_dual_quant(w), "moe rowwise experts")
+_CUDAGRAPH_UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)
+
+
+@torch.library.custom_op("fp8kit::moe_rw_experts_dual_quant_cached", mutates_args=(),
+                         tags=(_CUDAGRAPH_UNSAFE,) if _CUDAGRAPH_UNSAFE is not None else ())
+def _experts_cached_op(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # the lookup runs inside the op, so torch.compile treats it as opaque (as the dense blockwise cache)
+    return _EXPERTS_CACHE.get(w)
+
+
+@_experts_cached_op.register_fake
+def _(w):
+    _check_w(w)
+    e, n, k = w.shape
+    return w.new_empty(e, n, k, dtype=FP8), _f32(w, e, n), w.new_empty(e, k, n, dtype=FP8), _f32(w, e, k)
+
+
+def experts_cache_stats() -> dict[str, int]:
+    """``{"hits", "misses", "entries"}`` of the expert-weight cache (:mod:`fp8kit.fp8.weight_cache`)."""
+    return _EXPERTS_CACHE.stats()
+
+
 # --------------------------------------------------------------------------- public entry points
 
 def gather_quantize_rows(src: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -366,9 +390,13 @@ def quantize_group_cols_dual(
     return g_data, g_inv, x_data.t(), x_inv
 
 
-def quantize_experts_dual(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_experts_dual(w: torch.Tensor, cache: bool = False
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Both right operands of the expert weights ``w`` (E, N, K): ``quantize_experts(w, -1)`` and
     ``quantize_experts(w, -2)`` (:mod:`fp8kit.moe.quantize`), bit for bit.
+
+    With ``cache`` the result is computed once per weight version and optimizer step and reused across
+    gradient-accumulation micro-batches (:class:`fp8kit.fp8.weight_cache.WeightCache`; the same bits).
 
     On CUDA two kernels (one read of ``w`` could not know a column's scale before the whole column is seen):
     the first reads ``w`` once for the row amax (fprop) and the column amax (dgrad, atomic max), the second
@@ -382,5 +410,6 @@ def quantize_experts_dual(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     Raises:
         ValueError: ``w`` not a 3-D float tensor.
     """
-    fprop, fprop_inv, dgrad, dgrad_inv = torch.ops.fp8kit.moe_rw_experts_dual_quant(w)
+    op = torch.ops.fp8kit.moe_rw_experts_dual_quant_cached if cache else torch.ops.fp8kit.moe_rw_experts_dual_quant
+    fprop, fprop_inv, dgrad, dgrad_inv = op(w)
     return fprop.transpose(-2, -1), fprop_inv, dgrad.transpose(-2, -1), dgrad_inv

@@ -12,42 +12,24 @@ them), which is what keeps compiled and eager results bit-identical.
 - ``fp8kit::blockwise_mm(a, a_scale_t, b, b_scale, b_block, out_dtype, emulate)`` -> ``a @ b^T``.
 
 Weight cache. The quantized weight depends only on the weight's values, which change once per
-optimizer step; with gradient accumulation a linear runs its forward several times per step and its
-dgrad once per micro-batch. ``blockwise_quant_weight_cached`` keys an entry on the weight's device,
-data pointer, shape, stride and dtype, and reuses it while all three hold:
-
-(a) the weight's storage is the same object (a weak reference: a new tensor at a recycled address,
-    or ``param.data = new_tensor``, misses);
-(b) ``weight._version`` is unchanged (in-place updates through autograd-visible ops bump it:
-    ``copy_``, ``load_state_dict``, foreach / for-loop optimizers);
-(c) no ``torch.optim.Optimizer.step()`` ran since the entry was made: a global optimizer step
-    post-hook (``register_optimizer_step_post_hook``, installed on first use) bumps a generation
-    counter. This is needed: the fused AdamW / SGD kernels (``fused=True``) update parameters in place
-    WITHOUT bumping ``_version``, and FSDP2 writes unsharded parameters under
-    ``_unsafe_preserve_version_counter``.
-
-An update that bypasses all three (``weight.data.copy_(...)`` outside an optimizer step, e.g. a
-hand-written EMA) is not seen: call :func:`clear_weight_cache` after it. The lookup runs inside the op,
-so it works the same eagerly and under ``torch.compile``; the op is tagged ``cudagraph_unsafe`` (a CUDA
-graph replay would skip the lookup). Memory: an entry holds 2 bytes per weight element (two E4M3
-layouts), as much as the BF16 weight; during forward + backward those copies are alive anyway (saved
-for dgrad), the cache keeps them through the optimizer step too, until the weight is freed, the next
-lookup replaces them, or :func:`clear_weight_cache` runs.
+optimizer step; ``blockwise_quant_weight_cached`` returns it from a :class:`fp8kit.fp8.weight_cache.WeightCache`
+(one cast per weight version and optimizer step; the rules, and what it cannot see, are in that module). The
+lookup runs inside the op, so it works the same eagerly and under ``torch.compile``; the op is tagged
+``cudagraph_unsafe`` (a CUDA graph replay would skip the lookup). Memory: an entry holds 2 bytes per weight
+element (two E4M3 layouts), as much as the BF16 weight, kept through the optimizer step.
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
-from dataclasses import dataclass
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fp8kit.base.errors import CapabilityError
 from fp8kit.base.triton_lib import triton_module
 from fp8kit.fp8 import blockwise
 from fp8kit.fp8.blockwise import BLOCK, FP8, padded_rows, round_up4
+from fp8kit.fp8.weight_cache import WeightCache, clear_weight_caches
 
 Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -186,45 +168,7 @@ def _(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
 _quant_weight_op.register_fake(_fake_weight)
 
 
-@dataclass
-class _Entry:
-    storage: weakref.ref
-    version: int
-    generation: int
-    out: Quantized
-
-
-class _WeightCache:
-    """Quantized weights by (device, data_ptr, shape, stride, dtype); see the module docstring."""
-
-    def __init__(self) -> None:
-        self.entries: dict[tuple, _Entry] = {}
-        self.hits = 0
-        self.misses = 0
-        self.generation = 0  # optimizer steps seen
-        self.hook = None
-
-    def _step_done(self, *_args) -> None:
-        self.generation += 1
-
-    def get(self, w: torch.Tensor) -> Quantized:
-        if self.hook is None:
-            self.hook = register_optimizer_step_post_hook(self._step_done)
-        key = (w.device, w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype)
-        storage = w.untyped_storage()
-        entry = self.entries.get(key)
-        if (entry is not None and entry.storage() is storage and entry.version == w._version
-                and entry.generation == self.generation):
-            self.hits += 1
-            return entry.out
-        self.misses += 1
-        out = _quantize_weight_any(w)
-        self.entries = {k: e for k, e in self.entries.items() if e.storage() is not None and k != key}
-        self.entries[key] = _Entry(weakref.ref(storage), w._version, self.generation, out)
-        return out
-
-
-_CACHE = _WeightCache()
+_CACHE = WeightCache(lambda w: _quantize_weight_any(w), "blockwise 128x128")
 
 
 @torch.library.custom_op(
@@ -239,13 +183,14 @@ _quant_weight_cached_op.register_fake(_fake_weight)
 
 
 def clear_weight_cache() -> None:
-    """Drop every cached quantized weight (call after an optimizer step that bypasses ``_version``)."""
-    _CACHE.entries.clear()
+    """Drop every cached quantized weight, blockwise linears' and fused MoE experts' alike
+    (:func:`fp8kit.fp8.weight_cache.clear_weight_caches`; call after an update that bypasses ``_version``)."""
+    clear_weight_caches()
 
 
 def weight_cache_stats() -> dict[str, int]:
     """``{"hits", "misses", "entries"}`` of the weight cache since the process started."""
-    return {"hits": _CACHE.hits, "misses": _CACHE.misses, "entries": len(_CACHE.entries)}
+    return _CACHE.stats()
 
 
 # --------------------------------------------------------------------------- GEMM op
