@@ -6,6 +6,12 @@ default, as in the FP8 engine and FP8-LM issues):
 
 - ``--study recipes``: the matmul precision: ``bf16`` (baseline) vs FP8 ``tensorwise`` (torchao),
   ``blockwise`` and ``delayed`` (fp8kit), all with FP32 master weights and torch AdamW;
+- ``--study moe-tiny`` / ``moe-qwen3``: MoE experts in FP8 vs BF16 (the MoE issue): the ``tiny-moe`` preset (8
+  experts of width 128, top-2) and a Qwen3-MoE-shaped model with real expert shapes
+  (``benchmarks/configs/qwen3-moe-small.json``: hidden 2048, 16 experts of width 768, top-4, 2 layers):
+  ``bf16`` vs every linear and both expert weights in FP8 with the ``blockwise`` recipe (1x128 / 128x128,
+  DeepSeek-V3's) and with ``tensorwise`` (torchao dense, fp8kit's fused rowwise experts); same optimizer
+  (FP32 master + AdamW);
 - ``--study optimizers``: the optimizer state precision under FP8 tensorwise matmuls: ``adamw-fp32``
   (baseline: torch AdamW on FP32 master weights, 16 bytes/param) vs ``fp8adamw`` (fp8kit's default
   FP8AdamW), ``fp8adamw-paper`` (FP8-LM's layout without the first-moment range expansion) and
@@ -49,17 +55,26 @@ VARIANTS = {
 }
 STUDIES = {
     "recipes": ["bf16", "tensorwise", "blockwise", "delayed"],
+    "moe-tiny": ["bf16", "blockwise", "tensorwise"],
+    "moe-qwen3": ["bf16", "blockwise", "tensorwise"],
     "optimizers": ["adamw-fp32", "fp8adamw", "fp8adamw-paper", "fp8adamw-v-e4m3"],
+}
+#: The model of each study (``--set`` overrides); the others train ``llama-125m``.
+MODELS = {
+    "moe-tiny": ["model.preset=tiny-moe"],
+    "moe-qwen3": [f"model.hf_config={Path(__file__).resolve().parent / 'configs' / 'qwen3-moe-small.json'}"],
 }
 TITLES = {
     "recipes": "llama-125m on the stdlib corpus: FP8 recipes vs BF16 (FP32 master, AdamW)",
+    "moe-tiny": "tiny-moe (8 experts x 128, top-2) on the stdlib corpus: FP8 experts vs BF16",
+    "moe-qwen3": "Qwen3-MoE-shaped (16 experts x 768, hidden 2048, top-4) on the stdlib corpus: FP8 experts vs BF16",
     "optimizers": "llama-125m on the stdlib corpus, FP8 matmuls: optimizer state precision",
 }
 
 
 def common(args) -> list[str]:
     return [
-        "model.preset=llama-125m", "data.vocab_size=32000", f"data.seq_length={args.seq}",
+        *MODELS.get(args.study, ["model.preset=llama-125m"]), "data.vocab_size=32000", f"data.seq_length={args.seq}",
         f"train.micro_batch_size={args.mbs}", f"train.steps={args.steps}", f"train.lr={args.lr}",
         "train.warmup_steps=100", "train.weight_decay=0.1",
         f"train.compile={str(args.compile).lower()}", f"train.eval_every={args.eval_every}", "train.eval_batches=16",
