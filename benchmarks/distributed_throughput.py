@@ -14,6 +14,8 @@ Variants (each a fresh ``torchrun --nproc_per_node NPROC -m fp8kit train`` proce
     moe-fsdp-bf16/-fp8    Qwen3-30B-A3B layer shapes (128 experts, 8 per token), FSDP2 over all weights
     moe-ep-bf16/-fp8      the same with expert parallel 2 (64 experts per GPU, all-to-all dispatch)
     moe-ep-fp8-fp8dispatch  moe-ep-fp8 with the dispatch all-to-all in FP8 (distributed.ep_fp8_dispatch)
+    fsdp-fp8-fp8rs        fsdp-fp8-fp8ag with the gradient reduce-scatter in FP8 E5M2
+                          (distributed.fp8_reduce_scatter; NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 for a slow link)
 
 Each run's ``summary.json`` gives the median tokens/s (all ranks) and per GPU; speed-ups are per GPU
 against fsdp-bf16 of the same invocation. All-gather bytes per step are counted from the parameter
@@ -58,6 +60,8 @@ VARIANTS = {
                     "distributed.ep=2"],
     "moe-ep-fp8": ["model.preset=qwen3-30b-a3b", "train.mixed_precision=fp8", "selective.selective_fp8=false", "train.micro_batch_size=2",
                    "distributed.ep=2"],
+    "fsdp-fp8-fp8rs": ["train.mixed_precision=fp8", "selective.selective_fp8=false", "train.micro_batch_size=2",
+                       "distributed.fp8_reduce_scatter=e5m2"],
     "moe-ep-fp8-fp8dispatch": ["model.preset=qwen3-30b-a3b", "train.mixed_precision=fp8", "selective.selective_fp8=false",
                                "train.micro_batch_size=2", "distributed.ep=2", "distributed.ep_fp8_dispatch=true"],
 }

@@ -22,7 +22,8 @@ its own ``mu`` under the key ``"fsdp:<module fqn>"``. Bytes per rank and call: `
 scalars, half of a bf16 reduce-scatter's ``2 (N-1) c`` (counted in ``state.bytes_sent`` /
 ``state.bf16_ring_bytes``).
 
-Use :func:`apply_fp8_reduce_scatter` after ``fully_shard``. Not wired into the trainer's config.
+Use :func:`apply_fp8_reduce_scatter` after ``fully_shard``; ``fp8kit train`` does with
+``distributed.fp8_reduce_scatter = "e5m2"`` (or ``"e4m3"``) and saves the state in its checkpoints.
 """
 
 from __future__ import annotations

@@ -36,5 +36,6 @@ def prepare_options(cfg: RunConfig, *, fp8_now: bool, emulate: bool) -> PrepareO
         sequence_parallel=d.sequence_parallel,
         ep=d.ep,
         ep_fp8_dispatch=d.ep_fp8_dispatch,
+        fp8_reduce_scatter=d.fp8_reduce_scatter,
         param_dtype=torch.float32 if t.param_dtype == "fp32" else torch.bfloat16,
     )

@@ -317,6 +317,16 @@ class DistributedConfig(ConfigModel):
         "128), dequantized on arrival; the gradient returns in bf16 (straight-through) and the combine stays "
         "bf16, as in DeepSeek-V3. No effect (a warning) with ep = 1.",
     )
+    fp8_reduce_scatter: Literal["off", "e5m2", "e4m3"] = Field(
+        "off",
+        description="Under FSDP2 (dp_shard > 1), reduce-scatter the gradients in FP8 with FP8-LM's automatic "
+        "scaling (fp8kit.comm.Fp8ReduceScatter: one all-to-all of FP8 payloads, summed in float32; a quarter "
+        "of the bytes of FSDP2's float32 reduce-scatter, half of bf16's), in this format (e5m2: the gradient "
+        "format of FP8-LM; e4m3: one more mantissa bit, less range). The auto-scale state is saved in "
+        "checkpoints. Pays where the link is slow (measured 2x faster than bf16 over sockets, about equal on "
+        "NVLink: docs/benchmarks.md); needs torch >= 2.9. No effect (a warning) without FSDP2; not with "
+        "dp_replicate > 1 (HSDP).",
+    )
     meta_init: bool | None = Field(
         None,
         description="Build the model on the meta device, shard it (TP / EP / FSDP2), then give each rank "

@@ -73,11 +73,14 @@ class Parallelized:
         steps: the applied steps, in order, e.g. ``["tp", "fp8", "fsdp2"]``.
         fp8_all_gather: FSDP2 all-gathers FP8 weights (call :func:`after_optimizer_step` each step).
         notes: loud fallbacks and other facts a user must see.
+        grad_comm: the ``fp8kit.comm.AutoScaleState`` of FSDP2's FP8 gradient reduce-scatter
+            (``distributed.fp8_reduce_scatter``), saved in checkpoints; None when it is off.
     """
 
     steps: list[str] = field(default_factory=list)
     fp8_all_gather: bool = False
     notes: list[str] = field(default_factory=list)
+    grad_comm: object = None
 
 
 def fp8_all_gather_choice(fp8_all_gather: bool | None, recipe: str, fsdp: bool) -> bool:

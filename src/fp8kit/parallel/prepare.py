@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from fp8kit.base.errors import ConfigError
 from fp8kit.fp8.delayed import DelayedScaling, DelayedScalingState
 from fp8kit.moe.grouped_mm import GroupedGemmConfig
 from fp8kit.parallel.convert import ConversionOptions, apply_fp8
@@ -62,6 +63,8 @@ class PrepareOptions:
         ep_fp8_dispatch: with ``ep > 1``, the dispatch all-to-all sends E4M3 + 1x128 scales
             (``fp8kit.moe.fp8_dispatch``); with ``ep = 1`` a note that it has no effect.
         param_dtype: the parameters' dtype (FSDP2's mixed precision computes in bf16 either way).
+        fp8_reduce_scatter: ``"off"``, or the FP8 format of FSDP2's gradient reduce-scatter
+            (``fp8kit.comm.apply_fp8_reduce_scatter``; ``distributed.fp8_reduce_scatter``).
     """
 
     fp8: bool = True
@@ -76,6 +79,7 @@ class PrepareOptions:
     ep: int = 1
     ep_fp8_dispatch: bool = False
     param_dtype: torch.dtype = torch.bfloat16
+    fp8_reduce_scatter: str = "off"
 
 
 @dataclass
@@ -162,6 +166,7 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     if fsdp:
         apply_fsdp(model, _dp_mesh(mesh), param_dtype=options.param_dtype, ignored_params=expert_params)
         done.steps.append("fsdp2" if dp_replicate == 1 else "hsdp")
+    _fp8_reduce_scatter(model, options.fp8_reduce_scatter, done, dp_shard, dp_replicate)
 
     # 6. Compile each block last: it traces the final modules (FSDP2's hooks are skipped by dynamo and
     #    run eagerly around the compiled block).
@@ -172,6 +177,28 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
             block.compile()
         done.steps.append("compile")
     return done
+
+
+def _fp8_reduce_scatter(model: nn.Module, fmt: str, done: Prepared, dp_shard: int, dp_replicate: int) -> None:
+    """``distributed.fp8_reduce_scatter``: FSDP2's gradient reduce-scatter through FP8 (after ``fully_shard``)."""
+    if fmt == "off":
+        return
+    if dp_replicate > 1:
+        raise ConfigError(f"distributed.fp8_reduce_scatter = {fmt!r} with dp_replicate = {dp_replicate} (HSDP): not "
+                          "supported (only the reduce-scatter of plain FSDP2 is replaced); set it to 'off' or use "
+                          "dp_replicate = 1")
+    if dp_shard == 1:
+        done.notes.append(f"distributed.fp8_reduce_scatter = {fmt!r} has no effect: no FSDP2 (dp_shard = 1)")
+        return
+    from fp8kit.comm import AutoScaleState, apply_fp8_reduce_scatter
+    from fp8kit.comm.fsdp_reduce_scatter import fsdp_custom_reduce_scatter_support
+
+    ok, why = fsdp_custom_reduce_scatter_support()
+    if not ok:
+        raise ConfigError(f"distributed.fp8_reduce_scatter = {fmt!r}: {why}; upgrade torch or set it to 'off'")
+    done.grad_comm = AutoScaleState(fp8_dtype=fmt)
+    apply_fp8_reduce_scatter(model, done.grad_comm)
+    done.steps.append(f"fp8-reduce-scatter-{fmt}")
 
 
 def _dp_mesh(mesh):

@@ -202,6 +202,8 @@ def _save(setup: Setup, out_dir: Path, step: int, phase: str, saver: AsyncCheckp
         "rng": ckpt.rng_state(setup.device),
         "recipe": setup.cfg.fp8.recipe if setup.cfg.train.mixed_precision == "fp8" else None,
         "fp8_delayed": setup.prepared.conversion.delayed.state_dict(),  # amax histories (recipe delayed)
+        # distributed.fp8_reduce_scatter: the gradient all-reduce's auto-scale factors (plain numbers)
+        "grad_comm": setup.prepared.grad_comm.state_dict() if setup.prepared.grad_comm is not None else None,
     }
     directory = out_dir / "checkpoints" / ckpt.checkpoint_name(step)
     if setup.distributed or saver is not None:

@@ -345,6 +345,8 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
             "tp": dims.tp,
             "steps": prepared.steps,
             "fp8_all_gather": prepared.fp8_all_gather,
+            # distributed.fp8_reduce_scatter: the FP8 format of FSDP2's gradient reduce-scatter (None: float32)
+            "grad_reduce_scatter": prepared.grad_comm.fp8_dtype if prepared.grad_comm is not None else None,
             "meta_init": meta_init,  # built on meta, each rank initialised / loaded its own shards
             "notes": prepared.notes,
         },
@@ -367,7 +369,8 @@ def check_distributed_config(cfg: RunConfig) -> None:
         ConfigError: ``optim.name = "fp8_adamw"`` with tensor or expert parallelism (FP8AdamW steps
             FSDP2 / HSDP shards, ``Shard(0)``, only), or with ``optim.granularity = "block"`` or FP8
             gradients (``fp8kit.optim.sharded``), a precision schedule (it swaps modules that FSDP2/TP have wrapped),
-            ``train.on_divergence = "recover"`` or ``fp8.stats_every > 0`` (single-process features).
+            ``train.on_divergence = "recover"`` or ``fp8.stats_every > 0`` (single-process features),
+            ``distributed.fp8_reduce_scatter`` with HSDP (``dp_replicate > 1``).
     """
     if cfg.optim.name == "fp8_adamw":
         d, o = cfg.distributed, cfg.optim
@@ -382,6 +385,12 @@ def check_distributed_config(cfg: RunConfig) -> None:
                 f"\"param\" (got {o.granularity!r}, {o.grad!r}): per-block scales would straddle shard boundaries, "
                 f"and FSDP2 already holds the reduce-scattered gradient shard"
             )
+    d = cfg.distributed
+    if d.fp8_reduce_scatter != "off" and d.dp_replicate > 1:
+        raise ConfigError(
+            f"distributed.fp8_reduce_scatter = {d.fp8_reduce_scatter!r} with dp_replicate = {d.dp_replicate} (HSDP): "
+            "not supported (only plain FSDP2's reduce-scatter is replaced); set it to 'off' or dp_replicate = 1"
+        )
     f8 = cfg.fp8
     if cfg.train.mixed_precision == "fp8" and (f8.bf16_warmup_steps or f8.bf16_cooldown_steps):
         raise ConfigError(
@@ -442,8 +451,28 @@ def restore(setup: Setup) -> None:
             setup.prepared.conversion.delayed.load_state_dict(state["fp8_delayed"], setup.device)
         except ValueError as e:
             raise CheckpointError(f"--resume {str(setup.resume_from)!r}: {e}") from None
+    _restore_grad_comm(setup, state)
     ckpt.set_rng_state(state["rng"], setup.device)
     from fp8kit.fp8.kernels.ops import clear_weight_cache
 
     clear_weight_cache()  # blockwise FP8 weights were quantized from the weights before the load
     setup.start_step = int(state["step"])
+
+
+def _restore_grad_comm(setup: Setup, state: dict) -> None:
+    """The FP8 reduce-scatter's auto-scale state (``distributed.fp8_reduce_scatter``) from the train state."""
+    comm, saved = setup.prepared.grad_comm, state.get("grad_comm")
+    where = f"--resume {str(setup.resume_from)!r}"
+    if comm is None:
+        if saved:
+            setup.warnings.append(f"{where}: the checkpoint holds an FP8 gradient reduce-scatter state "
+                                  "(distributed.fp8_reduce_scatter), which is off in this run: not used")
+        return
+    if not saved:
+        setup.warnings.append(f"{where}: no FP8 gradient reduce-scatter state in the checkpoint "
+                              "(distributed.fp8_reduce_scatter was off): the auto-scale factors start afresh")
+        return
+    try:
+        comm.load_state_dict(saved)
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from None

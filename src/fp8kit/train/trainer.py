@@ -193,6 +193,8 @@ def _parallel_desc(setup: Setup) -> str:
     desc += f" ({' -> '.join(p['steps'])})"
     if setup.cfg.train.mixed_precision == "fp8" and (p["dp_shard"] > 1 or p["dp_replicate"] > 1):
         desc += ", FP8 all-gather" if p["fp8_all_gather"] else ", BF16 all-gather"
+    if p.get("grad_reduce_scatter"):  # distributed.fp8_reduce_scatter (else FSDP2 reduce-scatters in float32)
+        desc += f", FP8 {p['grad_reduce_scatter'].upper()} gradient reduce-scatter"
     d = setup.cfg.distributed
     if d.ep > 1:  # the precision of the MoE token dispatch (moe/fp8_dispatch.py); the combine is bf16
         desc += f", EP dispatch: {'fp8 (E4M3 + 1x128 scales)' if d.ep_fp8_dispatch else 'bf16'}"
