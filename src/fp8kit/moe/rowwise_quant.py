@@ -266,11 +266,13 @@ def _(w):
         return kernels.quantize_experts_dual(_rows_last(w))
 
 
-@_experts_op.register_fake
-def _(w):
+def _experts_fake(w):
     _check_w(w)
     e, n, k = w.shape
     return w.new_empty(e, n, k, dtype=FP8), _f32(w, e, n), w.new_empty(e, k, n, dtype=FP8), _f32(w, e, k)
+
+
+_experts_op.register_fake(_experts_fake)
 
 
 _EXPERTS_CACHE = WeightCache(lambda w: torch.ops.fp8kit.moe_rw_experts_dual_quant(w), "moe rowwise experts")
@@ -284,11 +286,7 @@ def _experts_cached_op(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return _EXPERTS_CACHE.get(w)
 
 
-@_experts_cached_op.register_fake
-def _(w):
-    _check_w(w)
-    e, n, k = w.shape
-    return w.new_empty(e, n, k, dtype=FP8), _f32(w, e, n), w.new_empty(e, k, n, dtype=FP8), _f32(w, e, k)
+_experts_cached_op.register_fake(_experts_fake)
 
 
 def experts_cache_stats() -> dict[str, int]:
