@@ -33,19 +33,9 @@ from fp8kit.comm.autoscale import SCALINGS, VEC_BYTES, gather_row_bytes
 from fp8kit.comm.fsdp_reduce_scatter import fsdp_custom_reduce_scatter_support
 from fp8kit.comm.unify import params_tensor
 from tests.test_distributed import torchrun_rank_results
+from tests.test_fp8_allreduce_gather import FMTS, FP8_MAX, _all_ranks, _grad
 
-E5M2, E4M3 = torch.float8_e5m2, torch.float8_e4m3fn
-FMTS = {"e5m2": E5M2, "e4m3": E4M3}
-FP8_MAX = {E5M2: 57344.0, E4M3: 448.0}
-
-
-def _grad(seed: int, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Realistic gradient: N(0, 1e-3) with 0.1 % outliers of +-0.05 (50x)."""
-    gen = torch.Generator().manual_seed(seed)
-    g = torch.randn(n, generator=gen) * 1e-3
-    idx = torch.randperm(n, generator=gen)[: max(1, n // 1000)]
-    g[idx] = 0.05 * torch.sign(torch.randn(len(idx), generator=gen))
-    return g.to(dtype)
+E5M2 = torch.float8_e5m2
 
 
 def _values(mu: float, init: bool = True) -> torch.Tensor:
@@ -145,12 +135,6 @@ def test_scaling_option_and_bytes():
 # ------------------------------------------------------------------------------------------------
 # The worker: torchrun, 2 gloo processes
 # ------------------------------------------------------------------------------------------------
-
-
-def _all_ranks(x: torch.Tensor) -> list[torch.Tensor]:
-    out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, x.contiguous())
-    return out
 
 
 def written_out(inputs: list[torch.Tensor], mu: float, fp8: torch.dtype, algorithm: str) -> torch.Tensor:
