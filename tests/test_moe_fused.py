@@ -123,8 +123,8 @@ def test_expert_weights_quantized_once_per_optimizer_step():
     from fp8kit.moe.rowwise_quant import experts_cache_stats
 
     both = frozenset(("gate_up_proj", "down_proj"))
-    cached = Float8GroupedExperts(_hf_experts(), both, GroupedGemmConfig(kernel="fused"))
-    plain = Float8GroupedExperts(_hf_experts(), both, GroupedGemmConfig(kernel="fused", cache_weights=False))
+    cached = Float8GroupedExperts(_hf_experts(), both, GroupedGemmConfig(kernel="fused", cache_weights=True))
+    plain = Float8GroupedExperts(_hf_experts(), both, GroupedGemmConfig(kernel="fused"))  # the default: off
     t = 64
     torch.manual_seed(3)
     batches = []
@@ -159,3 +159,14 @@ def test_expert_weights_quantized_once_per_optimizer_step():
     clear_weight_cache()
     micro(cached, batches[2])
     assert experts_cache_stats()["misses"] - s2["misses"] == 2, "clear_weight_cache() left the expert entries"
+
+
+def test_trainer_caches_expert_weights_only_with_accumulation():
+    """``fp8kit train`` caches the expert weights with ``train.grad_accum > 1`` only (otherwise every step's optimizer
+    step would invalidate the cache and it would only hold memory); the library default is off."""
+    from fp8kit.config import load_config
+    from fp8kit.config.options import grouped_gemm_config
+
+    assert GroupedGemmConfig().cache_weights is False
+    assert grouped_gemm_config(load_config(None, [])).cache_weights is False
+    assert grouped_gemm_config(load_config(None, ["train.grad_accum=4"])).cache_weights is True

@@ -71,14 +71,18 @@ class GroupedGemmConfig:
             cast into one or two kernels per operand).
         emulate: allow the emulation on a CUDA GPU without an FP8 grouped kernel (``fp8.emulate``).
         cache_weights: the ``fused`` kernel quantizes each expert weight once per weight version and optimizer
-            step and reuses it across gradient-accumulation micro-batches (:mod:`fp8kit.fp8.weight_cache`).
+            step and reuses it across gradient-accumulation micro-batches (:mod:`fp8kit.fp8.weight_cache`). Off by
+            default: it only pays with ``train.grad_accum > 1`` and it keeps both FP8 copies of every layer's
+            experts alive until the next step (2 bytes per expert weight element; under FSDP2 of the unsharded
+            weights, which would undo the sharding). ``fp8kit train`` turns it on for ``grad_accum > 1`` without
+            FSDP2 (``config.options.grouped_gemm_config``, ``parallel.prepare``).
     """
 
     kernel: str = "auto"
     compile_quantize: bool = True
     emulate: bool = False
     recipe: str = "rowwise"
-    cache_weights: bool = True
+    cache_weights: bool = False
 
     @classmethod
     def for_fp8_recipe(cls, recipe: str, emulate: bool = False, kernel: str = "auto") -> GroupedGemmConfig:

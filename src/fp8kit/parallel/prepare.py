@@ -22,7 +22,7 @@ the returned :class:`Prepared`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -115,10 +115,12 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     dp_shard = mesh["dp_shard"].size() if mesh is not None else 1
     dp_replicate = mesh["dp_replicate"].size() if mesh is not None else 1
     fsdp = dp_shard > 1 or dp_replicate > 1
+    # the expert-weight cache would hold unsharded FP8 copies of every layer's experts under FSDP2
+    grouped = replace(options.grouped, cache_weights=False) if fsdp else options.grouped
     conversion = ConversionOptions(
         emulate=options.emulate,
         fsdp_float8_all_gather=fp8_all_gather_choice(options.fp8_all_gather, options.recipe, fsdp),
-        grouped=options.grouped,
+        grouped=grouped,
         delayed=DelayedScalingState(options.delayed),
     )
     done = Prepared(conversion=conversion)
@@ -139,7 +141,7 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     #    FP8 GEMMs see the local experts; FSDP2 later leaves these weights alone (ignored_params).
     expert_params: set[nn.Parameter] = set()
     if options.ep > 1:
-        expert_params = apply_ep(model, mesh, options.ep, decisions, options.grouped,
+        expert_params = apply_ep(model, mesh, options.ep, decisions, grouped,
                                  fp8_dispatch=options.ep_fp8_dispatch)
         done.steps.append(f"ep{options.ep}")
     elif options.ep_fp8_dispatch:
