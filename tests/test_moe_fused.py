@@ -161,12 +161,29 @@ def test_expert_weights_quantized_once_per_optimizer_step():
     assert experts_cache_stats()["misses"] - s2["misses"] == 2, "clear_weight_cache() left the expert entries"
 
 
-def test_trainer_caches_expert_weights_only_with_accumulation():
-    """``fp8kit train`` caches the expert weights with ``train.grad_accum > 1`` only (otherwise every step's optimizer
-    step would invalidate the cache and it would only hold memory); the library default is off."""
+def test_trainer_caches_weights_only_with_accumulation():
+    """``fp8kit train`` caches FP8 weights (blockwise linears and fused experts) with ``train.grad_accum > 1`` only
+    (otherwise every step's optimizer step invalidates the cache and it only holds memory); the library default is
+    off. One process, tiny-moe, blockwise: every FP8 linear and the experts' config carry the choice."""
     from fp8kit.config import load_config
-    from fp8kit.config.options import grouped_gemm_config
+    from fp8kit.config.options import options_from_config
+    from fp8kit.config.prepare_options import prepare_options
+    from fp8kit.fp8.linear import Float8BlockwiseLinear
+    from fp8kit.models.build import build_hf_config, build_model
+    from fp8kit.parallel.prepare import prepare_model
+    from fp8kit.selective.decide import decide
+    from fp8kit.selective.sites import find_sites
 
     assert GroupedGemmConfig().cache_weights is False
-    assert grouped_gemm_config(load_config(None, [])).cache_weights is False
-    assert grouped_gemm_config(load_config(None, ["train.grad_accum=4"])).cache_weights is True
+    for accum, want in ((1, False), (4, True)):
+        cfg = load_config(None, ["model.preset=tiny-moe", "data.vocab_size=1024", "train.mixed_precision=fp8",
+                                 "fp8.recipe=blockwise", "fp8.emulate=true", f"train.grad_accum={accum}"])
+        opts = prepare_options(cfg, fp8_now=True, emulate=True)
+        assert opts.cache_weights is want, (accum, opts.cache_weights)
+        model = build_model(cfg.model, cfg.data.vocab_size, device="cpu", dtype=torch.bfloat16, seed=0)
+        hf_cfg = build_hf_config(cfg.model, cfg.data.vocab_size)
+        decisions = decide(find_sites(model), options_from_config(cfg, hf_cfg, "cpu"))
+        done = prepare_model(model, decisions, opts, None, hf_cfg=hf_cfg)
+        linears = [m for m in model.modules() if isinstance(m, Float8BlockwiseLinear)]
+        assert linears and all(m.cache_weight is want for m in linears), (accum, [m.cache_weight for m in linears])
+        assert done.conversion.grouped.cache_weights is want

@@ -22,12 +22,8 @@ from fp8kit.selective.sites import find_sites
 def grouped_gemm_config(cfg: RunConfig):
     """How the run's FP8 MoE experts compute (``fp8kit.moe.grouped_mm.GroupedGemmConfig``): the recipe
     follows ``fp8.recipe`` (blockwise experts for ``blockwise``, rowwise grouped GEMMs otherwise), automatic
-    backend; the emulation on GPUs without an FP8 grouped GEMM only with ``fp8.emulate = true``; the expert
-    weights cached across micro-batches when ``train.grad_accum > 1`` (``prepare_model`` turns it off under
-    FSDP2, where the cache would hold unsharded copies)."""
-    from dataclasses import replace
-
-    return replace(grouped_for_fp8(cfg.fp8), cache_weights=cfg.train.grad_accum > 1)
+    backend; the emulation on GPUs without an FP8 grouped GEMM only with ``fp8.emulate = true``."""
+    return grouped_for_fp8(cfg.fp8)
 
 
 def grouped_for_fp8(fp8: FP8Config):

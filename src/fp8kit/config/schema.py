@@ -323,8 +323,8 @@ class DistributedConfig(ConfigModel):
         "scaling (fp8kit.comm.Fp8ReduceScatter: one all-to-all of FP8 payloads, summed in float32; a quarter "
         "of the bytes of FSDP2's float32 reduce-scatter, half of bf16's), in this format (e5m2: the gradient "
         "format of FP8-LM; e4m3: one more mantissa bit, less range). The auto-scale state is saved in "
-        "checkpoints. Pays where the link is slow (measured 2x faster than bf16 over sockets, about equal on "
-        "NVLink: docs/benchmarks.md); needs torch >= 2.9. No effect (a warning) without FSDP2; not with "
+        "checkpoints. Pays where the link is slow (the FP8 all-reduce measured 1.4-2x faster than bf16 over "
+        "sockets, 1.0-1.6x the bf16 time on NVLink: docs/benchmarks.md); needs torch >= 2.9. No effect (a warning) without FSDP2; not with "
         "dp_replicate > 1 (HSDP).",
     )
     meta_init: bool | None = Field(

@@ -75,7 +75,7 @@ class GroupedGemmConfig:
             default: it only pays with ``train.grad_accum > 1`` and it keeps both FP8 copies of every layer's
             experts alive until the next step (2 bytes per expert weight element; under FSDP2 of the unsharded
             weights, which would undo the sharding). ``fp8kit train`` turns it on for ``grad_accum > 1`` without
-            FSDP2 (``config.options.grouped_gemm_config``, ``parallel.prepare``).
+            FSDP2 (``PrepareOptions.cache_weights``).
     """
 
     kernel: str = "auto"

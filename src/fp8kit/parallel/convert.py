@@ -45,9 +45,12 @@ class ConversionOptions:
         grouped: how FP8 MoE experts compute (grouped-GEMM kernel choice, emulation).
         delayed: the amax histories of the ``delayed`` recipe's modules (kept across precision switches and
             saved with checkpoints); None: created on first use with the default settings.
+        cache_weights: blockwise linears keep their FP8 weight across micro-batches
+            (``Float8BlockwiseLinear(cache_weight=...)``, ``fp8kit.fp8.weight_cache``); experts follow ``grouped``.
     """
 
     emulate: bool = False
+    cache_weights: bool = False
     fsdp_float8_all_gather: bool = False
     grouped: GroupedGemmConfig = field(default_factory=GroupedGemmConfig)
     delayed: DelayedScalingState = field(default_factory=DelayedScalingState)
@@ -134,7 +137,8 @@ def _swap_own(model: nn.Module, todo: set[str], recipe: str, options: Conversion
             if recipe == "delayed":
                 new = Float8DelayedLinear.from_linear(linear, options.delayed, plain_fqn(real))
             else:
-                new = Float8BlockwiseLinear.from_linear(linear, emulate=options.emulate, name=plain_fqn(real))
+                new = Float8BlockwiseLinear.from_linear(linear, emulate=options.emulate, name=plain_fqn(real),
+                                                        cache_weight=options.cache_weights)
         except ValueError as e:
             raise Fp8kitError(str(e)) from None
         setattr(parent, child, new)

@@ -65,6 +65,10 @@ class PrepareOptions:
         param_dtype: the parameters' dtype (FSDP2's mixed precision computes in bf16 either way).
         fp8_reduce_scatter: ``"off"``, or the FP8 format of FSDP2's gradient reduce-scatter
             (``fp8kit.comm.apply_fp8_reduce_scatter``; ``distributed.fp8_reduce_scatter``).
+        cache_weights: keep the FP8 copies of blockwise linears' and fused experts' weights across the
+            micro-batches of an optimizer step (``fp8kit.fp8.weight_cache``; ``fp8kit train``: with
+            ``train.grad_accum > 1``). Ignored under FSDP2, where the cache would hold unsharded copies of every
+            layer's weights until the next step.
     """
 
     fp8: bool = True
@@ -80,6 +84,7 @@ class PrepareOptions:
     ep_fp8_dispatch: bool = False
     param_dtype: torch.dtype = torch.bfloat16
     fp8_reduce_scatter: str = "off"
+    cache_weights: bool = False
 
 
 @dataclass
@@ -115,12 +120,14 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     dp_shard = mesh["dp_shard"].size() if mesh is not None else 1
     dp_replicate = mesh["dp_replicate"].size() if mesh is not None else 1
     fsdp = dp_shard > 1 or dp_replicate > 1
-    # the expert-weight cache would hold unsharded FP8 copies of every layer's experts under FSDP2
-    grouped = replace(options.grouped, cache_weights=False) if fsdp else options.grouped
+    # the weight cache would hold unsharded FP8 copies of every layer's weights under FSDP2
+    cache = options.cache_weights and not fsdp
+    grouped = replace(options.grouped, cache_weights=cache)
     conversion = ConversionOptions(
         emulate=options.emulate,
         fsdp_float8_all_gather=fp8_all_gather_choice(options.fp8_all_gather, options.recipe, fsdp),
         grouped=grouped,
+        cache_weights=cache,
         delayed=DelayedScalingState(options.delayed),
     )
     done = Prepared(conversion=conversion)
