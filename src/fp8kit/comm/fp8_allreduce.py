@@ -47,7 +47,7 @@ all-reduce (``ring_allreduce_bytes``). ``algorithm="auto"`` (the default) takes 
 bytes in one collective instead of two, whose latency dominates at small sizes, and one rounding instead of
 two) and scatter above (gather would send ``N/2`` times the bytes). Measured on 2 x H200 over NVLink
 (docs/benchmarks.md, "FP8 gradient all-reduce"): gather with delayed scaling (the defaults) 0.84-1.18x the bf16
-all-reduce's time at 32M-256M elements and 0.94-1.03x at 512M-1G; with current scaling 1.06-1.48x at 32M-256M,
+all-reduce's time at 32M-256M elements and 0.97-1.12x at 512M-1G; with current scaling 1.06-1.48x at 32M-256M,
 where the pre-transfer statistics and scalar all-reduce serialize ahead of the transfer.
 The casts are ``fp8kit.fp8.scaling.quantize``'s (multiply in float32, saturate, round to nearest even: no inf).
 
