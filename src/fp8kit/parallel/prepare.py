@@ -28,6 +28,8 @@ import torch
 from torch import nn
 
 from fp8kit.base.errors import ConfigError
+from fp8kit.comm import AutoScaleState, apply_fp8_reduce_scatter
+from fp8kit.comm.fsdp_reduce_scatter import fsdp_custom_reduce_scatter_support
 from fp8kit.fp8.delayed import DelayedScaling, DelayedScalingState
 from fp8kit.moe.grouped_mm import GroupedGemmConfig
 from fp8kit.parallel.convert import ConversionOptions, apply_fp8
@@ -199,9 +201,6 @@ def _fp8_reduce_scatter(model: nn.Module, fmt: str, done: Prepared, dp_shard: in
     if dp_shard == 1:
         done.notes.append(f"distributed.fp8_reduce_scatter = {fmt!r} has no effect: no FSDP2 (dp_shard = 1)")
         return
-    from fp8kit.comm import AutoScaleState, apply_fp8_reduce_scatter
-    from fp8kit.comm.fsdp_reduce_scatter import fsdp_custom_reduce_scatter_support
-
     ok, why = fsdp_custom_reduce_scatter_support()
     if not ok:
         raise ConfigError(f"distributed.fp8_reduce_scatter = {fmt!r}: {why}; upgrade torch or set it to 'off'")
