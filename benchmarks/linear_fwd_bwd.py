@@ -12,7 +12,10 @@ For every (M tokens, K in_features, N out_features) it times ``dx, dw = autograd
 - ``fp8kit_cached``: the same with the weight cache (the steady state of gradient accumulation: the
   weight is quantized once per optimizer step, not per micro-batch);
 - ``fp8kit_delayed``: :class:`fp8kit.fp8.delayed.Float8DelayedLinear` (per-tensor E4M3 / E5M2 scales from the amax
-  history, this step's amax recorded in the cast), ``torch.compile(dynamic=False)`` as ``fp8kit train`` runs it.
+  history, this step's amax recorded in the cast), ``torch.compile(dynamic=False)`` as ``fp8kit train`` runs it,
+  every cast through fp8kit's Triton cast-transpose kernel (``fp8.delayed_fused_cast = "all"``: one read per
+  operand writes both FP8 layouts and the amax);
+- ``fp8kit_delayed_none``: the same with every cast left to torch.compile (``delayed_fused_cast = "none"``).
 
 Host overhead is removed: each variant is captured in a CUDA graph after warm-up and the graph's replay
 is timed with ``triton.testing.do_bench`` (median, L2 flushed between replays); a variant that cannot be
@@ -45,15 +48,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from fp8kit.base.torchao_lib import torchao_float8  # noqa: E402
 from fp8kit.fp8.blockwise import padded_rows  # noqa: E402
 from fp8kit.fp8.delayed import Float8DelayedLinear  # noqa: E402
-from fp8kit.fp8.delayed_state import DelayedScalingState  # noqa: E402
+from fp8kit.fp8.delayed_state import DelayedScaling, DelayedScalingState  # noqa: E402
 from fp8kit.fp8.kernels import ops  # noqa: E402
+from fp8kit.fp8.kernels.cast_ops import cast_transpose  # noqa: E402
 from fp8kit.fp8.linear import Float8BlockwiseLinear  # noqa: E402
 
 MS = (4096, 8192, 16384)
 KN = ((4096, 6144), (4096, 4096), (4096, 14336), (14336, 4096), (2048, 2048), (2048, 8192))
 TARGETS = {(16384, 4096, 14336): 1.50, (8192, 4096, 4096): 1.25}
 HBM_TBPS = 3.35
-VARIANTS = ("bf16", "ao_tensorwise", "ao_rowwise", "ao_blockwise", "fp8kit", "fp8kit_cached", "fp8kit_delayed")
+VARIANTS = ("bf16", "ao_tensorwise", "ao_rowwise", "ao_blockwise", "fp8kit", "fp8kit_cached", "fp8kit_delayed",
+            "fp8kit_delayed_none")
 
 
 def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
@@ -73,8 +78,10 @@ def build(variant: str, base: nn.Linear) -> nn.Module:
         from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear as AOBlockwise
 
         return AOBlockwise.from_float(lin)
-    if variant == "fp8kit_delayed":  # per-tensor scales from the amax history; static shapes (dynamic=False)
-        return torch.compile(Float8DelayedLinear.from_linear(lin, DelayedScalingState(), "linear"), dynamic=False)
+    if variant.startswith("fp8kit_delayed"):  # per-tensor scales from the amax history; static shapes
+        fused = "none" if variant == "fp8kit_delayed_none" else "all"
+        state = DelayedScalingState(DelayedScaling(fused_cast=fused))
+        return torch.compile(Float8DelayedLinear.from_linear(lin, state, "linear"), dynamic=False)
     return Float8BlockwiseLinear.from_linear(lin, cache_weight=variant == "fp8kit_cached")
 
 
@@ -183,6 +190,10 @@ def quant_bandwidth(m: int, k: int) -> dict:
     w_bytes = 2 * m * k + 2 * m * k + 4 * (m // 128) * (k // 128) * 2
     t_w = graph_ms(lambda: ops.quantize_weight(w, cache=False))
     out.update(weight_ms=round(t_w, 4), weight_TBps=round(w_bytes / t_w / 1e9, 3), hbm_TBps=HBM_TBPS)
+    # the delayed recipe's per-tensor cast at a known scale: 2 bytes read + 2 written per element
+    scale = torch.tensor(3.0, device="cuda")
+    t_ct = graph_ms(lambda: cast_transpose(x, scale, torch.float8_e5m2))
+    out.update(cast_transpose_ms=round(t_ct, 4), cast_transpose_TBps=round(4 * m * k / t_ct / 1e9, 3))
     return out
 
 
@@ -215,7 +226,7 @@ def profile_breakdown(variant: str, m: int, k: int, n: int, iters: int = 5) -> d
 
     def category(name: str) -> str:
         low = name.lower()
-        if "quant" in low and "triton" in low or "quant_kernel" in low:
+        if "quant" in low and "triton" in low or "quant_kernel" in low or "cast_transpose" in low:
             return "quantization (Triton)"
         if any(s in low for s in ("gemm", "nvjet", "cutlass", "xmma", "sm90", "cublas")):
             return "GEMM (cuBLAS)"
@@ -232,6 +243,12 @@ def profile_breakdown(variant: str, m: int, k: int, n: int, iters: int = 5) -> d
     }
 
 
+def _cast_transpose_kernel():
+    from fp8kit.fp8.kernels import cast_transpose_triton
+
+    return cast_transpose_triton._cast_transpose_kernel
+
+
 def autotuned_configs() -> dict:
     """The configuration Triton's autotuner chose for fp8kit's kernels, per key."""
     try:
@@ -239,7 +256,8 @@ def autotuned_configs() -> dict:
     except ImportError:
         return {}
     return {name: {str(key): str(cfg) for key, cfg in getattr(kernel, "cache", {}).items()}
-            for name, kernel in (("act", bt._act_quant_kernel), ("weight", bt._weight_quant_kernel))}
+            for name, kernel in (("act", bt._act_quant_kernel), ("weight", bt._weight_quant_kernel),
+                                 ("cast_transpose", _cast_transpose_kernel()))}
 
 
 def main() -> None:
@@ -315,7 +333,8 @@ def main() -> None:
     for r in out["rows"]:
         key = (r["M"], r["K"], r["N"])
         if key in TARGETS:
-            print(f"  {key}: fp8kit {r['speedup'].get('fp8kit')}x (cached {r['speedup'].get('fp8kit_cached')}x) "
+            print(f"  {key}: fp8kit {r['speedup'].get('fp8kit')}x (cached {r['speedup'].get('fp8kit_cached')}x, "
+                  f"delayed {r['speedup'].get('fp8kit_delayed')}x, delayed_none {r['speedup'].get('fp8kit_delayed_none')}x) "
                   f"vs target {TARGETS[key]}x; ao_blockwise {r['speedup'].get('ao_blockwise')}x")
     below = [(r["M"], r["K"], r["N"]) for r in out["rows"]
              if r["ms"].get("fp8kit") and r["ms"].get("ao_blockwise") and r["ms"]["fp8kit"] > r["ms"]["ao_blockwise"]]
@@ -326,7 +345,8 @@ def main() -> None:
     print("\nquantization bandwidth (TB/s, H100 HBM ~3.35):")
     for q in out["quant_bandwidth"]:
         print(f"  {q['M']}x{q['K']}: act fused {q['act_ms']} ms = {q['act_TBps']} TB/s "
-              f"(torchao lhs+rhs {q['ao_lhs_plus_rhs_ms']} ms); weight {q['weight_ms']} ms = {q['weight_TBps']} TB/s")
+              f"(torchao lhs+rhs {q['ao_lhs_plus_rhs_ms']} ms); weight {q['weight_ms']} ms = {q['weight_TBps']} TB/s; "
+              f"delayed cast-transpose {q['cast_transpose_ms']} ms = {q['cast_transpose_TBps']} TB/s")
     for p in out["profiles"]:
         print(f"\nprofile {p['variant']} fwd+bwd {p['shape']}: {p['per_iter_ms']} total {p['total_ms']} ms "
               f"(GEMMs at {p['gemm_tflops_equiv']} TFLOP/s)")

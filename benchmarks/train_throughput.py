@@ -69,7 +69,11 @@ OPTIMIZERS = {
 def variant_sets(name: str, preset: str, gpu: str) -> list[str]:
     """bf16 | <recipe> (full FP8) | adaptive-<recipe> (selective FP8 with the shipped policy) | auto-<recipe>
     (``selective.selective_fp8 = "auto"``: each site shape measured at start-up, FP8 where it measured faster);
-    any of them with ``@<optimizer>`` (:data:`OPTIMIZERS`), e.g. ``tensorwise@fp8adamw``."""
+    any of them with ``@<optimizer>`` (:data:`OPTIMIZERS`), e.g. ``tensorwise@fp8adamw``, and with extra config
+    settings after ``+``, e.g. ``delayed+fp8.delayed_fused_cast=none``."""
+    if "+" in name:
+        base, *extra = name.split("+")
+        return variant_sets(base, preset, gpu) + extra
     if "@" in name:
         base, opt = name.split("@", 1)
         if opt not in OPTIMIZERS:

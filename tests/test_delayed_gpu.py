@@ -45,9 +45,9 @@ class _Block(nn.Module):
         return x + self.down(nn.functional.silu(self.gate(n)) * self.up(n))
 
 
-def _make():
+def _make(fused_cast: str = "all"):
     torch.manual_seed(0)
-    state = DelayedScalingState(DelayedScaling(amax_history_len=16))
+    state = DelayedScalingState(DelayedScaling(amax_history_len=16, fused_cast=fused_cast))
     return _Block(state).cuda().bfloat16(), state
 
 
@@ -111,11 +111,12 @@ def test_compiled_block_against_float64():
 
 
 def test_cast_is_fused_into_the_rmsnorm_kernel():
-    """Steady-state forward: one Triton kernel holds both the RMSNorm (rsqrt) and an E4M3 cast (the scale is
-    known before the cast, so inductor writes FP8 straight from the producer). Prints the kernel count."""
+    """Steady-state forward with the inputs' casts left to torch.compile (``delayed_fused_cast = "weight_grad"``):
+    one Triton kernel holds both the RMSNorm (rsqrt) and an E4M3 cast (the scale is known before the cast, so
+    inductor writes FP8 straight from the producer). Prints the kernel count."""
     from torch._inductor.utils import run_and_get_code
 
-    model, _ = _make()
+    model, _ = _make("weight_grad")
     compiled = torch.compile(model, fullgraph=True)
     x = torch.randn(4, 1024, 512, device="cuda").bfloat16().requires_grad_(True)
     compiled(x).sum().backward()  # step 0: warm start; the next call compiles the steady-state graph

@@ -37,12 +37,18 @@ def conversion_options_for(fp8: FP8Config):
     """The ``parallel.convert.ConversionOptions`` of an ``fp8`` section for the library entry points
     (``convert_to_fp8``, ``prepare_for_trainer``): emulation, the experts' recipe and kernel, and the delayed
     recipe's history settings. (``fp8kit train`` builds its own in ``parallel/prepare.py``, adding FSDP2.)"""
-    from fp8kit.fp8.delayed import DelayedScaling
     from fp8kit.fp8.delayed_state import DelayedScalingState
     from fp8kit.parallel.convert import ConversionOptions
 
-    return ConversionOptions(emulate=fp8.emulate, grouped=grouped_for_fp8(fp8), delayed=DelayedScalingState(
-        DelayedScaling(fp8.amax_history_len, fp8.amax_compute_algo, fp8.margin)))
+    return ConversionOptions(emulate=fp8.emulate, grouped=grouped_for_fp8(fp8),
+                             delayed=DelayedScalingState(delayed_scaling_for(fp8)))
+
+
+def delayed_scaling_for(fp8: FP8Config):
+    """The ``fp8.delayed_state.DelayedScaling`` settings of an ``fp8`` section (the delayed recipe)."""
+    from fp8kit.fp8.delayed_state import DelayedScaling
+
+    return DelayedScaling(fp8.amax_history_len, fp8.amax_compute_algo, fp8.margin, fp8.delayed_fused_cast)
 
 
 def moe_topk(hf_cfg) -> int:

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from fp8kit.config.options import grouped_gemm_config
+from fp8kit.config.options import delayed_scaling_for, grouped_gemm_config
 from fp8kit.config.schema import RunConfig
-from fp8kit.fp8.delayed import DelayedScaling
 from fp8kit.parallel.prepare import PrepareOptions
 
 
@@ -30,7 +29,7 @@ def prepare_options(cfg: RunConfig, *, fp8_now: bool, emulate: bool) -> PrepareO
         emulate=emulate,
         fp8_all_gather=cfg.fp8.enable_fsdp_float8_all_gather,
         grouped=grouped_gemm_config(cfg),
-        delayed=DelayedScaling(cfg.fp8.amax_history_len, cfg.fp8.amax_compute_algo, cfg.fp8.margin),
+        delayed=delayed_scaling_for(cfg.fp8),
         activation_checkpointing=t.activation_checkpointing,
         compile=t.compile,
         sequence_parallel=d.sequence_parallel,

@@ -51,7 +51,7 @@ class FP8Config(ConfigModel):
         "(torchao Float8Linear; E4M3 forward, E5M2 gradients), blockwise (fp8kit's own: 1x128 activation "
         "and gradient blocks, 128x128 weight blocks, E4M3 throughout, DeepSeek-V3; layers whose dims are "
         "not multiples of 128 stay BF16) or delayed (fp8kit's own: Transformer Engine's delayed scaling "
-        "from an amax history, see amax_history_len; not yet fast: docs/benchmarks.md section 6).",
+        "from an amax history, see amax_history_len; speeds: docs/benchmarks.md section 6).",
     )
     include: list[str] = Field(
         default_factory=list,
@@ -97,6 +97,13 @@ class FP8Config(ConfigModel):
     )
     margin: int = Field(
         0, ge=0, description="recipe = delayed: scales are divided by 2 ** margin (headroom against growth).",
+    )
+    delayed_fused_cast: Literal["all", "weight_grad", "none"] = Field(
+        "all", description="recipe = delayed, on CUDA: which operands are cast by fp8kit's fused Triton "
+        "cast-transpose kernel (one read writes both FP8 layouts and this step's amax): all, weight_grad (weights "
+        "and output gradients; inputs are cast by torch.compile inside the kernel that produces them, e.g. "
+        "RMSNorm) or none (every cast left to torch.compile). Same bits either way; speeds: docs/benchmarks.md "
+        "section 6.",
     )
     stats_every: int = Field(
         0, ge=0,

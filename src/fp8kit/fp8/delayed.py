@@ -55,6 +55,7 @@ from fp8kit.fp8.delayed_state import (
     AMAX_ALGOS,
     E4M3,
     E5M2,
+    FUSED_CASTS,
     OPERANDS,
     DelayedEntry,
     DelayedScaling,
@@ -62,6 +63,7 @@ from fp8kit.fp8.delayed_state import (
     advance_,
     reduce_max,
 )
+from fp8kit.fp8.kernels.cast_ops import cast_transpose
 from fp8kit.fp8.linear import sharded_linear
 from fp8kit.fp8.scaling import DTYPE_MAX, scale_from_amax
 
@@ -104,6 +106,18 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def _cast_both(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, group, col_major: bool,
+               fused: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``(x8, x8 column-major or None, scale, amax)`` of ``x`` ``[M, K]``. With a known ``scale`` and ``fused``
+    one ``fp8kit::cast_transpose`` call (one read of ``x``, both layouts, the amax); otherwise :func:`_cast`
+    and a transposing copy (under ``torch.compile`` both join the kernel that produces ``x``)."""
+    if scale is not None and fused:
+        x8, x8t, amax = cast_transpose(x, scale, dtype, col_major)
+        return x8, x8t.t() if col_major else None, scale, amax
+    x8, scale, amax = _cast(x, scale, dtype, group)
+    return x8, _col_major(x8) if col_major else None, scale, amax
+
+
 class _DelayedLinearFn(torch.autograd.Function):
     """``y = x @ w.T`` in FP8. Inputs: ``x`` ``[M, K]``, ``weight`` ``[N, K]``, ``scales`` ``[3]`` float32 (None:
     dynamic, from the tensors themselves), and the entry to record this step in from the backward
@@ -111,26 +125,26 @@ class _DelayedLinearFn(torch.autograd.Function):
     ``y`` ``[M, N]`` in ``x``'s dtype."""
 
     @staticmethod
-    def forward(ctx, x, weight, scales, history, steps, uid, group):
+    def forward(ctx, x, weight, scales, history, steps, uid, group, fused):
         sx = sw = sg = None
         if scales is not None:
             sx, sw, sg = scales[0], scales[1], scales[2]
         # The warm-start (dynamic) scales of a recorded step are reduced over the group like the history's
         # amaxes; an unrecorded forward (evaluation) communicates nothing: not every rank may run it.
         warm = group if history is not None else None
-        x8, sx, ax = _cast(x, sx, E4M3, warm)
-        w8, sw, aw = _cast(weight, sw, E4M3, warm)
+        dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # x8 [M, K] for fprop and, for wgrad, x8 column-major; w8 [N, K] and, for dgrad, w8 column-major.
+        x8, x8_cm, sx, ax = _cast_both(x, sx, E4M3, warm, wgrad, "input" in fused)
+        w8, w8_cm, sw, aw = _cast_both(weight, sw, E4M3, warm, dgrad, "weight" in fused)
         # fprop: [M, K] @ [K, N] -> [M, N]
         y = torch._scaled_mm(x8, w8.t(), scale_a=sx.reciprocal(), scale_b=sw.reciprocal(), out_dtype=x.dtype)
-        # The layouts the backward's GEMMs take, made here: under torch.compile the cast kernel writes them
-        # from the same read of x / w (the row-major x8 dies after fprop; same memory saved).
-        dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        ctx.save_for_backward(_col_major(x8) if wgrad else None, _col_major(w8) if dgrad else None,
-                              sx, sw, sg, ax, aw)
+        # The layouts the backward's GEMMs take were made with the casts (the row-major x8 dies after fprop).
+        ctx.save_for_backward(x8_cm, w8_cm, sx, sw, sg, ax, aw)
         # The entry's tensors are state the backward writes, not saved values (autograd's version check
         # would refuse a second call's backward after the first one's write).
         ctx.entry = (history, steps, uid, group)
         ctx.dtypes = (x.dtype, weight.dtype)
+        ctx.fused = fused
         return y
 
     @staticmethod
@@ -138,17 +152,20 @@ class _DelayedLinearFn(torch.autograd.Function):
         x8_cm, w8_cm, sx, sw, sg, ax, aw = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
         history, steps, uid, group = ctx.entry
-        g8, sg, ag = _cast(dy, sg, E5M2, group if history is not None else None)
+        dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # g8 [M, N] for dgrad; g8.T [N, M] row-major for wgrad (its "column-major" copy, transposed).
+        g8, g8_cm, sg, ag = _cast_both(dy, sg, E5M2, group if history is not None else None, wgrad,
+                                       "grad_output" in ctx.fused)
         dx = dw = None
-        if ctx.needs_input_grad[0]:  # dgrad: [M, N] @ [N, K] -> [M, K]
+        if dgrad:  # dgrad: [M, N] @ [N, K] -> [M, K]
             dx = torch._scaled_mm(g8, w8_cm, scale_a=sg.reciprocal(), scale_b=sw.reciprocal(),
                                   out_dtype=x_dtype)
-        if ctx.needs_input_grad[1]:  # wgrad: [N, M] @ [M, K] -> [N, K]
-            dw = torch._scaled_mm(g8.t().contiguous(), x8_cm, scale_a=sg.reciprocal(),
+        if wgrad:  # wgrad: [N, M] @ [M, K] -> [N, K]
+            dw = torch._scaled_mm(g8_cm.t(), x8_cm, scale_a=sg.reciprocal(),
                                   scale_b=sx.reciprocal(), out_dtype=w_dtype)
         if history is not None:  # this training step's amaxes join the history (the next step's scales)
             advance_(history, steps, uid, torch.stack([ax, aw, ag]), group)
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 class Float8DelayedLinear(nn.Module):
@@ -207,7 +224,8 @@ class Float8DelayedLinear(nn.Module):
         record = self.training and torch.is_grad_enabled()
         n, k = weight.shape
         y = _DelayedLinearFn.apply(x.reshape(-1, k), weight, scales,
-                                   e.history if record else None, e.steps, e.uid, state.group)
+                                   e.history if record else None, e.steps, e.uid, state.group,
+                                   FUSED_CASTS[state.config.fused_cast])
         y = y.reshape(*x.shape[:-1], n)
         return y if bias is None else y + bias.to(y.dtype)
 

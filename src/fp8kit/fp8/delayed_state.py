@@ -45,19 +45,27 @@ E5M2 = torch.float8_e5m2
 OPERANDS = ("input", "weight", "grad_output")
 DTYPES = (E4M3, E4M3, E5M2)
 AMAX_ALGOS = ("max", "most_recent")
+#: Which operands' casts run fp8kit's fused cast-transpose kernel (``fp8kit::cast_transpose``: one read writes
+#: both FP8 layouts and records the amax) once the history gives a scale; the rest are plain tensor ops that
+#: ``torch.compile`` fuses into the kernel producing the operand. ``"weight_grad"``: weights and output
+#: gradients (no producer to fuse into: a parameter, a tensor entering the backward).
+FUSED_CASTS = {"all": OPERANDS, "weight_grad": ("weight", "grad_output"), "none": ()}
 
 
 @dataclass(frozen=True)
 class DelayedScaling:
-    """The delayed-scaling settings (``[fp8]`` ``amax_history_len``, ``amax_compute_algo``, ``margin``).
+    """The delayed-scaling settings (``[fp8]`` ``amax_history_len``, ``amax_compute_algo``, ``margin``,
+    ``delayed_fused_cast``: a key of :data:`FUSED_CASTS`).
 
     Raises:
-        ValueError: ``amax_history_len < 1``, an unknown ``amax_compute_algo`` or a negative ``margin``.
+        ValueError: ``amax_history_len < 1``, an unknown ``amax_compute_algo`` or ``fused_cast``, or a
+            negative ``margin``.
     """
 
     amax_history_len: int = 16
     amax_compute_algo: str = "max"
     margin: int = 0
+    fused_cast: str = "all"
 
     def __post_init__(self) -> None:
         if self.amax_history_len < 1:
@@ -66,6 +74,8 @@ class DelayedScaling:
             raise ValueError(f"fp8.amax_compute_algo: unknown {self.amax_compute_algo!r}; choose max or most_recent")
         if self.margin < 0:
             raise ValueError(f"fp8.margin must be >= 0, got {self.margin}")
+        if self.fused_cast not in FUSED_CASTS:
+            raise ValueError(f"fp8.delayed_fused_cast: unknown {self.fused_cast!r}; choose {', '.join(FUSED_CASTS)}")
 
 
 _UIDS = itertools.count()

@@ -1,0 +1,60 @@
+"""The Triton cast-transpose kernel (``fp8kit::cast_transpose`` on CUDA) equals the PyTorch reference of the
+same math bit for bit (marker ``gpu``; run on the H100: ``pytest -m gpu -s tests/test_cast_transpose_gpu.py``).
+
+The CPU twin (the reference path CI runs) is ``tests/test_cast_transpose.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8kit.fp8.kernels.cast_ops import cast_transpose, cast_transpose_reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+SHAPES = [(4096, 4096), (8192, 14336), (1000, 1001), (1, 4096), (4096, 1), (333, 96), (0, 64)]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float32])
+def test_kernel_equals_reference_bit_for_bit(shape, dtype, src):
+    g = torch.Generator(device="cuda").manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=g, device="cuda") * 3).to(src)
+    if x.numel():
+        x.view(-1)[:: max(1, x.numel() // 7)] *= 1e3  # saturating values at this scale (E4M3)
+    scale = torch.tensor(57.3, device="cuda")
+    for transpose in (True, False):
+        got = cast_transpose(x, scale, dtype, transpose)
+        ref = cast_transpose_reference(x, scale, dtype, transpose)
+        assert torch.equal(_bits(got[0]), _bits(ref[0])), f"q differs at {shape} {dtype}"
+        assert got[1].shape == ref[1].shape and torch.equal(_bits(got[1]), _bits(ref[1])), f"qt differs at {shape}"
+        assert torch.equal(got[2], ref[2]), f"amax {got[2].item()} != {ref[2].item()}"
+
+
+def test_strided_rows_and_nan():
+    x = torch.randn(512, 768, device="cuda").bfloat16()[:, :640]
+    scale = torch.tensor(0.5, device="cuda")
+    got, ref = cast_transpose(x, scale, torch.float8_e4m3fn), cast_transpose_reference(x, scale, torch.float8_e4m3fn, True)
+    assert all(torch.equal(_bits(a) if a.dtype != torch.float32 else a, _bits(b) if b.dtype != torch.float32 else b)
+               for a, b in zip(got, ref, strict=True))
+    x = x.contiguous()
+    x[100, 7] = float("nan")
+    assert torch.isnan(cast_transpose(x, scale, torch.float8_e4m3fn)[2]), "a NaN must reach the amax"
+
+
+def test_compiled_equals_eager():
+    x = torch.randn(2048, 1536, device="cuda").bfloat16()
+    scale = torch.tensor(11.0, device="cuda")
+    fn = torch.compile(lambda x, s: cast_transpose(x * 2, s, torch.float8_e5m2), fullgraph=True)
+    got, ref = fn(x, scale), cast_transpose(x * 2, scale, torch.float8_e5m2)
+    assert torch.equal(_bits(got[0]), _bits(ref[0])) and torch.equal(_bits(got[1]), _bits(ref[1]))
+    assert torch.equal(got[2], ref[2])
