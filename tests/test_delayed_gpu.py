@@ -110,13 +110,14 @@ def test_compiled_block_against_float64():
     assert db >= MIN_DB_VS_FLOAT64, f"{db:.1f} dB < {MIN_DB_VS_FLOAT64}"
 
 
-def test_cast_is_fused_into_the_rmsnorm_kernel():
-    """Steady-state forward with the inputs' casts left to torch.compile (``delayed_fused_cast = "weight_grad"``):
+@pytest.mark.parametrize("fused_cast", ["none", "weight_grad"])
+def test_cast_is_fused_into_the_rmsnorm_kernel(fused_cast):
+    """Steady-state forward with the inputs' casts left to torch.compile (``delayed_fused_cast`` none / weight_grad):
     one Triton kernel holds both the RMSNorm (rsqrt) and an E4M3 cast (the scale is known before the cast, so
     inductor writes FP8 straight from the producer). Prints the kernel count."""
     from torch._inductor.utils import run_and_get_code
 
-    model, _ = _make("weight_grad")
+    model, _ = _make(fused_cast)
     compiled = torch.compile(model, fullgraph=True)
     x = torch.randn(4, 1024, 512, device="cuda").bfloat16().requires_grad_(True)
     compiled(x).sum().backward()  # step 0: warm start; the next call compiles the steady-state graph
@@ -124,5 +125,8 @@ def test_cast_is_fused_into_the_rmsnorm_kernel():
     src = "\n".join(codes)
     kernels = src.split("@triton.jit")[1:]
     fused = [k for k in kernels if "rsqrt" in k and "float8e4nv" in k]
-    print(f"{len(kernels)} Triton kernels in the forward; {len(fused)} with RMSNorm + E4M3 cast")
+    print(f"{fused_cast}: {len(kernels)} Triton kernels in the forward; {len(fused)} with RMSNorm + E4M3 cast")
+    for k in kernels:
+        name = k.split("def ", 1)[1].split("(", 1)[0] if "def " in k else "?"
+        print(f"  {name}: rsqrt {'rsqrt' in k}, e4m3 {'float8e4nv' in k}")
     assert fused, "no kernel computes RMSNorm and writes E4M3: the cast was not fused into its producer"

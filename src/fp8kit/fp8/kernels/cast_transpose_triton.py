@@ -7,8 +7,8 @@ as ``torch.amax``). It is Transformer Engine's ``cast_transpose`` for a scale kn
 (delayed scaling: the scale comes from the amax history, so this step's amax is recorded in the same
 pass instead of a separate reduction before it).
 
-One program per ``BM x BN`` tile of ``x[M, N]``: it reads the tile once, writes ``q``'s tile row-major and
-its transpose into ``qt[N, M]`` (Triton stages the transposed store through shared memory so both stores
+One program per ``BM x BN`` tile of ``x[M, N]``: it reads the tile once, converts it once, writes ``q``'s tile
+row-major and the same bytes transposed into ``qt[N, M]`` (Triton stages the transposed store through shared memory so both stores
 are coalesced), and its tile amax into ``partial[program]``; the host reduces the partials with
 ``torch.amax`` (one small kernel). Bytes per element: 2 read (bf16) + 2 written (two FP8 copies).
 Autotuned over the tile shape and warps (key: ``M``, ``N``); every configuration computes the same bits.
@@ -30,6 +30,9 @@ _CONFIGS = [
 ]
 
 
+_TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
+
+
 @triton.jit
 def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
@@ -40,7 +43,7 @@ def _max_nan(a, b):
 def _cast_transpose_kernel(
     x_ptr, scale_ptr, q_ptr, qt_ptr, partial_ptr,
     M, N, stride_xm,
-    FP8_MAX: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    FP8_MAX: tl.constexpr, FP8: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -54,7 +57,9 @@ def _cast_transpose_kernel(
     scale = tl.load(scale_ptr)
     y = tl.minimum(tl.maximum(x * scale, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
                    propagate_nan=tl.PropagateNan.ALL)
-    q = y.to(q_ptr.dtype.element_ty)
+    # Convert once, then move bits: the transposed store of the FP8 values themselves may be lowered to a
+    # second conversion in the transposed layout (float32 inputs did round differently there on sm90).
+    q = y.to(FP8).to(tl.uint8, bitcast=True)
     tl.store(q_ptr + r64[:, None] * N + c64[None, :], q, mask=mask)
     if TRANSPOSE:
         tl.store(qt_ptr + c64[:, None] * M + r64[None, :], tl.trans(q), mask=tl.trans(mask))
@@ -80,6 +85,6 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     # The grid's tile counts depend on the autotuned BM / BN: the partials buffer is sized for the smallest tile.
     grid = lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]))  # noqa: E731
     partial = torch.full((triton.cdiv(m, 32) * triton.cdiv(n, 32),), 0.0, dtype=torch.float32, device=x.device)
-    _cast_transpose_kernel[grid](x, scale, q, qt, partial, m, n, x.stride(0),
-                                 FP8_MAX=DTYPE_MAX[dtype], TRANSPOSE=transpose)
+    _cast_transpose_kernel[grid](x, scale, q.view(torch.uint8), qt.view(torch.uint8), partial, m, n, x.stride(0),
+                                 FP8_MAX=DTYPE_MAX[dtype], FP8=_TL_FP8[dtype], TRANSPOSE=transpose)
     return q, qt, partial.amax()
