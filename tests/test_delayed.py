@@ -84,6 +84,19 @@ def test_max_vs_most_recent_margin_and_history_length():
     assert scales_after([8.0, 2.0, 1.0], amax_history_len=3) == pytest.approx(448 / 8)
 
 
+def test_scale_tensors_are_separate_aligned_tensors():
+    """The scales handed to ``torch._scaled_mm`` are three tensors of their own, not views of one ``[3]`` tensor:
+    cuBLASLt refuses a scale pointer 4 or 8 bytes into an allocation (CUBLAS_STATUS_NOT_SUPPORTED, seen on the
+    H100 when inductor computed a reciprocal in place in such a view)."""
+    layer, state = _layer()
+    layer(torch.randn(64, 256)).sum().backward()
+    parts = state.scale_tensors(state.entries["l"])
+    assert len(parts) == 3 and all(t.dim() == 0 and t.dtype == torch.float32 for t in parts)
+    assert [t.storage_offset() for t in parts] == [0, 0, 0], [t.storage_offset() for t in parts]
+    assert len({t.untyped_storage().data_ptr() for t in parts}) == 3, "the scales share one allocation"
+    assert torch.equal(torch.stack(parts), state.scales(state.entries["l"]))
+
+
 def test_state_dict_round_trip_and_length_mismatch():
     layer, state = _layer()
     for _ in range(3):

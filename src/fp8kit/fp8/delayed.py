@@ -119,16 +119,14 @@ def _cast_both(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, 
 
 
 class _DelayedLinearFn(torch.autograd.Function):
-    """``y = x @ w.T`` in FP8. Inputs: ``x`` ``[M, K]``, ``weight`` ``[N, K]``, ``scales`` ``[3]`` float32 (None:
-    dynamic, from the tensors themselves), and the entry to record this step in from the backward
+    """``y = x @ w.T`` in FP8. Inputs: ``x`` ``[M, K]``, ``weight`` ``[N, K]``, the scales ``sx``, ``sw``, ``sg``
+    (input, weight, output gradient: separate float32 ``[]`` tensors, ``DelayedScalingState.scale_tensors``;
+    None: dynamic, from the tensors themselves), and the entry to record this step in from the backward
     (``history`` ``[3, L]``, ``steps``, ``uid``, ``group``; ``history`` None: nothing recorded). Output
     ``y`` ``[M, N]`` in ``x``'s dtype."""
 
     @staticmethod
-    def forward(ctx, x, weight, scales, history, steps, uid, group, fused):
-        sx = sw = sg = None
-        if scales is not None:
-            sx, sw, sg = scales[0], scales[1], scales[2]
+    def forward(ctx, x, weight, sx, sw, sg, history, steps, uid, group, fused):
         # The warm-start (dynamic) scales of a recorded step are reduced over the group like the history's
         # amaxes; an unrecorded forward (evaluation) communicates nothing: not every rank may run it.
         warm = group if history is not None else None
@@ -165,7 +163,7 @@ class _DelayedLinearFn(torch.autograd.Function):
                                   scale_b=sx.reciprocal(), out_dtype=w_dtype)
         if history is not None:  # this training step's amaxes join the history (the next step's scales)
             advance_(history, steps, uid, torch.stack([ax, aw, ag]), group)
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None
 
 
 class Float8DelayedLinear(nn.Module):
@@ -220,10 +218,10 @@ class Float8DelayedLinear(nn.Module):
             state.place(e, x.device)
         # The forward only reads the history (None before the first recorded step: dynamic scales); a
         # training step's backward records it (fp8.delayed_state: why there).
-        scales = state.scales(e)
+        sx, sw, sg = state.scale_tensors(e) or (None, None, None)
         record = self.training and torch.is_grad_enabled()
         n, k = weight.shape
-        y = _DelayedLinearFn.apply(x.reshape(-1, k), weight, scales,
+        y = _DelayedLinearFn.apply(x.reshape(-1, k), weight, sx, sw, sg,
                                    e.history if record else None, e.steps, e.uid, state.group,
                                    FUSED_CASTS[state.config.fused_cast])
         y = y.reshape(*x.shape[:-1], n)

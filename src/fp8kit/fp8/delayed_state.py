@@ -179,13 +179,19 @@ class DelayedScalingState:
     def scales(self, e: DelayedEntry) -> torch.Tensor | None:
         """``[3]`` float32 scales (input, weight, output gradient) from ``e.history``, or None while it is
         empty (``scale = fp8_max / max(amax, eps) / 2 ** margin``, ``fp8.scaling.scale_from_amax``)."""
+        parts = self.scale_tensors(e)
+        return None if parts is None else torch.stack(parts)
+
+    def scale_tensors(self, e: DelayedEntry) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The three scales of :meth:`scales` as separate float32 ``[]`` tensors, or None while the history is
+        empty. Separate tensors, not views of one ``[3]`` tensor: a view at an offset of 4 or 8 bytes is no
+        16-byte-aligned scale pointer for cuBLASLt, and inductor may compute a scale's reciprocal in place
+        in such a view (``CUBLAS_STATUS_NOT_SUPPORTED`` from ``torch._scaled_mm``, seen on the H100)."""
         if not e.started:
             return None
         # "max": the zeros of steps not recorded yet never win (amax >= 0).
         amax = e.history.amax(dim=1) if self.config.amax_compute_algo == "max" else e.history[:, 0]
-        return torch.stack([
-            scale_from_amax(amax[i], DTYPES[i]) / (2.0 ** self.config.margin) for i in range(3)
-        ])
+        return tuple(scale_from_amax(amax[i], DTYPES[i]) / (2.0 ** self.config.margin) for i in range(3))
 
     def state_dict(self) -> dict:
         """Histories and step counts (CPU copies: the live history changes in place), for the training

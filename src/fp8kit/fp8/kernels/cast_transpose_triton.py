@@ -13,6 +13,11 @@ are coalesced), and its tile amax into ``partial[program]``; the host reduces th
 ``torch.amax`` (one small kernel). Bytes per element: 2 read (bf16) + 2 written (two FP8 copies).
 Autotuned over the tile shape and warps (key: ``M``, ``N``); every configuration computes the same bits.
 
+float32 inputs: the kernel writes ``q`` only and ``qt`` is ``q.t().contiguous()`` (one more 1-byte read and
+write per element). With Triton 3.6 on the H100, ``tl.trans`` of the FP8 tile of a float32 load stored wrong
+bytes into ``qt`` (a quarter to a third of them, every tile configuration; ``q`` exact; bf16 / fp16 exact),
+found by the bit-for-bit GPU test (``tests/test_cast_transpose_gpu.py``).
+
 Imported only on CUDA (triton is absent from CPU installs).
 """
 
@@ -85,6 +90,9 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     # The grid's tile counts depend on the autotuned BM / BN: the partials buffer is sized for the smallest tile.
     grid = lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]))  # noqa: E731
     partial = torch.full((triton.cdiv(m, 32) * triton.cdiv(n, 32),), 0.0, dtype=torch.float32, device=x.device)
+    in_kernel = transpose and x.dtype != torch.float32  # float32: see the module docstring
     _cast_transpose_kernel[grid](x, scale, q.view(torch.uint8), qt.view(torch.uint8), partial, m, n, x.stride(0),
-                                 FP8_MAX=DTYPE_MAX[dtype], FP8=_TL_FP8[dtype], TRANSPOSE=transpose)
+                                 FP8_MAX=DTYPE_MAX[dtype], FP8=_TL_FP8[dtype], TRANSPOSE=in_kernel)
+    if transpose and not in_kernel:
+        qt.copy_(q.t())
     return q, qt, partial.amax()
