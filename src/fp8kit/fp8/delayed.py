@@ -16,6 +16,9 @@ Numerics (Transformer Engine ``recipe.DelayedScaling``; Micikevicius et al. 2022
   cast and the amax are plain tensor ops in the block's graph, so inductor fuses them into the kernel
   that produces the tensor (RMSNorm, SwiGLU, the residual add). The first training step has no history
   and takes its scales from its own tensors (dynamic), as a warm start.
+  ``fp8.delayed_fused_cast`` can route casts through fp8kit's Triton cast-transpose op instead
+  (``fp8kit::cast_transpose``: one read, both FP8 layouts, the amax; same bits); it is faster on a lone linear
+  but not in a model, where it stops that fusion, so the default leaves every cast to ``torch.compile``.
 - The three GEMMs of ``y = x @ w.T`` through ``torch._scaled_mm`` (tensorwise): fprop ``x8 @ w8.T``
   (E4M3 x E4M3), dgrad ``dy8 @ w8`` (E5M2 x E4M3), wgrad ``dy8.T @ x8`` (E5M2 x E4M3). The FP8 copies
   ``x8`` and ``w8`` made in forward serve the backward, saved in the column-major layout its GEMMs take.

@@ -48,7 +48,8 @@ AMAX_ALGOS = ("max", "most_recent")
 #: Which operands' casts run fp8kit's fused cast-transpose kernel (``fp8kit::cast_transpose``: one read writes
 #: both FP8 layouts and records the amax) once the history gives a scale; the rest are plain tensor ops that
 #: ``torch.compile`` fuses into the kernel producing the operand. ``"weight_grad"``: weights and output
-#: gradients (no producer to fuse into: a parameter, a tensor entering the backward).
+#: gradients (no producer to fuse into: a parameter, a tensor entering the backward). The default is ``"none"``:
+#: on Llama-3-8B layers the opaque kernel cost more than it saved (docs/benchmarks.md section 6).
 FUSED_CASTS = {"all": OPERANDS, "weight_grad": ("weight", "grad_output"), "none": ()}
 
 
@@ -65,7 +66,7 @@ class DelayedScaling:
     amax_history_len: int = 16
     amax_compute_algo: str = "max"
     margin: int = 0
-    fused_cast: str = "all"
+    fused_cast: str = "none"
 
     def __post_init__(self) -> None:
         if self.amax_history_len < 1:
