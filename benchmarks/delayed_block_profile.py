@@ -88,6 +88,8 @@ def main() -> int:
                                generator=g, device=args.device)
         for _ in range(3):  # warm-up: the first-step graph, then the steady-state graph (delayed)
             step(model, tokens)
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         times = []
         for _ in range(args.iters):
             if args.device == "cuda":
@@ -101,7 +103,8 @@ def main() -> int:
                 step(model, tokens)
         row = {"ms_median": statistics.median(times) if times else None,
                "graph_breaks": sum(counters["graph_break"].values()),
-               "compilations": counters["stats"]["unique_graphs"]}
+               "compilations": counters["stats"]["unique_graphs"],
+               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None}
         if variant in args.profile.split(",") and args.device == "cuda":
             from torch.profiler import ProfilerActivity, profile
 

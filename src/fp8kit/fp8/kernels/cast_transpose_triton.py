@@ -87,12 +87,14 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     qt = torch.empty((n, m) if transpose else (0,), dtype=dtype, device=x.device)
     if m == 0 or n == 0:
         return q, qt, x.new_zeros((), dtype=torch.float32)
-    # The grid's tile counts depend on the autotuned BM / BN: the partials buffer is sized for the smallest tile.
+    # The grid's tile counts depend on the autotuned BM / BN: the partials buffer is sized for the smallest tile,
+    # left uninitialised, and only the launched grid's entries are reduced (no fill kernel).
     grid = lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]))  # noqa: E731
-    partial = torch.full((triton.cdiv(m, 32) * triton.cdiv(n, 32),), 0.0, dtype=torch.float32, device=x.device)
+    partial = torch.empty((triton.cdiv(m, 32) * triton.cdiv(n, 32),), dtype=torch.float32, device=x.device)
     in_kernel = transpose and x.dtype != torch.float32  # float32: see the module docstring
     _cast_transpose_kernel[grid](x, scale, q.view(torch.uint8), qt.view(torch.uint8), partial, m, n, x.stride(0),
                                  FP8_MAX=DTYPE_MAX[dtype], FP8=_TL_FP8[dtype], TRANSPOSE=in_kernel)
     if transpose and not in_kernel:
         qt.copy_(q.t())
-    return q, qt, partial.amax()
+    best = _cast_transpose_kernel.best_config.kwargs  # the configuration this launch ran (set by the autotuner)
+    return q, qt, partial[: triton.cdiv(m, best["BM"]) * triton.cdiv(n, best["BN"])].amax()
