@@ -103,9 +103,10 @@ class FP8Config(ConfigModel):
         "cast-transpose kernel (one read writes both FP8 layouts and this step's amax) instead of by torch.compile: "
         "none (default: torch.compile generates every cast and fuses the inputs' casts into the kernels producing "
         "them, e.g. RMSNorm and SwiGLU), weight_grad (weights and output gradients) or all. Same bits either way. "
-        "Measured on the H100: all is fastest on one linear (1.56x bf16 at 16384x4096x14336 vs 1.48x with none) "
-        "but slowest on Llama-3-8B layers (1.21x vs 1.26x, +3 GiB peak), where the kernel, opaque to inductor, "
-        "keeps the RMSNorm / SwiGLU output in bf16 before the cast (docs/benchmarks.md section 6).",
+        "Measured on the H100: all is fastest on one linear (1.64x bf16 at 16384x4096x14336 vs 1.53x with none) "
+        "but not on Llama-3-8B layers (1.14-1.26x vs 1.26x, +3.3 GiB peak), where the kernel, opaque to inductor, "
+        "reads a shared input once per module and stops inductor's fusion of the cast into RMSNorm / SwiGLU "
+        "(docs/benchmarks.md section 6).",
     )
     stats_every: int = Field(
         0, ge=0,
