@@ -52,12 +52,13 @@ VARIANTS = {
                        "optim.m_rounding=nearest"],
     "fp8adamw-v-e4m3": [*FULL_FP8, "fp8.recipe=tensorwise", "optim.name=fp8_adamw",
                         "optim.v=e4m3"],
+    "fp8adamw-block": [*FULL_FP8, "fp8.recipe=tensorwise", "optim.name=fp8_adamw", "optim.granularity=block"],
 }
 STUDIES = {
     "recipes": ["bf16", "tensorwise", "blockwise", "delayed"],
     "moe-tiny": ["bf16", "blockwise", "tensorwise"],
     "moe-qwen3": ["bf16", "blockwise", "tensorwise"],
-    "optimizers": ["adamw-fp32", "fp8adamw", "fp8adamw-paper", "fp8adamw-v-e4m3"],
+    "optimizers": ["adamw-fp32", "fp8adamw", "fp8adamw-paper", "fp8adamw-v-e4m3", "fp8adamw-block"],
 }
 #: The model of each study (``--set`` overrides); the others train ``llama-125m``.
 MODELS = {

@@ -36,6 +36,8 @@ from fp8kit.fp8.scaling import DTYPE_MAX, is_scaled, scale_from_amax
 from fp8kit.optim.numerics import HP_FIELDS, SR_FORMATS, StateSpec
 
 ROWS = 8  # blocks per program
+#: Warps per program of both passes (a launch setting: the results are the same bits for any value).
+NUM_WARPS = 4
 # the kernels read hp by position
 if HP_FIELDS != ("lr", "beta1", "beta2", "eps", "weight_decay", "step", "clip", "step_size", "inv_bc2", "salt"):
     raise RuntimeError(f"fp8kit.optim.triton_step: hp layout changed ({HP_FIELDS}); update _update/_round_stochastic")
@@ -218,6 +220,7 @@ def adamw_update_triton(
         W_SCALED=w_scaled, M_MAX=DTYPE_MAX.get(m.dtype, 1.0), V_MAX=DTYPE_MAX[v.dtype],
         W_MAX=DTYPE_MAX.get(master.dtype, 1.0), GRAD_TABLE=grad_table is not None, NUM_T=spec.num_tensors,
         M_SR=m_sr, M_MANT=mant, M_EMIN=emin, NOISE_DELTA=noise_delta is not None, enable_fp_fusion=False,
+        num_warps=NUM_WARPS,
     )
     ms = m_scale if m_scaled else hp  # hp: a placeholder for pointers a configuration never touches
     ws = master_scale if w_scaled else hp

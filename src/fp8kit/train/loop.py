@@ -215,6 +215,45 @@ def _save(setup: Setup, out_dir: Path, step: int, phase: str, saver: AsyncCheckp
     return ckpt.save_checkpoint(directory, setup.model, state).name
 
 
+def train_step(
+    setup: Setup, params: list[torch.Tensor], micro: list, scales: list[float] | None, *,
+    saver: AsyncCheckpointer | None = None, health: FP8HealthMonitor | None = None,
+) -> tuple[float, torch.Tensor, float, object]:
+    """One optimizer step over the micro-batches ``micro`` (module docstring): forward and backward of each,
+    gradient clipping, the optimizer and scheduler steps, ``zero_grad``, and the step's one host sync.
+
+    Args:
+        params: the parameters whose gradients are clipped.
+        scales: per-micro-batch loss weights of fine-tuning (:func:`_loss_scales`), None for pretraining.
+        saver: the asynchronous checkpointer, waited on before the weights change.
+        health: FP8 health statistics, collected from the first micro-batch.
+
+    Returns:
+        ``(loss, grad_norm, lr, probe)``: the step's mean loss (a float, averaged over data-parallel ranks),
+        the gradient norm (a tensor: reading it is a second sync), the learning rate the step used, and the
+        health probe (None off stats steps).
+    """
+    t, opt, sched = setup.cfg.train, setup.optimizer, setup.scheduler
+    loss_sum = torch.zeros((), device=setup.device)
+    probe = None
+    for i, batch in enumerate(micro):
+        loss = _loss(setup, batch)
+        (loss / t.grad_accum if scales is None else loss * scales[i]).backward()
+        loss_sum += loss.detach() if scales is None else loss.detach() * scales[i]
+        if i == 0 and health is not None:
+            probe = health.collect()  # FP8 health of the first micro-batch (None off stats steps)
+    if saver is not None:
+        saver.before_update()  # the last save's copy of the weights must be complete
+    grad_norm = clip_grad_norm(params, t.grad_clip, opt)
+    opt.step()
+    after_optimizer_step(setup.model, setup.prepared)  # FP8 all-gather: next step's weight scales
+    lr = sched.get_last_lr()[0]
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    loss_val = _dp_mean(setup, loss_sum / t.grad_accum if scales is None else loss_sum).item()
+    return loss_val, grad_norm, lr, probe
+
+
 def run_loop(
     setup: Setup, out_dir: Path, writer: MetricsWriter, console: Console, stop: StopSignals | None = None, *,
     guard: DivergenceGuard | None = None, health: FP8HealthMonitor | None = None,
@@ -226,7 +265,7 @@ def run_loop(
     the divergence guard and FP8 health stats (:func:`fp8kit.train.guard.run_training` passes them).
     """
     cfg, t = setup.cfg, setup.cfg.train
-    model, opt, sched = setup.model, setup.optimizer, setup.scheduler
+    model = setup.model
     params = [p for p in model.parameters() if p.requires_grad]
     dp, _ = _dp(setup)
     world = setup.dims.world_size if setup.dims else 1
@@ -256,25 +295,9 @@ def run_loop(
                 health.arm(step + 1)  # hooks armed on stats steps (fp8.stats_every)
             reset_peak_memory(setup.device)
             t0 = time.perf_counter()
-            loss_sum = torch.zeros((), device=setup.device)
             micro = [next_micro_batch(setup) for _ in range(t.grad_accum)]
             scales, supervised = _loss_scales(setup, micro)  # None: pretraining; SFT: token-weighted
-            probe = None
-            for i, batch in enumerate(micro):
-                loss = _loss(setup, batch)
-                (loss / t.grad_accum if scales is None else loss * scales[i]).backward()
-                loss_sum += loss.detach() if scales is None else loss.detach() * scales[i]
-                if i == 0 and health is not None:
-                    probe = health.collect()  # FP8 health of the first micro-batch (None off stats steps)
-            if saver is not None:
-                saver.before_update()  # the last save's copy of the weights must be complete
-            grad_norm = clip_grad_norm(params, t.grad_clip, opt)
-            opt.step()
-            after_optimizer_step(model, setup.prepared)  # FP8 all-gather: next step's weight scales
-            lr = sched.get_last_lr()[0]
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            loss_val = _dp_mean(setup, loss_sum / t.grad_accum if scales is None else loss_sum).item()
+            loss_val, grad_norm, lr, probe = train_step(setup, params, micro, scales, saver=saver, health=health)
             health_rows = probe.rows() if probe is not None else None  # read inside the step's time
             dt = time.perf_counter() - t0
             done = step + 1

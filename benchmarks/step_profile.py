@@ -1,0 +1,191 @@
+"""Where one whole ``fp8kit train`` step spends its time, and how long the GPU waits for the host (run on a GPU).
+
+Builds the run as ``fp8kit train`` does (``train.setup.build_setup``: model, FP8 conversion, compile,
+optimizer, data) and runs its step (``train.loop.train_step``: forward, backward, clipping, optimizer,
+the one host sync). After ``--warmup`` steps, ``--steps`` steps are timed on the host (each ends with the
+step's sync, so a step's wall time is what ``fp8kit train`` reports) and profiled with ``torch.profiler``.
+
+Per variant it reports, per step:
+
+- ``wall``: host time of the step (what tokens/s is computed from), median of ``--steps`` steps run without
+  the profiler, then the same number of profiled steps (their wall time is recorded too);
+- ``busy``: the union of the GPU's kernel / copy intervals inside the step (time the GPU was working);
+- ``idle = profiled wall - busy``: time the GPU waited (host launch overhead, syncs);
+- the kernel time by group: FP8 GEMMs, BF16 GEMMs, FP8 casts and amax (Triton kernels whose inductor
+  name holds ``scaled_mm`` / ``amax`` / ``to_copy...clamp`` and fp8kit's own cast kernels), other Triton
+  (norms, activations), attention, optimizer, other;
+- the top kernels.
+
+One process per variant (``--one``), so compile state and memory do not carry over. Variants are those of
+``benchmarks/train_throughput.py`` (``bf16``, a recipe, ``@optimizer``, ``+key=value``).
+
+    python benchmarks/step_profile.py --out /tmp/step_profile --variants bf16,tensorwise,delayed
+    python benchmarks/step_profile.py --workload llama-125m-seq1024 --variants bf16,delayed --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from train_throughput import COMMON, WORKLOADS, variant_sets  # noqa: E402
+
+GROUPS = ("fp8_gemm", "bf16_gemm", "fp8_cast", "triton_other", "attention", "optimizer", "other")
+
+
+def kernel_group(name: str) -> str:
+    """The group of a GPU kernel by its name (cuBLAS ``nvjet``: ``q`` in the tile tag marks FP8 operands)."""
+    n = name.lower()
+    if n.startswith("nvjet") or "gemm" in n or "cutlass" in n or "xmma" in n:
+        tag = n.split("_")[2] if n.startswith("nvjet") and n.count("_") > 2 else ""
+        return "fp8_gemm" if tag.startswith("q") or "f8" in n or "e4m3" in n else "bf16_gemm"
+    if "adam" in n or "multi_tensor" in n or "foreach" in n or "optim" in n or "_step_kernel" in n:
+        return "optimizer"
+    if "sdpa" in n or "flash" in n or "fmha" in n or "attention" in n:
+        return "attention"
+    if n.startswith("triton") or n.startswith("_"):
+        fp8 = "scaled_mm" in n or "amax" in n or "cast" in n or "quant" in n or "clamp" in n
+        return "fp8_cast" if fp8 else "triton_other"
+    return "other"
+
+
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of ``(start, end)`` intervals (microseconds)."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return total + (cur_e - cur_s if cur_e is not None else 0.0)
+
+
+def profile_one(sets: list[str], warmup: int, steps: int, top: int) -> dict:
+    """Build the run from ``sets`` and profile ``steps`` training steps after ``warmup`` (see module docstring)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from fp8kit.config import load_config
+    from fp8kit.train.loop import _loss_scales, next_micro_batch, train_step
+    from fp8kit.train.setup import build_setup
+
+    cfg = load_config(None, sets)
+    setup = build_setup(cfg)
+    setup.model.train()
+    params = [p for p in setup.model.parameters() if p.requires_grad]
+
+    def step() -> float:
+        micro = [next_micro_batch(setup) for _ in range(cfg.train.grad_accum)]
+        scales, _ = _loss_scales(setup, micro)
+        return train_step(setup, params, micro, scales)[0]
+
+    for _ in range(warmup):
+        step()
+    cuda = setup.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    clean = []  # the same steps without the profiler (its CUPTI callbacks add host time)
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        clean.append((time.perf_counter() - t0) * 1e3)
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    walls = []
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            walls.append((time.perf_counter() - t0) * 1e3)
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy_ms = union_us([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e3 / steps
+    groups = dict.fromkeys(GROUPS, 0.0)
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        us = e.time_range.end - e.time_range.start
+        groups[kernel_group(e.name)] += us / 1e3 / steps
+        row = by_name.setdefault(e.name, [0.0, 0])
+        row[0] += us / 1e3 / steps
+        row[1] += 1
+    wall = sorted(walls)[len(walls) // 2]
+    return {
+        "wall_ms_median": sorted(clean)[len(clean) // 2], "wall_ms_unprofiled": clean,
+        "wall_ms_profiled_median": wall, "wall_ms_profiled": walls, "busy_ms": busy_ms, "idle_ms": sum(walls) / steps - busy_ms,
+        "kernel_ms": {k: round(v, 3) for k, v in groups.items()},
+        "tokens_per_step": cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.data.seq_length,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "top": [{"ms": round(v[0], 3), "calls": v[1] // steps, "group": kernel_group(n), "name": n[:140]}
+                for n, v in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default="bf16,tensorwise,delayed")
+    ap.add_argument("--workload", default="llama3-8b-seq4096", choices=sorted(WORKLOADS))
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps (compilation, delayed-scaling warm start)")
+    ap.add_argument("--steps", type=int, default=3, help="profiled steps")
+    ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--gpu", default="h100", help="suffix of the shipped policy for adaptive variants")
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="extra config override")
+    ap.add_argument("--out", default="runs/step-profile")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: profile one variant in this process
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    wl = WORKLOADS[args.workload]
+    preset = next(s.split("=", 1)[1] for s in wl if s.startswith("model.preset="))
+    if args.one:
+        sets = [*COMMON, *wl, f"data.cache_dir={out / 'cache'}", *variant_sets(args.one, preset, args.gpu), *args.sets]
+        row = profile_one(sets, args.warmup, args.steps, args.top)
+        row.update(variant=args.one, sets=sets)
+        (out / f"{args.one}.json").write_text(json.dumps(row, indent=1))
+        return 0
+    rows = []
+    for v in filter(None, args.variants.split(",")):
+        cmd = [sys.executable, __file__, "--one", v, "--workload", args.workload, "--warmup", str(args.warmup),
+               "--steps", str(args.steps), "--top", str(args.top), "--gpu", args.gpu, "--out", str(out)]
+        for s in args.sets:
+            cmd += ["--set", s]
+        proc = subprocess.run(cmd, text=True, capture_output=True)
+        (out / f"{v}.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            print(f"{v}: failed\n{proc.stderr[-3000:]}", flush=True)
+            continue
+        rows.append(json.loads((out / f"{v}.json").read_text()))
+        r = rows[-1]
+        print(f"{v}: wall {r['wall_ms_median']:.1f} ms (profiled {r['wall_ms_profiled_median']:.1f}), "
+              f"GPU busy {r['busy_ms']:.1f}, idle {r['idle_ms']:.1f}", flush=True)
+        for k in r["top"][:args.top]:
+            print(f"   {k['ms']:8.3f} ms x{k['calls']:<4} {k['group']:12} {k['name']}")
+    import torch
+
+    versions = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                "date": time.strftime("%Y-%m-%d")}
+    base = next((r["wall_ms_median"] for r in rows if r["variant"] == "bf16"), None)
+    lines = [f"workload {args.workload}; {versions}", "",
+             "| variant | wall ms | vs bf16 | GPU busy ms | idle ms | " + " | ".join(GROUPS) + " | peak GiB |",
+             "|---" * (6 + len(GROUPS)) + "|"]
+    for r in rows:
+        ratio = f"{base / r['wall_ms_median']:.3f}x" if base else "-"
+        peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+        lines.append(f"| {r['variant']} | {r['wall_ms_median']:.1f} | {ratio} | {r['busy_ms']:.1f} | {r['idle_ms']:.1f} | "
+                     + " | ".join(f"{r['kernel_ms'][g]:.1f}" for g in GROUPS) + f" | {peak} |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    (out / "results.json").write_text(json.dumps({"versions": versions, "rows": rows}, indent=1))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
