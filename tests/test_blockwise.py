@@ -200,6 +200,40 @@ def test_three_d_input_frozen_weight_and_no_bias():
     assert dx.shape == x.shape and dx.dtype == torch.bfloat16 and torch.isfinite(dx.float()).all()
 
 
+def _saved_fp8_shapes(fn) -> list[tuple[int, ...]]:
+    """Shapes of the float8 tensors autograd saves while ``fn()`` runs its forward."""
+    shapes = []
+
+    def pack(t):
+        if t.dtype == FP8:
+            shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return shapes, out
+
+
+def test_weight_copy_recomputed_in_backward_gives_the_same_bits_and_saves_no_weight():
+    """keep_weight_copy=False (what prepare_model sets under FSDP2) quantizes the weight again in backward:
+    the same y, dx, dw, db bit for bit, and no FP8 ``w^T [K, N]`` copy held from forward to backward."""
+    m, k, n = 200, 256, 384
+    x0, w0, b0, dy = _real(m, k, seed=1), _real(n, k, scale=0.05, seed=2), _real(n, seed=3), _real(m, n, seed=4)
+    got = {}
+    for keep in (True, False):
+        x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+        shapes, y = _saved_fp8_shapes(
+            lambda: blockwise_linear(x, w, b, cache_weight=False, keep_weight_copy=keep))  # noqa: B023
+        y.backward(dy)
+        got[keep] = (shapes, y, x.grad, w.grad, b.grad)
+    (s_keep, *keep), (s_again, *again) = got[True], got[False]
+    for name, a, c in zip(("y", "dx", "dw", "db"), keep, again, strict=True):
+        assert torch.equal(a, c), f"{name} differs: max |diff| {(a.float() - c.float()).abs().max().item()}"
+    assert (k, n) in s_keep, f"kept copy expected among saved FP8 tensors {s_keep}"
+    assert (k, n) not in s_again, f"no FP8 w^T should be saved with keep_weight_copy=False, saved {s_again}"
+    assert Float8BlockwiseLinear(256, 128, keep_weight_copy=False).keep_weight_copy is False
+
+
 # ----------------------------------------------------------------------------- module conversion
 
 def test_from_linear_shares_parameters_and_state_dict_keys():

@@ -110,9 +110,13 @@ def test_linear_cublas_vs_emulation_and_float64(m, k, n):
     assert all(v >= MIN_DB for v in vs_64.values()), msg
 
 
-def test_compile_matches_eager_on_cuda():
+@pytest.mark.parametrize("cache_weight,keep_weight_copy", [(True, True), (False, True), (False, False)])
+def test_compile_matches_eager_on_cuda(cache_weight, keep_weight_copy):
+    """Compiled = eager bit for bit on every weight path: the cache (custom op), the triton_op weight cast of
+    the CUDA fast path, and its re-quantization in backward (keep_weight_copy=False, as under FSDP2)."""
     torch._dynamo.reset()
-    mod = Float8BlockwiseLinear(4096, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
+    mod = Float8BlockwiseLinear(4096, 2048, bias=False, device="cuda", dtype=torch.bfloat16,
+                                cache_weight=cache_weight, keep_weight_copy=keep_weight_copy)
     x = _real(4, 1000, 4096, seed=4).requires_grad_()
     dy = _real(4, 1000, 2048, seed=5)
     y = mod(x)
@@ -122,6 +126,28 @@ def test_compile_matches_eager_on_cuda():
     gc = torch.autograd.grad(yc, (x, mod.weight), dy)
     for name, a, b in zip(("output", "dgrad", "wgrad"), (y, *g), (yc, *gc), strict=True):
         assert torch.equal(a, b), f"compiled {name} differs from eager: max {(a - b).abs().max().item()}"
+
+
+def test_compiled_linear_runs_gemms_and_weight_casts_without_custom_op_calls():
+    """The CUDA fast path (``ops.load_cuda_kernels``): in a compiled block the GEMMs are ``F.scaled_mm`` and the
+    weight cast a ``triton_op``, launched from Inductor's code; only the activation casts remain custom-op calls
+    (kept for AOTAutograd's CSE of shared inputs). The profiler's CPU events name every custom-op call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch._dynamo.reset()
+    mod = Float8BlockwiseLinear(1024, 512, bias=False, device="cuda", dtype=torch.bfloat16, cache_weight=False)
+    assert ops.load_cuda_kernels(), "the Triton kernels did not load on this CUDA machine"
+    cm = torch.compile(mod, fullgraph=True)
+    x = _real(512, 1024, seed=7).requires_grad_()
+    cm(x).float().square().mean().backward()  # compile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        cm(x).float().square().mean().backward()
+    names = [e.name for e in prof.events()]
+    calls = {op: sum(n == op for n in names) for op in
+             ("fp8kit::blockwise_mm", "fp8kit::blockwise_quant_weight", "fp8kit::blockwise_quant_act")}
+    print(calls)
+    assert calls["fp8kit::blockwise_mm"] == 0 and calls["fp8kit::blockwise_quant_weight"] == 0, calls
+    assert calls["fp8kit::blockwise_quant_act"] == 2, calls  # x in forward, dy in backward
 
 
 def test_weight_cache_on_cuda():

@@ -31,7 +31,7 @@ from fp8kit.fp8.kernels import ops
 
 class _BlockwiseLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, cache_weight: bool, emulate: bool):
+    def forward(ctx, x, weight, bias, cache_weight: bool, emulate: bool, keep_weight_copy: bool):
         n, k = weight.shape
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k)
@@ -41,7 +41,11 @@ class _BlockwiseLinearFn(torch.autograd.Function):
         y = ops.blockwise_mm(xq, xs_t, wq, ws, BLOCK, x.dtype, emulate)[:m]
         if bias is not None:
             y = y + bias.to(y.dtype)
-        ctx.save_for_backward(xtq, xts, wtq, wts)
+        # The dgrad copy of the weight: kept from forward to backward (1 byte per weight element), or, when
+        # the weight is sharded between them (FSDP2), quantized again in backward from the re-gathered weight.
+        ctx.keep = keep_weight_copy or cache_weight  # a cached copy lives in the cache anyway
+        ctx.cache_weight = cache_weight
+        ctx.save_for_backward(xtq, xts, *((wtq, wts) if ctx.keep else (weight,)))
         ctx.shape = (lead, m, n, k)
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.emulate = emulate
@@ -49,24 +53,25 @@ class _BlockwiseLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        xtq, xts, wtq, wts = ctx.saved_tensors
+        xtq, xts, *w = ctx.saved_tensors
         lead, m, n, k = ctx.shape
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         dy2 = dy.reshape(-1, n)
         dyq, dys_t, dytq, dyts = ops.quantize_act(dy2)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
+            wtq, wts = w if ctx.keep else ops.quantize_weight(w[0], ctx.cache_weight)[2:]
             dx = ops.blockwise_mm(dyq, dys_t, wtq, wts, BLOCK, x_dtype, ctx.emulate)[:m].reshape(*lead, k)
         if ctx.needs_input_grad[1]:
             dw = ops.blockwise_mm(dytq, dyts, xtq, xts, 1, w_dtype, ctx.emulate)
         if ctx.needs_input_grad[2]:
             db = dy2.sum(dim=0, dtype=torch.float32).to(b_dtype)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 def blockwise_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-    cache_weight: bool = True, emulate: bool = False,
+    cache_weight: bool = True, emulate: bool = False, keep_weight_copy: bool = True,
 ) -> torch.Tensor:
     """``x @ weight^T + bias`` with the three GEMMs in blockwise FP8 (differentiable in all three inputs).
 
@@ -77,6 +82,9 @@ def blockwise_linear(
         cache_weight: reuse the quantized weight while the weight is unchanged
             (:mod:`fp8kit.fp8.kernels.ops`, "Weight cache").
         emulate: on CUDA, run the GEMMs in float32 on the dequantized operands (the CPU always does).
+        keep_weight_copy: keep the FP8 ``w^T`` copy of the forward for the backward's dgrad GEMM (1 byte per
+            weight element held in between; faster); False quantizes the weight again in the backward (what a
+            weight sharded between forward and backward, FSDP2, needs). Same bits either way.
 
     Returns:
         ``[..., N]`` tensor of ``x.dtype``.
@@ -91,7 +99,7 @@ def blockwise_linear(
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"blockwise_linear: input of shape {tuple(x.shape)} does not match weight "
                          f"{tuple(weight.shape)} (last dimension must be {weight.shape[1]})")
-    return _BlockwiseLinearFn.apply(x, weight, bias, cache_weight, emulate)
+    return _BlockwiseLinearFn.apply(x, weight, bias, cache_weight, emulate, keep_weight_copy)
 
 
 def sharded_linear(
@@ -167,6 +175,8 @@ class Float8BlockwiseLinear(nn.Module):
         cache_weight: quantize the weight once per weight version (see :mod:`fp8kit.fp8.kernels.ops`).
         emulate: run the GEMMs in float32 on dequantized operands on CUDA (for GPUs without blockwise
             FP8 GEMMs; the CPU always emulates).
+        keep_weight_copy: keep the forward's FP8 ``w^T`` copy for the backward (see :func:`blockwise_linear`;
+            ``prepare_model`` turns it off under FSDP2).
 
     Raises:
         ValueError: a feature count that is not a multiple of 128 (naming the shape).
@@ -174,7 +184,7 @@ class Float8BlockwiseLinear(nn.Module):
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = True, *, device=None, dtype=None,
-        cache_weight: bool = True, emulate: bool = False,
+        cache_weight: bool = True, emulate: bool = False, keep_weight_copy: bool = True,
     ) -> None:
         super().__init__()
         check_linear_shape(out_features, in_features, "Float8BlockwiseLinear")
@@ -182,6 +192,8 @@ class Float8BlockwiseLinear(nn.Module):
         self.out_features = out_features
         self.cache_weight = cache_weight
         self.emulate = emulate
+        self.keep_weight_copy = keep_weight_copy
+        ops.load_cuda_kernels()  # here, not in traced code: see fp8kit.fp8.kernels.ops
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
@@ -199,6 +211,7 @@ class Float8BlockwiseLinear(nn.Module):
     @classmethod
     def from_linear(
         cls, linear: nn.Linear, *, cache_weight: bool = True, emulate: bool = False, name: str | None = None,
+        keep_weight_copy: bool = True,
     ) -> Float8BlockwiseLinear:
         """A ``Float8BlockwiseLinear`` sharing ``linear``'s ``weight`` and ``bias`` Parameter objects.
 
@@ -214,7 +227,8 @@ class Float8BlockwiseLinear(nn.Module):
         mod = cls.__new__(cls)
         nn.Module.__init__(mod)
         mod.in_features, mod.out_features = k, n
-        mod.cache_weight, mod.emulate = cache_weight, emulate
+        mod.cache_weight, mod.emulate, mod.keep_weight_copy = cache_weight, emulate, keep_weight_copy
+        ops.load_cuda_kernels()  # here, not in traced code: see fp8kit.fp8.kernels.ops
         mod.weight = linear.weight
         mod.bias = linear.bias
         mod.train(linear.training)
@@ -240,8 +254,9 @@ class Float8BlockwiseLinear(nn.Module):
 
     def _local_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``[..., k] x [n, k] (+ [n]) -> [..., n]`` on plain tensors (a whole weight or a TP shard)."""
-        return _BlockwiseLinearFn.apply(x, weight, bias, self.cache_weight, self.emulate)
+        return _BlockwiseLinearFn.apply(x, weight, bias, self.cache_weight, self.emulate, self.keep_weight_copy)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"recipe=blockwise, cache_weight={self.cache_weight}, emulate={self.emulate}")
+                f"recipe=blockwise, cache_weight={self.cache_weight}, emulate={self.emulate}, "
+                f"keep_weight_copy={self.keep_weight_copy}")

@@ -47,10 +47,14 @@ class ConversionOptions:
             saved with checkpoints); None: created on first use with the default settings.
         cache_weights: blockwise linears keep their FP8 weight across micro-batches
             (``Float8BlockwiseLinear(cache_weight=...)``, ``fp8kit.fp8.weight_cache``); experts follow ``grouped``.
+        keep_weight_copies: blockwise linears keep the forward's FP8 ``w^T`` copy for the backward
+            (``Float8BlockwiseLinear(keep_weight_copy=...)``); ``prepare_model`` turns it off under FSDP2, where it
+            would hold every layer's unsharded FP8 weight from its forward to its backward.
     """
 
     emulate: bool = False
     cache_weights: bool = False
+    keep_weight_copies: bool = True
     fsdp_float8_all_gather: bool = False
     grouped: GroupedGemmConfig = field(default_factory=GroupedGemmConfig)
     delayed: DelayedScalingState = field(default_factory=DelayedScalingState)
@@ -138,7 +142,8 @@ def _swap_own(model: nn.Module, todo: set[str], recipe: str, options: Conversion
                 new = Float8DelayedLinear.from_linear(linear, options.delayed, plain_fqn(real))
             else:
                 new = Float8BlockwiseLinear.from_linear(linear, emulate=options.emulate, name=plain_fqn(real),
-                                                        cache_weight=options.cache_weights)
+                                                        cache_weight=options.cache_weights,
+                                                        keep_weight_copy=options.keep_weight_copies)
         except ValueError as e:
             raise Fp8kitError(str(e)) from None
         setattr(parent, child, new)

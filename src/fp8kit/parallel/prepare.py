@@ -130,6 +130,7 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
         fsdp_float8_all_gather=fp8_all_gather_choice(options.fp8_all_gather, options.recipe, fsdp),
         grouped=grouped,
         cache_weights=cache,
+        keep_weight_copies=not fsdp,  # FSDP2 re-gathers the weight for the backward: quantize it again there
         delayed=DelayedScalingState(options.delayed),
     )
     done = Prepared(conversion=conversion)

@@ -139,6 +139,11 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return q, s_t, qt, st
 
 
+# The weight cast is a ``torch.library.triton_op`` launching through ``wrap_triton``: eagerly a plain launch;
+# under ``torch.compile`` Inductor sees the kernel and launches it from its generated code with no Python
+# custom-op call around it (the host time of those calls starved the GPU in the blockwise 8B step). The
+# activation cast is called from the ``fp8kit::blockwise_quant_act`` custom op (``kernels.ops`` says why).
+@torch.library.triton_op("fp8kit::blockwise_quant_weight_triton", mutates_args=())
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`fp8kit.fp8.blockwise.quantize_weight` (same outputs, bit for bit).
 
@@ -151,7 +156,7 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     wtq = torch.empty(k, n, dtype=FP8, device=w.device)
     ws = torch.empty(nb, round_up4(kb), dtype=torch.float32, device=w.device)
     wts = torch.empty(kb, round_up4(nb), dtype=torch.float32, device=w.device)
-    _weight_quant_kernel[(nb, kb)](
+    torch.library.wrap_triton(_weight_quant_kernel)[(nb, kb)](
         w, wq, ws, wtq, wts, n, k, w.stride(0), ws.stride(0), wts.stride(0),
         BLOCK_SIZE=BLOCK, EPS=AMAX_EPS, AMAX_MAX=F32_MAX, FP8_MAX=_FP8_MAX,
     )

@@ -11,6 +11,13 @@ them), which is what keeps compiled and eager results bit-identical.
 - ``fp8kit::blockwise_quant_weight_cached(w)`` -> the same, computed once per weight version (below).
 - ``fp8kit::blockwise_mm(a, a_scale_t, b, b_scale, b_block, out_dtype, emulate)`` -> ``a @ b^T``.
 
+The CUDA fast path (:func:`load_cuda_kernels`, on once a blockwise linear is built on a machine with CUDA):
+the weight cast is the ``torch.library.triton_op`` ``fp8kit::blockwise_quant_weight_triton``
+(:mod:`fp8kit.fp8.kernels.blockwise_triton`) and the GEMM is ``F.scaled_mm`` itself, so a compiled block
+launches them from Inductor's code with no Python call per op (as custom ops they cost ~15 ms of GPU idle time
+per Llama-3-8B x 8 step: docs/benchmarks.md section 6). The activation cast stays the custom op above (its
+calls on one shared input are merged under compile). Same kernels, same bits.
+
 Weight cache. The quantized weight depends only on the weight's values, which change once per
 optimizer step; ``blockwise_quant_weight_cached`` returns it from a :class:`fp8kit.fp8.weight_cache.WeightCache`
 (one cast per weight version and optimizer step; the rules, and what it cannot see, are in that module). The
@@ -211,6 +218,15 @@ def _(
     if emulate:
         return blockwise.blockwise_mm_emulated(a, a_scale_t, b, b_scale, b_block, out_dtype)
     _require_blockwise_gemm(a.device)
+    return _cublas_blockwise_mm(a, a_scale_t, b, b_scale, b_block, out_dtype)
+
+
+@torch.compiler.allow_in_graph
+def _cublas_blockwise_mm(a, a_scale_t, b, b_scale, b_block: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """cuBLAS ``a @ b^T`` with 1x128 scales on ``a`` and 128x128 (``b_block=128``) or 1x128 scales on ``b``.
+
+    ``allow_in_graph``: Dynamo of torch 2.11 cannot trace ``torch._scaled_mm_v2`` (``F.scaled_mm``'s builtin), so
+    the call enters the graph whole and AOTAutograd traces it to the ATen op (meta kernel in torch)."""
     f = torch.nn.functional
     recipe_b = f.ScalingType.BlockWise128x128 if b_block == BLOCK else f.ScalingType.BlockWise1x128
     return f.scaled_mm(
@@ -227,13 +243,53 @@ def _(
     return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
 
 
+# --------------------------------------------------------------------------- CUDA fast path
+
+#: The Triton kernel module once :func:`load_cuda_kernels` imported it (None before, and on machines without
+#: CUDA or triton). Its casts are ``torch.library.triton_op``s, which ``torch.compile`` launches from
+#: Inductor's code without a Python call per cast; the custom ops above remain for the CPU, for ``emulate``
+#: and for code that runs before the kernels are loaded (same bits either way).
+_CUDA_KERNELS = None
+
+
+def load_cuda_kernels() -> bool:
+    """Import the Triton kernels (and register their ``triton_op``s) when CUDA and triton are there; idempotent.
+
+    Called by :class:`fp8kit.fp8.linear.Float8BlockwiseLinear` at construction, outside any traced code
+    (importing a module is not traceable). Returns whether the fast path is on.
+    """
+    global _CUDA_KERNELS
+    if _CUDA_KERNELS is None and torch.cuda.is_available():
+        _CUDA_KERNELS = _triton_kernels()
+    return _CUDA_KERNELS is not None
+
+
+def _fast(t: torch.Tensor) -> bool:
+    return t.is_cuda and _CUDA_KERNELS is not None
+
+
+def _on_device(t: torch.Tensor, fn, *args):
+    """``fn(*args)`` with ``t``'s GPU current (eager Triton launches use the current device); under
+    ``torch.compile`` Inductor places the launch itself."""
+    if torch.compiler.is_compiling():
+        return fn(*args)
+    with torch.cuda.device(t.device):
+        return fn(*args)
+
+
 # --------------------------------------------------------------------------- public entry points
 
 def quantize_act(x: torch.Tensor) -> Quantized:
     """Both FP8 copies of an activation or output gradient ``x[M, K]``: ``(q, s_t, qt, st)``.
 
     Layouts and numerics: :func:`fp8kit.fp8.blockwise.quantize_act`. Triton on CUDA (one read of ``x``).
+
+    Raises:
+        ValueError: ``x`` is not 2-D with a last dimension divisible by 128.
     """
+    # The custom op, not the triton_op: AOTAutograd's CSE merges the casts of one input shared by several
+    # linears (q/k/v, gate/up) only for an opaque op; Triton kernel wrappers allocate their outputs and are
+    # never merged (measured: 112 instead of 88 activation casts per Llama-3-8B x 8 step, +2 ms).
     return torch.ops.fp8kit.blockwise_quant_act(x)
 
 
@@ -241,9 +297,15 @@ def quantize_weight(w: torch.Tensor, cache: bool = True) -> Quantized:
     """The 128x128 FP8 weight ``(wq, ws, wtq, wts)`` of ``w[N, K]``, from the cache when ``cache``.
 
     Layouts and numerics: :func:`fp8kit.fp8.blockwise.quantize_weight`.
+
+    Raises:
+        ValueError: ``w`` is not 2-D with both dimensions divisible by 128.
     """
     if cache:
         return torch.ops.fp8kit.blockwise_quant_weight_cached(w)
+    if _fast(w):
+        w = _prepare(w, "weight", "fp8kit::blockwise_quant_weight", True)
+        return _on_device(w, _CUDA_KERNELS.quantize_weight, w)
     return torch.ops.fp8kit.blockwise_quant_weight(w)
 
 
@@ -258,8 +320,17 @@ def blockwise_mm(
     ``[K/128, N]``). CUDA: cuBLAS via ``F.scaled_mm`` unless ``emulate``; elsewhere, and with
     ``emulate``: :func:`fp8kit.fp8.blockwise.blockwise_mm_emulated`.
 
+    On CUDA with the kernels loaded (:func:`load_cuda_kernels`) and not ``emulate``, ``F.scaled_mm`` is called
+    here directly, so ``torch.compile`` records the ATen GEMM itself (no custom-op call around it); the
+    capability check then runs eagerly only (a compiled graph was traced after an eager check or on a
+    device that passed it at conversion).
+
     Raises:
         CapabilityError: on a CUDA device without blockwise FP8 GEMMs (see :func:`blockwise_gemm_support`)
             and ``emulate`` false.
     """
+    if _fast(a) and not emulate:
+        if not torch.compiler.is_compiling():
+            _require_blockwise_gemm(a.device)
+        return _cublas_blockwise_mm(a, a_scale_t, b, b_scale, b_block, out_dtype)
     return torch.ops.fp8kit.blockwise_mm(a, a_scale_t, b, b_scale, b_block, out_dtype, emulate)
