@@ -44,7 +44,6 @@ class _BlockwiseLinearFn(torch.autograd.Function):
         # The dgrad copy of the weight: kept from forward to backward (1 byte per weight element), or, when
         # the weight is sharded between them (FSDP2), quantized again in backward from the re-gathered weight.
         ctx.keep = keep_weight_copy or cache_weight  # a cached copy lives in the cache anyway
-        ctx.cache_weight = cache_weight
         ctx.save_for_backward(xtq, xts, *((wtq, wts) if ctx.keep else (weight,)))
         ctx.shape = (lead, m, n, k)
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
@@ -60,7 +59,7 @@ class _BlockwiseLinearFn(torch.autograd.Function):
         dyq, dys_t, dytq, dyts = ops.quantize_act(dy2)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            wtq, wts = w if ctx.keep else ops.quantize_weight(w[0], ctx.cache_weight)[2:]
+            wtq, wts = w if ctx.keep else ops.quantize_weight(w[0], cache=False)[2:]
             dx = ops.blockwise_mm(dyq, dys_t, wtq, wts, BLOCK, x_dtype, ctx.emulate)[:m].reshape(*lead, k)
         if ctx.needs_input_grad[1]:
             dw = ops.blockwise_mm(dytq, dyts, xtq, xts, 1, w_dtype, ctx.emulate)

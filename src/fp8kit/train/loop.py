@@ -223,7 +223,9 @@ def train_step(
     gradient clipping, the optimizer and scheduler steps, ``zero_grad``, and the step's one host sync.
 
     Args:
+        setup: the prepared run (model, optimizer, scheduler, data, device).
         params: the parameters whose gradients are clipped.
+        micro: the step's ``train.grad_accum`` micro-batches (:func:`next_micro_batch`).
         scales: per-micro-batch loss weights of fine-tuning (:func:`_loss_scales`), None for pretraining.
         saver: the asynchronous checkpointer, waited on before the weights change.
         health: FP8 health statistics, collected from the first micro-batch.

@@ -246,9 +246,9 @@ def _(
 # --------------------------------------------------------------------------- CUDA fast path
 
 #: The Triton kernel module once :func:`load_cuda_kernels` imported it (None before, and on machines without
-#: CUDA or triton). Its casts are ``torch.library.triton_op``s, which ``torch.compile`` launches from
-#: Inductor's code without a Python call per cast; the custom ops above remain for the CPU, for ``emulate``
-#: and for code that runs before the kernels are loaded (same bits either way).
+#: CUDA or triton). Its weight cast is a ``torch.library.triton_op``, which ``torch.compile`` launches from
+#: Inductor's code without a Python call; the custom ops above remain for the activation cast, the CPU,
+#: ``emulate`` and code that runs before the kernels are loaded (same bits either way).
 _CUDA_KERNELS = None
 
 
