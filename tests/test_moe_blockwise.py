@@ -57,6 +57,33 @@ def test_blockwise_loop_fprop_dgrad_wgrad_vs_float64(dtype):
     assert out[last:].abs().max().item() == 0.0 and xx.grad[last:].abs().max().item() == 0.0
 
 
+def test_blockwise_loop_recomputes_weight_copies_with_the_same_bits_and_saves_none():
+    """keep_weight_copy=False (``prepare_model`` under FSDP2): the experts' FP8 ``w[e]^T`` are quantized again in
+    the backward instead of held from the forward: out, dx, dw identical bit for bit, and no FP8 tensor of a
+    weight's transposed shape ``(K, N)`` saved (the kept run saves one per expert with rows)."""
+    x, w, offs, g = _case(torch.bfloat16)
+    k, n = w.shape[2], w.shape[1]
+    runs = {}
+    for keep in (True, False):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        saved = []
+
+        def pack(t, saved=saved):
+            if t.dtype == torch.float8_e4m3fn:
+                saved.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fp8_grouped_mm(xx, ww, offs, "blockwise_loop", keep_weight_copy=keep)
+        out.backward(g)
+        runs[keep] = (saved, out, xx.grad, ww.grad)
+    for name, a, b in zip(("out", "dx", "dw"), runs[True][1:], runs[False][1:], strict=True):
+        assert torch.equal(a, b), f"{name}: max |diff| {(a.float() - b.float()).abs().max().item()}"
+    kept, again = runs[True][0].count((k, n)), runs[False][0].count((k, n))
+    assert kept == 4 and again == 0, f"FP8 (K, N) copies saved: kept {kept} (want 4), recomputed {again} (want 0)"
+    assert GroupedGemmConfig().keep_weight_copies is True
+
+
 def test_blockwise_beats_rowwise_on_outlier_blocks():
     """Outlier input channels 1e5x larger, confined to one 128-wide block of K (the engine issue's case; the
     weights of those channels scaled by 1e-5 so that both parts of the output matter): blockwise keeps the

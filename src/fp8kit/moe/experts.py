@@ -145,7 +145,8 @@ class Float8GroupedExperts(nn.Module):
         w = local_weight(getattr(self, name))
         if name in self.fp8_weights:
             return fp8_grouped_mm(x, w, offs, self.grouped_kernel(x.device), compile_quantize=self.config.compile_quantize,
-                                  emulate=self.config.emulate, bounds=bounds)
+                                  emulate=self.config.emulate, bounds=bounds,
+                                  keep_weight_copy=self.config.keep_weight_copies)
         return bf16_grouped_mm(x, w, offs)
 
     def _host_bounds(self, offs: torch.Tensor, device: torch.device) -> list[tuple[int, int]] | None:

@@ -23,7 +23,9 @@ Per GEMM (``y = x @ w[e]^T``; rows of expert e: ``x[a:b]``):
 - dgrad: ``dy[a:b]`` 1x128 along N, ``w[e]^T`` the same 128x128 blocks;
 - wgrad: ``dy[a:b]^T`` and ``x[a:b]^T`` 1x128 along the tokens (128x1 blocks of ``dy`` and ``x``).
 
-Saved for the backward: the FP8 ``x^T`` copies (1 byte per element) and the FP8 weights, not the bf16 input.
+Saved for the backward: the FP8 ``x^T`` copies (1 byte per element) and the FP8 ``w[e]^T`` copies, not the bf16
+input; with ``keep_weight_copy=False`` (what ``prepare_model`` sets under FSDP2, where those copies would be of the
+unsharded experts) the weights instead, quantized again per expert in the backward (same bits).
 On the CPU (and with ``emulate``) the same quantized operands are multiplied in float32
 (``fp8.blockwise.blockwise_mm_emulated``): CI tests these numerics.
 """
@@ -44,7 +46,7 @@ def group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
 
 class _BlockwiseLoopFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, bounds, emulate):
+    def forward(ctx, x, w, bounds, emulate, keep_weight_copy):
         p, _ = x.shape
         e, n, k = w.shape
         y = x.new_empty(p, n)
@@ -58,10 +60,10 @@ class _BlockwiseLoopFn(torch.autograd.Function):
             xq, xs_t, xtq, xts = ops.quantize_act(x[a:b])
             wq, ws, wtq, wts = ops.quantize_weight(w[i], False)
             y[a:b] = ops.blockwise_mm(xq, xs_t, wq, ws, BLOCK, x.dtype, emulate)[: b - a]
-            saved += [xtq, xts, wtq, wts]
+            saved += [xtq, xts, wtq, wts] if keep_weight_copy else [xtq, xts]
             live.append(i)
-        ctx.save_for_backward(*saved)
-        ctx.bounds, ctx.live, ctx.emulate = bounds, live, emulate
+        ctx.save_for_backward(*saved, *(() if keep_weight_copy else (w,)))
+        ctx.bounds, ctx.live, ctx.emulate, ctx.keep = bounds, live, emulate, keep_weight_copy
         ctx.meta = (p, e, n, k, x.dtype, w.dtype)
         return y
 
@@ -73,20 +75,22 @@ class _BlockwiseLoopFn(torch.autograd.Function):
         want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx = dy.new_zeros(p, k, dtype=x_dtype) if want_dx else None
         dw = torch.zeros(e, n, k, dtype=w_dtype, device=dy.device) if want_dw else None
+        per = 4 if ctx.keep else 2
         for j, i in enumerate(ctx.live):
             a, b = ctx.bounds[i]
-            xtq, xts, wtq, wts = saved[4 * j: 4 * j + 4]
+            xtq, xts, *wt = saved[per * j: per * j + per]
             dyq, dys_t, dytq, dyts = ops.quantize_act(dy[a:b])
             if want_dx:
+                wtq, wts = wt if ctx.keep else ops.quantize_weight(saved[-1][i], cache=False)[2:]
                 dx[a:b] = ops.blockwise_mm(dyq, dys_t, wtq, wts, BLOCK, x_dtype, ctx.emulate)[: b - a]
             if want_dw:
                 dw[i] = ops.blockwise_mm(dytq, dyts, xtq, xts, 1, w_dtype, ctx.emulate)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 def blockwise_loop_mm(
     x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, emulate: bool = False,
-    bounds: list[tuple[int, int]] | None = None,
+    bounds: list[tuple[int, int]] | None = None, keep_weight_copy: bool = True,
 ) -> torch.Tensor:
     """Differentiable blockwise FP8 grouped GEMM ``out[rows of group e] = x[rows] @ w[e]^T`` (module docstring).
 
@@ -97,6 +101,8 @@ def blockwise_loop_mm(
         emulate: on CUDA, multiply the quantized operands in float32 (the CPU always does).
         bounds: the groups' ``(start, end)`` rows if already on the host (:func:`group_bounds`), to share
             one device-to-host copy between the layer's GEMMs.
+        keep_weight_copy: keep each expert's FP8 ``w[e]^T`` from forward to backward (False: quantize it again
+            in the backward; see the module docstring).
 
     Returns:
         (P, N) in ``x.dtype``; rows past ``offs[-1]`` are zero.
@@ -113,4 +119,4 @@ def blockwise_loop_mm(
                          f"of {BLOCK} for blockwise FP8; keep these experts in BF16")
     if bounds is None:
         bounds = group_bounds(offs)
-    return _BlockwiseLoopFn.apply(x, w, bounds, emulate)
+    return _BlockwiseLoopFn.apply(x, w, bounds, emulate, keep_weight_copy)

@@ -76,6 +76,9 @@ class GroupedGemmConfig:
             experts alive until the next step (2 bytes per expert weight element; under FSDP2 of the unsharded
             weights, which would undo the sharding). ``fp8kit train`` turns it on for ``grad_accum > 1`` without
             FSDP2 (``PrepareOptions.cache_weights``).
+        keep_weight_copies: ``blockwise_loop`` keeps each expert's FP8 ``w^T`` from forward to backward; False
+            (``prepare_model`` under FSDP2) quantizes it again in the backward instead of holding FP8 copies of
+            the unsharded experts.
     """
 
     kernel: str = "auto"
@@ -83,6 +86,7 @@ class GroupedGemmConfig:
     emulate: bool = False
     recipe: str = "rowwise"
     cache_weights: bool = False
+    keep_weight_copies: bool = True
 
     @classmethod
     def for_fp8_recipe(cls, recipe: str, emulate: bool = False, kernel: str = "auto") -> GroupedGemmConfig:
@@ -304,7 +308,7 @@ def _check(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> None:
 
 def fp8_grouped_mm(
     x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, kernel: str, *, compile_quantize: bool = True,
-    emulate: bool = False, bounds: list[tuple[int, int]] | None = None,
+    emulate: bool = False, bounds: list[tuple[int, int]] | None = None, keep_weight_copy: bool = True,
 ) -> torch.Tensor:
     """Differentiable FP8 grouped GEMM ``out[rows of group e] = x[rows] @ w[e]^T``.
 
@@ -319,6 +323,8 @@ def fp8_grouped_mm(
         compile_quantize: compile the quantization functions (``scaled_grouped_mm`` only).
         emulate: ``blockwise_loop`` only: multiply in float32 on CUDA too.
         bounds: ``blockwise_loop`` only: the groups' host-side ``(start, end)`` rows, if already known.
+        keep_weight_copy: ``blockwise_loop`` only: keep the FP8 weight copies for the backward
+            (:attr:`GroupedGemmConfig.keep_weight_copies`).
 
     Returns:
         (P, N) in bf16 on CUDA (the kernel's output dtype), in ``x.dtype`` when emulated; rows past
@@ -340,7 +346,7 @@ def fp8_grouped_mm(
     if kernel == "fused":  # a single weight of a fused-kernel layer: the per-weight rowwise path
         return fp8_grouped_mm(x, w, offs, per_weight_kernel(x.device), compile_quantize=compile_quantize)
     if kernel == "blockwise_loop":
-        return blockwise_loop_mm(x, w, offs, emulate=emulate, bounds=bounds)
+        return blockwise_loop_mm(x, w, offs, emulate=emulate, bounds=bounds, keep_weight_copy=keep_weight_copy)
     raise ValueError(f"fp8_grouped_mm: kernel must be resolved first (scaled_grouped_mm, torchao, emulated, blockwise_loop), "
                      f"got {kernel!r}")
 

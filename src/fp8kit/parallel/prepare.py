@@ -124,13 +124,14 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     fsdp = dp_shard > 1 or dp_replicate > 1
     # the weight cache would hold unsharded FP8 copies of every layer's weights under FSDP2
     cache = options.cache_weights and not fsdp
-    grouped = replace(options.grouped, cache_weights=cache)
+    # FSDP2 re-gathers weights for the backward: blockwise linears and experts quantize them again there
+    grouped = replace(options.grouped, cache_weights=cache, keep_weight_copies=not fsdp)
     conversion = ConversionOptions(
         emulate=options.emulate,
         fsdp_float8_all_gather=fp8_all_gather_choice(options.fp8_all_gather, options.recipe, fsdp),
         grouped=grouped,
         cache_weights=cache,
-        keep_weight_copies=not fsdp,  # FSDP2 re-gathers the weight for the backward: quantize it again there
+        keep_weight_copies=not fsdp,
         delayed=DelayedScalingState(options.delayed),
     )
     done = Prepared(conversion=conversion)
