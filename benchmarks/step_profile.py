@@ -14,7 +14,9 @@ Per variant it reports, per step:
 - the kernel time by group: FP8 GEMMs, BF16 GEMMs, FP8 casts and amax (Triton kernels whose inductor
   name holds ``scaled_mm`` / ``amax`` / ``to_copy...clamp`` and fp8kit's own cast kernels), other Triton
   (norms, activations), attention, optimizer, other;
-- the top kernels.
+- the top kernels;
+- with ``--trace``: one more step recorded with host activity (a Chrome trace) and the GPU's idle gaps in it,
+  each with the host operators running when it began.
 
 One process per variant (``--one``), so compile state and memory do not carry over. Variants are those of
 ``benchmarks/train_throughput.py`` (``bf16``, a recipe, ``@optimizer``, ``+key=value``).
@@ -69,7 +71,7 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
     return total + (cur_e - cur_s if cur_e is not None else 0.0)
 
 
-def profile_one(sets: list[str], warmup: int, steps: int, top: int) -> dict:
+def profile_one(sets: list[str], warmup: int, steps: int, top: int, trace: Path | None = None) -> dict:
     """Build the run from ``sets`` and profile ``steps`` training steps after ``warmup`` (see module docstring)."""
     import torch
     from torch.autograd import DeviceType
@@ -107,6 +109,12 @@ def profile_one(sets: list[str], warmup: int, steps: int, top: int) -> dict:
             t0 = time.perf_counter()
             step()
             walls.append((time.perf_counter() - t0) * 1e3)
+    gaps = None
+    if trace is not None and cuda:  # one more step with the host side recorded: where the GPU waits
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as full:
+            step()
+        full.export_chrome_trace(str(trace))
+        gaps = idle_gaps(full.events(), DeviceType)
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     busy_ms = union_us([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e3 / steps
     groups = dict.fromkeys(GROUPS, 0.0)
@@ -126,7 +134,27 @@ def profile_one(sets: list[str], warmup: int, steps: int, top: int) -> dict:
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "top": [{"ms": round(v[0], 3), "calls": v[1] // steps, "group": kernel_group(n), "name": n[:140]}
                 for n, v in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]],
+        "idle_gaps": gaps,
     }
+
+
+def idle_gaps(events, device_type, min_us: float = 50.0, top: int = 15) -> dict:
+    """The GPU's idle gaps longer than ``min_us`` in one profiled step (CPU + CUDA activity), each with the
+    host operators that were running when it began: where the host kept the GPU waiting."""
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == device_type.CUDA)
+    host = [e for e in events if e.device_type == device_type.CPU]
+    gaps, end = [], None
+    for s, e in kernels:
+        if end is not None and s - end > min_us:
+            gaps.append((end, s))
+        end = e if end is None else max(end, e)
+    rows = []
+    for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:
+        running = sorted((h for h in host if h.time_range.start <= a <= h.time_range.end),
+                         key=lambda h: h.time_range.end - h.time_range.start)  # innermost first
+        ops = list(dict.fromkeys(h.name for h in running))
+        rows.append({"us": round(b - a, 1), "host_ops": ops[:12]})
+    return {"total_us": round(sum(b - a for a, b in gaps), 1), "count": len(gaps), "largest": rows}
 
 
 def main() -> int:
@@ -136,6 +164,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps (compilation, delayed-scaling warm start)")
     ap.add_argument("--steps", type=int, default=3, help="profiled steps")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--trace", action="store_true",
+                    help="also record one step with host activity: OUT/<variant>.trace.json and its GPU idle gaps")
     ap.add_argument("--gpu", default="h100", help="suffix of the shipped policy for adaptive variants")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="extra config override")
     ap.add_argument("--out", default="runs/step-profile")
@@ -147,7 +177,8 @@ def main() -> int:
     preset = next(s.split("=", 1)[1] for s in wl if s.startswith("model.preset="))
     if args.one:
         sets = [*COMMON, *wl, f"data.cache_dir={out / 'cache'}", *variant_sets(args.one, preset, args.gpu), *args.sets]
-        row = profile_one(sets, args.warmup, args.steps, args.top)
+        row = profile_one(sets, args.warmup, args.steps, args.top,
+                          out / f"{args.one}.trace.json" if args.trace else None)
         row.update(variant=args.one, sets=sets)
         (out / f"{args.one}.json").write_text(json.dumps(row, indent=1))
         return 0
@@ -155,6 +186,7 @@ def main() -> int:
     for v in filter(None, args.variants.split(",")):
         cmd = [sys.executable, __file__, "--one", v, "--workload", args.workload, "--warmup", str(args.warmup),
                "--steps", str(args.steps), "--top", str(args.top), "--gpu", args.gpu, "--out", str(out)]
+        cmd += ["--trace"] if args.trace else []
         for s in args.sets:
             cmd += ["--set", s]
         proc = subprocess.run(cmd, text=True, capture_output=True)
@@ -168,6 +200,11 @@ def main() -> int:
               f"GPU busy {r['busy_ms']:.1f}, idle {r['idle_ms']:.1f}", flush=True)
         for k in r["top"][:args.top]:
             print(f"   {k['ms']:8.3f} ms x{k['calls']:<4} {k['group']:12} {k['name']}")
+        if r.get("idle_gaps"):
+            g = r["idle_gaps"]
+            print(f"   idle gaps > 50 us in the traced step: {g['count']}, {g['total_us'] / 1e3:.2f} ms")
+            for row in g["largest"]:
+                print(f"     {row['us']:9.1f} us  host: {', '.join(row['host_ops'])[:200]}")
     import torch
 
     versions = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

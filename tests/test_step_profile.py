@@ -44,3 +44,20 @@ def test_union_counts_overlaps_once_and_gaps_not_at_all(sp):
 ])
 def test_kernel_groups(sp, name, group):
     assert sp.kernel_group(name) == group, f"{name} -> {sp.kernel_group(name)}, expected {group}"
+
+
+def test_idle_gaps_name_the_innermost_host_ops_running_when_the_gpu_waits(sp):
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    def ev(name, dev, a, b):
+        return NS(name=name, device_type=dev, time_range=NS(start=a, end=b))
+
+    events = [ev("k1", DeviceType.CUDA, 0, 100), ev("k2", DeviceType.CUDA, 120, 200),  # 20 us: below 50
+              ev("k3", DeviceType.CUDA, 500, 600),  # a 300 us gap from 200
+              ev("train_step", DeviceType.CPU, 0, 700), ev("opt.step", DeviceType.CPU, 150, 450),
+              ev("aten::item", DeviceType.CPU, 190, 210)]
+    got = sp.idle_gaps(events, DeviceType)
+    assert got["count"] == 1 and got["total_us"] == 300.0, got
+    assert got["largest"][0]["host_ops"] == ["aten::item", "opt.step", "train_step"], got
