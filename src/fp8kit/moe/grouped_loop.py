@@ -75,13 +75,16 @@ class _BlockwiseLoopFn(torch.autograd.Function):
         want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx = dy.new_zeros(p, k, dtype=x_dtype) if want_dx else None
         dw = torch.zeros(e, n, k, dtype=w_dtype, device=dy.device) if want_dw else None
-        per = 4 if ctx.keep else 2
+        per = 4 if ctx.keep else 2  # (xtq, xts, wtq, wts) per expert, or (xtq, xts) and the weights last
         for j, i in enumerate(ctx.live):
             a, b = ctx.bounds[i]
-            xtq, xts, *wt = saved[per * j: per * j + per]
+            xtq, xts, *w_copy = saved[per * j: per * j + per]
             dyq, dys_t, dytq, dyts = ops.quantize_act(dy[a:b])
             if want_dx:
-                wtq, wts = wt if ctx.keep else ops.quantize_weight(saved[-1][i], cache=False)[2:]
+                if ctx.keep:
+                    wtq, wts = w_copy
+                else:  # the weights were saved last
+                    wtq, wts = ops.quantize_weight(saved[-1][i], cache=False)[2:]
                 dx[a:b] = ops.blockwise_mm(dyq, dys_t, wtq, wts, BLOCK, x_dtype, ctx.emulate)[: b - a]
             if want_dw:
                 dw[i] = ops.blockwise_mm(dytq, dyts, xtq, xts, 1, w_dtype, ctx.emulate)

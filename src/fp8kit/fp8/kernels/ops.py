@@ -107,11 +107,11 @@ def _quantize(name: str, t: torch.Tensor, *, cuda: bool) -> Quantized:
     """Checked input -> the Triton kernel ``name`` on CUDA (when triton imports), else the reference."""
     what, op, rows_blocked, reference = _QUANTIZERS[name]
     t = _prepare(t, what, op, rows_blocked)
-    kernels = _triton_kernels() if cuda else None
+    # the loaded fast-path module first: no import in traced code (load_cuda_kernels)
+    kernels = (_CUDA_KERNELS or _triton_kernels()) if cuda else None
     if kernels is None:
         return reference(t)
-    with torch.cuda.device(t.device):
-        return getattr(kernels, name)(t)
+    return _on_device(t, getattr(kernels, name), t)
 
 
 def _quantize_act_ref(x: torch.Tensor) -> Quantized:
@@ -303,9 +303,8 @@ def quantize_weight(w: torch.Tensor, cache: bool = True) -> Quantized:
     """
     if cache:
         return torch.ops.fp8kit.blockwise_quant_weight_cached(w)
-    if _fast(w):
-        w = _prepare(w, "weight", "fp8kit::blockwise_quant_weight", True)
-        return _on_device(w, _CUDA_KERNELS.quantize_weight, w)
+    if _fast(w):  # the triton_op itself, no custom op around it
+        return _quantize_weight_cuda(w)
     return torch.ops.fp8kit.blockwise_quant_weight(w)
 
 
