@@ -45,6 +45,8 @@ VARIANTS = {
     "tensorwise": [*FULL_FP8, "fp8.recipe=tensorwise", *FP32_MASTER],
     "blockwise": [*FULL_FP8, "fp8.recipe=blockwise", *FP32_MASTER],
     "delayed": [*FULL_FP8, "fp8.recipe=delayed", *FP32_MASTER],
+    # study "moe-qwen3": the experts' wgrad GEMMs in FP8 (the default "auto" picks bf16 for 768-wide experts)
+    "tensorwise-gwfp8": [*FULL_FP8, "fp8.recipe=tensorwise", "fp8.grouped_wgrad=fp8", *FP32_MASTER],
     # study "optimizers": optimizer state precision, FP8 tensorwise matmuls everywhere
     "adamw-fp32": [*FULL_FP8, "fp8.recipe=tensorwise", *FP32_MASTER],
     "fp8adamw": [*FULL_FP8, "fp8.recipe=tensorwise", "optim.name=fp8_adamw"],
@@ -57,7 +59,7 @@ VARIANTS = {
 STUDIES = {
     "recipes": ["bf16", "tensorwise", "blockwise", "delayed"],
     "moe-tiny": ["bf16", "blockwise", "tensorwise"],
-    "moe-qwen3": ["bf16", "blockwise", "tensorwise"],
+    "moe-qwen3": ["bf16", "blockwise", "tensorwise", "tensorwise-gwfp8"],
     "optimizers": ["adamw-fp32", "fp8adamw", "fp8adamw-paper", "fp8adamw-v-e4m3", "fp8adamw-block"],
 }
 #: The model of each study (``--set`` overrides); the others train ``llama-125m``.

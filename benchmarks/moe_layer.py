@@ -14,6 +14,8 @@ All variants share the module code, the routing and the inputs; only the experts
   optimizer step);
 - ``rowwise-fused-accum``: the same with the expert-weight cache hit (the steady state of gradient accumulation:
   weights cast once per optimizer step, ``GroupedGemmConfig.cache_weights``);
+- ``rowwise-fused-gwbf16`` / ``-accum``: the fused path with its weight gradients a bf16 grouped GEMM
+  (``fp8.grouped_wgrad = "bf16"``: no per-(expert, column) casts of the wgrad operands);
 - ``blockwise-loop``: the blockwise recipe (1x128 / 128x128, DeepSeek-V3) as a loop of dense cuBLAS
   blockwise GEMMs over the experts (``moe/grouped_loop.py``; one device-to-host copy of the group sizes per
   layer, included in the time).
@@ -66,6 +68,9 @@ VARIANTS = {
     # cached weight would never be re-cast) and the cached steady state of gradient accumulation
     "rowwise-fused": GroupedGemmConfig(kernel="fused", cache_weights=False),
     "rowwise-fused-accum": GroupedGemmConfig(kernel="fused", cache_weights=True),
+    # fprop and dgrad in FP8, wgrad a bf16 grouped GEMM (no per-(expert, column) casts; fp8.grouped_wgrad = "bf16")
+    "rowwise-fused-gwbf16": GroupedGemmConfig(kernel="fused", cache_weights=False, wgrad="bf16"),
+    "rowwise-fused-gwbf16-accum": GroupedGemmConfig(kernel="fused", cache_weights=True, wgrad="bf16"),
     "blockwise-loop": GroupedGemmConfig(recipe="blockwise"),
 }
 
@@ -115,7 +120,9 @@ def profile_split(step) -> dict:
         name = ev.key.lower()
         if any(s in name for s in ("gemm", "cutlass", "sm90_xmma", "nvjet", "scaled_mm", "grouped_mm")):
             groups["gemm"] += us / 1e3
-        elif any(s in name for s in ("quant", "fp8", "float8", "scale", "amax", "triton", "gather_rows",
+        elif name.startswith("triton_"):  # Inductor's kernels: compiled routing, SwiGLU backward (not casts)
+            groups["other"] += us / 1e3
+        elif any(s in name for s in ("quant", "fp8", "float8", "scale", "amax", "gather_rows",
                                        "group_cols", "experts_cast", "swiglu")):
             groups["quantize"] += us / 1e3
         else:

@@ -68,7 +68,7 @@ def test_fused_kernel_in_the_experts_module_matches_the_per_weight_path():
     weights = torch.softmax(torch.randn(t, 2), dim=-1).to(torch.bfloat16)
     g = torch.randn(t, 128, dtype=torch.bfloat16)
     both = frozenset(("gate_up_proj", "down_proj"))
-    fused = Float8GroupedExperts(src, both, GroupedGemmConfig(kernel="fused"))
+    fused = Float8GroupedExperts(src, both, GroupedGemmConfig(kernel="fused", wgrad="fp8"))
     assert fused.fused_problem(torch.device("cpu")) is None
     got = _run(fused, hidden, idx, weights, g)
     fused.fp8_weights = both
@@ -187,3 +187,97 @@ def test_trainer_caches_weights_only_with_accumulation():
         linears = [m for m in model.modules() if isinstance(m, Float8BlockwiseLinear)]
         assert linears and all(m.cache_weight is want for m in linears), (accum, [m.cache_weight for m in linears])
         assert done.conversion.grouped.cache_weights is want
+
+
+@pytest.mark.parametrize("tokens", [1, 37, 200])
+def test_bf16_wgrad_matches_float64_reference_and_leaves_fprop_dgrad_alone(tokens):
+    """``wgrad="bf16"`` (fprop and dgrad in FP8, the weight gradients a bf16 grouped GEMM): output and dx equal the
+    all-FP8 fused path bit for bit (same casts, same GEMMs); dw_up / dw_down against float64 pass the layer's
+    floors and are no worse than the all-FP8 wgrad's (within 0.5 dB: their operands still carry the FP8 error
+    of fprop / dgrad); experts without tokens get exactly zero."""
+    e, hdim, inter = 8, 64, 48
+    torch.manual_seed(tokens)
+    for name, idx in _routings(tokens, e):
+        leaves, weights, g, ref_leaves, ref = layer_case(idx, e, hdim, inter)
+        d = routing.dispatch(idx, e)
+        runs = {}
+        for wgrad in ("fp8", "bf16"):
+            xs = [t.detach().clone().requires_grad_() for t in leaves]
+            y = fused_rowwise_experts(xs[0], xs[1], xs[2], d.gather_idx, d.pair_rows, d.offs,
+                                      emulated_scaled_grouped_mm, torch.bfloat16, wgrad=wgrad)
+            out = routing.combine(y, d, weights, torch.float32)
+            out.backward(g)
+            runs[wgrad] = (out.detach(), xs)
+        (out8, x8), (out16, x16) = runs["fp8"], runs["bf16"]
+        where = f"{name}, {tokens} tokens"
+        assert torch.equal(out8, out16), f"{where}: output differs by {(out8 - out16).abs().max().item()}"
+        assert torch.equal(x8[0].grad, x16[0].grad), f"{where}: dx differs"
+        check_layer(where + ", bf16 wgrad", idx, e, x16, ref_leaves, ref, out16)
+        used = torch.unique(idx)
+        for i, wname in ((1, "dw_up"), (2, "dw_down")):
+            db16 = sqnr(ref_leaves[i].grad[used], x16[i].grad[used].float())
+            db8 = sqnr(ref_leaves[i].grad[used], x8[i].grad[used].float())
+            assert db16 >= db8 - 0.5, f"{where}: {wname} bf16 wgrad {db16:.1f} dB < fp8 wgrad {db8:.1f} dB - 0.5"
+
+
+def test_wgrad_high_precision_is_the_per_expert_product():
+    """``wgrad_high_precision`` against a float64 loop over the groups (empty group included): >= 40 dB in bf16
+    (bf16 rounding of operands and result only) and >= 100 dB in float32; the empty expert gets exactly zero; rows
+    past the last group are never read (NaN there changes nothing)."""
+    from fp8kit.moe.fused_experts import wgrad_high_precision
+
+    torch.manual_seed(4)
+    offs = torch.tensor([16, 48, 48, 96], dtype=torch.int32)
+    g = torch.randn(112, 40)
+    x = torch.randn(112, 24)
+    g[96:] = float("nan")
+    starts = [0, 16, 48, 48]
+    ref = torch.stack([g[s:e].double().t() @ x[s:e].double() for s, e in zip(starts, offs.tolist(), strict=True)])
+    for dtype, floor in ((torch.bfloat16, 40.0), (torch.float32, 100.0)):
+        got = wgrad_high_precision(g.to(dtype), x.to(dtype), offs)
+        assert got.shape == (4, 40, 24) and got.dtype == dtype
+        db = sqnr(ref[[0, 1, 3]], got[[0, 1, 3]].double())
+        assert db >= floor, f"{dtype}: {db:.1f} dB < {floor}"
+        assert torch.equal(got[2], torch.zeros_like(got[2])), "the empty expert's gradient is not zero"
+
+
+def test_bf16_wgrad_config_is_checked_and_fallbacks_are_loud():
+    """``wgrad="auto"`` (the default) is bf16 below the measured width and fp8 from it; ``wgrad="bf16"``: ``auto``
+    resolves to the fused kernel (also on the CPU, with the emulated GEMMs); the
+    blockwise recipe and the per-weight kernels refuse it with a ConfigError naming the setting; a layer that
+    cannot take the fused path (one FP8 weight) warns that its weight gradients stay FP8; an unknown precision is
+    refused by ``fused_rowwise_experts``; ``fp8.grouped_wgrad`` reaches the experts' config."""
+    from fp8kit.base.errors import ConfigError
+    from fp8kit.config import load_config
+    from fp8kit.config.options import grouped_gemm_config
+    from fp8kit.moe.grouped_mm import WGRAD_BF16_BELOW_WIDTH, resolve_grouped_kernel, resolve_wgrad
+
+    cpu = torch.device("cpu")
+    assert GroupedGemmConfig().wgrad == "auto"
+    assert [resolve_wgrad("auto", w) for w in (768, WGRAD_BF16_BELOW_WIDTH - 1, WGRAD_BF16_BELOW_WIDTH, 2048)] == \
+        ["bf16", "bf16", "fp8", "fp8"]
+    assert resolve_wgrad("fp8", 64) == "fp8" and resolve_wgrad("bf16", 14336) == "bf16"
+    assert resolve_grouped_kernel(GroupedGemmConfig(wgrad="bf16"), cpu) == "fused"
+    assert resolve_grouped_kernel(GroupedGemmConfig(), cpu) == "emulated"  # auto: no bf16 demanded
+    assert resolve_grouped_kernel(GroupedGemmConfig(recipe="blockwise"), cpu) == "blockwise_loop"
+    for bad in (GroupedGemmConfig(recipe="blockwise", wgrad="bf16"), GroupedGemmConfig(kernel="torchao", wgrad="bf16"),
+                GroupedGemmConfig(wgrad="fp16")):
+        with pytest.raises(ConfigError, match="wgrad"):
+            resolve_grouped_kernel(bad, cpu)
+    cfg = load_config(None, ["model.preset=tiny-moe", "fp8.grouped_wgrad=bf16"])
+    assert grouped_gemm_config(cfg).wgrad == "bf16"
+    with pytest.raises(Exception, match="grouped_wgrad"):
+        load_config(None, ["model.preset=tiny-moe", "fp8.grouped_wgrad=e5m2"])
+
+    module = Float8GroupedExperts(_hf_experts(), frozenset(("down_proj",)), GroupedGemmConfig(wgrad="bf16"))
+    t = 32
+    hidden = torch.randn(t, 128, dtype=torch.bfloat16)
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(t)])
+    weights = torch.softmax(torch.randn(t, 2), dim=-1).to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="wgrad = 'bf16' asked for.*only \\['down_proj'\\] in FP8"):
+        module(hidden, idx, weights)
+    d = routing.dispatch(idx, 8)
+    w = module.gate_up_proj.detach()
+    with pytest.raises(ValueError, match="wgrad = 'fp16'"):
+        fused_rowwise_experts(hidden, w, module.down_proj.detach(), d.gather_idx, d.pair_rows, d.offs,
+                              emulated_scaled_grouped_mm, torch.bfloat16, wgrad="fp16")

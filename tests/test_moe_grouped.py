@@ -496,3 +496,31 @@ def test_gather_and_combine_backward_equal_autograd_indexing():
     assert torch.equal(rows.detach(), ref_rows.detach()) and torch.equal(out, ref_out)
     err = (hidden.grad - ref_hidden.grad).abs().max().item()
     assert err <= 1e-12, f"gather/combine gradient differs from autograd indexing by {err:.2e}"
+
+
+def test_combine_gradients_equal_plain_autograd_in_bf16():
+    """``routing.combine`` (its own gather-only backward) against autograd through ``weighted_sum`` of plain
+    indexing, bf16 rows and router weights that require grad: output, row gradients and router-weight gradients
+    bit for bit on the CPU (the same float32 products and sums, rounded once; on CUDA the compiled kernels may sum
+    in another order: ``tests/test_moe_fused_gpu.py``); rows that no pair uses (padding) get exactly zero."""
+    torch.manual_seed(1)
+    t, e, topk, hdim = 53, 8, 4, 64
+    idx = torch.stack([torch.randperm(e)[:topk] for _ in range(t)])
+    d = routing.dispatch(idx, e)
+    base = torch.randn(d.rows, hdim).to(torch.bfloat16)
+    wbase = torch.softmax(torch.randn(t, topk), dim=-1).to(torch.bfloat16)
+    g = torch.randn(t, hdim).to(torch.bfloat16)
+    rows, w = base.clone().requires_grad_(), wbase.clone().requires_grad_()
+    out = routing.combine(rows, d, w, torch.bfloat16)
+    out.backward(g)
+    ref_rows, ref_w = base.clone().requires_grad_(), wbase.clone().requires_grad_()
+    ref = routing.weighted_sum(ref_rows[d.pair_rows], ref_w, torch.bfloat16)
+    ref.backward(g)
+    assert torch.equal(out, ref), f"output differs by {(out.float() - ref.float()).abs().max().item()}"
+    assert torch.equal(rows.grad, ref_rows.grad), \
+        f"row gradients differ by {(rows.grad.float() - ref_rows.grad.float()).abs().max().item()}"
+    used = torch.zeros(d.rows, dtype=torch.bool)
+    used[d.pair_rows] = True
+    assert rows.grad[~used].abs().max().item() == 0.0, "padding rows got a gradient"
+    assert torch.equal(w.grad, ref_w.grad), \
+        f"router-weight gradients differ by {(w.grad.float() - ref_w.grad.float()).abs().max().item()}"

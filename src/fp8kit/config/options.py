@@ -30,7 +30,8 @@ def grouped_for_fp8(fp8: FP8Config):
     """:func:`grouped_gemm_config` from the ``fp8`` section alone (library entry points)."""
     from fp8kit.moe.grouped_mm import GroupedGemmConfig
 
-    return GroupedGemmConfig.for_fp8_recipe(fp8.recipe, emulate=fp8.emulate, kernel=fp8.grouped_kernel)
+    return GroupedGemmConfig.for_fp8_recipe(fp8.recipe, emulate=fp8.emulate, kernel=fp8.grouped_kernel,
+                                            wgrad=fp8.grouped_wgrad)
 
 
 def conversion_options_for(fp8: FP8Config):

@@ -87,6 +87,14 @@ class FP8Config(ConfigModel):
         "dispatch, the SwiGLU and the wgrad operands; moe/fused_experts.py) or scaled_grouped_mm (fp8kit's "
         "compiled casts, per weight; the reference). Speeds: docs/benchmarks.md section 4.",
     )
+    grouped_wgrad: Literal["auto", "fp8", "bf16"] = Field(
+        "auto",
+        description="MoE experts on the fused kernel: precision of the weight-gradient GEMMs. fp8 (all three "
+        "GEMMs in FP8), bf16 (fprop and dgrad in FP8, wgrad in bf16 without the per-(expert, column) casts of "
+        "its operands; torchao's rowwise_with_gw_hp) or auto (bf16 for experts narrower than 1024, e.g. "
+        "Qwen3-30B-A3B's 768: 1.18x vs 1.03x bf16 per layer on the H100; fp8 for wider ones, e.g. DeepSeek-V3, "
+        "Mixtral; docs/benchmarks.md section 4). bf16 is refused with recipe = blockwise or another grouped_kernel.",
+    )
     amax_history_len: int = Field(
         16, ge=1, description="recipe = delayed: steps of amax history per operand (Transformer Engine's "
         "DelayedScaling; 16 as LLaMA-Factory sets it).",

@@ -16,6 +16,8 @@ Anything else raises rather than computing something different.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -144,6 +146,8 @@ class Float8GroupedExperts(nn.Module):
                 bounds: list[tuple[int, int]] | None = None) -> torch.Tensor:
         w = local_weight(getattr(self, name))
         if name in self.fp8_weights:
+            if self.config.wgrad == "bf16" and not self.__dict__.get("_wgrad_warned"):
+                self._warn_wgrad_in_fp8(x.device)
             return fp8_grouped_mm(x, w, offs, self.grouped_kernel(x.device), compile_quantize=self.config.compile_quantize,
                                   emulate=self.config.emulate, bounds=bounds,
                                   keep_weight_copy=self.config.keep_weight_copies)
@@ -154,6 +158,16 @@ class Float8GroupedExperts(nn.Module):
         if self.fp8_weights and self.grouped_kernel(device) == "blockwise_loop":
             return group_bounds(offs)
         return None
+
+    @torch.compiler.disable
+    def _warn_wgrad_in_fp8(self, device: torch.device) -> None:
+        """Say once, loudly, that this layer computes its weight gradients in FP8 although ``wgrad`` asks for bf16
+        (only the fused whole-MLP path has a bf16 wgrad)."""
+        self.__dict__["_wgrad_warned"] = True
+        why = ("expert parallel runs the per-weight path" if self.ep_group is not None
+               else self.fused_problem(device) or "the per-weight path")
+        warnings.warn(f"FP8 MoE experts: wgrad = {self.config.wgrad!r} asked for, but this layer's weight gradients "
+                      f"run in FP8: {why}", stacklevel=3)
 
     def fused_problem(self, device: torch.device) -> str | None:
         """Why this layer cannot run the ``fused`` kernel's whole-MLP path (``moe/fused_experts.py``), or None."""
@@ -178,7 +192,7 @@ class Float8GroupedExperts(nn.Module):
             gemm, out_dtype = scaled_grouped_gemm(hidden_states.device)
             y = fused_rowwise_experts(hidden_states, local_weight(self.gate_up_proj), local_weight(self.down_proj),
                                       d.gather_idx, d.pair_rows, d.offs, gemm, out_dtype or hidden_states.dtype,
-                                      self.config.cache_weights)
+                                      self.config.cache_weights, self.config.wgrad)
             return routing.combine(y, d, top_k_weights, hidden_states.dtype)
         x = routing.gather(hidden_states, d)
         bounds = self._host_bounds(d.offs, x.device)

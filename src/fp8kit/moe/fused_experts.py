@@ -23,6 +23,12 @@ token gradient                ``dx[pair_rows]`` summed over the top-k (a gather)
 ============================  ===========================================================  ============
 
 The output gradient's rowwise casts (dgrad of both GEMMs) use ``gather_quantize_rows`` with the identity index.
+
+With ``wgrad="bf16"`` (torchao's ``rowwise_with_gw_hp`` recipe: fprop and dgrad in FP8, wgrad in high precision)
+both weight gradients are ``torch._grouped_mm`` on the bf16 operands instead: no per-(expert, column) casts of
+``dy, a, dh, x`` (the two ``quantize_group_cols_dual`` launches) for a bf16 wgrad GEMM, the tokens gathered once
+more in expert order for ``gate_up_proj``'s wgrad. Where the experts are small (Qwen3-30B-A3B: 768 wide) those casts
+cost more than the FP8 wgrad GEMM saves (``benchmarks/moe_layer.py``, docs/benchmarks.md section 4).
 The SwiGLU backward is :func:`swiglu_backward` (float32), compiled on CUDA.
 
 Numerics equal the unfused rowwise path (``moe/grouped_mm.fp8_grouped_mm`` with the ``scaled_grouped_mm`` /
@@ -41,31 +47,24 @@ from collections.abc import Callable
 
 import torch
 
+from fp8kit.base.cuda_compile import compiled_on_cuda
 from fp8kit.moe import rowwise_quant as rq
-from fp8kit.moe.routing import sum_token_rows
+from fp8kit.moe.grouped_mm import resolve_wgrad
+from fp8kit.moe.routing import gather_rows, sum_token_rows
 
 GemmFn = Callable[..., torch.Tensor]
 
-_COMPILED: dict[str, Callable] = {}
 
-
+@compiled_on_cuda
 def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
     """Gradient ``dh (P, 2I)`` of ``a = silu(gate) * up`` (``gate, up = h.chunk(2, -1)``) given ``da (P, I)``:
     ``dgate = da * up * s * (1 + g (1 - s))``, ``dup = da * silu(g)``, ``s = sigmoid(g)``, in float32, rounded
-    to ``h.dtype`` (the formula of ``token_quant.swiglu_backward``, without its 128-multiple requirement)."""
+    to ``h.dtype`` (the formula of ``token_quant.swiglu_backward``, without its 128-multiple requirement).
+    Compiled on CUDA (one fused kernel; ``base.cuda_compile``)."""
     gate, up = h.chunk(2, dim=-1)
     g, u, d = gate.float(), up.float(), da.float()
     s = torch.sigmoid(g)
     return torch.cat([d * u * s * (1.0 + g * (1.0 - s)), d * g * s], dim=1).to(h.dtype)
-
-
-def _swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
-    """:func:`swiglu_backward` compiled on CUDA (one fused kernel), eager elsewhere and under an outer compile."""
-    if not h.is_cuda or torch.compiler.is_compiling():
-        return swiglu_backward(h, da)
-    if "swiglu_bwd" not in _COMPILED:
-        _COMPILED["swiglu_bwd"] = torch.compile(swiglu_backward, dynamic=None)
-    return _COMPILED["swiglu_bwd"](h, da)
 
 
 def _rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +74,7 @@ def _rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class _FusedRowwiseMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, w_up, w_down, gather_idx, pair_rows, offs, gemm, out_dtype, cached):
+    def forward(ctx, hidden, w_up, w_down, gather_idx, pair_rows, offs, gemm, out_dtype, cached, wgrad_fp8):
         xq, xs = rq.gather_quantize_rows(hidden, gather_idx)
         if cached is None:
             up_f, up_fs, up_d, up_ds = rq.quantize_experts_dual(w_up)
@@ -86,7 +85,7 @@ class _FusedRowwiseMLP(torch.autograd.Function):
         a, aq, as_ = rq.swiglu_quantize_rows(h)
         y = gemm(aq, down_f, as_, down_fs, offs, out_dtype)
         ctx.save_for_backward(hidden, gather_idx, pair_rows, offs, h, a, up_d, up_ds, down_d, down_ds)
-        ctx.gemm, ctx.out_dtype = gemm, out_dtype
+        ctx.gemm, ctx.out_dtype, ctx.wgrad_fp8 = gemm, out_dtype, wgrad_fp8
         ctx.dtypes = (hidden.dtype, w_up.dtype, w_down.dtype)
         return y
 
@@ -99,23 +98,44 @@ class _FusedRowwiseMLP(torch.autograd.Function):
         # down_proj: dgrad and wgrad
         dyq, dys = _rows(dy)
         da = gemm(dyq, down_d, dys, down_ds, offs, out_dtype)
-        gt, gts, ac, acs = rq.quantize_group_cols_dual(dy, a, offs)
-        dw_down = gemm(gt, ac, gts, acs, offs, out_dtype)
+        if ctx.wgrad_fp8:
+            gt, gts, ac, acs = rq.quantize_group_cols_dual(dy, a, offs)
+            dw_down = gemm(gt, ac, gts, acs, offs, out_dtype)
+        else:
+            dw_down = wgrad_high_precision(dy, a, offs)
         # SwiGLU
-        dh = _swiglu_backward(h, da.to(h.dtype))
+        dh = swiglu_backward(h, da.to(h.dtype))
         # gate_up_proj: dgrad and wgrad (x read again through the dispatch index)
         dhq, dhs = _rows(dh)
         dx_rows = gemm(dhq, up_d, dhs, up_ds, offs, out_dtype)
-        ht, hts, xc, xcs = rq.quantize_group_cols_dual(dh, hidden, offs, index_x=gather_idx)
-        dw_up = gemm(ht, xc, hts, xcs, offs, out_dtype)
+        if ctx.wgrad_fp8:
+            ht, hts, xc, xcs = rq.quantize_group_cols_dual(dh, hidden, offs, index_x=gather_idx)
+            dw_up = gemm(ht, xc, hts, xcs, offs, out_dtype)
+        else:
+            dw_up = wgrad_high_precision(dh, gather_rows(hidden, gather_idx), offs)
         # tokens: the sum of each token's top-k rows (rows past the last group are never picked)
         dhidden = sum_token_rows(dx_rows, pair_rows, hidden.shape[0], x_dtype)
-        return dhidden, dw_up.to(up_dtype), dw_down.to(down_dtype), None, None, None, None, None, None
+        return dhidden, dw_up.to(up_dtype), dw_down.to(down_dtype), None, None, None, None, None, None, None
+
+
+def wgrad_high_precision(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Per-expert weight gradient ``dW[e] = g[rows of e]^T x[rows of e]`` in the operands' dtype (no FP8).
+
+    Args:
+        g: ``(P, N)`` output gradients in expert order; x: ``(P, K)`` the GEMM's inputs in the same order
+            (padding rows zero in at least one of them); offs: ``(E,)`` int32 cumulative group ends.
+
+    Returns:
+        ``(E, N, K)`` in ``g``'s dtype (``torch._grouped_mm`` with the groups along the reduction dimension;
+        empty experts get zeros). Rows past ``offs[-1]`` are not read.
+    """
+    return torch._grouped_mm(g.t(), x.to(g.dtype), offs=offs)
 
 
 def fused_rowwise_experts(
     hidden: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, gather_idx: torch.Tensor,
     pair_rows: torch.Tensor, offs: torch.Tensor, gemm: GemmFn, out_dtype: torch.dtype, cache_weights: bool = True,
+    wgrad: str = "auto",
 ) -> torch.Tensor:
     """The expert MLP of the dispatched tokens in rowwise FP8 with fused quantization (module docstring).
 
@@ -128,20 +148,25 @@ def fused_rowwise_experts(
         out_dtype: the GEMMs' output dtype (bf16 on CUDA).
         cache_weights: quantize each expert weight once per weight version and optimizer step, shared by the
             micro-batches of a gradient-accumulation step (:mod:`fp8kit.fp8.weight_cache`; the same bits).
+        wgrad: ``"fp8"`` (every GEMM in FP8), ``"bf16"`` (the weight gradients' GEMMs in the activations'
+            dtype, without their casts; module docstring) or ``"auto"`` (``grouped_mm.resolve_wgrad``: bf16 for
+            narrow experts).
 
     Returns:
         (P, H) expert outputs in expert order, in ``out_dtype`` (rows past ``offs[-1]`` undefined on CUDA);
         gradients flow to ``hidden``, ``w_up`` and ``w_down`` (in their dtypes).
 
     Raises:
-        ValueError: shapes that do not fit (from the quantization ops, naming the tensor).
+        ValueError: shapes that do not fit (from the quantization ops, naming the tensor), or an unknown ``wgrad``.
     """
+    wgrad = resolve_wgrad(wgrad, w_down.shape[-1])
     e, two_i, hdim = w_up.shape
     if w_down.shape != (e, hdim, two_i // 2) or hidden.shape[1] != hdim:
         raise ValueError(f"fused_rowwise_experts: hidden {tuple(hidden.shape)}, gate_up_proj {tuple(w_up.shape)} and "
                          f"down_proj {tuple(w_down.shape)} are not (T, H), (E, 2I, H), (E, H, I)")
     cached = _cached_weights(w_up, w_down) if cache_weights else None
-    return _FusedRowwiseMLP.apply(hidden, w_up, w_down, gather_idx, pair_rows, offs, gemm, out_dtype, cached)
+    return _FusedRowwiseMLP.apply(hidden, w_up, w_down, gather_idx, pair_rows, offs, gemm, out_dtype, cached,
+                                  wgrad == "fp8")
 
 
 @torch.compiler.disable

@@ -54,6 +54,14 @@ from fp8kit.moe.grouped_loop import blockwise_loop_mm
 GROUPED_KERNELS = ("auto", "scaled_grouped_mm", "torchao", "emulated", "blockwise_loop", "fused")
 #: Recipes of FP8 grouped experts: rowwise (torch._scaled_grouped_mm) or blockwise (moe/grouped_loop.py).
 GROUPED_RECIPES = ("rowwise", "blockwise")
+#: Precisions of the fused kernel's weight-gradient GEMMs (``GroupedGemmConfig.wgrad``; ``auto``: :func:`resolve_wgrad`).
+WGRAD_PRECISIONS = ("auto", "fp8", "bf16")
+#: ``auto`` runs the wgrad GEMMs in bf16 for experts narrower than this (the expert MLP's intermediate width).
+#: Measured on the H100 (``benchmarks/moe_layer.py``, docs/benchmarks.md section 4, 2026-11-25): at Qwen3-30B-A3B's
+#: 768-wide experts the FP8 grouped wgrad GEMM is no faster than bf16's (1.95 vs 1.96 ms) and its operands' casts
+#: cost 1.8 ms (layer 1.18x bf16 with a bf16 wgrad, 1.03x with FP8); at DeepSeek-V3's 2048 and Mixtral's 14336 the
+#: FP8 wgrad is 1-5% faster.
+WGRAD_BF16_BELOW_WIDTH = 1024
 ALIGN = 16  # rows per group alignment the FP8 grouped GEMM needs (wgrad groups along K)
 
 
@@ -79,6 +87,11 @@ class GroupedGemmConfig:
         keep_weight_copies: ``blockwise_loop`` keeps each expert's FP8 ``w^T`` from forward to backward; False
             (``prepare_model`` under FSDP2) quantizes it again in the backward instead of holding FP8 copies of
             the unsharded experts.
+        wgrad: precision of the weight-gradient GEMMs on the ``fused`` kernel: ``fp8`` (all three GEMMs of each
+            weight in FP8), ``bf16`` (fprop and dgrad in FP8, wgrad a bf16 ``torch._grouped_mm`` without the
+            per-(expert, column) casts of its operands; torchao's ``rowwise_with_gw_hp``) or ``auto`` (bf16 for
+            experts narrower than :data:`WGRAD_BF16_BELOW_WIDTH`, else fp8; :func:`resolve_wgrad`). Other kernels
+            run every GEMM in FP8 and refuse ``bf16``.
     """
 
     kernel: str = "auto"
@@ -87,15 +100,32 @@ class GroupedGemmConfig:
     recipe: str = "rowwise"
     cache_weights: bool = False
     keep_weight_copies: bool = True
+    wgrad: str = "auto"
 
     @classmethod
-    def for_fp8_recipe(cls, recipe: str, emulate: bool = False, kernel: str = "auto") -> GroupedGemmConfig:
-        """The experts' config for a run's ``fp8.recipe`` and ``fp8.grouped_kernel``: ``blockwise`` -> blockwise
-        experts (``blockwise_loop``, whatever ``kernel`` says), every other recipe -> rowwise grouped GEMMs
-        (Hopper's only grouped FP8 kernel has rowwise scales) on ``kernel``."""
+    def for_fp8_recipe(cls, recipe: str, emulate: bool = False, kernel: str = "auto",
+                       wgrad: str = "auto") -> GroupedGemmConfig:
+        """The experts' config for a run's ``fp8.recipe``, ``fp8.grouped_kernel`` and ``fp8.grouped_wgrad``:
+        ``blockwise`` -> blockwise experts (``blockwise_loop``, whatever ``kernel`` says; ``wgrad`` ``auto`` or
+        ``fp8``), every other recipe -> rowwise grouped GEMMs (Hopper's only grouped FP8 kernel has rowwise
+        scales) on ``kernel``."""
         if recipe == "blockwise":
-            return cls(emulate=emulate, recipe="blockwise")
-        return cls(kernel=kernel, emulate=emulate, recipe="rowwise")
+            return cls(emulate=emulate, recipe="blockwise", wgrad=wgrad)
+        return cls(kernel=kernel, emulate=emulate, recipe="rowwise", wgrad=wgrad)
+
+
+def resolve_wgrad(wgrad: str, expert_width: int) -> str:
+    """``fp8`` or ``bf16``: the precision of the fused experts' wgrad GEMMs for ``GroupedGemmConfig.wgrad`` and
+    the experts' intermediate width (``down_proj``'s K); ``auto`` -> ``bf16`` below :data:`WGRAD_BF16_BELOW_WIDTH`.
+
+    Raises:
+        ValueError: a precision not in :data:`WGRAD_PRECISIONS`.
+    """
+    if wgrad not in WGRAD_PRECISIONS:
+        raise ValueError(f"FP8 MoE experts: wgrad = {wgrad!r}; choose one of {', '.join(WGRAD_PRECISIONS)}")
+    if wgrad == "auto":
+        return "bf16" if expert_width < WGRAD_BF16_BELOW_WIDTH else "fp8"
+    return wgrad
 
 
 def grouped_fp8_support(device: torch.device) -> tuple[bool, str]:
@@ -128,6 +158,13 @@ def resolve_grouped_kernel(config: GroupedGemmConfig, device: torch.device) -> s
                           f"{', '.join(GROUPED_KERNELS)}")
     if config.recipe not in GROUPED_RECIPES:
         raise ConfigError(f"FP8 grouped GEMM: unknown recipe {config.recipe!r}; choose one of {', '.join(GROUPED_RECIPES)}")
+    if config.wgrad not in WGRAD_PRECISIONS:
+        raise ConfigError(f"FP8 grouped GEMM: unknown wgrad precision {config.wgrad!r}; choose one of "
+                          f"{', '.join(WGRAD_PRECISIONS)}")
+    if config.wgrad == "bf16" and (config.recipe == "blockwise" or config.kernel not in ("auto", "fused")):
+        raise ConfigError(f"FP8 grouped GEMM: wgrad = {config.wgrad!r} runs only on the fused kernel of the rowwise "
+                          f"experts (fp8.grouped_kernel = auto or fused, fp8.recipe not blockwise); this run has "
+                          f"kernel {config.kernel!r}, recipe {config.recipe!r}")
     if config.recipe == "blockwise" or config.kernel == "blockwise_loop":
         if config.kernel not in ("auto", "blockwise_loop") or config.recipe != "blockwise":
             raise ConfigError(f"FP8 grouped GEMM: kernel {config.kernel!r} does not run recipe {config.recipe!r} "
@@ -144,7 +181,9 @@ def resolve_grouped_kernel(config: GroupedGemmConfig, device: torch.device) -> s
             raise CapabilityError(f"FP8 grouped GEMM kernel 'fused': {reason}")
         return "fused"
     if config.kernel == "auto":
-        if ok:
+        if ok or config.wgrad == "bf16":  # only the fused kernel has a bf16 wgrad (CPU: with the emulated GEMMs)
+            if device.type == "cuda" and not ok and not config.emulate:
+                raise CapabilityError(f"FP8 MoE experts with wgrad = {config.wgrad!r} (fused kernel): {reason}")
             return "fused"
         if device.type == "cpu" or config.emulate:
             return "emulated"

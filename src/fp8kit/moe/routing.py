@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fp8kit.base.cuda_compile import compiled_on_cuda
 from fp8kit.moe.grouped_mm import ALIGN
 
 
@@ -106,7 +107,7 @@ class _GatherRows(torch.autograd.Function):
     def forward(ctx, hidden, gather_idx, pair_rows):
         ctx.save_for_backward(pair_rows)
         ctx.tokens = hidden.shape[0]
-        return torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])[gather_idx]
+        return gather_rows(hidden, gather_idx)
 
     @staticmethod
     def backward(ctx, grad_rows):
@@ -114,12 +115,52 @@ class _GatherRows(torch.autograd.Function):
         return sum_token_rows(grad_rows, pair_rows, ctx.tokens, grad_rows.dtype), None, None
 
 
+@compiled_on_cuda
+def gather_rows(hidden: torch.Tensor, gather_idx: torch.Tensor) -> torch.Tensor:
+    """``(T, H) -> (P, H)``: the tokens in expert order; index ``T`` (padding) reads a zero row. Not differentiable
+    by itself (:func:`gather` is). One kernel on CUDA (``base.cuda_compile``)."""
+    return torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])[gather_idx]
+
+
+@compiled_on_cuda
 def sum_token_rows(rows: torch.Tensor, pair_rows: torch.Tensor, tokens: int, dtype: torch.dtype) -> torch.Tensor:
     """(P, H) per-row values -> (T, H): each token's ``topk`` rows (``pair_rows``, pairs in token-major order)
-    summed in at least float32, cast to ``dtype``. The gradient of the dispatch gather, as a gather."""
+    summed in at least float32, cast to ``dtype``. The gradient of the dispatch gather, as a gather (one kernel on
+    CUDA)."""
     picked = rows[pair_rows].view(tokens, pair_rows.numel() // max(tokens, 1), rows.shape[1])
     acc = torch.promote_types(rows.dtype, torch.float32)
     return picked.sum(dim=1, dtype=acc).to(dtype)
+
+
+@compiled_on_cuda
+def combine_rows(rows: torch.Tensor, pair_rows: torch.Tensor, top_k_weights: torch.Tensor,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """Forward of :func:`combine`: ``out[t] = sum_k rows[pair_rows[t, k]] * w[t, k]`` in float32 (at least), cast
+    to ``out_dtype``; one gather-multiply-reduce kernel on CUDA, no (T, topk, H) float32 temporary."""
+    t, topk = top_k_weights.shape
+    return weighted_sum(rows[pair_rows].view(t * topk, rows.shape[1]), top_k_weights, out_dtype)
+
+
+@compiled_on_cuda
+def combine_rows_grad(grad: torch.Tensor, top_k_weights: torch.Tensor, row_pair: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """Gradient of :func:`combine` for its ``(P, H)`` rows: ``drows[r] = grad[t] * w[t, k]`` (float32 product, cast
+    to ``dtype``) for the row ``r`` of pair ``(t, k)``, zero for padding rows (``row_pair[r] = S``). A gather, not
+    autograd's zero-fill plus ``index_copy`` of a (S, H) float32 product."""
+    t, topk = top_k_weights.shape
+    g = torch.cat([grad, grad.new_zeros(1, grad.shape[1])])
+    w = torch.cat([top_k_weights.reshape(-1), top_k_weights.new_zeros(1)])
+    return (g[torch.div(row_pair, topk, rounding_mode="floor")].float() * w[row_pair].float()[:, None]).to(dtype)
+
+
+@compiled_on_cuda
+def combine_weights_grad(rows: torch.Tensor, pair_rows: torch.Tensor, grad: torch.Tensor,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """Gradient of :func:`combine` for the router weights: ``dw[t, k] = sum_h rows[pair_rows[t, k], h] *
+    grad[t, h]`` in float32, cast to ``dtype``; ``(T, topk)``."""
+    t = grad.shape[0]
+    picked = rows[pair_rows].view(t, pair_rows.numel() // max(t, 1), rows.shape[1])
+    return (picked.float() * grad.float()[:, None, :]).sum(dim=-1).to(dtype)
 
 
 class _PairRows(torch.autograd.Function):
@@ -139,6 +180,28 @@ class _PairRows(torch.autograd.Function):
         return out.index_copy_(0, pair_rows, grad_pairs), None
 
 
+class _Combine(torch.autograd.Function):
+    """:func:`combine` run eagerly: gather-only kernels in both directions (``combine_rows*``, compiled on CUDA)."""
+
+    @staticmethod
+    def forward(ctx, rows, pair_rows, top_k_weights, out_dtype):
+        ctx.save_for_backward(rows, pair_rows, top_k_weights)
+        return combine_rows(rows, pair_rows, top_k_weights, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, pair_rows, w = ctx.saved_tensors
+        drows = dw = None
+        if ctx.needs_input_grad[0]:
+            s = pair_rows.numel()
+            row_pair = torch.full((rows.shape[0],), s, dtype=torch.long, device=rows.device)
+            row_pair.scatter_(0, pair_rows, torch.arange(s, device=rows.device))
+            drows = combine_rows_grad(grad, w, row_pair, rows.dtype)
+        if ctx.needs_input_grad[2]:
+            dw = combine_weights_grad(rows, pair_rows, grad, w.dtype)
+        return drows, None, dw, None
+
+
 def gather(hidden: torch.Tensor, d: Dispatch) -> torch.Tensor:
     """(T, H) tokens -> (P, H) padded expert-sorted rows (padding rows are zeros). Differentiable; the gradient
     of a token is the float32 sum of its rows' gradients (``_GatherRows``)."""
@@ -146,9 +209,18 @@ def gather(hidden: torch.Tensor, d: Dispatch) -> torch.Tensor:
 
 
 def combine(rows: torch.Tensor, d: Dispatch, top_k_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """(P, H) expert outputs -> (T, H): each token's outputs weighted by its router weights and summed
-    (:func:`weighted_sum`)."""
-    return weighted_sum(_PairRows.apply(rows, d.pair_rows), top_k_weights, out_dtype)
+    """(P, H) expert outputs -> (T, H): each token's outputs weighted by its router weights and summed in float32
+    (:func:`weighted_sum`'s formula). Differentiable in ``rows`` and ``top_k_weights``; each padded row is used by
+    at most one pair, so its gradient is one product (rows no pair uses get zeros).
+
+    Eagerly: ``_Combine`` (one compiled kernel per direction on CUDA). Traced by an outer ``torch.compile``: plain
+    differentiable ops (``_PairRows`` + :func:`weighted_sum`), which Inductor fuses itself. (``_Combine`` traced
+    whole by Dynamo on CUDA lost the gradient of the whole expert branch, measured: zero gradients for the experts,
+    router and norm of a Qwen3-MoE block, H100, torch 2.11, 2026-11-25; ``tests/test_moe_fused_gpu.py`` guards it.)
+    """
+    if torch.compiler.is_compiling():
+        return weighted_sum(_PairRows.apply(rows, d.pair_rows), top_k_weights, out_dtype)
+    return _Combine.apply(rows, d.pair_rows, top_k_weights, out_dtype)
 
 
 def weighted_sum(pair_rows: torch.Tensor, top_k_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
