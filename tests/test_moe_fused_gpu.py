@@ -1,12 +1,14 @@
 """The fused rowwise FP8 expert MLP on a Hopper GPU (marker ``gpu``; skipped without ``torch._scaled_grouped_mm``):
-``wgrad="bf16"`` against the all-FP8 fused path and against the float32 GEMM emulation.
+``wgrad="bf16"`` against the all-FP8 fused path and against the float32 GEMM emulation; the routing helpers compiled
+on CUDA against eager; a compiled MoE block's gradients against eager (float32 weights under autocast).
 
 Run on the H100: ``pytest -m gpu tests/test_moe_fused_gpu.py``. Shape: 4096 tokens routed top-8 over 32 experts
 (4 never picked), hidden 2048, expert width 768 (Qwen3-30B-A3B's expert shape). Thresholds: output and dx equal
 to the all-FP8 fused run bit for bit (the bf16 wgrad touches neither); every output and gradient against the same
 layer with the float32 GEMM emulation >= 30 dB (the CUTLASS kernel accumulates in another order than the emulation,
 and a one-ulp bf16 difference in ``h`` can flip an E4M3 rounding of the SwiGLU output: 39.0 dB measured on the
-output, H100, 2026-11-25); experts without tokens get exactly zero weight gradients.
+output, H100, 2026-11-25); experts without tokens get exactly zero weight gradients. (The block test was written
+after session 13's device time ran out and has not run yet: docs/benchmarks.md section 4.)
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ def test_compiled_routing_kernels_match_eager():
         combine_rows_grad,
         combine_weights_grad,
         gather_rows,
+        row_pairs,
         sum_token_rows,
     )
 
@@ -89,9 +92,7 @@ def test_compiled_routing_kernels_match_eager():
     hidden = torch.randn(t, h, generator=gen, device="cuda").to(torch.bfloat16)
     rows = torch.randn(d.rows, h, generator=gen, device="cuda").to(torch.bfloat16)
     g = torch.randn(t, h, generator=gen, device="cuda").to(torch.bfloat16)
-    s = d.pair_rows.numel()
-    row_pair = torch.full((d.rows,), s, dtype=torch.long, device="cuda").scatter_(
-        0, d.pair_rows, torch.arange(s, device="cuda"))
+    row_pair = row_pairs(d.pair_rows, d.rows)
     exact = {
         "gather_rows": (gather_rows, (hidden, d.gather_idx)),
         "combine_rows_grad": (combine_rows_grad, (g, w, row_pair, torch.bfloat16)),
@@ -111,12 +112,26 @@ def test_compiled_routing_kernels_match_eager():
         assert worst <= 0.0, f"{name}: compiled vs eager off by {worst:.3g} beyond the tolerance"
 
 
-def test_compiled_layer_gradients_equal_eager():
-    """The expert layer (``Float8GroupedExperts``, fused path, both wgrad precisions) compiled with Inductor, as
-    ``fp8kit train`` compiles each block, against eager on the same inputs: every gradient non-zero and >= 30 dB
-    from eager's (the fused casts are the same bits; Inductor's float32 sums and the SwiGLU backward's kernel may
-    round differently). Guards the regression where the compiled layer returned zero gradients for the whole expert
-    branch (experts, router weights)."""
+class _MoEBlock(torch.nn.Module):
+    """RMSNorm -> router (softmax top-k) -> ``Float8GroupedExperts`` -> residual, float32 weights: the shape of a
+    Qwen3-MoE block's MLP half as ``fp8kit train`` runs it (FP32 master weights under bf16 autocast)."""
+
+    def __init__(self, experts, e: int, k: int, h: int):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(h, device="cuda")
+        self.gate = torch.nn.Linear(h, e, bias=False, device="cuda")
+        self.experts, self.k = experts, k
+
+    def forward(self, x):
+        y = self.norm(x)
+        probs = torch.softmax(self.gate(y).float(), dim=-1)
+        w, idx = probs.topk(self.k, dim=-1)
+        return x + self.experts(y, idx, (w / w.sum(-1, keepdim=True)).to(y.dtype))
+
+
+def compiled_block_gradients(wgrad: str) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``(name, eager gradient, compiled gradient)`` of the input and every parameter of :class:`_MoEBlock`
+    (16 experts x 256, hidden 1024, top-4, 2048 tokens, float32 weights, bf16 autocast), eager vs Inductor."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
@@ -129,22 +144,30 @@ def test_compiled_layer_gradients_equal_eager():
     with torch.no_grad():
         src.gate_up_proj.copy_(torch.randn_like(src.gate_up_proj) / h ** 0.5)
         src.down_proj.copy_(torch.randn_like(src.down_proj) / i ** 0.5)
-    src = src.to("cuda", torch.bfloat16)
-    hidden = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
-    logits = torch.randn(t, e, device="cuda")
-    top = logits.topk(k, dim=-1)
-    g = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    experts = Float8GroupedExperts(src.to("cuda"), frozenset(("gate_up_proj", "down_proj")), GroupedGemmConfig(wgrad=wgrad))
+    block = _MoEBlock(experts, e, k, h)
+    x0 = torch.randn(t, h, device="cuda")
+    g = torch.randn(t, h, device="cuda")
+    runs = []
+    for fn in (block, torch.compile(block)):
+        block.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = fn(x)
+        out.float().backward(g)
+        runs.append({"x": x.grad, **{n: p.grad.clone() for n, p in block.named_parameters()}})
+    return [(n, runs[0][n], runs[1].get(n)) for n in runs[0]]
+
+
+def test_compiled_block_gradients_equal_eager():
+    """A Qwen3-MoE-like block (norm, router, fused FP8 experts, both wgrad precisions) in float32 under bf16
+    autocast, compiled with Inductor as ``fp8kit train`` compiles each block, against eager: every gradient present,
+    non-zero and >= 25 dB from eager's (the fused casts are the same bits; Inductor's float32 sums and kernels may
+    round differently, and a one-ulp change can flip an E4M3 rounding). Guards session 13's regression: with
+    ``routing._Combine`` traced by Dynamo, every gradient of the expert branch (experts, router, norm) came out
+    zero for float32 inputs (bf16 inputs were not affected)."""
     for wgrad in ("fp8", "bf16"):
-        module = Float8GroupedExperts(src, frozenset(("gate_up_proj", "down_proj")), GroupedGemmConfig(wgrad=wgrad))
-        runs = []
-        for fn in (module, torch.compile(module)):
-            x = hidden.clone().requires_grad_()
-            w = torch.softmax(top.values, dim=-1).requires_grad_()
-            module.gate_up_proj.grad = module.down_proj.grad = None
-            fn(x, top.indices, w).backward(g)
-            runs.append([x.grad, w.grad, module.gate_up_proj.grad.clone(), module.down_proj.grad.clone()])
-        for what, a, b in zip(("dx", "d_router_weights", "dw_up", "dw_down"), *runs, strict=True):
-            assert b is not None and b.abs().max().item() > 0, f"wgrad={wgrad}: compiled {what} is zero or missing"
+        for name, a, b in compiled_block_gradients(wgrad):
+            assert b is not None and b.abs().max().item() > 0, f"wgrad={wgrad}: compiled {name} gradient is zero or missing"
             db = sqnr(a.float(), b.float())
-            assert db >= 30.0, f"wgrad={wgrad}: compiled vs eager {what} {db:.1f} dB < 30"
-        src.gate_up_proj, src.down_proj = module.gate_up_proj, module.down_proj
+            assert db >= 25.0, f"wgrad={wgrad}: compiled vs eager {name} {db:.1f} dB < 25"

@@ -18,14 +18,16 @@ F = TypeVar("F", bound=Callable)
 
 
 def compiled_on_cuda(fn: F) -> F:
-    """``fn`` run through ``torch.compile`` (compiled lazily, on first CUDA use) when its first tensor argument is on
-    a CUDA device and no outer compile is tracing; the plain ``fn`` otherwise. Same results up to the compiled
-    kernels' floating-point order (reductions), bit for bit for elementwise work."""
+    """``fn`` run through ``torch.compile`` (compiled lazily, on first CUDA use) when its first tensor argument
+    (positional, else keyword) is on a CUDA device and no outer compile is tracing; the plain ``fn`` otherwise
+    (``wrapper.eager``). Results may differ from eager in the last bit: Inductor sums in another order and its
+    ``exp`` / ``sigmoid`` may round differently; gathers and plain products are exact (``tests/test_moe_fused_gpu.py``).
+    Each wrapper is one Dynamo function: new shapes or dtypes recompile it, up to Dynamo's recompile limit."""
     compiled: dict[str, Callable] = {}
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         if first is None or not first.is_cuda or torch.compiler.is_compiling():
             return fn(*args, **kwargs)
         if "fn" not in compiled:

@@ -112,7 +112,7 @@ class _FusedRowwiseMLP(torch.autograd.Function):
             ht, hts, xc, xcs = rq.quantize_group_cols_dual(dh, hidden, offs, index_x=gather_idx)
             dw_up = gemm(ht, xc, hts, xcs, offs, out_dtype)
         else:
-            dw_up = wgrad_high_precision(dh, gather_rows(hidden, gather_idx), offs)
+            dw_up = wgrad_high_precision(dh, gather_rows(hidden.to(dh.dtype), gather_idx), offs)
         # tokens: the sum of each token's top-k rows (rows past the last group are never picked)
         dhidden = sum_token_rows(dx_rows, pair_rows, hidden.shape[0], x_dtype)
         return dhidden, dw_up.to(up_dtype), dw_down.to(down_dtype), None, None, None, None, None, None, None
@@ -129,7 +129,7 @@ def wgrad_high_precision(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -
         ``(E, N, K)`` in ``g``'s dtype (``torch._grouped_mm`` with the groups along the reduction dimension;
         empty experts get zeros). Rows past ``offs[-1]`` are not read.
     """
-    return torch._grouped_mm(g.t(), x.to(g.dtype), offs=offs)
+    return torch._grouped_mm(g.contiguous().t(), x.to(g.dtype), offs=offs)
 
 
 def fused_rowwise_experts(

@@ -145,11 +145,13 @@ def resolve_grouped_kernel(config: GroupedGemmConfig, device: torch.device) -> s
     """The grouped-GEMM kernel (one of :data:`GROUPED_KERNELS` but ``auto``) that runs on ``device``.
 
     ``auto`` picks ``fused`` where ``torch._scaled_grouped_mm`` runs (Hopper) and ``emulated`` on the CPU
-    (where FP8 runs in software anyway); the blockwise recipe always resolves to ``blockwise_loop``. On a CUDA GPU without the kernel, emulation must be asked for
+    (where FP8 runs in software anyway), except that ``wgrad = "bf16"`` always resolves to ``fused`` (its only
+    kernel; on the CPU with the emulated GEMMs); the blockwise recipe always resolves to ``blockwise_loop``. On a CUDA GPU without the kernel, emulation must be asked for
     (``fp8.emulate``).
 
     Raises:
-        ConfigError: an unknown kernel name.
+        ConfigError: an unknown kernel name, recipe or wgrad precision, or ``wgrad = "bf16"`` with the blockwise
+            recipe or a kernel other than ``auto`` / ``fused``.
         CapabilityError: a CUDA kernel on a device that cannot run it, or an emulation on a GPU that was
             not asked for.
     """
@@ -183,7 +185,9 @@ def resolve_grouped_kernel(config: GroupedGemmConfig, device: torch.device) -> s
     if config.kernel == "auto":
         if ok or config.wgrad == "bf16":  # only the fused kernel has a bf16 wgrad (CPU: with the emulated GEMMs)
             if device.type == "cuda" and not ok and not config.emulate:
-                raise CapabilityError(f"FP8 MoE experts with wgrad = {config.wgrad!r} (fused kernel): {reason}")
+                raise CapabilityError(f"FP8 MoE experts with wgrad = {config.wgrad!r} (fused kernel): {reason}. Fix: "
+                                      f"fp8.grouped_wgrad = \"auto\" (or fp8.emulate = true), or keep the experts in "
+                                      f"BF16 with fp8.exclude = [\"experts\"]")
             return "fused"
         if device.type == "cpu" or config.emulate:
             return "emulated"

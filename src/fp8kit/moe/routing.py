@@ -135,18 +135,28 @@ def sum_token_rows(rows: torch.Tensor, pair_rows: torch.Tensor, tokens: int, dty
 @compiled_on_cuda
 def combine_rows(rows: torch.Tensor, pair_rows: torch.Tensor, top_k_weights: torch.Tensor,
                  out_dtype: torch.dtype) -> torch.Tensor:
-    """Forward of :func:`combine`: ``out[t] = sum_k rows[pair_rows[t, k]] * w[t, k]`` in float32 (at least), cast
-    to ``out_dtype``; one gather-multiply-reduce kernel on CUDA, no (T, topk, H) float32 temporary."""
+    """Forward of :func:`combine`: ``rows`` (P, H), ``pair_rows`` (S,), ``top_k_weights`` (T, topk) -> (T, H)
+    ``out[t] = sum_k rows[pair_rows[t, k]] * w[t, k]`` in float32 (at least), cast to ``out_dtype``; one
+    gather-multiply-reduce kernel on CUDA, no (T, topk, H) float32 temporary."""
     t, topk = top_k_weights.shape
     return weighted_sum(rows[pair_rows].view(t * topk, rows.shape[1]), top_k_weights, out_dtype)
+
+
+def row_pairs(pair_rows: torch.Tensor, rows: int) -> torch.Tensor:
+    """The inverse of ``pair_rows`` (S,): ``(rows,)`` int64, the pair of each padded row, ``S`` for rows no pair
+    uses (padding, rows past the last group)."""
+    s = pair_rows.numel()
+    out = torch.full((rows,), s, dtype=torch.long, device=pair_rows.device)
+    return out.scatter_(0, pair_rows, torch.arange(s, device=pair_rows.device))
 
 
 @compiled_on_cuda
 def combine_rows_grad(grad: torch.Tensor, top_k_weights: torch.Tensor, row_pair: torch.Tensor,
                       dtype: torch.dtype) -> torch.Tensor:
     """Gradient of :func:`combine` for its ``(P, H)`` rows: ``drows[r] = grad[t] * w[t, k]`` (float32 product, cast
-    to ``dtype``) for the row ``r`` of pair ``(t, k)``, zero for padding rows (``row_pair[r] = S``). A gather, not
-    autograd's zero-fill plus ``index_copy`` of a (S, H) float32 product."""
+    to ``dtype``) for the row ``r`` of pair ``(t, k)``, zero for padding rows. ``grad`` (T, H), ``top_k_weights``
+    (T, topk), ``row_pair`` (P,) from :func:`row_pairs` (``S`` marks padding). A gather, not autograd's zero-fill
+    plus ``index_copy`` of a (S, H) float32 product."""
     t, topk = top_k_weights.shape
     g = torch.cat([grad, grad.new_zeros(1, grad.shape[1])])
     w = torch.cat([top_k_weights.reshape(-1), top_k_weights.new_zeros(1)])
@@ -193,10 +203,7 @@ class _Combine(torch.autograd.Function):
         rows, pair_rows, w = ctx.saved_tensors
         drows = dw = None
         if ctx.needs_input_grad[0]:
-            s = pair_rows.numel()
-            row_pair = torch.full((rows.shape[0],), s, dtype=torch.long, device=rows.device)
-            row_pair.scatter_(0, pair_rows, torch.arange(s, device=rows.device))
-            drows = combine_rows_grad(grad, w, row_pair, rows.dtype)
+            drows = combine_rows_grad(grad, w, row_pairs(pair_rows, rows.shape[0]), rows.dtype)
         if ctx.needs_input_grad[2]:
             dw = combine_weights_grad(rows, pair_rows, grad, w.dtype)
         return drows, None, dw, None
@@ -215,8 +222,9 @@ def combine(rows: torch.Tensor, d: Dispatch, top_k_weights: torch.Tensor, out_dt
 
     Eagerly: ``_Combine`` (one compiled kernel per direction on CUDA). Traced by an outer ``torch.compile``: plain
     differentiable ops (``_PairRows`` + :func:`weighted_sum`), which Inductor fuses itself. (``_Combine`` traced
-    whole by Dynamo on CUDA lost the gradient of the whole expert branch, measured: zero gradients for the experts,
-    router and norm of a Qwen3-MoE block, H100, torch 2.11, 2026-11-25; ``tests/test_moe_fused_gpu.py`` guards it.)
+    by Dynamo on CUDA lost the gradient of the whole expert branch for float32 inputs (FP32 master weights under
+    bf16 autocast): zero gradients for the experts, router and norm of a Qwen3-MoE block, H100, torch 2.11,
+    2026-11-25; root cause not found; ``tests/test_moe_fused_gpu.py::test_compiled_block_gradients_equal_eager``.)
     """
     if torch.compiler.is_compiling():
         return weighted_sum(_PairRows.apply(rows, d.pair_rows), top_k_weights, out_dtype)

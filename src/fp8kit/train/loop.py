@@ -8,6 +8,12 @@ One optimizer step (``grad_accum`` micro-batches)::
     optimizer.step(); scheduler.step(); zero_grad
     loss.item()                             # the one host sync of the step; time is taken after it
 
+With ``train.async_loss`` (the default) the sync of a plain step waits until the next step is queued: the host
+fetches the next batch and launches its kernels while the GPU finishes this step, and the step's record,
+divergence check and log line follow one step late. Evaluation, checkpoint, FP8-stats and last steps are read
+at once (their saves and rollback points follow their own checks). A deferred step's time is the interval between
+two steps' results; its peak memory covers both steps.
+
 Fine-tuning (``data.format = "chat"``): a micro-batch is an :class:`fp8kit.data.sft.SFTBatch` (labels ``-100``
 off the assistant tokens, position ids restarting per packed sample), and the step's loss is the mean over
 its assistant tokens on all ranks (:func:`_loss_scales`: token-weighted micro-batches, one all-reduce).
@@ -217,8 +223,8 @@ def _save(setup: Setup, out_dir: Path, step: int, phase: str, saver: AsyncCheckp
 
 def train_step(
     setup: Setup, params: list[torch.Tensor], micro: list, scales: list[float] | None, *,
-    saver: AsyncCheckpointer | None = None, health: FP8HealthMonitor | None = None,
-) -> tuple[float, torch.Tensor, float, object]:
+    saver: AsyncCheckpointer | None = None, health: FP8HealthMonitor | None = None, read: bool = True,
+) -> tuple[float | torch.Tensor, torch.Tensor, float, object]:
     """One optimizer step over the micro-batches ``micro`` (module docstring): forward and backward of each,
     gradient clipping, the optimizer and scheduler steps, ``zero_grad``, and the step's one host sync.
 
@@ -229,9 +235,12 @@ def train_step(
         scales: per-micro-batch loss weights of fine-tuning (:func:`_loss_scales`), None for pretraining.
         saver: the asynchronous checkpointer, waited on before the weights change.
         health: FP8 health statistics, collected from the first micro-batch.
+        read: read the loss on the host (the step's sync); False returns it as a 0-d device tensor, so the host
+            can queue the next step first (``train.async_loss``).
 
     Returns:
-        ``(loss, grad_norm, lr, probe)``: the step's mean loss (a float, averaged over data-parallel ranks),
+        ``(loss, grad_norm, lr, probe)``: the step's mean loss (a float, or the tensor with ``read=False``;
+        averaged over data-parallel ranks),
         the gradient norm (a tensor: reading it is a second sync), the learning rate the step used, and the
         health probe (None off stats steps).
     """
@@ -252,8 +261,8 @@ def train_step(
     lr = sched.get_last_lr()[0]
     sched.step()
     opt.zero_grad(set_to_none=True)
-    loss_val = _dp_mean(setup, loss_sum / t.grad_accum if scales is None else loss_sum).item()
-    return loss_val, grad_norm, lr, probe
+    loss = _dp_mean(setup, loss_sum / t.grad_accum if scales is None else loss_sum)
+    return (loss.item() if read else loss), grad_norm, lr, probe
 
 
 def run_loop(
@@ -282,6 +291,62 @@ def run_loop(
         TextColumn("{task.fields[info]}"), console=console, transient=False,
     )
     saver = AsyncCheckpointer(setup.device) if t.async_checkpoint else None
+    pending: _StepStats | None = None  # a step whose loss is read at the next step (train.async_loss)
+    last_ready = start
+
+    def finish(st: _StepStats, halt: int = 0) -> bool:
+        """Read step ``st``'s values (the host sync), then its divergence check, evaluation, metrics record,
+        checkpoint and log line. Returns True when the run must stop (diverged or ``halt``)."""
+        nonlocal last_ready
+        loss_val, gnorm = float(st.loss), float(st.grad_norm)
+        health_rows = st.probe.rows() if st.probe is not None else None  # read inside the step's time
+        ready = time.perf_counter()
+        dt = ready - max(st.t0, last_ready)  # deferred steps: the interval between two steps' results
+        last_ready = ready
+        done = st.done
+        tps = tokens_per_step / dt
+        record = {
+            "step": done,
+            "loss": loss_val,
+            "lr": st.lr,
+            "grad_norm": gnorm,
+            "tokens_per_s": tps,
+            "supervised_tokens": st.supervised,  # learnt labels of the step, all ranks (SFT: assistant tokens)
+            "tokens_per_s_per_gpu": tps / world,
+            "step_ms": dt * 1e3,
+            "peak_mem_gib": _max_over_ranks(setup, peak_memory_gib(setup.device)),
+            "state_bytes_per_param": setup.info["training_state_bytes"]["total"],
+            "mfu": (tps / world * setup.flops_per_token / setup.peak_flops) if setup.peak_flops else None,
+            "precision": st.phase,
+            "fp8_modules": st.fp8_modules,
+            "epoch": st.epoch,
+        }
+        if not (math.isfinite(loss_val) and math.isfinite(gnorm)):
+            result.diverged = f"loss {loss_val} / grad norm {gnorm} at step {done}"
+        elif guard is not None:
+            result.diverged = guard.observe(done, loss_val)  # a loss spike (train.on_divergence = recover)
+        if health_rows is not None:
+            record["fp8_health"] = health_rows
+        if halt:
+            record.update(status="interrupted", signal=signal_name(halt))
+            result.interrupted = halt
+        if (t.eval_every and done % t.eval_every == 0) or done == t.steps or result.diverged:
+            record["val_loss"] = evaluate(setup) if not result.diverged else None
+        writer.write(record)
+        result.records.append(record)
+        every = t.checkpoint_every and done % t.checkpoint_every == 0
+        if (every or (done == t.steps and t.final_checkpoint) or halt) and not result.diverged:
+            result.checkpoints.append(_save(setup, out_dir, done, st.phase, saver))
+        progress.update(task, completed=done, info=f"loss {loss_val:.4f} {st.phase} {tps / 1e3:.1f}K tok/s")
+        if done % t.log_every == 0 or done == t.steps or "val_loss" in record:
+            val = f" val {record['val_loss']:.4f}" if record.get("val_loss") is not None else ""
+            progress.console.print(
+                f"step {done:>6}/{t.steps} loss {loss_val:.4f}{val} lr {st.lr:.2e} gnorm {gnorm:.3f} "
+                f"{st.phase} {dt * 1e3:.0f} ms {tps / 1e3:.1f}K tok/s"
+                + (f" ({tps / world / 1e3:.1f}K/GPU)" if world > 1 else "")
+            )
+        return bool(result.diverged or halt)
+
     with progress, _finishing(saver):
         task = progress.add_task("train", total=t.steps, completed=setup.start_step, info="")
         for step in range(setup.start_step, t.steps):
@@ -295,63 +360,56 @@ def run_loop(
                 guard.before_step(step, phase, progress.console.print)  # forced-BF16 layers, test fault
             if health is not None:
                 health.arm(step + 1)  # hooks armed on stats steps (fp8.stats_every)
-            reset_peak_memory(setup.device)
+            if pending is None:  # a deferred step's peak is read with the next one's (one window)
+                reset_peak_memory(setup.device)
             t0 = time.perf_counter()
             micro = [next_micro_batch(setup) for _ in range(t.grad_accum)]
             scales, supervised = _loss_scales(setup, micro)  # None: pretraining; SFT: token-weighted
-            loss_val, grad_norm, lr, probe = train_step(setup, params, micro, scales, saver=saver, health=health)
-            health_rows = probe.rows() if probe is not None else None  # read inside the step's time
-            dt = time.perf_counter() - t0
+            loss, grad_norm, lr, probe = train_step(setup, params, micro, scales, saver=saver, health=health,
+                                                    read=False)
             done = step + 1
-            tps = tokens_per_step / dt
-            record = {
-                "step": done,
-                "loss": loss_val,
-                "lr": lr,
-                "grad_norm": float(grad_norm),
-                "tokens_per_s": tps,
-                "supervised_tokens": supervised,  # learnt labels of the step, all ranks (SFT: assistant tokens)
-                "tokens_per_s_per_gpu": tps / world,
-                "step_ms": dt * 1e3,
-                "peak_mem_gib": _max_over_ranks(setup, peak_memory_gib(setup.device)),
-                "state_bytes_per_param": setup.info["training_state_bytes"]["total"],
-                "mfu": (tps / world * setup.flops_per_token / setup.peak_flops) if setup.peak_flops else None,
-                "precision": phase,
-                "fp8_modules": count_fp8_modules(model) if phase == "fp8" else 0,
-                "epoch": setup.data.packed.epoch_fraction,
-            }
-            if not (math.isfinite(loss_val) and math.isfinite(record["grad_norm"])):
-                result.diverged = f"loss {loss_val} / grad norm {record['grad_norm']} at step {done}"
-            elif guard is not None:
-                result.diverged = guard.observe(done, loss_val)  # a loss spike (train.on_divergence = recover)
-            if health_rows is not None:
-                record["fp8_health"] = health_rows
+            stats = _StepStats(done, t0, loss, grad_norm, lr, probe, phase, supervised,
+                               count_fp8_modules(model) if phase == "fp8" else 0, setup.data.packed.epoch_fraction)
+            if pending is not None:  # the previous step, read now that this one is queued on the device
+                finish(pending)
+                pending = None
+                if result.diverged:  # seen one step late: this step's update is dropped with the run
+                    break
             # a stop signal (preemption), agreed by all ranks: checkpoint this step and end
             halt = 0 if done == t.steps else agreed_stop(stop, distributed=setup.distributed, device=setup.device)
-            if halt:
-                record.update(status="interrupted", signal=signal_name(halt))
-                result.interrupted = halt
-            if (t.eval_every and done % t.eval_every == 0) or done == t.steps or result.diverged:
-                record["val_loss"] = evaluate(setup) if not result.diverged else None
-            writer.write(record)
-            result.records.append(record)
-            every = t.checkpoint_every and done % t.checkpoint_every == 0
-            if every or (done == t.steps and t.final_checkpoint) or halt:
-                if not result.diverged:
-                    result.checkpoints.append(_save(setup, out_dir, done, phase, saver))
-            info = f"loss {loss_val:.4f} {phase} {tps / 1e3:.1f}K tok/s"
-            progress.update(task, completed=done, info=info)
-            if done % t.log_every == 0 or done == t.steps or "val_loss" in record:
-                val = f" val {record['val_loss']:.4f}" if record.get("val_loss") is not None else ""
-                progress.console.print(
-                    f"step {done:>6}/{t.steps} loss {loss_val:.4f}{val} lr {lr:.2e} gnorm {record['grad_norm']:.3f} "
-                    f"{phase} {dt * 1e3:.0f} ms {tps / 1e3:.1f}K tok/s"
-                    + (f" ({tps / world / 1e3:.1f}K/GPU)" if world > 1 else "")
-                )
-            if result.diverged or halt:
+            if t.async_loss and not halt and probe is None and not _needs_values(t, done):
+                pending = stats  # read at the next step, after its work is queued
+                continue
+            if finish(stats, halt):
                 break
+        if pending is not None:
+            finish(pending)
     result.wall_s = time.perf_counter() - start
     return result
+
+
+@dataclass
+class _StepStats:
+    """What a step leaves for its metrics record; ``loss`` / ``grad_norm`` are device tensors until read."""
+
+    done: int
+    t0: float
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    lr: float
+    probe: object
+    phase: str
+    supervised: int
+    fp8_modules: int
+    epoch: float
+
+
+def _needs_values(t, done: int) -> bool:
+    """Whether step ``done`` must be read before the next step runs: the last step, an evaluation step or a
+    checkpoint step (their records and saves follow the step's own divergence check; the guard takes its rollback
+    points there)."""
+    return (done == t.steps or bool(t.eval_every and done % t.eval_every == 0)
+            or bool(t.checkpoint_every and done % t.checkpoint_every == 0))
 
 
 @contextlib.contextmanager
