@@ -212,6 +212,7 @@ def swap_in(model: nn.Module, fqn: str, fp8_weights: frozenset[str], config: Gro
         module.fp8_weights = frozenset(fp8_weights)
         if config is not None and config != module.config:
             module.config, module._kernels = config, {}
+            module.__dict__.pop("_wgrad_warned", None)  # the new config's wgrad is checked again
         return module
     check_supported(module, fqn)
     new = Float8GroupedExperts(module, fp8_weights, config)
