@@ -54,6 +54,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fp8kit.base.cuda_compile import compiled_on_cuda
 from fp8kit.fp8.delayed_state import (
     AMAX_ALGOS,
     E4M3,
@@ -80,7 +81,8 @@ def _cast_impl(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tupl
     return (x.float() * scale).clamp(-m, m).to(dtype), x.detach().abs().amax().float()
 
 
-_cast_compiled = None
+# eagerly on CUDA one compiled kernel; the plain ops inside an outer compile and on the CPU
+_cast_on_device = compiled_on_cuda(_cast_impl, dynamic=True)
 
 
 def _cast(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
@@ -90,17 +92,11 @@ def _cast(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
     (a tensor-parallel shard then scales like the whole tensor, as it does from the history). Inside
     ``torch.compile`` the ops join the caller's graph (fused with the producer of ``x``); eagerly on CUDA one
     compiled kernel reads ``x`` once for both; eagerly on the CPU the same float32 math runs op by op."""
-    global _cast_compiled
     if scale is None:
         amax = reduce_max(x.detach().abs().amax().float(), group)
         scale = scale_from_amax(amax, dtype)
         return _cast_impl(x, scale, dtype)[0], scale, amax
-    if x.is_cuda and not torch.compiler.is_compiling():
-        if _cast_compiled is None:
-            _cast_compiled = torch.compile(_cast_impl, dynamic=True)
-        x8, amax = _cast_compiled(x, scale, dtype)
-    else:
-        x8, amax = _cast_impl(x, scale, dtype)
+    x8, amax = _cast_on_device(x, scale, dtype)
     return x8, scale, amax
 
 
