@@ -15,6 +15,18 @@ reverse all-to-all), with the same collective fp8kit calls (``_functional_collec
 - ``fp8-exchange``: the uint8 payload's all-to-all alone (the bytes' share of the time);
 - ``pack`` / ``unpack``: the two casts alone.
 
+And the whole dispatch as the FP8 experts see it, from this rank's tokens in their order to the fprop GEMM's
+E4M3 operand in local-expert order on the receiving rank (routing: every token picks ``topk`` distinct experts of
+``E`` uniformly at random; pairs sorted by expert, i.e. by destination rank; the receiver's rows grouped by local
+expert with ``routing.dispatch``, as ``moe/expert_parallel.py`` does):
+
+- ``dispatch-bf16``: bf16 gather of the sorted pairs -> all-to-all (bf16) -> ``gather_quantize_rows`` (the fused
+  experts' own gather + rowwise cast on the receiver): what ``ep_fp8_dispatch = false`` costs with FP8 experts;
+- ``dispatch-fp8``: ``gather_quantize_payload`` (the same cast, on the sender, written into the uint8 payload) ->
+  all-to-all (uint8, H + 16 bytes per row) -> ``payload_rows`` (a gather of the E4M3 bytes and scales): what
+  ``ep_fp8_dispatch = true`` costs (``moe/fp8_dispatch.rowwise_dispatch``); both end in the same bits (checked);
+- ``rowwise-exchange``: the rowwise payload's all-to-all alone.
+
 Time: ``fp8kit.bench.timing.time_ms`` (the GPU is held while the host enqueues, so launch overhead is
 hidden), slowest rank's value. Writes ``OUT/ep_dispatch.json`` (rewritten after each shape) and prints a table.
 """
@@ -31,9 +43,57 @@ import torch
 import torch.distributed as dist
 
 from fp8kit.bench.timing import time_ms
-from fp8kit.moe.fp8_dispatch import _exchange, fp8_all_to_all, pack, payload_row_bytes, unpack
+from fp8kit.moe import routing
+from fp8kit.moe import rowwise_quant as rq
+from fp8kit.moe.fp8_dispatch import _exchange, fp8_all_to_all, pack, payload_row_bytes, payload_rows, unpack
 
 MODELS = {"qwen3-30b-a3b": 2048, "deepseek-v3": 7168}
+EXPERTS = {"qwen3-30b-a3b": 128, "deepseek-v3": 256}
+
+
+def routed(tokens: int, experts: int, topk: int, world: int, device: torch.device, seed: int) -> dict:
+    """One rank's routing (uniform top-k of distinct experts) and the split sizes and local dispatch it implies
+    (one all-to-all of the per-expert counts, as ``moe/expert_parallel.py``)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.rand(tokens, experts, generator=g, device=device).argsort(dim=1)[:, :topk].reshape(-1)
+    order = torch.argsort(ids, stable=True)
+    counts = torch.bincount(ids, minlength=experts)
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts)
+    local = experts // world
+    send, recv = torch.stack([counts.view(world, local).sum(1), recv_counts.view(world, local).sum(1)]).tolist()
+    local_ids = torch.repeat_interleave(torch.arange(local, device=device).repeat(world), recv_counts)
+    d = routing.dispatch(local_ids[:, None], local,
+                         rows=routing.bucketed_rows(local_ids.numel(), local, ids.numel()))
+    return {"token_rows": order // topk, "send": send, "recv": recv, "local": d}
+
+
+def bench_whole_dispatch(name: str, hidden: int, args, device: torch.device, world: int, t) -> dict:
+    """``dispatch-bf16`` vs ``dispatch-fp8`` (module docstring)."""
+    r = routed(args.tokens, EXPERTS[name], args.topk, world, device, seed=dist.get_rank())
+    g = torch.Generator(device=device).manual_seed(100 + dist.get_rank())
+    x = (torch.randn(args.tokens, hidden, generator=g, device=device) * 0.5).to(torch.bfloat16)
+    group, token_rows, d = dist.group.WORLD, r["token_rows"], r["local"]
+
+    def bf16():
+        recv = _exchange(routing.gather_rows(x, token_rows), r["recv"], r["send"], group)
+        return rq.gather_quantize_rows(recv, d.gather_idx)
+
+    def fp8():
+        received = _exchange(rq.gather_quantize_payload(x, token_rows), r["recv"], r["send"], group)
+        return payload_rows(received, d.gather_idx, hidden)
+
+    (q1, s1), (q2, s2) = bf16(), fp8()
+    assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s1, s2), \
+        "FP8 dispatch does not deliver the bits the experts' own cast makes"
+    payload = rq.gather_quantize_payload(x, token_rows)
+    ms = {"dispatch-bf16": t(bf16), "dispatch-fp8": t(fp8),
+          "rowwise-exchange": t(lambda: _exchange(payload, r["recv"], r["send"], group))}
+    rows_sent = sum(r["send"]) - r["send"][dist.get_rank()]
+    return {"ms": ms, "dispatch_fp8_vs_bf16": ms["dispatch-fp8"] / ms["dispatch-bf16"],
+            "rowwise_exchange_vs_bf16": ms["rowwise-exchange"] / ms["dispatch-bf16"],
+            "experts": EXPERTS[name], "rowwise_bytes_ratio": rq.payload_row_bytes(hidden) / (2 * hidden),
+            "rows_sent_to_other_ranks": rows_sent}
 
 
 def slowest(v: float, device: torch.device) -> float:
@@ -69,7 +129,9 @@ def bench_shape(name: str, hidden: int, args, device: torch.device, world: int) 
     assert torch.equal(y, ref), "fp8_all_to_all differs from pack -> exchange -> unpack"
     sent_bf16 = (rows - splits[dist.get_rank()]) * hidden * 2
     sent_fp8 = (rows - splits[dist.get_rank()]) * payload_row_bytes(hidden)
-    return {"model": name, "hidden": hidden, "tokens_per_rank": args.tokens, "topk": args.topk, "rows": rows,
+    whole = bench_whole_dispatch(name, hidden, args, device, world, t)
+    res.update(whole.pop("ms"))
+    return {**whole, "model": name, "hidden": hidden, "tokens_per_rank": args.tokens, "topk": args.topk, "rows": rows,
             "ms": res, "fp8_vs_bf16": res["fp8"] / res["bf16"],
             "exchange_vs_bf16": res["fp8-exchange"] / res["bf16"],
             "bytes_sent_bf16": sent_bf16, "bytes_sent_fp8": sent_fp8, "bytes_ratio": sent_fp8 / sent_bf16,
@@ -112,6 +174,13 @@ def main() -> int:
             m = r["ms"]
             print(f"| {r['model']} | {r['rows']} | {m['bf16']:.3f} | {m['fp8']:.3f} | {r['fp8_vs_bf16']:.3f}x | "
                   f"{m['fp8-exchange']:.3f} | {m['pack']:.3f} | {m['unpack']:.3f} | {r['bytes_ratio']:.3f} |")
+        print("\nWhole dispatch to the FP8 experts' fprop operand (ms, slowest rank)")
+        print("| model | experts | dispatch-bf16 | dispatch-fp8 (rowwise) | fp8 / bf16 | rowwise a2a alone | bytes |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            m = r["ms"]
+            print(f"| {r['model']} | {r['experts']} | {m['dispatch-bf16']:.3f} | {m['dispatch-fp8']:.3f} | "
+                  f"{r['dispatch_fp8_vs_bf16']:.3f}x | {m['rowwise-exchange']:.3f} | {r['rowwise_bytes_ratio']:.3f} |")
     dist.destroy_process_group()
     return 0
 

@@ -63,6 +63,36 @@ def test_payload_is_uint8_e4m3_plus_scales_about_half_of_bf16():
     assert sqnr >= 25, f"E4M3 + 1x128 round trip SQNR {sqnr:.1f} dB < 25 dB"
 
 
+def test_rowwise_payload_holds_the_experts_fprop_cast_and_regathers_it_bit_for_bit():
+    """The rowwise payload (E4M3 bytes + float32 inv_scale per token row) carries exactly what the fused experts'
+    fprop cast computes (``gather_quantize_rows``), and the receiver's gather into expert order (padding rows
+    included) gives the same bits as casting on the receiving rank; dequantized it is exact in bf16."""
+    from fp8kit.moe.fp8_dispatch import dequantize_payload, payload_rows
+    from fp8kit.moe.rowwise_quant import gather_quantize_payload, gather_quantize_rows, payload_row_bytes, payload_views
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(41, HIDDEN, generator=g) * 4).to(torch.bfloat16)
+    x[7] = 0  # a zero token: inv_scale of the zero row
+    sent = torch.randint(0, 41, (60,), generator=g)  # sorted pairs -> their tokens
+    payload = gather_quantize_payload(x, sent)
+    assert payload.dtype == torch.uint8 and payload.shape == (60, HIDDEN + 16) == (60, payload_row_bytes(HIDDEN))
+    assert 0.5 < payload.numel() / (60 * HIDDEN * 2) <= 0.532, payload.shape  # 0.531 at H = 256, 0.504 at 2048
+    q, inv = gather_quantize_rows(x, sent)
+    pq, pinv = payload_views(payload, HIDDEN)
+    assert torch.equal(pq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(pinv, inv)
+
+    index = torch.cat([torch.randint(0, 60, (70,), generator=g), torch.full((9,), 60)])  # 60: padding (zero row)
+    got_q, got_inv = payload_rows(payload, index, HIDDEN)
+    want_q, want_inv = gather_quantize_rows(x, torch.cat([sent, torch.tensor([41])])[index])
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), "payload_rows: E4M3 bytes differ"
+    assert torch.equal(got_inv, want_inv), f"payload_rows: scales differ {(got_inv != want_inv).sum()}"
+    deq = dequantize_payload(payload, HIDDEN, torch.bfloat16)
+    assert torch.equal(deq.float(), q.float() * inv[:, None]), "dequantized payload is not exact in bf16"
+    assert torch.equal(dequantize_payload(payload, HIDDEN, torch.bfloat16, index=index[:70]), deq[index[:70]])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        gather_quantize_payload(torch.randn(3, 40), torch.arange(3))
+
+
 def test_hidden_size_not_a_multiple_of_128_is_refused():
     check_dispatch_hidden(256, "model.layers.0.mlp.experts")
     with pytest.raises(ConfigError) as e:
@@ -173,10 +203,16 @@ def test_ep2_fp8_dispatch_trains_like_one_process(reference, cache_dir, tmp_path
 def test_ep_with_tp_matches_one_process(reference, cache_dir, tmp_path):
     _torchrun(4, ["eptp", str(tmp_path), str(cache_dir)])
     layer = json.loads((tmp_path / "layer.json").read_text())
-    assert len(layer) == 3 * 4, layer  # 3 layouts x 4 ranks
+    assert len(layer) == 5 * 4, layer  # 5 layouts x 4 ranks
     for r in layer:
-        worst = max(r["rel"].values())
+        rel = dict(r["rel"])
+        fmt, fwd_diff = rel.pop("format"), rel.pop("fwd_vs_bf16_dispatch", None)
+        worst = max(rel.values())
         assert worst <= LAYER_RTOL, f"{r['case']} rank {r['rank']}: {r['rel']}"
+        want = "bf16" if "fp8_dispatch=False" in r["case"] else "rowwise" if "fp8_experts=True" in r["case"] else "1x128"
+        assert fmt == want, (r["case"], fmt)
+        if fwd_diff is not None:  # the rowwise payload is the experts' own fprop cast, made on the other rank
+            assert fwd_diff == 0.0, f"{r['case']} rank {r['rank']}: output differs from bf16 dispatch by {fwd_diff}"
     run = tmp_path / "run"
     _close(_losses(run), [r["loss"] for r in reference.metrics[:5]], "dp 2 x tp 2 (SP), ep=2, FP8 dispatch vs 1 "
            "process", fall=0.1)
@@ -189,14 +225,21 @@ def test_ep_with_tp_matches_one_process(reference, cache_dir, tmp_path):
 # The torchrun worker
 
 
-def _layer_case(mesh, ep: int, fp8_dispatch: bool, tokens: int = 21) -> dict:
+def _layer_case(mesh, ep: int, fp8_dispatch: bool, fp8_experts: bool = False, tokens: int = 21) -> dict:
     """One MoE layer (8 experts, top-2, hidden 256, float32) on this rank's tokens against the same layer in
-    one process on all data-parallel ranks' tokens: relative max errors of the output and every gradient."""
+    one process on all data-parallel ranks' tokens: relative max errors of the output and every gradient.
+
+    ``fp8_experts``: both weights FP8 on the fused rowwise kernel (emulated GEMMs on the CPU), so that FP8 dispatch
+    sends the rowwise payload the experts consume directly; the reference then runs on the tokens as they arrive
+    (rowwise quantize-dequantize, straight-through), and ``fwd_vs_bf16_dispatch`` is the largest output difference
+    from the same layer with a bf16 dispatch (which casts the same tokens on the receiving rank: 0 expected)."""
     from transformers import AutoConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    from fp8kit.moe.expert_parallel import EPGroup, ep_mesh, shard_experts
-    from fp8kit.moe.experts import Float8GroupedExperts
+    from fp8kit.moe.expert_parallel import EPGroup, dispatch_format, ep_mesh, shard_experts
+    from fp8kit.moe.experts import WEIGHTS, Float8GroupedExperts
+    from fp8kit.moe.grouped_mm import GroupedGemmConfig
+    from fp8kit.moe.quantize import quantize_rows
 
     dp, tp = mesh["dp_shard"].size(), mesh["tp"].size()
     e, topk = 8, 2
@@ -209,6 +252,8 @@ def _layer_case(mesh, ep: int, fp8_dispatch: bool, tokens: int = 21) -> dict:
         with torch.no_grad():
             src.gate_up_proj.normal_(0, 0.06)
             src.down_proj.normal_(0, 0.09)
+        if fp8_experts:
+            return Float8GroupedExperts(src, frozenset(WEIGHTS), GroupedGemmConfig(kernel="fused"))
         return Float8GroupedExperts(src, frozenset())
 
     g = torch.Generator().manual_seed(1)
@@ -222,15 +267,26 @@ def _layer_case(mesh, ep: int, fp8_dispatch: bool, tokens: int = 21) -> dict:
     rx, rw = x.clone().requires_grad_(), w.clone().requires_grad_()
     xin = rx
     if fp8_dispatch:  # what the experts receive; the gradient goes straight through (moe/fp8_dispatch.py)
-        q, s = quantize_1x128(rx.detach().view(-1, HIDDEN))
-        xin = rx + (dequantize_rows(q, s).view_as(rx) - rx).detach()
+        flat = rx.detach().view(-1, HIDDEN)
+        if fp8_experts:  # rowwise payload: one power-of-two scale per token
+            q, s = quantize_rows(flat)
+            arrived = q.float() * s[:, None]
+        else:
+            q, s = quantize_1x128(flat)
+            arrived = dequantize_rows(q, s)
+        xin = rx + (arrived.view_as(rx) - rx).detach()
     ry = ref(xin.view(-1, HIDDEN), ids.view(-1, topk), rw.view(-1, topk)).view(dp, tokens, HIDDEN)
     ((ry * dy).sum() / dp).backward()
 
     i = mesh["dp_shard"].get_local_rank()
-    mod = layer()
-    shard_experts(mod, EPGroup(ep_mesh("cpu", dp, ep, tp), ep, dp, fp8_dispatch=fp8_dispatch,
-                               tp_mesh=mesh["tp"] if tp > 1 else None))
+
+    def ep_layer(dispatch: bool) -> Float8GroupedExperts:
+        mod = layer()
+        shard_experts(mod, EPGroup(ep_mesh("cpu", dp, ep, tp), ep, dp, fp8_dispatch=dispatch,
+                                   tp_mesh=mesh["tp"] if tp > 1 else None))
+        return mod
+
+    mod = ep_layer(fp8_dispatch)
     lx, lw = x[i].clone().requires_grad_(), w[i].clone().requires_grad_()
     y = mod(lx, ids[i], lw)
     (y * dy[i]).sum().backward()  # this rank's loss; the expert hook divides by dp
@@ -244,6 +300,10 @@ def _layer_case(mesh, ep: int, fp8_dispatch: bool, tokens: int = 21) -> dict:
         p = getattr(mod, name)
         n, r = e // ep, mod.ep_group.rank
         out[f"grad_{name}"] = rel(p.grad.to_local(), getattr(ref, name).grad[r * n:(r + 1) * n])
+    if fp8_experts:
+        other = ep_layer(False)(x[i], ids[i], w[i])
+        out["fwd_vs_bf16_dispatch"] = (y.detach() - other.detach()).abs().max().item()
+    out["format"] = dispatch_format(mod, x.device)
     return out
 
 
@@ -289,8 +349,9 @@ def _worker(mode: str, out: Path, cache: str) -> None:
 
         dist.init_process_group("gloo")
         mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-        results = [{"case": f"dp2 x tp2, ep={ep}, fp8_dispatch={fp8}", "rank": dist.get_rank(),
-                    "rel": _layer_case(mesh, ep, fp8)} for ep, fp8 in ((2, False), (2, True), (4, False))]
+        cases = ((2, False, False), (2, True, False), (4, False, False), (2, True, True), (4, True, True))
+        results = [{"case": f"dp2 x tp2, ep={ep}, fp8_dispatch={fp8}, fp8_experts={experts}", "rank": dist.get_rank(),
+                    "rel": _layer_case(mesh, ep, fp8, experts)} for ep, fp8, experts in cases]
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, results)
         if dist.get_rank() == 0:

@@ -1,5 +1,8 @@
 """FP8 expert-parallel dispatch payload on a CUDA GPU (marker ``gpu``; skipped without CUDA): the Triton pack /
-unpack of :mod:`fp8kit.moe.fp8_dispatch_triton` against the PyTorch references on the same GPU, bit for bit.
+unpack of :mod:`fp8kit.moe.fp8_dispatch_triton` against the PyTorch references on the same GPU, bit for bit; the
+rowwise payload (``rowwise_quant.gather_quantize_payload``: the fused gather + cast kernel writing into payload rows),
+its receiver-side gather and dequantization (compiled) against their references, and the fused FP8 experts fed the
+payload against the same experts casting the tokens themselves (Hopper GEMMs), bit for bit.
 
 Run on a Hopper GPU: ``pytest -m gpu tests/test_moe_ep_fp8_gpu.py``. Shapes: Qwen3-30B-A3B (hidden 2048) and
 DeepSeek-V3 (hidden 7168) token rows, row counts that are not a multiple of the kernel's 32-row tile, an
@@ -12,7 +15,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8kit.moe.fp8_dispatch import pack, pack_reference, payload_row_bytes, unpack, unpack_reference
+from fp8kit.moe import rowwise_quant as rq
+from fp8kit.moe.fp8_dispatch import (
+    dequantize_payload,
+    pack,
+    pack_reference,
+    payload_row_bytes,
+    payload_rows,
+    unpack,
+    unpack_reference,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -58,3 +70,81 @@ def test_unpack_equals_reference_bit_for_bit(hidden, rows, dtype):
 def test_pack_reads_a_strided_row_view():
     x = _tokens(300, 4096, torch.bfloat16)[:, :2048]  # row stride 4096: the kernel reads through it
     assert torch.equal(pack(x), pack_reference(x.contiguous()))
+
+
+@pytest.mark.parametrize("hidden", [2048, 7168])
+@pytest.mark.parametrize("rows", [0, 1, 77, 65536])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rowwise_payload_kernel_equals_reference(hidden, rows, dtype):
+    """The Triton gather + rowwise cast writing into the (P, H + 16) payload rows: E4M3 bytes and float32 scales
+    equal to the PyTorch reference; index values T (the zero row) included."""
+    tokens = _tokens(max(rows, 1), hidden, dtype)[:rows]
+    g = torch.Generator(device="cuda").manual_seed(2)
+    index = torch.randint(0, rows + 1, (rows + rows // 3,), generator=g, device="cuda")
+    got = rq.gather_quantize_payload(tokens, index)
+    ref = rq.gather_quantize_payload_ref(tokens, index)
+    assert got.shape == ref.shape == (index.numel(), hidden + 16) and got.dtype == torch.uint8
+    (gq, gi), (rq_, ri) = rq.payload_views(got, hidden), rq.payload_views(ref, hidden)
+    diff = (gq.view(torch.uint8) != rq_.view(torch.uint8)).sum().item()
+    assert diff == 0, f"{diff} E4M3 bytes differ (hidden {hidden}, rows {rows}, {dtype})"
+    assert torch.equal(gi.view(torch.int32), ri.view(torch.int32)), f"scales differ (hidden {hidden}, rows {rows})"
+    q, inv = rq.gather_quantize_rows(tokens, index)  # the experts' own cast: same bits
+    assert torch.equal(gq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(gi, inv)
+
+
+@pytest.mark.parametrize("hidden", [2048, 7168])
+def test_payload_rows_and_dequantize_compiled_equal_eager(hidden):
+    tokens = _tokens(4099, hidden, torch.bfloat16, seed=4)
+    payload = rq.gather_quantize_payload(tokens, torch.arange(4099, device="cuda"))
+    g = torch.Generator(device="cuda").manual_seed(5)
+    index = torch.cat([torch.randint(0, 4099, (6000,), generator=g, device="cuda"),
+                       torch.full((40,), 4099, device="cuda")])
+    q, inv = payload_rows(payload, index, hidden)
+    want_q, want_inv = rq.gather_quantize_rows(tokens, torch.cat([torch.arange(4099, device="cuda"),
+                                                                  torch.tensor([4099], device="cuda")])[index])
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(inv, want_inv)
+    deq = dequantize_payload(payload, hidden, torch.bfloat16)
+    pq, pinv = rq.payload_views(payload, hidden)
+    assert torch.equal(deq, (pq.float() * pinv[:, None]).to(torch.bfloat16))
+    assert torch.equal(dequantize_payload(payload, hidden, torch.bfloat16, index=index), deq[index.clamp(max=4098)]
+                       * (index < 4099)[:, None])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs a Hopper GPU (torch._scaled_grouped_mm)")
+@pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
+def test_fused_experts_fed_the_payload_equal_casting_here(wgrad):
+    """Qwen3-30B-A3B expert shapes (16 local experts, hidden 2048, 768 wide), 4096 received rows: output equal to
+    the fused experts casting the bf16 tokens; every gradient equal to the run on the tokens as they arrive."""
+    from fp8kit.moe import routing
+    from fp8kit.moe.fused_experts import fused_rowwise_experts
+    from fp8kit.moe.grouped_mm import scaled_grouped_gemm
+
+    e, hdim, inter, t = 16, 2048, 768, 4096
+    g = torch.Generator(device="cuda").manual_seed(6)
+    idx = torch.randint(0, e, (t, 1), generator=g, device="cuda")
+    hidden = _tokens(t, hdim, torch.bfloat16, seed=7)
+    w_up = (torch.randn(e, 2 * inter, hdim, generator=g, device="cuda") / hdim ** 0.5).to(torch.bfloat16)
+    w_down = (torch.randn(e, hdim, inter, generator=g, device="cuda") / inter ** 0.5).to(torch.bfloat16)
+    d = routing.dispatch(idx, e)
+    gemm, out_dtype = scaled_grouped_gemm(hidden.device)
+    payload = rq.gather_quantize_payload(hidden, torch.arange(t, device="cuda"))
+    dy = None
+
+    def run(x, received=None):
+        nonlocal dy
+        leaves = [x.clone().requires_grad_(), w_up.clone().requires_grad_(), w_down.clone().requires_grad_()]
+        y = fused_rowwise_experts(leaves[0], leaves[1], leaves[2], d.gather_idx, d.pair_rows, d.offs, gemm,
+                                  out_dtype, wgrad=wgrad, received=received)
+        y = routing.pick_rows(y, d.pair_rows)  # rows past the groups are undefined: compare the real rows
+        if dy is None:
+            dy = torch.randn(y.shape, generator=g, device="cuda").to(y.dtype)
+        y.backward(dy)
+        return y.detach(), *(leaf.grad for leaf in leaves)
+
+    plain = run(hidden)
+    here = run(dequantize_payload(payload, hdim, torch.bfloat16))
+    got = run(torch.zeros(t, hdim, dtype=torch.bfloat16, device="cuda"), received=payload)
+    assert torch.equal(got[0], plain[0]), f"output differs from casting the tokens: {(got[0] - plain[0]).abs().max()}"
+    for what, a, b in zip(("output", "d tokens", "dw_up", "dw_down"), got, here, strict=True):
+        assert torch.equal(a, b), f"{what} ({wgrad} wgrad): max |diff| {(a.float() - b.float()).abs().max().item()}"

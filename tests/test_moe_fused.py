@@ -105,7 +105,7 @@ def test_fused_layer_compiled_equals_eager():
     import fp8kit.moe.experts as experts_mod
 
     real = experts_mod.fused_rowwise_experts
-    experts_mod.fused_rowwise_experts = lambda *a: calls.append(1) or real(*a)
+    experts_mod.fused_rowwise_experts = lambda *a, **kw: calls.append(1) or real(*a, **kw)
     try:
         eager = module(hidden, idx, weights)
         compiled = torch.compile(module, backend="aot_eager")(hidden, idx, weights)
@@ -281,3 +281,42 @@ def test_bf16_wgrad_config_is_checked_and_fallbacks_are_loud():
     with pytest.raises(ValueError, match="wgrad = 'fp16'"):
         fused_rowwise_experts(hidden, w, module.down_proj.detach(), d.gather_idx, d.pair_rows, d.offs,
                               emulated_scaled_grouped_mm, torch.bfloat16, wgrad="fp16")
+
+
+@pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
+def test_received_rowwise_payload_gives_the_same_bits_as_casting_the_tokens_here(wgrad):
+    """Expert parallel FP8 dispatch hands the fused MLP the tokens already cast (``received=``, the rowwise payload
+    of ``moe/fp8_dispatch.py``) and a carrier for their gradient. Output: equal bit for bit to the fused path on
+    the bf16 tokens (the same cast, made before the all-to-all). Gradients: equal bit for bit to the fused path
+    on the tokens as they arrive (dequantized: the gate_up wgrad reads them), the carrier's gradient included."""
+    from fp8kit.moe.fp8_dispatch import dequantize_payload
+    from fp8kit.moe.rowwise_quant import gather_quantize_payload
+
+    e, hdim, inter, t = 8, 64, 48, 53
+    torch.manual_seed(7)
+    idx = torch.stack([torch.randperm(e)[:2] for _ in range(t)])
+    idx[:9] = torch.tensor([0, 1])  # uneven groups
+    hidden = (torch.randn(t, hdim) * 2).to(torch.bfloat16)
+    w_up = (torch.randn(e, 2 * inter, hdim) / hdim ** 0.5).to(torch.bfloat16)
+    w_down = (torch.randn(e, hdim, inter) / inter ** 0.5).to(torch.bfloat16)
+    dy_rows = None
+    d = routing.dispatch(idx, e)
+    payload = gather_quantize_payload(hidden, torch.arange(t))
+    arrived = dequantize_payload(payload, hdim, torch.bfloat16)
+
+    def run(x, received=None):
+        nonlocal dy_rows
+        leaves = [x.clone().requires_grad_(), w_up.clone().requires_grad_(), w_down.clone().requires_grad_()]
+        y = fused_rowwise_experts(leaves[0], leaves[1], leaves[2], d.gather_idx, d.pair_rows, d.offs,
+                                  emulated_scaled_grouped_mm, torch.bfloat16, wgrad=wgrad, received=received)
+        if dy_rows is None:
+            dy_rows = torch.randn_like(y)
+        y.backward(dy_rows)
+        return y.detach(), *(leaf.grad for leaf in leaves)
+
+    plain = run(hidden)
+    here = run(arrived)
+    got = run(torch.zeros(t, hdim, dtype=torch.bfloat16), received=payload)  # the carrier's values are never read
+    assert torch.equal(got[0], plain[0]), f"output differs from casting the bf16 tokens: {(got[0] - plain[0]).abs().max()}"
+    for what, a, b in zip(("output", "d tokens", "dw_up", "dw_down"), got, here, strict=True):
+        assert torch.equal(a, b), f"{what} ({wgrad} wgrad) differs from the arrived tokens' run by {(a - b).abs().max()}"

@@ -13,11 +13,16 @@ Forward of one MoE layer on one rank (``moe/experts.py`` calls :func:`ep_experts
 ```
 [tp > 1: this rank's 1/tp of the tokens, which every tp rank holds alike (see below)]
 pairs sorted by global expert -> all_to_all (split sizes from an all_to_all of the per-expert counts;
-                                 bf16, or E4M3 + 1x128 scales with ep_fp8_dispatch: moe/fp8_dispatch.py)
-  -> received rows grouped by local expert -> grouped GEMMs (FP8 or BF16) on the local experts
+                                 bf16, or FP8 with ep_fp8_dispatch: moe/fp8_dispatch.py, dispatch_format)
+  -> received rows grouped by local expert -> the local experts: the fused rowwise FP8 MLP
+     (moe/fused_experts.py, fed the E4M3 payload directly with FP8 dispatch) where the layer runs it, else
+     the per-weight grouped GEMMs (FP8 or BF16)
   -> all_to_all back -> pairs in their original order -> weighted sum over the topk experts
 [tp > 1: all_gather of the tp ranks' outputs: every tp rank has every token's output again]
 ```
+
+Every gather and scatter of rows is a gather in both directions (``routing.gather_pairs``, ``pick_rows``,
+``combine_pairs``): no autograd ``index_put`` with its sort in the backward.
 
 Both all-to-alls are differentiable (``torch.distributed._functional_collectives.all_to_all_single_autograd``,
 the one torchtitan uses); the split
@@ -52,7 +57,7 @@ from torch import nn
 
 from fp8kit.base.errors import ConfigError
 from fp8kit.moe import routing
-from fp8kit.moe.fp8_dispatch import fp8_all_to_all
+from fp8kit.moe.fp8_dispatch import fp8_all_to_all, rowwise_dispatch
 
 
 @dataclass
@@ -63,8 +68,9 @@ class EPGroup:
         mesh: 2-D DeviceMesh ``("edp", "ep")`` over all ranks of the run (``edp x ep = dp x tp``).
         ep: experts are split over this many ranks.
         dp: all data-parallel ranks (``dp_replicate x dp_shard``): expert gradients are divided by it.
-        fp8_dispatch: the forward dispatch all-to-all sends E4M3 + 1x128 scales (``moe/fp8_dispatch.py``,
-            ``distributed.ep_fp8_dispatch``) instead of the activation dtype; the combine stays bf16.
+        fp8_dispatch: the forward dispatch all-to-all sends E4M3 (``moe/fp8_dispatch.py``,
+            ``distributed.ep_fp8_dispatch``; the payload per layer: :func:`dispatch_format`) instead of the
+            activation dtype; the combine stays bf16.
         tp_mesh: the run's 1-D ``tp`` DeviceMesh when ``tp > 1`` (the token rows are split over it), else None.
     """
 
@@ -217,9 +223,14 @@ def tp_rows(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     return _TPRows.apply(hidden, tp_mesh), top_k_index[r * n:(r + 1) * n], _TPRows.apply(top_k_weights, tp_mesh)
 
 
+@torch.compiler.disable
 def ep_experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                        top_k_weights: torch.Tensor) -> torch.Tensor:
     """One MoE layer under expert parallelism (module docstring).
+
+    Runs eagerly inside a compiled block (``torch.compiler.disable``): the split sizes are read on the host and
+    change every step, so a traced version would re-compile on each new split until Dynamo's recompile limit;
+    the row gathers, casts and GEMMs inside are compiled helpers and custom ops of their own.
 
     Args:
         module: a ``Float8GroupedExperts`` after :func:`shard_experts` (``num_experts`` = global E).
@@ -237,6 +248,20 @@ def ep_experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: tor
     return out[:hidden.shape[0]]
 
 
+def dispatch_format(module: nn.Module, device: torch.device) -> str:
+    """How one expert-parallel MoE layer sends its tokens: ``"bf16"`` (no FP8 dispatch), ``"rowwise"`` (E4M3 with
+    one scale per token, fed straight to the fused FP8 experts: ``fp8_dispatch.rowwise_dispatch``) or ``"1x128"``
+    (E4M3 + 1x128 scales, dequantized on arrival for experts that take bf16 rows: ``fp8_dispatch.fp8_all_to_all``).
+
+    Args:
+        module: a ``Float8GroupedExperts`` after :func:`shard_experts`; device: where it runs (the grouped kernel
+            is resolved per device).
+    """
+    if not module.ep_group.fp8_dispatch:
+        return "bf16"
+    return "rowwise" if module.runs_fused(device) else "1x128"
+
+
 def _ep_rows_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
     """:func:`ep_experts_forward` of the token rows this rank dispatches."""
@@ -247,26 +272,29 @@ def _ep_rows_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
     local = e // ep
     t, topk = top_k_index.shape
     ids = top_k_index.reshape(-1).long()
-    order = torch.argsort(ids, stable=True)
-    x_sorted = hidden[order // topk]
+    order = torch.argsort(ids, stable=True)  # pairs sorted by global expert, i.e. by destination rank
+    token_rows = order // topk
+    pair_rows = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     counts = torch.zeros(e, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts, group=group.group)  # [src, local expert] counts for me
     splits = torch.stack([counts.view(ep, local).sum(1), recv_counts.view(ep, local).sum(1)]).tolist()
     send_splits, recv_splits = splits
-    if group.fp8_dispatch:  # E4M3 + 1x128 scales out, the bf16 gradient back (moe/fp8_dispatch.py)
-        recv = fp8_all_to_all(x_sorted, recv_splits, send_splits, group.group)
+    fmt, received = dispatch_format(module, hidden.device), None
+    if fmt == "rowwise":  # E4M3 rows for the fused experts' fprop GEMM, the bf16 gradient back
+        recv, received = rowwise_dispatch(hidden, token_rows, pair_rows, recv_splits, send_splits, group.group)
     else:
-        recv = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, group.group)
+        x_sorted = routing.gather_pairs(hidden, token_rows, pair_rows)
+        if fmt == "1x128":  # E4M3 + 1x128 scales out, dequantized here; the bf16 gradient back
+            recv = fp8_all_to_all(x_sorted, recv_splits, send_splits, group.group)
+        else:
+            recv = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, group.group)
     local_ids = torch.repeat_interleave(torch.arange(local, device=ids.device).repeat(ep), recv_counts)
     # The received row count changes every step. torchao's token-keyed autotuning is made once per process
     # (Float8GroupedExperts.grouped_kernel -> grouped_mm.tune_once_for_all_row_counts; without it every new
     # count re-tunes for seconds). The padded buffer is also bucketed (<= 1/8 extra rows) so that
     # torch.compile and the caching allocator see a few shapes (step times: docs/benchmarks.md).
     d = routing.dispatch(local_ids[:, None], local, rows=routing.bucketed_rows(local_ids.numel(), local, ids.numel()))
-    x = routing.gather(recv, d)
-    h = module._gate(module._linear("gate_up_proj", x, d.offs))
-    y = module._linear("down_proj", h, d.offs)[d.pair_rows]
-    back = all_to_all_single_autograd(y, send_splits, recv_splits, group.group)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return routing.weighted_sum(back[inverse], top_k_weights, hidden.dtype)
+    y = module.local_experts(recv, d, received)  # (P, H) in local-expert order
+    back = all_to_all_single_autograd(routing.pick_rows(y, d.pair_rows), send_splits, recv_splits, group.group)
+    return routing.combine_pairs(back, pair_rows, top_k_weights, hidden.dtype)

@@ -164,8 +164,7 @@ class Float8GroupedExperts(nn.Module):
         """Say once, loudly, that this layer computes its weight gradients in FP8 although ``wgrad`` asks for bf16
         (only the fused whole-MLP path has a bf16 wgrad)."""
         self.__dict__["_wgrad_warned"] = True
-        why = ("expert parallel runs the per-weight path" if self.ep_group is not None
-               else self.fused_problem(device) or "the per-weight path")
+        why = self.fused_problem(device) or "the per-weight path"
         warnings.warn(f"FP8 MoE experts: wgrad = {self.config.wgrad!r} asked for, but this layer's weight gradients "
                       f"run in FP8: {why}", stacklevel=3)
 
@@ -176,6 +175,28 @@ class Float8GroupedExperts(nn.Module):
         if self.fp8_weights != frozenset(WEIGHTS):
             return f"only {sorted(self.fp8_weights)} in FP8 (the fused path needs both weights)"
         return self.gate_problem
+
+    def runs_fused(self, device: torch.device) -> bool:
+        """Whether this layer's experts run the fused rowwise FP8 MLP on ``device`` (:meth:`fused_problem` is None)."""
+        return bool(self.fp8_weights) and self.fused_problem(device) is None
+
+    def local_experts(self, x: torch.Tensor, d: routing.Dispatch, received: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP of this rank's experts on the token rows ``x`` (T, H) dispatched by ``d``: ``(P, H)`` rows in
+        expert order (rows past ``d.offs[-1]`` undefined). The fused rowwise FP8 MLP where :meth:`runs_fused`, else
+        the per-weight grouped GEMMs (each weight FP8 or BF16). ``received``: the rowwise FP8 payload of
+        expert-parallel dispatch, ``x`` then its carrier (``moe/fp8_dispatch.rowwise_dispatch``; fused only)."""
+        if self.runs_fused(x.device):
+            gemm, out_dtype = scaled_grouped_gemm(x.device)
+            return fused_rowwise_experts(x, local_weight(self.gate_up_proj), local_weight(self.down_proj),
+                                         d.gather_idx, d.pair_rows, d.offs, gemm, out_dtype or x.dtype,
+                                         self.config.cache_weights, self.config.wgrad, received=received)
+        if received is not None:
+            raise ValueError("Float8GroupedExperts.local_experts: a rowwise FP8 payload needs the fused FP8 experts "
+                             f"({self.fused_problem(x.device)})")
+        h = routing.gather(x, d)
+        bounds = self._host_bounds(d.offs, x.device)
+        h = self._gate(self._linear("gate_up_proj", h, d.offs, bounds))
+        return self._linear("down_proj", h, d.offs, bounds)
 
     def _gate(self, h: torch.Tensor) -> torch.Tensor:
         src = self.source
@@ -188,16 +209,7 @@ class Float8GroupedExperts(nn.Module):
         if getattr(self, "ep_group", None) is not None:  # expert parallel: moe/expert_parallel.py
             return ep_experts_forward(self, hidden_states, top_k_index, top_k_weights)
         d = routing.dispatch(top_k_index, self.num_experts)
-        if self.fp8_weights and self.fused_problem(hidden_states.device) is None:
-            gemm, out_dtype = scaled_grouped_gemm(hidden_states.device)
-            y = fused_rowwise_experts(hidden_states, local_weight(self.gate_up_proj), local_weight(self.down_proj),
-                                      d.gather_idx, d.pair_rows, d.offs, gemm, out_dtype or hidden_states.dtype,
-                                      self.config.cache_weights, self.config.wgrad)
-            return routing.combine(y, d, top_k_weights, hidden_states.dtype)
-        x = routing.gather(hidden_states, d)
-        bounds = self._host_bounds(d.offs, x.device)
-        h = self._gate(self._linear("gate_up_proj", x, d.offs, bounds))
-        y = self._linear("down_proj", h, d.offs, bounds)
+        y = self.local_experts(hidden_states, d)
         return routing.combine(y, d, top_k_weights, hidden_states.dtype)
 
 

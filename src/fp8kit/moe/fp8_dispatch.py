@@ -1,7 +1,28 @@
-"""FP8 token dispatch for expert parallelism: the forward all-to-all sends E4M3 + 1x128 scales, not bf16.
+"""FP8 token dispatch for expert parallelism: the forward all-to-all sends E4M3, not bf16.
 
 ``distributed.ep_fp8_dispatch = true`` (with ``ep > 1``) replaces the forward dispatch all-to-all of
-``moe/expert_parallel.ep_experts_forward`` by :func:`fp8_all_to_all`:
+``moe/expert_parallel.ep_experts_forward`` by one of two payloads, chosen per MoE layer by what its local experts
+consume (``expert_parallel.dispatch_format``):
+
+``rowwise`` (the local experts run the fused rowwise FP8 MLP, ``moe/fused_experts.py``): :func:`rowwise_dispatch`
+
+```
+forward   hidden (T, H) bf16 --gather_quantize_payload(token of each sorted pair)--> payload (S, H + 16) uint8:
+          per row the H E4M3 bytes and the float32 inv_scale of the rowwise recipe (moe/quantize.py: one
+          power-of-two scale per token row), written by the fused gather + cast kernel the experts' own fprop
+          cast uses (moe/rowwise_quant.py), so the bf16 sorted copy is never written
+          -> all_to_all (uint8) -> received (R, H + 16)
+          -> payload_rows(received, local dispatch index): the fprop GEMM's E4M3 operand and its row scales,
+             gathered into expert order (1 byte per element each way; no unpack, no second cast)
+backward  d(received rows) (R, H) bf16 -> all_to_all back (bf16) -> summed over each token's top-k rows -> dhidden
+          the gate_up wgrad reads the received rows dequantized (dequantize_payload: exact in bf16)
+```
+
+The experts' forward is the same bits as with a bf16 dispatch (the rowwise cast of a token does not depend on
+where it runs; ``tests/test_moe_ep_fp8.py`` checks it), and the token travels in ``H + 16`` bytes instead of
+``2 H`` (0.504x at H = 2048).
+
+``1x128`` (the local experts are BF16 or run another FP8 path): :func:`fp8_all_to_all`
 
 ```
 forward   x (S, H) bf16 -> quantize_1x128 -> q (S, H) E4M3, s (S, H/128) fp32 decoding scales
@@ -10,12 +31,13 @@ forward   x (S, H) bf16 -> quantize_1x128 -> q (S, H) E4M3, s (S, H/128) fp32 de
 backward  dy (R, H) bf16 -> all_to_all back (bf16) -> dx (S, H)
 ```
 
-Bytes per row: ``H + H / 32`` instead of ``2 H`` (0.52x of bf16 for any ``H``). The payload travels as
-``uint8`` (gloo refuses float8 dtypes; NCCL moves the same bytes) and the scales inside the same rows,
-so one collective carries both (one latency instead of two, and no second set of split sizes).
+Bytes per row: ``H + H / 32`` instead of ``2 H`` (0.52x of bf16 for any ``H``); the tokens are dequantized on
+arrival, so the saving is the link's alone (worth it where the link is slow, e.g. EP across nodes).
 
-Quantization (``fp8/blockwise.quantize_1x128``): one float32 scale ``448 / amax`` per 128 consecutive
-elements of a token, the E4M3 rounding to nearest even; ``H`` must be a multiple of 128
+Both payloads travel as ``uint8`` (gloo refuses float8 dtypes; NCCL moves the same bytes) with the scales
+inside the same rows, so one collective carries both (one latency instead of two, and no second set of split
+sizes). 1x128 quantization (``fp8/blockwise.quantize_1x128``): one float32 scale ``448 / amax`` per 128
+consecutive elements of a token, the E4M3 rounding to nearest even; ``H`` must be a multiple of 128
 (:func:`check_dispatch_hidden` refuses others at set-up).
 
 Gradient: a straight-through estimator. The quantize-dequantize step ``Q(x)`` is treated as the identity,
@@ -31,9 +53,13 @@ from __future__ import annotations
 
 import torch
 
+from fp8kit.base.cuda_compile import compiled_on_cuda
 from fp8kit.base.errors import ConfigError
 from fp8kit.base.triton_lib import triton_module
 from fp8kit.fp8.blockwise import BLOCK, FP8, dequantize_rows, quantize_1x128
+from fp8kit.moe import rowwise_quant as rq
+from fp8kit.moe.quantize import quantize_rows
+from fp8kit.moe.routing import sum_token_rows
 
 #: bytes of one float32 decoding scale
 SCALE_BYTES = 4
@@ -162,3 +188,112 @@ def fp8_all_to_all(x: torch.Tensor, recv_splits: list[int], send_splits: list[in
         goes back through the reverse all-to-all in the gradient's dtype (straight-through).
     """
     return _FP8Dispatch.apply(x, list(recv_splits), list(send_splits), group)
+
+
+# --------------------------------------------------------------------------- rowwise payload (fused FP8 experts)
+
+
+class _RowwiseDispatch(torch.autograd.Function):
+    """Forward: fused gather + rowwise cast into the payload -> all-to-all. Outputs ``(carrier, received)``:
+    ``received`` the uint8 payload rows (not differentiable), ``carrier`` a ``(R, H)`` stand-in of the received
+    tokens that holds no memory (an expanded zero) and only carries their gradient back: the consumer
+    (``fused_experts`` with ``received=``) reads the payload, never the carrier's values, and returns the
+    gradient of the received rows as the carrier's. Backward: that gradient back through the reverse all-to-all
+    (bf16, straight-through) and summed over each token's top-k rows."""
+
+    @staticmethod
+    def forward(ctx, hidden, token_rows, pair_rows, recv_splits, send_splits, group):
+        ctx.splits, ctx.group, ctx.tokens = (recv_splits, send_splits), group, hidden.shape[0]
+        ctx.save_for_backward(pair_rows)
+        received = _exchange(rq.gather_quantize_payload(hidden, token_rows), recv_splits, send_splits, group)
+        ctx.mark_non_differentiable(received)
+        return hidden.new_zeros(()).expand(received.shape[0], hidden.shape[1]), received
+
+    @staticmethod
+    def backward(ctx, d_carrier, _d_received):
+        (pair_rows,) = ctx.saved_tensors
+        recv_splits, send_splits = ctx.splits
+        d_sorted = _exchange(d_carrier, send_splits, recv_splits, ctx.group)
+        dhidden = sum_token_rows(d_sorted, pair_rows, ctx.tokens, d_carrier.dtype)
+        return dhidden, None, None, None, None, None
+
+
+def rowwise_dispatch(hidden: torch.Tensor, token_rows: torch.Tensor, pair_rows: torch.Tensor,
+                     recv_splits: list[int], send_splits: list[int], group) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dispatch all-to-all with the rowwise E4M3 payload (module docstring, ``rowwise``).
+
+    Args:
+        hidden: ``(T, H)`` this rank's tokens (bf16 on CUDA), ``H`` a multiple of 16.
+        token_rows: ``(S,)`` int64 token of each sorted (token, expert) pair, pairs sorted by destination rank.
+        pair_rows: ``(S,)`` int64 sorted row of each pair in ``top_k_index.reshape(-1)`` order (the inverse of the
+            sort): the gradient of token ``t`` sums rows ``pair_rows[t * topk : (t + 1) * topk]``.
+        recv_splits / send_splits: rows received from / sent to each rank of ``group`` (the EP process group).
+
+    Returns:
+        ``(carrier (R, H) of hidden's dtype, received (R, H + 16) uint8)``, ``R = sum(recv_splits)``: pass both to
+        ``fused_rowwise_experts(carrier, ..., received=received)``. The gradient of ``carrier`` reaches ``hidden``
+        (straight-through, bf16 reverse all-to-all).
+    """
+    return _RowwiseDispatch.apply(hidden, token_rows, pair_rows, list(recv_splits), list(send_splits), group)
+
+
+def _zero_row_inv_bits() -> int:
+    """The int32 bits of the ``inv_scale`` that the rowwise recipe gives an all-zero row (``gather_quantize_rows``'s
+    padding rows), so that :func:`payload_rows` pads with the same bits."""
+    return int(quantize_rows(torch.zeros(1, 16))[1].view(torch.int32).item())
+
+
+_ZERO_INV_BITS = _zero_row_inv_bits()
+
+
+@compiled_on_cuda
+def _gather_words(words: torch.Tensor, index: torch.Tensor, hidden_words: int, zero_inv: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    valid = index < words.shape[0]
+    rows = words[torch.where(valid, index, 0)]
+    q = torch.where(valid[:, None], rows[:, :hidden_words], 0)
+    inv = torch.where(valid, rows[:, hidden_words], zero_inv)
+    return q, inv
+
+
+def payload_rows(received: torch.Tensor, index: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fprop operand of the fused experts from a rowwise payload: rows gathered into expert order.
+
+    Args:
+        received: ``(R, H + 16)`` uint8 rowwise payload (:func:`rowwise_dispatch`).
+        index: ``(P,)`` int64 payload row of each output row, ``R`` meaning a zero row
+            (``routing.Dispatch.gather_idx`` of the local dispatch).
+        hidden: ``H``.
+
+    Returns:
+        ``(q (P, H) E4M3 row-major, inv_scale (P,) float32)``: equal bit for bit to
+        ``rowwise_quant.gather_quantize_rows(tokens, index)`` of the tokens the payload was made from (zero rows
+        included). One gather of 32-bit words (compiled on CUDA).
+    """
+    rq.payload_views(received, hidden)  # checks the layout
+    words = received.view(torch.int32)
+    q, inv = _gather_words(words, index, hidden // 4, _ZERO_INV_BITS)
+    return q.view(FP8), inv.view(torch.float32)
+
+
+@compiled_on_cuda
+def _dequantize(q: torch.Tensor, inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * inv[:, None]).to(dtype)
+
+
+def dequantize_payload(received: torch.Tensor, hidden: int, dtype: torch.dtype,
+                       index: torch.Tensor | None = None) -> torch.Tensor:
+    """The tokens of a rowwise payload as ``q * inv_scale`` (float32, exact: power-of-two scales) in ``dtype``.
+
+    Args:
+        received: ``(R, H + 16)`` uint8 rowwise payload; hidden: ``H``.
+        index: optional ``(P,)`` rows to gather first (``R`` = a zero row), as :func:`payload_rows`.
+
+    Returns:
+        ``(R, H)``, or ``(P, H)`` with ``index``, of ``dtype``.
+    """
+    if index is None:
+        q, inv = rq.payload_views(received, hidden)
+    else:
+        q, inv = payload_rows(received, index, hidden)
+    return _dequantize(q, inv, dtype)

@@ -24,6 +24,11 @@ token gradient                ``dx[pair_rows]`` summed over the top-k (a gather)
 
 The output gradient's rowwise casts (dgrad of both GEMMs) use ``gather_quantize_rows`` with the identity index.
 
+Under expert parallelism with FP8 dispatch (``received=``, ``moe/fp8_dispatch.rowwise_dispatch``) the tokens arrive
+already cast by the same kernel on the sending rank: the dispatch + x cast step becomes a gather of their E4M3
+bytes and scales (``fp8_dispatch.payload_rows``, the same bits), and the gate_up wgrad reads the received tokens
+dequantized (exact in bf16: power-of-two scales).
+
 With ``wgrad="bf16"`` (torchao's ``rowwise_with_gw_hp`` recipe: fprop and dgrad in FP8, wgrad in high precision)
 both weight gradients are ``torch._grouped_mm`` on the bf16 operands instead: no per-(expert, column) casts of
 ``dy, a, dh, x`` (the two ``quantize_group_cols_dual`` launches) for a bf16 wgrad GEMM, the tokens gathered once
@@ -49,6 +54,7 @@ import torch
 
 from fp8kit.base.cuda_compile import compiled_on_cuda
 from fp8kit.moe import rowwise_quant as rq
+from fp8kit.moe.fp8_dispatch import dequantize_payload, payload_rows
 from fp8kit.moe.grouped_mm import resolve_wgrad
 from fp8kit.moe.routing import gather_rows, sum_token_rows
 
@@ -74,8 +80,13 @@ def _rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class _FusedRowwiseMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, w_up, w_down, gather_idx, pair_rows, offs, gemm, out_dtype, cached, wgrad_fp8):
-        xq, xs = rq.gather_quantize_rows(hidden, gather_idx)
+    def forward(ctx, hidden, w_up, w_down, gather_idx, pair_rows, offs, gemm, out_dtype, cached, wgrad_fp8, received):
+        if received is None:
+            xq, xs = rq.gather_quantize_rows(hidden, gather_idx)
+            x_src = hidden
+        else:  # expert-parallel FP8 dispatch: already cast on the sending rank (hidden is its carrier)
+            xq, xs = payload_rows(received, gather_idx, hidden.shape[1])
+            x_src = received
         if cached is None:
             up_f, up_fs, up_d, up_ds = rq.quantize_experts_dual(w_up)
             down_f, down_fs, down_d, down_ds = rq.quantize_experts_dual(w_down)
@@ -84,16 +95,18 @@ class _FusedRowwiseMLP(torch.autograd.Function):
         h = gemm(xq, up_f, xs, up_fs, offs, out_dtype)
         a, aq, as_ = rq.swiglu_quantize_rows(h)
         y = gemm(aq, down_f, as_, down_fs, offs, out_dtype)
-        ctx.save_for_backward(hidden, gather_idx, pair_rows, offs, h, a, up_d, up_ds, down_d, down_ds)
+        ctx.save_for_backward(x_src, gather_idx, pair_rows, offs, h, a, up_d, up_ds, down_d, down_ds)
         ctx.gemm, ctx.out_dtype, ctx.wgrad_fp8 = gemm, out_dtype, wgrad_fp8
         ctx.dtypes = (hidden.dtype, w_up.dtype, w_down.dtype)
+        ctx.tokens, ctx.received = hidden.shape, received is not None
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        hidden, gather_idx, pair_rows, offs, h, a, up_d, up_ds, down_d, down_ds = ctx.saved_tensors
+        x_src, gather_idx, pair_rows, offs, h, a, up_d, up_ds, down_d, down_ds = ctx.saved_tensors
         gemm, out_dtype = ctx.gemm, ctx.out_dtype
         x_dtype, up_dtype, down_dtype = ctx.dtypes
+        (tokens, hdim), received = ctx.tokens, ctx.received
         dy = dy.to(a.dtype).contiguous()
         # down_proj: dgrad and wgrad
         dyq, dys = _rows(dy)
@@ -109,13 +122,16 @@ class _FusedRowwiseMLP(torch.autograd.Function):
         dhq, dhs = _rows(dh)
         dx_rows = gemm(dhq, up_d, dhs, up_ds, offs, out_dtype)
         if ctx.wgrad_fp8:
-            ht, hts, xc, xcs = rq.quantize_group_cols_dual(dh, hidden, offs, index_x=gather_idx)
+            x = dequantize_payload(x_src, hdim, x_dtype) if received else x_src
+            ht, hts, xc, xcs = rq.quantize_group_cols_dual(dh, x, offs, index_x=gather_idx)
             dw_up = gemm(ht, xc, hts, xcs, offs, out_dtype)
+        elif received:
+            dw_up = wgrad_high_precision(dh, dequantize_payload(x_src, hdim, dh.dtype, index=gather_idx), offs)
         else:
-            dw_up = wgrad_high_precision(dh, gather_rows(hidden.to(dh.dtype), gather_idx), offs)
+            dw_up = wgrad_high_precision(dh, gather_rows(x_src.to(dh.dtype), gather_idx), offs)
         # tokens: the sum of each token's top-k rows (rows past the last group are never picked)
-        dhidden = sum_token_rows(dx_rows, pair_rows, hidden.shape[0], x_dtype)
-        return dhidden, dw_up.to(up_dtype), dw_down.to(down_dtype), None, None, None, None, None, None, None
+        dhidden = sum_token_rows(dx_rows, pair_rows, tokens, x_dtype)
+        return dhidden, dw_up.to(up_dtype), dw_down.to(down_dtype), None, None, None, None, None, None, None, None
 
 
 def wgrad_high_precision(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -135,7 +151,7 @@ def wgrad_high_precision(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -
 def fused_rowwise_experts(
     hidden: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, gather_idx: torch.Tensor,
     pair_rows: torch.Tensor, offs: torch.Tensor, gemm: GemmFn, out_dtype: torch.dtype, cache_weights: bool = True,
-    wgrad: str = "auto",
+    wgrad: str = "auto", received: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The expert MLP of the dispatched tokens in rowwise FP8 with fused quantization (module docstring).
 
@@ -151,6 +167,9 @@ def fused_rowwise_experts(
         wgrad: ``"fp8"`` (every GEMM in FP8), ``"bf16"`` (the weight gradients' GEMMs in the activations'
             dtype, without their casts; module docstring) or ``"auto"`` (``grouped_mm.resolve_wgrad``: bf16 for
             narrow experts).
+        received: the rowwise FP8 payload of expert-parallel dispatch (``fp8_dispatch.rowwise_dispatch``), whose
+            rows are the tokens: ``hidden`` is then its ``(R, H)`` carrier (values never read; its gradient is
+            the received rows' gradient) and ``gather_idx`` indexes the payload rows.
 
     Returns:
         (P, H) expert outputs in expert order, in ``out_dtype`` (rows past ``offs[-1]`` undefined on CUDA);
@@ -166,7 +185,7 @@ def fused_rowwise_experts(
                          f"down_proj {tuple(w_down.shape)} are not (T, H), (E, 2I, H), (E, H, I)")
     cached = _cached_weights(w_up, w_down) if cache_weights else None
     return _FusedRowwiseMLP.apply(hidden, w_up, w_down, gather_idx, pair_rows, offs, gemm, out_dtype, cached,
-                                  wgrad == "fp8")
+                                  wgrad == "fp8", received)
 
 
 @torch.compiler.disable

@@ -212,7 +212,20 @@ class _Combine(torch.autograd.Function):
 def gather(hidden: torch.Tensor, d: Dispatch) -> torch.Tensor:
     """(T, H) tokens -> (P, H) padded expert-sorted rows (padding rows are zeros). Differentiable; the gradient
     of a token is the float32 sum of its rows' gradients (``_GatherRows``)."""
-    return _GatherRows.apply(hidden, d.gather_idx, d.pair_rows)
+    return gather_pairs(hidden, d.gather_idx, d.pair_rows)
+
+
+def gather_pairs(hidden: torch.Tensor, gather_idx: torch.Tensor, pair_rows: torch.Tensor) -> torch.Tensor:
+    """:func:`gather` with the index pair given directly: ``hidden[gather_idx]`` (``T`` = a zero row), differentiable,
+    the gradient of token ``t`` the float32 sum of rows ``pair_rows[t * topk : (t + 1) * topk]``. Expert parallelism
+    sorts its pairs by rank this way (``moe/expert_parallel.py``)."""
+    return _GatherRows.apply(hidden, gather_idx, pair_rows)
+
+
+def pick_rows(rows: torch.Tensor, pair_rows: torch.Tensor) -> torch.Tensor:
+    """``rows[pair_rows]`` (each row picked at most once), differentiable with a gradient written row by row
+    (``index_copy_``) instead of autograd's sorting, accumulating ``index_put``."""
+    return _PairRows.apply(rows, pair_rows)
 
 
 def combine(rows: torch.Tensor, d: Dispatch, top_k_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -226,9 +239,16 @@ def combine(rows: torch.Tensor, d: Dispatch, top_k_weights: torch.Tensor, out_dt
     bf16 autocast): zero gradients for the experts, router and norm of a Qwen3-MoE block, H100, torch 2.11,
     2026-11-25; root cause not found; ``tests/test_moe_fused_gpu.py::test_compiled_block_gradients_equal_eager``.)
     """
+    return combine_pairs(rows, d.pair_rows, top_k_weights, out_dtype)
+
+
+def combine_pairs(rows: torch.Tensor, pair_rows: torch.Tensor, top_k_weights: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`combine` with the pairs' rows given directly: ``(P, H)`` rows, ``pair_rows`` (S,) the row of each
+    pair in ``top_k_index.reshape(-1)`` order (each row used at most once) -> (T, H)."""
     if torch.compiler.is_compiling():
-        return weighted_sum(_PairRows.apply(rows, d.pair_rows), top_k_weights, out_dtype)
-    return _Combine.apply(rows, d.pair_rows, top_k_weights, out_dtype)
+        return weighted_sum(_PairRows.apply(rows, pair_rows), top_k_weights, out_dtype)
+    return _Combine.apply(rows, pair_rows, top_k_weights, out_dtype)
 
 
 def weighted_sum(pair_rows: torch.Tensor, top_k_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

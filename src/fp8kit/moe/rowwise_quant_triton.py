@@ -82,15 +82,15 @@ def _gather_chunk(src_ptr, src_row, valid, c0, K, stride_src, BLOCK_K: tl.conste
 
 
 @triton.jit
-def _store_rows(q_ptr, x, scale, rows, pmask, c0, K, FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr):
+def _store_rows(q_ptr, x, scale, rows, pmask, c0, K, stride_q, FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr):
     cols = c0 + tl.arange(0, BLOCK_K)
     mask = pmask[:, None] & (cols < K)[None, :]
-    tl.store(q_ptr + rows[:, None] * K + cols[None, :], _cast(x, scale[:, None], FP8_MAX), mask=mask)
+    tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], _cast(x, scale[:, None], FP8_MAX), mask=mask)
 
 
 @triton.jit
 def _gather_rows_kernel(
-    src_ptr, idx_ptr, q_ptr, inv_ptr, T, P, K, stride_src,
+    src_ptr, idx_ptr, q_ptr, inv_ptr, T, P, K, stride_src, stride_q, stride_inv,
     ROWS: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
     EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
@@ -102,7 +102,7 @@ def _gather_rows_kernel(
     if CHUNKS == 1:
         x = _gather_chunk(src_ptr, src_row, valid, 0, K, stride_src, BLOCK_K)
         scale = _pow2_scale(tl.max(tl.abs(x), axis=1), EPS, AMAX_MAX, FP8_MAX)
-        _store_rows(q_ptr, x, scale, rows, pmask, 0, K, FP8_MAX, BLOCK_K)
+        _store_rows(q_ptr, x, scale, rows, pmask, 0, K, stride_q, FP8_MAX, BLOCK_K)
     else:
         amax = tl.zeros((ROWS,), tl.float32)
         for c in range(CHUNKS):
@@ -111,8 +111,8 @@ def _gather_rows_kernel(
         scale = _pow2_scale(amax, EPS, AMAX_MAX, FP8_MAX)
         for c in range(CHUNKS):
             x = _gather_chunk(src_ptr, src_row, valid, c * BLOCK_K, K, stride_src, BLOCK_K)
-            _store_rows(q_ptr, x, scale, rows, pmask, c * BLOCK_K, K, FP8_MAX, BLOCK_K)
-    tl.store(inv_ptr + offs_p, _inv(scale), mask=pmask)
+            _store_rows(q_ptr, x, scale, rows, pmask, c * BLOCK_K, K, stride_q, FP8_MAX, BLOCK_K)
+    tl.store(inv_ptr + rows * stride_inv, _inv(scale), mask=pmask)
 
 
 @triton.jit
@@ -150,7 +150,7 @@ def _swiglu_rows_kernel(
     if CHUNKS == 1:
         a = _swiglu_chunk(h_ptr, a_ptr, rows, pmask, 0, INTER, stride_h, True, INTERLEAVED, ROWS, BLOCK_K)
         scale = _pow2_scale(tl.max(tl.abs(a), axis=1), EPS, AMAX_MAX, FP8_MAX)
-        _store_rows(q_ptr, a, scale, rows, pmask, 0, INTER, FP8_MAX, BLOCK_K)
+        _store_rows(q_ptr, a, scale, rows, pmask, 0, INTER, INTER, FP8_MAX, BLOCK_K)
     else:
         amax = tl.zeros((ROWS,), tl.float32)
         for c in range(CHUNKS):
@@ -160,7 +160,7 @@ def _swiglu_rows_kernel(
         for c in range(CHUNKS):
             a = _swiglu_chunk(h_ptr, a_ptr, rows, pmask, c * BLOCK_K, INTER, stride_h, False, INTERLEAVED, ROWS,
                               BLOCK_K)
-            _store_rows(q_ptr, a, scale, rows, pmask, c * BLOCK_K, INTER, FP8_MAX, BLOCK_K)
+            _store_rows(q_ptr, a, scale, rows, pmask, c * BLOCK_K, INTER, INTER, FP8_MAX, BLOCK_K)
     tl.store(inv_ptr + offs_p, _inv(scale), mask=pmask)
 
 
@@ -171,22 +171,26 @@ def _row_blocks(k: int) -> tuple[int, int, int, int]:
     return rows, block_k, triton.cdiv(k, block_k), 8 if block_k >= 4096 else 4
 
 
-def gather_quantize_rows(src: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_quantize_rows(src: torch.Tensor, index: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`fp8kit.moe.rowwise_quant.gather_quantize_rows_ref` (same bits).
 
     Args:
         src: CUDA ``(T, K)`` float tensor, unit stride along K.
         index: CUDA ``(P,)`` contiguous int64 / int32, values in ``[0, T]`` (unchecked).
+        out: ``(q (P, K) E4M3, inv (P,) float32)`` to write into, each row of ``q`` contiguous and any row strides
+            (the rowwise dispatch payload: both are views of one uint8 buffer); default new contiguous tensors.
     """
     t, k = src.shape
     p = index.shape[0]
-    q = torch.empty(p, k, dtype=FP8, device=src.device)
-    inv = torch.empty(p, dtype=torch.float32, device=src.device)
+    if out is None:
+        out = (torch.empty(p, k, dtype=FP8, device=src.device), torch.empty(p, dtype=torch.float32, device=src.device))
+    q, inv = out
     if t == 0:  # every index is the zero row: give the kernel one real row to point at
         src = src.new_zeros(1, k)
     rows, block_k, chunks, warps = _row_blocks(k)
     _gather_rows_kernel[(triton.cdiv(p, rows),)](
-        src, index, q, inv, t, p, k, src.stride(0),
+        src, index, q, inv, t, p, k, src.stride(0), q.stride(0), inv.stride(0),
         ROWS=rows, BLOCK_K=block_k, CHUNKS=chunks, num_warps=warps, **_KW)
     return q, inv
 

@@ -7,6 +7,7 @@ reports, metrics, summary) and prints. Distributed checkpoints are written by al
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,8 +198,27 @@ def _parallel_desc(setup: Setup) -> str:
         desc += f", FP8 {p['grad_reduce_scatter'].upper()} gradient reduce-scatter"
     d = setup.cfg.distributed
     if d.ep > 1:  # the precision of the MoE token dispatch (moe/fp8_dispatch.py); the combine is bf16
-        desc += f", EP dispatch: {'fp8 (E4M3 + 1x128 scales)' if d.ep_fp8_dispatch else 'bf16'}"
+        desc += f", EP dispatch: {_dispatch_desc(setup)}"
     return desc
+
+
+_DISPATCH_WORDS = {"bf16": "bf16", "1x128": "E4M3 + 1x128 scales",
+                   "rowwise": "E4M3 rowwise, straight into the FP8 experts"}
+
+
+def _dispatch_desc(setup: Setup) -> str:
+    """The token dispatch of the expert-parallel layers at the start of training (``expert_parallel.dispatch_format``
+    per layer), e.g. ``fp8 (E4M3 + 1x128 scales)``, or each format with its layer count when they differ."""
+    from fp8kit.moe.expert_parallel import dispatch_format
+
+    formats = Counter(dispatch_format(m, setup.device) for m in setup.model.modules()
+                      if getattr(m, "ep_group", None) is not None)
+    if set(formats) <= {"bf16"}:
+        return "bf16"
+    if len(formats) == 1:
+        return f"fp8 ({_DISPATCH_WORDS[next(iter(formats))]})"
+    parts = [f"{_DISPATCH_WORDS[f]}: {n} layer{'s' * (n != 1)}" for f, n in sorted(formats.items())]
+    return f"fp8 ({'; '.join(parts)})"
 
 
 def _model_desc(cfg: RunConfig) -> str:
