@@ -68,7 +68,12 @@ def test_rowwise_payload_holds_the_experts_fprop_cast_and_regathers_it_bit_for_b
     fprop cast computes (``gather_quantize_rows``), and the receiver's gather into expert order (padding rows
     included) gives the same bits as casting on the receiving rank; dequantized it is exact in bf16."""
     from fp8kit.moe.fp8_dispatch import dequantize_payload, payload_rows
-    from fp8kit.moe.rowwise_quant import gather_quantize_payload, gather_quantize_rows, payload_row_bytes, payload_views
+    from fp8kit.moe.rowwise_quant import (
+        gather_quantize_payload,
+        gather_quantize_rows,
+        payload_row_bytes,
+        payload_views,
+    )
 
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(41, HIDDEN, generator=g) * 4).to(torch.bfloat16)
