@@ -1,4 +1,4 @@
-"""``train.async_loss`` (the default): a plain step's loss is read after the next step is queued, with the same
+"""``train.async_loss`` (opt-in): a plain step's loss is read after the next step is queued, with the same
 numbers as reading it at once; evaluation / checkpoint / last steps are read at once; a non-finite loss still
 stops the run at its own step. Real CPU runs of the small model (``tests/conftest.py``)."""
 
@@ -41,7 +41,7 @@ def _run(small_run, tmp_path, name, monkeypatch, *extra):
 
 def test_async_loss_defers_plain_steps_and_changes_no_number(small_run, tmp_path, monkeypatch):
     sync, sync_order = _run(small_run, tmp_path, "sync", monkeypatch, "train.async_loss=false")
-    late, late_order = _run(small_run, tmp_path, "async", monkeypatch)
+    late, late_order = _run(small_run, tmp_path, "async", monkeypatch, "train.async_loss=true")
     for a, b in zip(sync, late, strict=True):
         for k in KEYS:
             assert a.get(k) == b.get(k), f"step {a['step']}: {k} {a.get(k)} (sync) vs {b.get(k)} (async)"
@@ -67,7 +67,7 @@ def test_async_loss_still_stops_at_the_non_finite_step(small_run, tmp_path):
     """NaN weights after step index 5 give a NaN loss at step 7, a deferred step: the run stops reporting step 7
     (step 8's update is dropped with the run), as the synchronous loop does."""
     cfg = load_config(None, [*small_run, "train.steps=12", "train.eval_every=0", "train.checkpoint_every=0",
-                             "train.final_checkpoint=false", "train.lr=1e-3"])
+                             "train.final_checkpoint=false", "train.lr=1e-3", "train.async_loss=true"])
     with pytest.raises(TrainingDiverged, match="at step 7"):
         train(cfg, tmp_path / "run", fault=LrSpike(5, math.inf))
     m = read_metrics(tmp_path / "run" / "metrics.jsonl", events=True)

@@ -333,10 +333,13 @@ class DistributedConfig(ConfigModel):
     )
     ep_fp8_dispatch: bool = Field(
         False,
-        description="With ep > 1, send the tokens through the forward dispatch all-to-all as E4M3 plus one "
-        "float32 scale per 128 elements (about 0.52x the bytes of bf16; the hidden size must be a multiple of "
-        "128), dequantized on arrival; the gradient returns in bf16 (straight-through) and the combine stays "
-        "bf16, as in DeepSeek-V3. No effect (a warning) with ep = 1.",
+        description="With ep > 1, send the tokens through the forward dispatch all-to-all in E4M3: to FP8 experts "
+        "on the fused rowwise path as their own fprop cast (one power-of-two scale per token, 0.504x the bytes of "
+        "bf16 at hidden 2048), gathered straight into their GEMM on arrival, with the same forward bits as a bf16 "
+        "dispatch; to other experts as E4M3 plus one float32 scale per 128 elements (0.516x), dequantized on "
+        "arrival. The hidden size must be a multiple of 128. The gradient returns in bf16 (straight-through) and "
+        "the combine stays bf16, as in DeepSeek-V3. Measured on 2 x H100 (NVLink): the whole dispatch 0.49-0.51x "
+        "the time of bf16's. No effect (a warning) with ep = 1.",
     )
     fp8_reduce_scatter: Literal["off", "e5m2", "e4m3"] = Field(
         "off",

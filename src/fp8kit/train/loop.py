@@ -8,7 +8,7 @@ One optimizer step (``grad_accum`` micro-batches)::
     optimizer.step(); scheduler.step(); zero_grad
     loss.item()                             # the one host sync of the step; time is taken after it
 
-With ``train.async_loss`` (the default) the sync of a plain step waits until the next step is queued: the host
+With ``train.async_loss`` (off by default: no measured gain, docs/benchmarks.md section 6) the sync of a plain step waits until the next step is queued: the host
 fetches the next batch and launches its kernels while the GPU finishes this step, and the step's record,
 divergence check and log line follow one step late. Evaluation, checkpoint, FP8-stats and last steps are read
 at once (their saves and rollback points follow their own checks). A deferred step's time is the interval between
