@@ -306,3 +306,64 @@ def test_cpu_train_records_the_fallback(small_run, tmp_path):
     header = json.loads((tmp_path / "run" / "conversion_report.json").read_text())["header"]
     assert header["selective_fp8"] == "auto" and "static rules decide" in header["warnings"], header
     assert "selective_fp8 = auto: not measured, static rules" in res.summary["fp8_sites"], res.summary["fp8_sites"]
+
+
+def test_experts_running_the_fused_mlp_are_one_unit_timed_and_decided_together():
+    """With the fused rowwise FP8 MLP (``fused_experts``), both expert weights of a layer are one ``experts.mlp``
+    unit whose shape is the gated MLP (gate_up (H, 2I) -> down (I, H)) at the routed pairs; without it, or when
+    only one weight is a candidate, or when the experts' gate is not the fused one, each weight is its own unit.
+    A measured table then decides both weights alike."""
+    sites = _tiny_sites("tiny-moe", layers=2)
+    options = _auto_options(tokens=32)
+    fp8 = [d.site for d in decide(sites, options) if d.is_fp8]
+    kw = dict(tp=1, num_tokens=options.auto.num_tokens, topk=2)
+    units = auto_units(fp8, ep=1, fused_experts=True, **kw)
+    mlp = [u for u in units if u.name == "experts.mlp"]
+    assert len(mlp) == 2 and all(len(u.fqns) == 2 for u in mlp), [(u.name, u.fqns) for u in units]
+    shape = mlp[0].shape
+    assert shape.mlp and shape.gemms == ((256, 256), (128, 256)) and shape.num_tokens == 64 and shape.num_gemms == 8
+    assert shape.describe() == "8 experts, 64 pairs: MLP 256x256 -> 128x256", shape.describe()
+    assert auto_units(fp8, ep=2, fused_experts=True, **kw)[-1].shape.num_gemms == 4
+    assert not any(u.shape.mlp for u in auto_units(fp8, ep=1, **kw))  # per weight: experts.fc1 / experts.fc2
+    one = [s for s in fp8 if not s.fqn.endswith("layers.0.mlp.experts.down_proj")]
+    names = [u.name for u in auto_units(one, ep=1, fused_experts=True, **kw) if "experts" in u.name]
+    assert names == ["experts.fc1", "experts.mlp"], names
+    custom = [replace(s, fused_mlp=False) if s.is_grouped_weight and ".0." in s.fqn else s for s in fp8]
+    names = [u.name for u in auto_units(custom, ep=1, fused_experts=True, **kw) if "experts" in u.name]
+    assert names == ["experts.fc1", "experts.fc2", "experts.mlp"], names
+    assert shape.to_dict()["mlp"] is True and "mlp" not in AutoShape(((2, 4),), 8, 2).to_dict()  # old keys stay
+
+    table = {u.shape: Timing(1.0, 2.0) for u in units}  # FP8 slower everywhere ...
+    table[shape] = Timing(2.0, 1.0)  # ... but the expert MLP
+    auto = replace(options.auto, timings=table, fused_experts=True, topk=2)
+    decided = {d.fqn: d for d in decide(sites, replace(options, auto=auto))}
+    experts = [d for f, d in decided.items() if ".experts." in f]
+    assert len(experts) == 4 and all(d.is_fp8 and d.rule == "auto" for d in experts), \
+        [(d.fqn, d.precision, d.reason) for d in experts]
+    assert "2.00x" in experts[0].reason and "64 pairs" in experts[0].reason, experts[0].reason
+
+
+def test_fused_expert_mlp_is_measured_on_cpu_and_its_wgrad_is_part_of_the_cache_key(tmp_path):
+    """The measured path with ``fp8.grouped_kernel = fused`` (the fused MLP, emulated GEMMs on the CPU): one
+    ``experts.mlp`` row timed by ``bench/experts_timer.py``, both weights decided by it; another
+    ``fp8.grouped_wgrad`` is another measurement (it changes what is timed)."""
+    from fp8kit.bench.auto import measure_and_decide
+
+    def run(wgrad: str):
+        cfg = load_config(None, ["model.preset=tiny-moe", "model.num_layers=1", "data.vocab_size=1024",
+                                 "data.seq_length=16", "train.micro_batch_size=2", "train.compile=false",
+                                 f"data.cache_dir={tmp_path}", "fp8.grouped_kernel=fused", f"fp8.grouped_wgrad={wgrad}"])
+        sites = find_sites(build_model(cfg.model, 1024, device="meta"))
+        options = options_from_config(cfg, build_hf_config(cfg.model, 1024))
+        return measure_and_decide(cfg, sites, decide(sites, options), options, CPU, AutoCache(tmp_path),
+                                  warmup=0, iters=1)
+
+    out = run("auto")
+    rows = [r for r in out.info["rows"] if "experts" in r["shape"]]
+    assert len(rows) == 1 and rows[0]["units"] == "experts.mlp" and rows[0]["error"] is None, out.info["rows"]
+    assert rows[0]["shape"] == "8 experts, 64 pairs: MLP 256x256 -> 128x256" and rows[0]["bf16_ms"] > 0
+    experts = [d for d in out.decisions if d.site.is_grouped_weight]
+    assert len(experts) == 2 and len({d.precision for d in experts}) == 1 and all(d.rule == "auto" for d in experts)
+    assert run("auto").info["measured"] == 0, "the second start-up must read the cache"
+    again = run("fp8").info
+    assert again["measured"] == 1 and again["cached"] == again["shapes"] - 1, again

@@ -76,3 +76,30 @@ def test_grouped_expert_shape_is_timed_through_the_fp8_grouped_gemm(tmp_path):
     t = m.timings[shape]
     print(f"grouped {shape.describe()}: bf16 {t.bf16_ms} ms, fp8 {t.fp8_ms} ms, {t.speedup}x, error {t.error}")
     assert m.measured == 1 and t.error is None and t.bf16_ms > 0 and t.fp8_ms > 0, t
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs a Hopper GPU (the fused FP8 experts)")
+def test_expert_mlp_unit_is_timed_through_the_fused_fp8_mlp(tmp_path):
+    """Qwen3-30B-A3B's experts as one ``experts.mlp`` unit (what ``auto`` times where the fused kernel runs): 16384
+    tokens x top-8 = 131072 routed pairs over 128 experts, fused rowwise FP8 (default wgrad) vs BF16 grouped GEMMs,
+    compiled; the Qwen3 preset's ``auto`` start-up then has one MLP row per distinct expert shape."""
+    from fp8kit.moe.grouped_mm import GroupedGemmConfig
+
+    shape = AutoShape(((2048, 1536), (768, 2048)), 16384 * 8, 128, mlp=True)
+    m = measure_shapes([(shape, "experts.mlp")], recipe="tensorwise", device=torch.device("cuda"), tp=1, ep=1,
+                       cache=AutoCache(tmp_path), compile=True, grouped=GroupedGemmConfig())
+    t = m.timings[shape]
+    print(f"expert MLP {shape.describe()}: bf16 {t.bf16_ms} ms, fp8 {t.fp8_ms} ms, {t.speedup}x, error {t.error}")
+    assert m.measured == 1 and t.error is None and t.bf16_ms > 0 and t.fp8_ms > 0, t
+    cfg = load_config(None, ["model.preset=qwen3-30b-a3b", "model.num_layers=2", "data.seq_length=4096",
+                             "train.micro_batch_size=4", "train.compile=true", f"data.cache_dir={tmp_path}"])
+    sites = find_sites(build_model(cfg.model, cfg.data.vocab_size, device="meta"))
+    options = options_from_config(cfg, build_hf_config(cfg.model, cfg.data.vocab_size))
+    out = resolve_auto(cfg, sites, decide(sites, options), options, torch.device("cuda"), emulated=False)
+    print_auto_table(out.info)
+    rows = [r for r in out.info["rows"] if "experts" in r["shape"]]
+    assert [r["units"] for r in rows] == ["experts.mlp"] and "MLP 2048x1536 -> 768x2048" in rows[0]["shape"], rows
+    assert rows[0]["source"] == "cache", rows  # the shape timed above, at the same 131072 pairs
+    experts = [d for d in out.decisions if d.site.is_grouped_weight]
+    assert len({d.precision for d in experts}) == 1, [(d.fqn, d.precision) for d in experts]

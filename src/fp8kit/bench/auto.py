@@ -15,7 +15,10 @@
   slower than BF16 at a site the run keeps in FP8 give a warning with the measured ratios.
 
 MoE expert weights are timed as ``bench-layers`` times them (the FP8 grouped GEMM, rowwise, on rows padded
-to 16 per expert, the routed pairs split evenly over the local experts).
+to 16 per expert, the routed pairs split evenly over the local experts), except where the experts run the fused
+rowwise FP8 MLP (grouped kernel ``fused``): there both weights of a layer are one ``experts.mlp`` unit, timed as
+that whole MLP with the run's ``fp8.grouped_wgrad`` against BF16's grouped GEMMs (``bench/experts_timer.py``), and
+decided together.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ import torch
 
 from fp8kit.base.errors import CapabilityError, ConfigError
 from fp8kit.base.runtime import device_name, versions
+from fp8kit.bench.experts_timer import ExpertsMLPTimer
 from fp8kit.bench.layers import BenchLayersArgs, _GroupedTimer, _Timer
 from fp8kit.bench.sites import BenchSite
 from fp8kit.config import ModelConfig, RunConfig
+from fp8kit.config.options import grouped_gemm_config
 from fp8kit.selective.auto import (
     AutoShape,
     AutoUnit,
@@ -68,35 +73,52 @@ class Measured:
     warnings: list[str] = field(default_factory=list)
 
 
-def grouped_recipe_key(device: torch.device, recipe: str = "tensorwise") -> str:
+def grouped_recipe_key(device: torch.device, recipe: str = "tensorwise", config=None) -> str:
     """``"grouped:<kernel>"``: what the FP8 grouped GEMM of this device runs for the run's ``recipe`` (the key
-    of grouped units: blockwise experts for ``blockwise``, the rowwise grouped kernel otherwise)."""
+    of grouped units: blockwise experts for ``blockwise``, the rowwise grouped kernel otherwise); ``config``: a
+    ``GroupedGemmConfig`` to resolve instead of the recipe's default."""
     from fp8kit.moe.grouped_mm import GroupedGemmConfig, resolve_grouped_kernel
 
     try:
-        return "grouped:" + resolve_grouped_kernel(GroupedGemmConfig.for_fp8_recipe(recipe), device)
-    except CapabilityError:
+        return "grouped:" + resolve_grouped_kernel(config or GroupedGemmConfig.for_fp8_recipe(recipe), device)
+    except (CapabilityError, ConfigError):
         return "grouped:unavailable"
+
+
+def shape_recipe_key(shape: AutoShape, recipe: str, grouped_key: str | None, wgrad: str = "auto") -> str:
+    """The ``recipe`` part of a shape's cache key: the dense recipe, the grouped kernel key of one expert weight,
+    or for an expert MLP (``shape.mlp``, only on the fused kernel) ``grouped:fused:wgrad=<fp8.grouped_wgrad>``."""
+    if shape.mlp:
+        return f"grouped:fused:wgrad={wgrad}"
+    return grouped_key if shape.is_grouped else recipe
+
+
+def fused_experts_for(device: torch.device, config) -> bool:
+    """Whether the run's FP8 experts (``config``: its ``GroupedGemmConfig``) run the fused rowwise MLP on ``device``
+    (``AutoOptions.fused_experts``)."""
+    return grouped_recipe_key(device, config=config) == "grouped:fused"
 
 
 def measure_shapes(
     shapes: Sequence[tuple[AutoShape, str]], *, recipe: str, device: torch.device, tp: int, ep: int,
     cache: AutoCache, compile: bool, warmup: int = AUTO_WARMUP, iters: int = AUTO_ITERS,
-    progress: Callable[[int, int, str], None] | None = None,
+    progress: Callable[[int, int, str], None] | None = None, grouped=None,
 ) -> Measured:
     """Time each ``(shape, name)`` in BF16 and in FP8, or read it from ``cache`` (module docstring).
 
     ``progress(done, total, what)`` is called before each timing and once at the end. A shape whose FP8
     module cannot be built here (a GPU without the FP8 grouped GEMM, blockwise dims) or that runs out of
     memory gets a :class:`Timing` with ``error`` (BF16 in the decision); out-of-memory results are not cached.
+    ``grouped``: the run's ``GroupedGemmConfig`` (kernel, wgrad) for grouped shapes; default the recipe's.
     """
     t0 = time.perf_counter()
     out = Measured()
     dev_name, vers = device_name(device), _key_versions()
     grouped_key = grouped_recipe_key(device, recipe) if any(s.is_grouped for s, _ in shapes) else None
+    wgrad = grouped.wgrad if grouped is not None else "auto"
     todo = []
     for shape, name in shapes:
-        key = cache_key(shape, device=dev_name, versions=vers, recipe=grouped_key if shape.is_grouped else recipe,
+        key = cache_key(shape, device=dev_name, versions=vers, recipe=shape_recipe_key(shape, recipe, grouped_key, wgrad),
                         tp=tp, ep=ep, compiled=compile)
         hit, warning = cache.load(key)
         if warning:
@@ -119,7 +141,7 @@ def measure_shapes(
                 continue
             try:
                 ms[precision] = _time_one(shape, name, precision, recipe=recipe, device=device, compile=compile,
-                                          warmup=warmup, iters=iters)
+                                          warmup=warmup, iters=iters, wgrad=wgrad)
             except (CapabilityError, ConfigError) as e:
                 ms[precision], error = None, f"{precision}: {e}"
             except torch.OutOfMemoryError:
@@ -153,8 +175,13 @@ def _key_versions() -> dict[str, str]:
 
 
 def _time_one(shape: AutoShape, name: str, precision: str, *, recipe: str, device: torch.device, compile: bool,
-              warmup: int, iters: int) -> float:
-    """Milliseconds of one forward + backward of ``shape``'s linears in ``precision`` (``bench-layers``' timers)."""
+              warmup: int, iters: int, wgrad: str = "auto") -> float:
+    """Milliseconds of one forward + backward of ``shape``'s linears in ``precision`` (``bench-layers``' timers; an
+    expert MLP shape: ``bench/experts_timer.ExpertsMLPTimer``)."""
+    if shape.mlp:
+        timer = ExpertsMLPTimer(shape.gemms, shape.num_gemms, shape.num_tokens, precision, device=device, wgrad=wgrad,
+                                compile=compile)
+        return timer(warmup=warmup, iters=iters)
     site = BenchSite("llm", "column_grouped" if shape.is_grouped else "column", name, list(shape.gemms),
                      list(shape.gemms), tp=1, num_gemms=shape.num_gemms)
     args = BenchLayersArgs(model=ModelConfig(), vocab_size=0, recipe=recipe, warmup=warmup, iters=iters,
@@ -215,7 +242,8 @@ def resolve_auto(cfg: RunConfig, sites: list[Site], decisions: list[Decision], o
     # false / policy: no measuring; warn where the cache says FP8 is slower at a site kept in FP8
     tokens = {"*": options.num_tokens or cfg.data.seq_length * cfg.train.micro_batch_size,
               **cfg.selective.component_num_tokens}
-    units = auto_units([x.site for x in fp8], tp=d.tp, ep=d.ep, num_tokens=tokens, topk=topk)
+    units = auto_units([x.site for x in fp8], tp=d.tp, ep=d.ep, num_tokens=tokens, topk=topk,
+                       fused_experts=fused_experts_for(device, grouped_gemm_config(cfg)))
     timings = lookup_cached(units, cfg, device, cache)
     slow = slower_in_fp8(units, timings, {x.fqn for x in fp8})
     if not slow:
@@ -233,9 +261,10 @@ def measure_and_decide(cfg: RunConfig, sites: list[Site], decisions: list[Decisi
                        warmup: int = AUTO_WARMUP, iters: int = AUTO_ITERS) -> AutoOutcome:
     """The ``auto`` path of :func:`resolve_auto` on any device (the CPU only in tests): units of the FP8
     ``decisions``, timings (cache or measured; rank 0 under torchrun), ``decide`` again with the table."""
-    auto, d = options.auto, cfg.distributed
+    d = cfg.distributed
+    auto = replace(options.auto, fused_experts=fused_experts_for(device, grouped_gemm_config(cfg)))
     units = auto_units([x.site for x in decisions if x.is_fp8], tp=d.tp, ep=d.ep, num_tokens=auto.num_tokens,
-                       topk=auto.topk)
+                       topk=auto.topk, fused_experts=auto.fused_experts)
     measured = _measure_on_rank0(units, cfg, device, cache, status, warmup, iters)
     final = decide(sites, replace(options, auto=replace(auto, timings=measured.timings)))
     info = {"mode": cfg.selective.selective_fp8,
@@ -248,11 +277,12 @@ def lookup_cached(units: list[AutoUnit], cfg: RunConfig, device: torch.device, c
     d = cfg.distributed
     dev_name, vers = device_name(device), _key_versions()
     shapes = distinct_shapes(units)
+    grouped = grouped_gemm_config(cfg)
     grouped_key = grouped_recipe_key(device, cfg.fp8.recipe) if any(s.is_grouped for s in shapes) else None
     out = {}
     for shape in shapes:
         key = cache_key(shape, device=dev_name, versions=vers,
-                        recipe=grouped_key if shape.is_grouped else cfg.fp8.recipe, tp=d.tp, ep=d.ep,
+                        recipe=shape_recipe_key(shape, cfg.fp8.recipe, grouped_key, grouped.wgrad), tp=d.tp, ep=d.ep,
                         compiled=cfg.train.compile)
         hit, _ = cache.load(key)
         if hit is not None:
@@ -272,7 +302,7 @@ def _measure_on_rank0(units: list[AutoUnit], cfg: RunConfig, device: torch.devic
     if not distributed or dist.get_rank() == 0:
         measured = measure_shapes(shapes, recipe=cfg.fp8.recipe, device=device, tp=d.tp, ep=d.ep, cache=cache,
                                   compile=cfg.train.compile, warmup=warmup, iters=iters,
-                                  progress=_progress_line(status))
+                                  progress=_progress_line(status), grouped=grouped_gemm_config(cfg))
     if distributed:
         box = [measured]
         dist.broadcast_object_list(box, src=0)

@@ -5,8 +5,10 @@ The pure half of the automatic choice (the measuring half is ``fp8kit.bench.auto
 
 1. :func:`auto_units`: the FP8 candidate sites grouped as ``bench-layers`` times them (the linears of one
    layer that share an input and a LoongForge ``ub_name``: q/k/v together as ``qkv``, gate/up as ``fc1``;
-   one 3-D expert weight per grouped unit), each with its per-rank GEMM shapes under TP / EP and the run's
-   token count (``seq_length x micro_batch_size``; routed pairs ``x moe_router_topk`` for experts);
+   one 3-D expert weight per grouped unit, or, where the experts run the fused rowwise FP8 MLP, both weights
+   of a layer as one ``experts.mlp`` unit timed as that MLP), each with its per-rank GEMM shapes under TP /
+   EP and the run's token count (``seq_length x micro_batch_size``; routed pairs ``x moe_router_topk`` for
+   experts);
 2. distinct :class:`AutoShape` values are timed once each (Llama-3-8B: four shapes for 224 linears);
 3. :func:`auto_verdict`: FP8 when ``bf16_ms / fp8_ms >= min_speedup`` (``selective.auto_min_speedup``,
    default :data:`DEFAULT_MIN_SPEEDUP`), else BF16. ``selective/decide.py`` applies it per site.
@@ -61,11 +63,14 @@ class AutoShape:
         gemms: per-rank ``(K, N)`` of each linear (``in_features``, ``out_features``; per expert when grouped).
         num_tokens: the GEMMs' M: tokens per micro-batch, or routed (token, expert) pairs for grouped units.
         num_gemms: local experts per rank (``num_experts / ep``) of a grouped unit, else None.
+        mlp: a grouped unit of both expert weights, ``gemms = ((H, 2I), (I, H))``, timed as the whole gated MLP
+            (gate_up -> SwiGLU -> down, the fused rowwise FP8 path against BF16's grouped GEMMs).
     """
 
     gemms: tuple[tuple[int, int], ...]
     num_tokens: int
     num_gemms: int | None = None
+    mlp: bool = False
 
     @property
     def is_grouped(self) -> bool:
@@ -78,11 +83,15 @@ class AutoShape:
             counts[g] = counts.get(g, 0) + 1
         if self.is_grouped:
             parts = [f"{k}x{n}" + (f" (x{c})" if c > 1 else "") for (k, n), c in counts.items()]
-            return f"{self.num_gemms} experts, {self.num_tokens} pairs: " + ", ".join(parts)
+            what = "MLP " + " -> ".join(parts) if self.mlp else ", ".join(parts)
+            return f"{self.num_gemms} experts, {self.num_tokens} pairs: {what}"
         return ", ".join(f"{self.num_tokens}x{k}x{n}" + (f" (x{c})" if c > 1 else "") for (k, n), c in counts.items())
 
     def to_dict(self) -> dict:
-        return {"gemms": [list(g) for g in self.gemms], "num_tokens": self.num_tokens, "num_gemms": self.num_gemms}
+        d = {"gemms": [list(g) for g in self.gemms], "num_tokens": self.num_tokens, "num_gemms": self.num_gemms}
+        if self.mlp:  # only then: the cache keys of other shapes stay what they were
+            d["mlp"] = True
+        return d
 
 
 @dataclass(frozen=True)
@@ -133,47 +142,69 @@ class AutoOptions:
         min_speedup: FP8 only where ``bf16_ms / fp8_ms >= min_speedup``.
         timings: the measured table (:class:`AutoShape` -> :class:`Timing`); None until measured (then the
             static rules decide, and the caller says so).
+        fused_experts: the run's FP8 experts run the fused rowwise MLP (grouped kernel ``fused``): both weights
+            of such a layer form one ``experts.mlp`` unit (:func:`auto_units`). Set by the measuring caller.
     """
 
     num_tokens: Mapping[str, int]
     topk: int = 1
     min_speedup: float = DEFAULT_MIN_SPEEDUP
     timings: Mapping[AutoShape, Timing] | None = None
+    fused_experts: bool = False
 
     def tokens_for(self, component: str) -> int:
         return self.num_tokens.get(component, self.num_tokens["*"])
 
 
 def auto_units(sites: Iterable[Site], *, tp: int, ep: int, num_tokens: Mapping[str, int],
-               topk: int = 1) -> list[AutoUnit]:
+               topk: int = 1, fused_experts: bool = False) -> list[AutoUnit]:
     """Group FP8 candidate ``sites`` into timed units (module docstring, step 1), in model order.
 
     Dense linears of one parent module with one ``(module_kind, ub_name)`` form a unit; a linear without an
-    ``ub_name`` and each 3-D expert weight are a unit of their own.
+    ``ub_name`` is a unit of its own. 3-D expert weights: with ``fused_experts``, the two weights of one experts
+    module whose gate the fused MLP computes (``Site.fused_mlp``), both candidates, form one ``experts.mlp``
+    unit (an :class:`AutoShape` with ``mlp``: that is how they run, and they are decided together); otherwise each
+    weight is a unit of its own.
 
     Raises:
         ConfigError: ``tp`` or ``ep`` does not divide a dimension or the expert count.
     """
+    sites = list(sites)
+    per_module: dict[str, list[Site]] = {}
+    for s in sites:
+        if s.is_grouped_weight:
+            per_module.setdefault(s.module_fqn, []).append(s)
+    mlp_modules = {m for m, ws in per_module.items()
+                   if fused_experts and len(ws) == 2 and all(w.fused_mlp for w in ws)
+                   and {w.ub_name for w in ws} == {"fc1", "fc2"}}
     groups: OrderedDict[tuple, list[Site]] = OrderedDict()
     for s in sites:
         parent = s.module_fqn.rpartition(".")[0]
-        if s.is_grouped_weight or s.ub_name is None:
-            key: tuple = ("one", s.fqn)
+        if s.is_grouped_weight and s.module_fqn in mlp_modules:
+            key: tuple = ("mlp", s.module_fqn)
+        elif s.is_grouped_weight or s.ub_name is None:
+            key = ("one", s.fqn)
         else:
             key = (parent, s.module_kind, s.ub_name)
         groups.setdefault(key, []).append(s)
     out = []
-    for members in groups.values():
+    for key, members in groups.items():
         first = members[0]
         tokens = num_tokens.get(first.component, num_tokens["*"])
         if first.is_grouped_weight:
             if first.num_gemms % ep:
                 raise ConfigError(f"distributed.ep = {ep} does not divide the {first.num_gemms} experts of {first.fqn}")
-            shape = AutoShape(((first.in_features, first.out_features),), tokens * topk, first.num_gemms // ep)
+            if key[0] == "mlp":
+                up = next(m for m in members if m.ub_name == "fc1")
+                down = next(m for m in members if m.ub_name == "fc2")
+                gemms = ((up.in_features, up.out_features), (down.in_features, down.out_features))
+                shape = AutoShape(gemms, tokens * topk, first.num_gemms // ep, mlp=True)
+            else:
+                shape = AutoShape(((first.in_features, first.out_features),), tokens * topk, first.num_gemms // ep)
         else:
             gemms = tuple(per_rank_gemm(m.module_kind, m.in_features, m.out_features, tp, m.fqn) for m in members)
             shape = AutoShape(gemms, tokens)
-        name = first.ub_name or first.fqn
+        name = "mlp" if key[0] == "mlp" else first.ub_name or first.fqn
         if first.is_grouped_weight:
             name = f"experts.{name}"
         if first.component != "llm":

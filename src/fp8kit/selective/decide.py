@@ -202,7 +202,8 @@ def _auto_shapes(sites: list[Site], rules: StaticRules, options: DecideOptions) 
     if auto is None or auto.timings is None or options.mixed_precision != "fp8":
         return {}
     candidates = [s for s in sites if rules.check(s).candidate]
-    units = auto_units(candidates, tp=options.tp, ep=options.ep, num_tokens=auto.num_tokens, topk=auto.topk)
+    units = auto_units(candidates, tp=options.tp, ep=options.ep, num_tokens=auto.num_tokens, topk=auto.topk,
+                       fused_experts=auto.fused_experts)
     return {fqn: u.shape for u in units for fqn in u.fqns}
 
 

@@ -104,6 +104,9 @@ class Site:
         has_bias: whether the linear layer has a bias.
         unsupported: for a 3-D expert weight whose module layout the FP8 grouped experts cannot run
             (``fp8kit.moe.experts.layout_problem``), the reason; else None.
+        fused_mlp: for a 3-D expert weight: its module's gate is the one the fused rowwise FP8 MLP computes
+            (``fp8kit.moe.experts.fused_gate_problem`` is None), so with both weights in FP8 on the ``fused``
+            grouped kernel the two run as one MLP (``moe/fused_experts.py``) and are timed and decided together.
     """
 
     fqn: str
@@ -119,6 +122,7 @@ class Site:
     component: str = "llm"
     has_bias: bool = False
     unsupported: str | None = None
+    fused_mlp: bool = False
 
     @property
     def is_grouped(self) -> bool:
@@ -215,15 +219,20 @@ def find_sites(model: nn.Module) -> list[Site]:
                          layer=layer, component=component)
                 )
         elif parts[-1] in _EXPERT_PARTS or "expert" in type(module).__name__.lower():
-            from fp8kit.moe.experts import layout_problem
+            from fp8kit.moe.experts import Float8GroupedExperts, fused_gate_problem, layout_problem
 
             problem = layout_problem(module)
+            if isinstance(module, Float8GroupedExperts):
+                fusable = problem is None and module.gate_problem is None
+            else:
+                fusable = problem is None and fused_gate_problem(module) is None
             for pname, p in _expert_params(module):
                 ub = "fc2" if "down" in pname or pname in ("w2", "fc2") else "fc1"
                 kind = "row_grouped" if ub == "fc2" else "column_grouped"
                 e, n, k = p.shape
                 sites.append(
                     Site(f"{fqn}.{pname}", type(module).__name__, "expert", kind, ub, tuple(p.shape),
-                         k, n, num_gemms=e, layer=layer, component=component, unsupported=problem)
+                         k, n, num_gemms=e, layer=layer, component=component, unsupported=problem,
+                         fused_mlp=fusable)
                 )
     return sites
