@@ -2,8 +2,9 @@
 
 For each model preset and FP8 recipe: TP 1 measured, TP 2/4/8 simulated (per-rank shard shapes on one
 GPU; ``simulated_tp: true`` in the report and ``_sim`` in its file name). Reports go to
-``OUT/reports/``; ``--merge`` then writes ``src/fp8kit/policies/<preset>_<recipe>_<gpu>.json``
-(run it on any machine: merging needs no GPU). Configs whose report exists are skipped, and the run
+``OUT/reports/``; ``--merge`` then writes ``src/fp8kit/policies/<preset>_<recipe>_<gpu>.json`` and copies the
+reports it merged to ``benchmarks/results/policy_reports/`` (what ``check_policies.py`` reads; run it on any
+machine: merging needs no GPU). Configs whose report exists are skipped, and the run
 stops cleanly before ``--budget-s`` so a lease's time limit never loses finished reports.
 
     python benchmarks/generate_policies.py --out /tmp/pol --presets llama3-8b,qwen2.5-72b --budget-s 500
@@ -57,7 +58,8 @@ def merge(args) -> None:
 
     src = Path(args.out) / "reports"
     dest = builtin_policy_dir()
-    (dest / "reports").mkdir(parents=True, exist_ok=True)
+    kept = Path(__file__).resolve().parent / "results" / "policy_reports"  # what check_policies.py reads
+    kept.mkdir(parents=True, exist_ok=True)
     for preset in args.presets.split(","):
         for recipe in args.recipes.split(","):
             names = [report_name(preset, recipe, tp) for tp in PRESET_TPS[preset]]
@@ -65,7 +67,7 @@ def merge(args) -> None:
             if not found:
                 continue
             for n, rep in found:
-                (dest / "reports" / n).write_text(json.dumps(rep, indent=1) + "\n")
+                (kept / n).write_text(json.dumps(rep, indent=1) + "\n")
             policy = merge_reports(found, args.speedup_threshold)
             policy.save(dest / f"{preset}_{recipe}_{args.gpu}.json")
             print(f"{preset}_{recipe}_{args.gpu}.json from {len(found)} report(s)")
