@@ -5,7 +5,8 @@ Two torchrun launches; this file is also their worker (``python tests/test_moe_e
 
 - ``ep2`` (2 ranks): 10 training steps of tiny-moe with ep = 2 and FP8 dispatch, recording every payload the
   dispatch all-to-all sends; then a model whose hidden size (192) is not a multiple of 128, which must be
-  refused at set-up.
+  refused at set-up; then 10 steps with FP8 experts on the fused kernel, whose dispatch sends the rowwise payload
+  (the experts' own cast), against the same run with a bf16 dispatch.
 - ``eptp`` (4 ranks): one MoE layer under dp 2 x tp 2 with ep = 2 and ep = 4, bf16 or FP8 dispatch, against
   the same layer in one process on the global batch (float32: outputs and every gradient to 1e-5); then 5
   training steps of tiny-moe with dp 2 x tp 2 (sequence parallel), ep = 2, FP8 dispatch (the LR warmup does
@@ -204,6 +205,17 @@ def test_ep2_fp8_dispatch_trains_like_one_process(reference, cache_dir, tmp_path
     assert error.startswith("ConfigError: distributed.ep_fp8_dispatch = true: model.layers.0.mlp.experts has "
                             "hidden size 192, not a multiple of 128"), error
 
+    # FP8 experts (fused kernel): the payload is their own rowwise cast, H + 16 bytes per row, and training
+    # follows the same run with a bf16 dispatch (same forward bits; gate_up's wgrad sees the E4M3 tokens)
+    summary = json.loads((tmp_path / "fp8_rowwise" / "summary.json").read_text())
+    assert summary["parallel"].endswith("EP dispatch: fp8 (E4M3 rowwise, straight into the FP8 experts)"), \
+        summary["parallel"]
+    sent = json.loads((tmp_path / "payloads_rowwise.json").read_text())
+    forward = [c for c in sent if c["dtype"] == "torch.uint8"]
+    assert len(forward) == 2 * (10 + 1) and all(c["cols"] == HIDDEN + 16 for c in forward), forward[:3]
+    _close(_losses(tmp_path / "fp8_rowwise"), _losses(tmp_path / "fp8_bf16_dispatch"),
+           "ep=2, FP8 experts, rowwise FP8 dispatch vs bf16 dispatch", fall=0.5)
+
 
 def test_ep_with_tp_matches_one_process(reference, cache_dir, tmp_path):
     _torchrun(4, ["eptp", str(tmp_path), str(cache_dir)])
@@ -313,6 +325,8 @@ def _layer_case(mesh, ep: int, fp8_dispatch: bool, fp8_experts: bool = False, to
 
 
 def _record_payloads(log: list[dict]) -> None:
+    """Append every payload the dispatch all-to-alls send to ``log`` (one patch per process; rebind the list with
+    ``log[:] = []`` between runs)."""
     from fp8kit.moe import fp8_dispatch
 
     real = fp8_dispatch._exchange
@@ -349,6 +363,13 @@ def _worker(mode: str, out: Path, cache: str) -> None:
             message = f"ConfigError: {e}"
         if dist.get_rank() == 0:
             (out / "hidden192.txt").write_text(message)
+        # FP8 experts on the fused kernel (emulated GEMMs on the CPU): the rowwise payload, then a bf16 dispatch
+        fp8 = sets + ["train.mixed_precision=fp8", "selective.selective_fp8=false", "fp8.grouped_kernel=fused"]
+        log.clear()
+        train(load_config(None, fp8), out / "fp8_rowwise")
+        if dist.get_rank() == 0:
+            (out / "payloads_rowwise.json").write_text(json.dumps(log))
+        train(load_config(None, fp8 + ["distributed.ep_fp8_dispatch=false"]), out / "fp8_bf16_dispatch")
     else:
         from torch.distributed.device_mesh import init_device_mesh
 
