@@ -45,7 +45,8 @@ import torch.distributed as dist
 from fp8kit.bench.timing import time_ms
 from fp8kit.moe import routing
 from fp8kit.moe import rowwise_quant as rq
-from fp8kit.moe.fp8_dispatch import _exchange, fp8_all_to_all, pack, payload_row_bytes, payload_rows, unpack
+from fp8kit.moe.fp8_dispatch import _exchange, fp8_all_to_all, pack, payload_row_bytes, unpack
+from fp8kit.moe.rowwise_payload import gather_quantize_payload, payload_rows, rowwise_payload_bytes
 
 MODELS = {"qwen3-30b-a3b": 2048, "deepseek-v3": 7168}
 EXPERTS = {"qwen3-30b-a3b": 128, "deepseek-v3": 256}
@@ -80,19 +81,19 @@ def bench_whole_dispatch(name: str, hidden: int, args, device: torch.device, wor
         return rq.gather_quantize_rows(recv, d.gather_idx)
 
     def fp8():
-        received = _exchange(rq.gather_quantize_payload(x, token_rows), r["recv"], r["send"], group)
+        received = _exchange(gather_quantize_payload(x, token_rows), r["recv"], r["send"], group)
         return payload_rows(received, d.gather_idx, hidden)
 
     (q1, s1), (q2, s2) = bf16(), fp8()
     assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s1, s2), \
         "FP8 dispatch does not deliver the bits the experts' own cast makes"
-    payload = rq.gather_quantize_payload(x, token_rows)
+    payload = gather_quantize_payload(x, token_rows)
     ms = {"dispatch-bf16": t(bf16), "dispatch-fp8": t(fp8),
           "rowwise-exchange": t(lambda: _exchange(payload, r["recv"], r["send"], group))}
     rows_sent = sum(r["send"]) - r["send"][dist.get_rank()]
     return {"ms": ms, "dispatch_fp8_vs_bf16": ms["dispatch-fp8"] / ms["dispatch-bf16"],
             "rowwise_exchange_vs_bf16": ms["rowwise-exchange"] / ms["dispatch-bf16"],
-            "experts": EXPERTS[name], "rowwise_bytes_ratio": rq.payload_row_bytes(hidden) / (2 * hidden),
+            "experts": EXPERTS[name], "rowwise_bytes_ratio": rowwise_payload_bytes(hidden) / (2 * hidden),
             "rows_sent_to_other_ranks": rows_sent}
 
 

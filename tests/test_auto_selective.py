@@ -367,3 +367,43 @@ def test_fused_expert_mlp_is_measured_on_cpu_and_its_wgrad_is_part_of_the_cache_
     assert run("auto").info["measured"] == 0, "the second start-up must read the cache"
     again = run("fp8").info
     assert again["measured"] == 1 and again["cached"] == again["shapes"] - 1, again
+
+
+def test_train_and_plan_build_the_units_decide_builds():
+    """``run_auto_options`` is the one place that says whether the experts run the fused MLP (train's measured and
+    forced paths and ``plan`` all use it with ``run_units``): with ``fp8.grouped_kernel = fused`` the experts are one
+    ``experts.mlp`` unit, and ``decide`` keys every expert weight by that unit's shape; on the CPU's default kernel
+    (emulated) they stay per weight."""
+    from fp8kit.bench.auto import run_auto_options, run_units
+    from fp8kit.selective.decide import _auto_shapes
+    from fp8kit.selective.rules import StaticRules
+
+    for kernel, fused in (("fused", True), ("auto", False)):
+        cfg = load_config(None, ["model.preset=tiny-moe", "model.num_layers=1", "data.vocab_size=1024",
+                                 "data.seq_length=16", "train.micro_batch_size=2", f"fp8.grouped_kernel={kernel}"])
+        sites = find_sites(build_model(cfg.model, 1024, device="meta"))
+        options = options_from_config(cfg, build_hf_config(cfg.model, 1024))
+        auto = run_auto_options(options.auto, cfg, CPU)
+        assert auto.fused_experts is fused, kernel
+        units = run_units(decide(sites, options), cfg, auto)
+        assert any(u.shape.mlp for u in units) is fused, [u.name for u in units]
+        shapes = _auto_shapes(sites, StaticRules(), replace(options, auto=replace(auto, timings={})))
+        assert {shapes[f] for u in units for f in u.fqns} == {u.shape for u in units}
+
+
+def test_the_expert_mlp_timer_runs_the_layer_in_both_precisions():
+    """``bench/experts_timer.py`` times the real layer: ``Float8GroupedExperts.local_experts`` over the same weights,
+    BF16 per-weight grouped GEMMs vs the fused FP8 MLP (CPU: emulated GEMMs); the two outputs agree to FP8 accuracy
+    (>= 20 dB) and the FP8 one took the fused path."""
+    from fp8kit.bench.experts_timer import ExpertsMLPTimer
+    from tests.conftest import sqnr
+
+    kw = dict(device=CPU, wgrad="fp8")
+    bf16 = ExpertsMLPTimer(((128, 192), (96, 128)), 4, 70, "bf16", **kw)
+    fp8 = ExpertsMLPTimer(((128, 192), (96, 128)), 4, 70, "fp8", **kw)
+    assert not bf16.layer.fp8_weights and fp8.layer.runs_fused(CPU)
+    a, b = bf16.fn(bf16.x).float(), fp8.fn(fp8.x).float()
+    assert a.shape == b.shape == (70, 128) and sqnr(a, b) >= 20, sqnr(a, b)
+    assert fp8(warmup=0, iters=1) > 0
+    with pytest.raises(ValueError, match="not \\(\\(H, 2I\\), \\(I, H\\)\\)"):
+        ExpertsMLPTimer(((128, 192), (128, 96)), 4, 70, "bf16", **kw)

@@ -6,7 +6,9 @@ sequence parallel bf16); the
 single-process references run here with the same global batch (4 sequences). Tolerances (absolute, per
 step, on the training loss):
 
-- bf16: 2e-3 (measured 4e-4 FSDP2, 6e-4 TP; torch 2.13 CPU). FSDP2 reduce-scatters the gradients in
+- bf16: 4e-3 (measured 4e-4 FSDP2, 6e-4 TP with torch 2.13 CPU and the transformers of 2026-11-24; 2.07e-3 TP at
+  step 2 with transformers 5.24 / huggingface-hub 2.4 on 2026-11-25, the same with fp8kit's code of the day
+  before, so the packages moved it: about 2x the largest difference seen). FSDP2 reduce-scatters the gradients in
   fp32 and each rank's matmuls see 2 of the 4 sequences; TP splits the matmul reductions: bf16
   rounding differs from one process, nothing else.
 - fp8: 1e-2 (measured 4.3e-3 FSDP2, 2.4e-3 TP, 2.6e-3 DCP resume 2 -> 1). Also the tensorwise scales of
@@ -33,7 +35,7 @@ from fp8kit.train.trainer import train
 from tests.conftest import small_run_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
-TOL = {"bf16": 2e-3, "fp8": 1e-2}
+TOL = {"bf16": 4e-3, "fp8": 1e-2}
 # MoE: routing is discontinuous (a bf16 rounding difference can flip a near-tie top-k choice), so losses
 # drift a little faster; measured max 2.3e-3 bf16 (ep = 2) on torch 2.13 CPU. A wrong expert-gradient
 # scale (e.g. a missing 1/dp) diverges by > 1e-1 within 10 steps.

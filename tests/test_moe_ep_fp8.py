@@ -68,20 +68,21 @@ def test_rowwise_payload_holds_the_experts_fprop_cast_and_regathers_it_bit_for_b
     """The rowwise payload (E4M3 bytes + float32 inv_scale per token row) carries exactly what the fused experts'
     fprop cast computes (``gather_quantize_rows``), and the receiver's gather into expert order (padding rows
     included) gives the same bits as casting on the receiving rank; dequantized it is exact in bf16."""
-    from fp8kit.moe.fp8_dispatch import dequantize_payload, payload_rows
-    from fp8kit.moe.rowwise_quant import (
+    from fp8kit.moe.rowwise_payload import (
+        dequantize_payload,
         gather_quantize_payload,
-        gather_quantize_rows,
-        payload_row_bytes,
+        payload_rows,
         payload_views,
+        rowwise_payload_bytes,
     )
+    from fp8kit.moe.rowwise_quant import gather_quantize_rows
 
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(41, HIDDEN, generator=g) * 4).to(torch.bfloat16)
     x[7] = 0  # a zero token: inv_scale of the zero row
     sent = torch.randint(0, 41, (60,), generator=g)  # sorted pairs -> their tokens
     payload = gather_quantize_payload(x, sent)
-    assert payload.dtype == torch.uint8 and payload.shape == (60, HIDDEN + 16) == (60, payload_row_bytes(HIDDEN))
+    assert payload.dtype == torch.uint8 and payload.shape == (60, HIDDEN + 16) == (60, rowwise_payload_bytes(HIDDEN))
     assert 0.5 < payload.numel() / (60 * HIDDEN * 2) <= 0.532, payload.shape  # 0.531 at H = 256, 0.504 at 2048
     q, inv = gather_quantize_rows(x, sent)
     pq, pinv = payload_views(payload, HIDDEN)
@@ -97,6 +98,12 @@ def test_rowwise_payload_holds_the_experts_fprop_cast_and_regathers_it_bit_for_b
     assert torch.equal(dequantize_payload(payload, HIDDEN, torch.bfloat16, index=index[:70]), deq[index[:70]])
     with pytest.raises(ValueError, match="multiple of 16"):
         gather_quantize_payload(torch.randn(3, 40), torch.arange(3))
+    # a rank that receives no rows: its local dispatch still has padding rows, all pointing at the zero row
+    empty = gather_quantize_payload(x, torch.zeros(0, dtype=torch.long))
+    zq, zinv = payload_rows(empty, torch.zeros(16, dtype=torch.long), HIDDEN)
+    want_q, want_inv = gather_quantize_rows(x[:0], torch.zeros(16, dtype=torch.long))
+    assert torch.equal(zq.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(zinv, want_inv)
+    assert dequantize_payload(empty, HIDDEN, torch.bfloat16, index=torch.zeros(16, dtype=torch.long)).abs().max() == 0
 
 
 def test_hidden_size_not_a_multiple_of_128_is_refused():
@@ -220,7 +227,7 @@ def test_ep2_fp8_dispatch_trains_like_one_process(reference, cache_dir, tmp_path
 def test_ep_with_tp_matches_one_process(reference, cache_dir, tmp_path):
     _torchrun(4, ["eptp", str(tmp_path), str(cache_dir)])
     layer = json.loads((tmp_path / "layer.json").read_text())
-    assert len(layer) == 5 * 4, layer  # 5 layouts x 4 ranks
+    assert len(layer) == 6 * 4, layer  # 6 layouts x 4 ranks
     for r in layer:
         rel = dict(r["rel"])
         fmt, fwd_diff = rel.pop("format"), rel.pop("fwd_vs_bf16_dispatch", None)
@@ -242,14 +249,17 @@ def test_ep_with_tp_matches_one_process(reference, cache_dir, tmp_path):
 # The torchrun worker
 
 
-def _layer_case(mesh, ep: int, fp8_dispatch: bool, fp8_experts: bool = False, tokens: int = 21) -> dict:
+def _layer_case(mesh, ep: int, fp8_dispatch: bool, fp8_experts: bool = False, wgrad: str = "auto",
+                tokens: int = 21) -> dict:
     """One MoE layer (8 experts, top-2, hidden 256, float32) on this rank's tokens against the same layer in
     one process on all data-parallel ranks' tokens: relative max errors of the output and every gradient.
 
     ``fp8_experts``: both weights FP8 on the fused rowwise kernel (emulated GEMMs on the CPU), so that FP8 dispatch
     sends the rowwise payload the experts consume directly; the reference then runs on the tokens as they arrive
     (rowwise quantize-dequantize, straight-through), and ``fwd_vs_bf16_dispatch`` is the largest output difference
-    from the same layer with a bf16 dispatch (which casts the same tokens on the receiving rank: 0 expected)."""
+    from the same layer with a bf16 dispatch (which casts the same tokens on the receiving rank: 0 expected).
+    ``wgrad``: the fused path's weight-gradient precision (``auto`` is bf16 at this width; ``fp8`` reads the received
+    tokens dequantized through its per-(expert, column) casts)."""
     from transformers import AutoConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
@@ -270,7 +280,7 @@ def _layer_case(mesh, ep: int, fp8_dispatch: bool, fp8_experts: bool = False, to
             src.gate_up_proj.normal_(0, 0.06)
             src.down_proj.normal_(0, 0.09)
         if fp8_experts:
-            return Float8GroupedExperts(src, frozenset(WEIGHTS), GroupedGemmConfig(kernel="fused"))
+            return Float8GroupedExperts(src, frozenset(WEIGHTS), GroupedGemmConfig(kernel="fused", wgrad=wgrad))
         return Float8GroupedExperts(src, frozenset())
 
     g = torch.Generator().manual_seed(1)
@@ -375,9 +385,11 @@ def _worker(mode: str, out: Path, cache: str) -> None:
 
         dist.init_process_group("gloo")
         mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-        cases = ((2, False, False), (2, True, False), (4, False, False), (2, True, True), (4, True, True))
-        results = [{"case": f"dp2 x tp2, ep={ep}, fp8_dispatch={fp8}, fp8_experts={experts}", "rank": dist.get_rank(),
-                    "rel": _layer_case(mesh, ep, fp8, experts)} for ep, fp8, experts in cases]
+        cases = ((2, False, False, "auto"), (2, True, False, "auto"), (4, False, False, "auto"), (2, True, True, "auto"),
+                 (4, True, True, "auto"), (2, True, True, "fp8"))
+        results = [{"case": f"dp2 x tp2, ep={ep}, fp8_dispatch={fp8}, fp8_experts={experts}, wgrad={wgrad}",
+                    "rank": dist.get_rank(), "rel": _layer_case(mesh, ep, fp8, experts, wgrad)}
+                   for ep, fp8, experts, wgrad in cases]
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, results)
         if dist.get_rank() == 0:

@@ -1,6 +1,6 @@
 """FP8 expert-parallel dispatch payload on a CUDA GPU (marker ``gpu``; skipped without CUDA): the Triton pack /
 unpack of :mod:`fp8kit.moe.fp8_dispatch_triton` against the PyTorch references on the same GPU, bit for bit; the
-rowwise payload (``rowwise_quant.gather_quantize_payload``: the fused gather + cast kernel writing into payload rows),
+rowwise payload (``rowwise_payload.gather_quantize_payload``: the fused gather + cast kernel writing into payload rows),
 its receiver-side gather and dequantization (compiled) against their references, and the fused FP8 experts fed the
 payload against the same experts casting the tokens themselves (Hopper GEMMs), bit for bit.
 
@@ -15,16 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fp8kit.moe import rowwise_payload as rp
 from fp8kit.moe import rowwise_quant as rq
-from fp8kit.moe.fp8_dispatch import (
-    dequantize_payload,
-    pack,
-    pack_reference,
-    payload_row_bytes,
-    payload_rows,
-    unpack,
-    unpack_reference,
-)
+from fp8kit.moe.fp8_dispatch import pack, pack_reference, payload_row_bytes, unpack, unpack_reference
+from fp8kit.moe.rowwise_payload import dequantize_payload, payload_rows
 
 pytestmark = [
     pytest.mark.gpu,
@@ -81,10 +75,10 @@ def test_rowwise_payload_kernel_equals_reference(hidden, rows, dtype):
     tokens = _tokens(max(rows, 1), hidden, dtype)[:rows]
     g = torch.Generator(device="cuda").manual_seed(2)
     index = torch.randint(0, rows + 1, (rows + rows // 3,), generator=g, device="cuda")
-    got = rq.gather_quantize_payload(tokens, index)
-    ref = rq.gather_quantize_payload_ref(tokens, index)
+    got = rp.gather_quantize_payload(tokens, index)
+    ref = rp.gather_quantize_payload_ref(tokens, index)
     assert got.shape == ref.shape == (index.numel(), hidden + 16) and got.dtype == torch.uint8
-    (gq, gi), (rq_, ri) = rq.payload_views(got, hidden), rq.payload_views(ref, hidden)
+    (gq, gi), (rq_, ri) = rp.payload_views(got, hidden), rp.payload_views(ref, hidden)
     diff = (gq.view(torch.uint8) != rq_.view(torch.uint8)).sum().item()
     assert diff == 0, f"{diff} E4M3 bytes differ (hidden {hidden}, rows {rows}, {dtype})"
     assert torch.equal(gi.view(torch.int32), ri.view(torch.int32)), f"scales differ (hidden {hidden}, rows {rows})"
@@ -95,7 +89,7 @@ def test_rowwise_payload_kernel_equals_reference(hidden, rows, dtype):
 @pytest.mark.parametrize("hidden", [2048, 7168])
 def test_payload_rows_and_dequantize_compiled_equal_eager(hidden):
     tokens = _tokens(4099, hidden, torch.bfloat16, seed=4)
-    payload = rq.gather_quantize_payload(tokens, torch.arange(4099, device="cuda"))
+    payload = rp.gather_quantize_payload(tokens, torch.arange(4099, device="cuda"))
     g = torch.Generator(device="cuda").manual_seed(5)
     index = torch.cat([torch.randint(0, 4099, (6000,), generator=g, device="cuda"),
                        torch.full((40,), 4099, device="cuda")])
@@ -104,7 +98,7 @@ def test_payload_rows_and_dequantize_compiled_equal_eager(hidden):
                                                                   torch.tensor([4099], device="cuda")])[index])
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(inv, want_inv)
     deq = dequantize_payload(payload, hidden, torch.bfloat16)
-    pq, pinv = rq.payload_views(payload, hidden)
+    pq, pinv = rp.payload_views(payload, hidden)
     assert torch.equal(deq, (pq.float() * pinv[:, None]).to(torch.bfloat16))
     assert torch.equal(dequantize_payload(payload, hidden, torch.bfloat16, index=index), deq[index.clamp(max=4098)]
                        * (index < 4099)[:, None])
@@ -128,7 +122,7 @@ def test_fused_experts_fed_the_payload_equal_casting_here(wgrad):
     w_down = (torch.randn(e, hdim, inter, generator=g, device="cuda") / inter ** 0.5).to(torch.bfloat16)
     d = routing.dispatch(idx, e)
     gemm, out_dtype = scaled_grouped_gemm(hidden.device)
-    payload = rq.gather_quantize_payload(hidden, torch.arange(t, device="cuda"))
+    payload = rp.gather_quantize_payload(hidden, torch.arange(t, device="cuda"))
     dy = None
 
     def run(x, received=None):

@@ -289,8 +289,7 @@ def test_received_rowwise_payload_gives_the_same_bits_as_casting_the_tokens_here
     of ``moe/fp8_dispatch.py``) and a carrier for their gradient. Output: equal bit for bit to the fused path on
     the bf16 tokens (the same cast, made before the all-to-all). Gradients: equal bit for bit to the fused path
     on the tokens as they arrive (dequantized: the gate_up wgrad reads them), the carrier's gradient included."""
-    from fp8kit.moe.fp8_dispatch import dequantize_payload
-    from fp8kit.moe.rowwise_quant import gather_quantize_payload
+    from fp8kit.moe.rowwise_payload import dequantize_payload, gather_quantize_payload
 
     e, hdim, inter, t = 8, 64, 48, 53
     torch.manual_seed(7)
@@ -317,6 +316,14 @@ def test_received_rowwise_payload_gives_the_same_bits_as_casting_the_tokens_here
     plain = run(hidden)
     here = run(arrived)
     got = run(torch.zeros(t, hdim, dtype=torch.bfloat16), received=payload)  # the carrier's values are never read
+    # the carrier as rowwise_dispatch makes it: an expanded zero that holds no memory; its gradient is the rows'
+    base = torch.zeros((), dtype=torch.bfloat16, requires_grad=True)
+    carrier, seen = base.expand(t, hdim), []
+    carrier.register_hook(seen.append)
+    y = fused_rowwise_experts(carrier, w_up, w_down, d.gather_idx, d.pair_rows, d.offs, emulated_scaled_grouped_mm,
+                              torch.bfloat16, wgrad=wgrad, received=payload)
+    y.backward(dy_rows)
+    assert torch.equal(y.detach(), got[0]) and len(seen) == 1 and torch.equal(seen[0], got[1]), "expanded carrier"
     assert torch.equal(got[0], plain[0]), f"output differs from casting the bf16 tokens: {(got[0] - plain[0]).abs().max()}"
     for what, a, b in zip(("output", "d tokens", "dw_up", "dw_down"), got, here, strict=True):
         assert torch.equal(a, b), f"{what} ({wgrad} wgrad) differs from the arrived tokens' run by {(a - b).abs().max()}"

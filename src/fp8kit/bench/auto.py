@@ -38,6 +38,7 @@ from fp8kit.bench.sites import BenchSite
 from fp8kit.config import ModelConfig, RunConfig
 from fp8kit.config.options import grouped_gemm_config
 from fp8kit.selective.auto import (
+    AutoOptions,
     AutoShape,
     AutoUnit,
     Timing,
@@ -97,6 +98,19 @@ def fused_experts_for(device: torch.device, config) -> bool:
     """Whether the run's FP8 experts (``config``: its ``GroupedGemmConfig``) run the fused rowwise MLP on ``device``
     (``AutoOptions.fused_experts``)."""
     return grouped_recipe_key(device, config=config) == "grouped:fused"
+
+
+def run_auto_options(auto: AutoOptions, cfg: RunConfig, device: torch.device) -> AutoOptions:
+    """``auto`` with ``fused_experts`` set for this run on ``device``: the one place it is decided, so that every
+    caller (``train``'s measuring and forced paths, ``plan``) builds the units ``decide`` builds."""
+    return replace(auto, fused_experts=fused_experts_for(device, grouped_gemm_config(cfg)))
+
+
+def run_units(decisions: list[Decision], cfg: RunConfig, auto: AutoOptions) -> list[AutoUnit]:
+    """The timed units of the FP8 ``decisions`` for ``auto`` (from :func:`run_auto_options`)."""
+    d = cfg.distributed
+    return auto_units([x.site for x in decisions if x.is_fp8], tp=d.tp, ep=d.ep, num_tokens=auto.num_tokens,
+                      topk=auto.topk, fused_experts=auto.fused_experts)
 
 
 def measure_shapes(
@@ -224,7 +238,6 @@ def resolve_auto(cfg: RunConfig, sites: list[Site], decisions: list[Decision], o
     from fp8kit.data.tokenizer import resolve_cache_dir
 
     cache = AutoCache(resolve_cache_dir(cfg.data.cache_dir))
-    d = cfg.distributed
     real_gpu = device.type == "cuda" and not emulated
     if mode == "auto" and not real_gpu:
         where = "on the CPU" if device.type != "cuda" else f"with fp8.emulate on {device_name(device)}"
@@ -242,8 +255,7 @@ def resolve_auto(cfg: RunConfig, sites: list[Site], decisions: list[Decision], o
     # false / policy: no measuring; warn where the cache says FP8 is slower at a site kept in FP8
     tokens = {"*": options.num_tokens or cfg.data.seq_length * cfg.train.micro_batch_size,
               **cfg.selective.component_num_tokens}
-    units = auto_units([x.site for x in fp8], tp=d.tp, ep=d.ep, num_tokens=tokens, topk=topk,
-                       fused_experts=fused_experts_for(device, grouped_gemm_config(cfg)))
+    units = run_units(fp8, cfg, run_auto_options(AutoOptions(tokens, topk), cfg, device))
     timings = lookup_cached(units, cfg, device, cache)
     slow = slower_in_fp8(units, timings, {x.fqn for x in fp8})
     if not slow:
@@ -261,10 +273,8 @@ def measure_and_decide(cfg: RunConfig, sites: list[Site], decisions: list[Decisi
                        warmup: int = AUTO_WARMUP, iters: int = AUTO_ITERS) -> AutoOutcome:
     """The ``auto`` path of :func:`resolve_auto` on any device (the CPU only in tests): units of the FP8
     ``decisions``, timings (cache or measured; rank 0 under torchrun), ``decide`` again with the table."""
-    d = cfg.distributed
-    auto = replace(options.auto, fused_experts=fused_experts_for(device, grouped_gemm_config(cfg)))
-    units = auto_units([x.site for x in decisions if x.is_fp8], tp=d.tp, ep=d.ep, num_tokens=auto.num_tokens,
-                       topk=auto.topk, fused_experts=auto.fused_experts)
+    auto = run_auto_options(options.auto, cfg, device)
+    units = run_units(decisions, cfg, auto)
     measured = _measure_on_rank0(units, cfg, device, cache, status, warmup, iters)
     final = decide(sites, replace(options, auto=replace(auto, timings=measured.timings)))
     info = {"mode": cfg.selective.selective_fp8,

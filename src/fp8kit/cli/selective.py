@@ -241,16 +241,15 @@ def _plan_auto(cfg, sites, decisions, options):
         return decisions, ('selective_fp8 = "auto": plan measures nothing and this machine has no GPU, so the static '
                            "rules are shown; `fp8kit train` on CUDA times the FP8 candidates at start-up (cached)")
     from fp8kit.base.runtime import device_name
-    from fp8kit.bench.auto import lookup_cached
+    from fp8kit.bench.auto import lookup_cached, run_auto_options, run_units
     from fp8kit.data.tokenizer import resolve_cache_dir
-    from fp8kit.selective.auto import auto_units, distinct_shapes
+    from fp8kit.selective.auto import distinct_shapes
     from fp8kit.selective.auto_cache import AutoCache
     from fp8kit.selective.decide import decide
 
     device = torch.device("cuda")
-    d, auto = cfg.distributed, options.auto
-    units = auto_units([x.site for x in decisions if x.is_fp8], tp=d.tp, ep=d.ep, num_tokens=auto.num_tokens,
-                       topk=auto.topk)
+    auto = run_auto_options(options.auto, cfg, device)
+    units = run_units(decisions, cfg, auto)
     timings = lookup_cached(units, cfg, device, AutoCache(resolve_cache_dir(cfg.data.cache_dir)))
     total = len(distinct_shapes(units))
     note = (f'selective_fp8 = "auto": {len(timings)} of {total} shapes cached for {device_name(device)}'

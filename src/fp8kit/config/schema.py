@@ -337,9 +337,12 @@ class DistributedConfig(ConfigModel):
         "on the fused rowwise path as their own fprop cast (one power-of-two scale per token, 0.504x the bytes of "
         "bf16 at hidden 2048), gathered straight into their GEMM on arrival, with the same forward bits as a bf16 "
         "dispatch; to other experts as E4M3 plus one float32 scale per 128 elements (0.516x), dequantized on "
-        "arrival. The hidden size must be a multiple of 128. The gradient returns in bf16 (straight-through) and "
-        "the combine stays bf16, as in DeepSeek-V3. Measured on 2 x H100 (NVLink): the whole dispatch 0.49-0.51x "
-        "the time of bf16's. No effect (a warning) with ep = 1.",
+        "arrival. The hidden size must be a multiple of 128. The gradient returns in bf16 (straight-through), "
+        "the combine stays bf16, as in DeepSeek-V3, and the gate_up weight gradient of FP8 experts reads the "
+        "tokens as they arrived (E4M3), also with fp8.grouped_wgrad = bf16. Measured on 2 x H100 (NVLink): to "
+        "fused FP8 experts the whole dispatch takes 0.49-0.51x the time of bf16's; the 1x128 payload pays only "
+        "on slow links (1.5-1.8x bf16's time over NVLink, its casts cost more than the bytes save). No effect "
+        "(a warning) with ep = 1.",
     )
     fp8_reduce_scatter: Literal["off", "e5m2", "e4m3"] = Field(
         "off",

@@ -10,7 +10,7 @@ consume (``expert_parallel.dispatch_format``):
 forward   hidden (T, H) bf16 --gather_quantize_payload(token of each sorted pair)--> payload (S, H + 16) uint8:
           per row the H E4M3 bytes and the float32 inv_scale of the rowwise recipe (moe/quantize.py: one
           power-of-two scale per token row), written by the fused gather + cast kernel the experts' own fprop
-          cast uses (moe/rowwise_quant.py), so the bf16 sorted copy is never written
+          cast uses (moe/rowwise_payload.py, moe/rowwise_quant.py), so the bf16 sorted copy is never written
           -> all_to_all (uint8) -> received (R, H + 16)
           -> payload_rows(received, local dispatch index): the fprop GEMM's E4M3 operand and its row scales,
              gathered into expert order (1 byte per element each way; no unpack, no second cast)
@@ -53,28 +53,28 @@ from __future__ import annotations
 
 import torch
 
-from fp8kit.base.cuda_compile import compiled_on_cuda
 from fp8kit.base.errors import ConfigError
 from fp8kit.base.triton_lib import triton_module
 from fp8kit.fp8.blockwise import BLOCK, FP8, dequantize_rows, quantize_1x128
-from fp8kit.moe import rowwise_quant as rq
-from fp8kit.moe.quantize import quantize_rows
 from fp8kit.moe.routing import sum_token_rows
+from fp8kit.moe.rowwise_payload import gather_quantize_payload
 
 #: bytes of one float32 decoding scale
 SCALE_BYTES = 4
 
 
 def check_dispatch_hidden(hidden: int, where: str, key: str = "distributed.ep_fp8_dispatch") -> None:
-    """Refuse FP8 dispatch of tokens whose hidden size is not a multiple of 128 (one scale per 128 elements).
+    """Refuse FP8 dispatch of tokens whose hidden size is not a multiple of 128: the E4M3 + 1x128 payload (what
+    experts outside the fused FP8 path receive, e.g. during a BF16 warm-up phase) needs whole 128-element blocks;
+    checked at set-up for every layer, whatever payload it starts with.
 
     Raises:
         ConfigError: naming ``key``, ``where`` (the experts module) and the hidden size.
     """
     if hidden % BLOCK:
         raise ConfigError(
-            f"{key} = true: {where} has hidden size {hidden}, not a multiple of {BLOCK} (FP8 dispatch sends "
-            f"one E4M3 scale per {BLOCK} elements of a token); set {key} = false"
+            f"{key} = true: {where} has hidden size {hidden}, not a multiple of {BLOCK} (FP8 dispatch to experts "
+            f"outside the fused FP8 path sends one float32 scale per {BLOCK} elements of a token); set {key} = false"
         )
 
 
@@ -205,7 +205,7 @@ class _RowwiseDispatch(torch.autograd.Function):
     def forward(ctx, hidden, token_rows, pair_rows, recv_splits, send_splits, group):
         ctx.splits, ctx.group, ctx.tokens = (recv_splits, send_splits), group, hidden.shape[0]
         ctx.save_for_backward(pair_rows)
-        received = _exchange(rq.gather_quantize_payload(hidden, token_rows), recv_splits, send_splits, group)
+        received = _exchange(gather_quantize_payload(hidden, token_rows), recv_splits, send_splits, group)
         ctx.mark_non_differentiable(received)
         return hidden.new_zeros(()).expand(received.shape[0], hidden.shape[1]), received
 
@@ -235,65 +235,3 @@ def rowwise_dispatch(hidden: torch.Tensor, token_rows: torch.Tensor, pair_rows: 
         (straight-through, bf16 reverse all-to-all).
     """
     return _RowwiseDispatch.apply(hidden, token_rows, pair_rows, list(recv_splits), list(send_splits), group)
-
-
-def _zero_row_inv_bits() -> int:
-    """The int32 bits of the ``inv_scale`` that the rowwise recipe gives an all-zero row (``gather_quantize_rows``'s
-    padding rows), so that :func:`payload_rows` pads with the same bits."""
-    return int(quantize_rows(torch.zeros(1, 16))[1].view(torch.int32).item())
-
-
-_ZERO_INV_BITS = _zero_row_inv_bits()
-
-
-@compiled_on_cuda
-def _gather_words(words: torch.Tensor, index: torch.Tensor, hidden_words: int, zero_inv: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    valid = index < words.shape[0]
-    rows = words[torch.where(valid, index, 0)]
-    q = torch.where(valid[:, None], rows[:, :hidden_words], 0)
-    inv = torch.where(valid, rows[:, hidden_words], zero_inv)
-    return q, inv
-
-
-def payload_rows(received: torch.Tensor, index: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fprop operand of the fused experts from a rowwise payload: rows gathered into expert order.
-
-    Args:
-        received: ``(R, H + 16)`` uint8 rowwise payload (:func:`rowwise_dispatch`).
-        index: ``(P,)`` int64 payload row of each output row, ``R`` meaning a zero row
-            (``routing.Dispatch.gather_idx`` of the local dispatch).
-        hidden: ``H``.
-
-    Returns:
-        ``(q (P, H) E4M3 row-major, inv_scale (P,) float32)``: equal bit for bit to
-        ``rowwise_quant.gather_quantize_rows(tokens, index)`` of the tokens the payload was made from (zero rows
-        included). One gather of 32-bit words (compiled on CUDA).
-    """
-    rq.payload_views(received, hidden)  # checks the layout
-    words = received.view(torch.int32)
-    q, inv = _gather_words(words, index, hidden // 4, _ZERO_INV_BITS)
-    return q.view(FP8), inv.view(torch.float32)
-
-
-@compiled_on_cuda
-def _dequantize(q: torch.Tensor, inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q.float() * inv[:, None]).to(dtype)
-
-
-def dequantize_payload(received: torch.Tensor, hidden: int, dtype: torch.dtype,
-                       index: torch.Tensor | None = None) -> torch.Tensor:
-    """The tokens of a rowwise payload as ``q * inv_scale`` (float32, exact: power-of-two scales) in ``dtype``.
-
-    Args:
-        received: ``(R, H + 16)`` uint8 rowwise payload; hidden: ``H``.
-        index: optional ``(P,)`` rows to gather first (``R`` = a zero row), as :func:`payload_rows`.
-
-    Returns:
-        ``(R, H)``, or ``(P, H)`` with ``index``, of ``dtype``.
-    """
-    if index is None:
-        q, inv = rq.payload_views(received, hidden)
-    else:
-        q, inv = payload_rows(received, index, hidden)
-    return _dequantize(q, inv, dtype)

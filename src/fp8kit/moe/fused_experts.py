@@ -26,7 +26,7 @@ The output gradient's rowwise casts (dgrad of both GEMMs) use ``gather_quantize_
 
 Under expert parallelism with FP8 dispatch (``received=``, ``moe/fp8_dispatch.rowwise_dispatch``) the tokens arrive
 already cast by the same kernel on the sending rank: the dispatch + x cast step becomes a gather of their E4M3
-bytes and scales (``fp8_dispatch.payload_rows``, the same bits), and the gate_up wgrad reads the received tokens
+bytes and scales (``rowwise_payload.payload_rows``, the same bits), and the gate_up wgrad reads the received tokens
 dequantized (exact in bf16: power-of-two scales).
 
 With ``wgrad="bf16"`` (torchao's ``rowwise_with_gw_hp`` recipe: fprop and dgrad in FP8, wgrad in high precision)
@@ -54,9 +54,9 @@ import torch
 
 from fp8kit.base.cuda_compile import compiled_on_cuda
 from fp8kit.moe import rowwise_quant as rq
-from fp8kit.moe.fp8_dispatch import dequantize_payload, payload_rows
 from fp8kit.moe.grouped_mm import resolve_wgrad
 from fp8kit.moe.routing import gather_rows, sum_token_rows
+from fp8kit.moe.rowwise_payload import dequantize_payload, payload_rows
 
 GemmFn = Callable[..., torch.Tensor]
 

@@ -6,9 +6,8 @@ amax, e4m3, AMAX_EPS))``, ``fp8/scaling.py``; cast ``saturate(x * scale)`` to E4
 without the intermediate copies and separate amax passes:
 
 - :func:`gather_quantize_rows`: the dispatch gather (``routing.Dispatch.gather_idx``) + ``quantize_rows``;
-  the gathered BF16 copy is never written. :func:`gather_quantize_payload` writes the same bits into one uint8
-  row per token (E4M3 bytes, then the float32 ``inv_scale``): the FP8 token dispatch of expert parallelism
-  (``moe/fp8_dispatch.py``), whose receiver feeds them to the fprop GEMM unchanged.
+  the gathered BF16 copy is never written. ``moe/rowwise_payload.py`` has its kernel write the same bits into
+  one uint8 row per token: the FP8 token dispatch of expert parallelism.
 - :func:`swiglu_quantize_rows`: ``a = silu(gate) * up`` (:func:`fp8kit.moe.token_quant.swiglu_ref`, bit for
   bit) + ``quantize_rows(a)``, from one read of ``h``.
 - :func:`quantize_group_cols_fused` / :func:`quantize_group_cols_dual`: the wgrad operands (one scale per
@@ -114,49 +113,6 @@ def gather_quantize_rows_ref(src: torch.Tensor, index: torch.Tensor) -> tuple[to
     return quantize_rows(_gathered(src, index))
 
 
-#: Bytes after a token's ``K`` E4M3 bytes in a rowwise payload row: its float32 ``inv_scale``, then 12 bytes of
-#: padding (unspecified contents), so that every row starts on a 16-byte boundary when ``K % 16 == 0`` (16-byte
-#: stores and loads; the FP8 GEMM needs ``K % 16 == 0`` anyway).
-PAYLOAD_TAIL = 16
-
-
-def payload_row_bytes(k: int) -> int:
-    """Bytes of one token in a rowwise payload: ``K`` E4M3 bytes + :data:`PAYLOAD_TAIL` (0.504x of bf16 at K=2048)."""
-    return k + PAYLOAD_TAIL
-
-
-def payload_views(payload: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q (P, K) E4M3, inv_scale (P,) float32)``: views into a ``(P, payload_row_bytes(K))`` uint8 payload
-    (row-strided, no copy).
-
-    Raises:
-        ValueError: ``payload`` not a contiguous 2-D uint8 tensor of ``K + 16`` columns, or ``K % 16 != 0``.
-    """
-    if k % 16 or payload.dtype != torch.uint8 or payload.dim() != 2 or payload.shape[1] != payload_row_bytes(k) \
-            or not payload.is_contiguous():
-        raise ValueError(f"rowwise payload: expected a contiguous (P, {payload_row_bytes(k)}) uint8 tensor for K = {k} "
-                         f"(a multiple of 16), got {payload.dtype} {tuple(payload.shape)}")
-    return payload[:, :k].view(FP8), payload.view(torch.float32)[:, k // 4]
-
-
-def _check_payload_k(src: torch.Tensor) -> None:
-    if src.shape[1] % 16:
-        raise ValueError(f"fp8kit::moe_rw_gather_quant_payload: src must have a multiple of 16 columns, got "
-                         f"{tuple(src.shape)}")
-
-
-def gather_quantize_payload_ref(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """PyTorch reference of :func:`gather_quantize_payload`: :func:`gather_quantize_rows_ref`'s ``q`` and
-    ``inv_scale`` written into a zero-initialized payload."""
-    q, inv = gather_quantize_rows_ref(src, index)
-    _check_payload_k(src)
-    payload = torch.zeros(index.shape[0], payload_row_bytes(src.shape[1]), dtype=torch.uint8, device=src.device)
-    pq, pinv = payload_views(payload, src.shape[1])
-    pq.copy_(q)
-    pinv.copy_(inv)
-    return payload
-
-
 def swiglu_quantize_rows_ref(h: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PyTorch reference of :func:`swiglu_quantize_rows`: ``a = swiglu_ref(h)``, then ``quantize_rows(a)``."""
     _check_h(h)
@@ -226,31 +182,6 @@ def _(src, index):
 def _(src, index):
     _check_gather(src, index)
     return src.new_empty(index.shape[0], src.shape[1], dtype=FP8), _f32(src, index.shape[0])
-
-
-@torch.library.custom_op("fp8kit::moe_rw_gather_quant_payload", mutates_args=())
-def _payload_op(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return gather_quantize_payload_ref(src, index)
-
-
-@_payload_op.register_kernel("cuda")
-def _(src, index):
-    _check_gather(src, index)
-    _check_payload_k(src)
-    kernels = _triton_kernels()
-    if kernels is None or index.numel() == 0 or src.shape[1] == 0:
-        return gather_quantize_payload_ref(src, index)
-    payload = torch.empty(index.shape[0], payload_row_bytes(src.shape[1]), dtype=torch.uint8, device=src.device)
-    with torch.cuda.device(src.device):
-        kernels.gather_quantize_rows(_rows_last(src), index.contiguous(), out=payload_views(payload, src.shape[1]))
-    return payload
-
-
-@_payload_op.register_fake
-def _(src, index):
-    _check_gather(src, index)
-    _check_payload_k(src)
-    return src.new_empty(index.shape[0], payload_row_bytes(src.shape[1]), dtype=torch.uint8)
 
 
 @torch.library.custom_op("fp8kit::moe_rw_swiglu_quant", mutates_args=())
@@ -387,28 +318,6 @@ def gather_quantize_rows(src: torch.Tensor, index: torch.Tensor) -> tuple[torch.
         ValueError: ``src`` not a 2-D float tensor; ``index`` not a 1-D integer tensor on ``src``'s device.
     """
     return torch.ops.fp8kit.moe_rw_gather_quant(src, index)
-
-
-def gather_quantize_payload(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """:func:`gather_quantize_rows` written into one uint8 row per output row: the rowwise FP8 dispatch payload.
-
-    Row ``p`` holds ``q[p]`` (``K`` E4M3 bytes), then the 4 bytes of ``inv_scale[p]`` (float32), then 12 bytes
-    of unspecified padding (:data:`PAYLOAD_TAIL`); :func:`payload_views` reads it back without a copy. The
-    ``q`` and ``inv_scale`` bits equal :func:`gather_quantize_rows`'s; on CUDA the same Triton kernel writes
-    them in place (one pass, no separate pack).
-
-    Args:
-        src: ``(T, K)`` bf16 / fp16 / fp32 tokens, ``K`` a multiple of 16.
-        index: ``(P,)`` int64 / int32 source row of each output row (``T``: a zero row), as
-            :func:`gather_quantize_rows`.
-
-    Returns:
-        ``(P, K + 16)`` uint8, contiguous.
-
-    Raises:
-        ValueError: as :func:`gather_quantize_rows`, or ``K`` not a multiple of 16.
-    """
-    return torch.ops.fp8kit.moe_rw_gather_quant_payload(src, index)
 
 
 def swiglu_quantize_rows(h: torch.Tensor, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

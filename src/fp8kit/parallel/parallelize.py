@@ -264,8 +264,8 @@ def apply_ep(model: nn.Module, mesh, ep: int, decisions: list[Decision], grouped
 
     Every experts module with 3-D weights becomes a ``Float8GroupedExperts`` (BF16 until the FP8
     conversion decides otherwise) holding this rank's ``E / ep`` experts. ``fp8_dispatch``
-    (``distributed.ep_fp8_dispatch``): the dispatch all-to-all sends E4M3 + 1x128 scales
-    (``fp8kit.moe.fp8_dispatch``).
+    (``distributed.ep_fp8_dispatch``): the dispatch all-to-all sends E4M3 (``fp8kit.moe.fp8_dispatch``; the payload
+    per layer: ``moe.expert_parallel.dispatch_format``).
 
     Raises:
         ConfigError: no MoE experts in the model, an experts layout fp8kit cannot run, ``ep`` that

@@ -62,8 +62,9 @@ class PrepareOptions:
         compile: ``torch.compile`` each block.
         sequence_parallel: with tp > 1, split norms and the residual stream over tokens.
         ep: expert-parallel size.
-        ep_fp8_dispatch: with ``ep > 1``, the dispatch all-to-all sends E4M3 + 1x128 scales
-            (``fp8kit.moe.fp8_dispatch``); with ``ep = 1`` a note that it has no effect.
+        ep_fp8_dispatch: with ``ep > 1``, the dispatch all-to-all sends E4M3 (``fp8kit.moe.fp8_dispatch``: the
+            fused FP8 experts' own rowwise cast, or E4M3 + 1x128 scales for other experts); with ``ep = 1`` a note
+            that it has no effect.
         param_dtype: the parameters' dtype (FSDP2's mixed precision computes in bf16 either way).
         fp8_reduce_scatter: ``"off"``, or the FP8 format of FSDP2's gradient reduce-scatter
             (``fp8kit.comm.apply_fp8_reduce_scatter``; ``distributed.fp8_reduce_scatter``).
