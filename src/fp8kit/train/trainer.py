@@ -16,6 +16,7 @@ from rich.console import Console
 from fp8kit.base.console import make_console
 from fp8kit.base.runtime import barrier, is_main, launched_rank, launched_world_size
 from fp8kit.config import RunConfig, save_config
+from fp8kit.moe.expert_parallel import dispatch_format
 from fp8kit.optim.memory import format_state_bytes
 from fp8kit.selective.decide import summarize
 from fp8kit.selective.report import auto_summary, print_auto_table, print_report, save_report
@@ -209,8 +210,6 @@ _DISPATCH_WORDS = {"bf16": "bf16", "1x128": "E4M3 + 1x128 scales",
 def _dispatch_desc(setup: Setup) -> str:
     """The token dispatch of the expert-parallel layers at the start of training (``expert_parallel.dispatch_format``
     per layer), e.g. ``fp8 (E4M3 + 1x128 scales)``, or each format with its layer count when they differ."""
-    from fp8kit.moe.expert_parallel import dispatch_format
-
     formats = Counter(dispatch_format(m, setup.device) for m in setup.model.modules()
                       if getattr(m, "ep_group", None) is not None)
     if set(formats) <= {"bf16"}:
