@@ -94,16 +94,12 @@ def shape_recipe_key(shape: AutoShape, recipe: str, grouped_key: str | None, wgr
     return grouped_key if shape.is_grouped else recipe
 
 
-def fused_experts_for(device: torch.device, config) -> bool:
-    """Whether the run's FP8 experts (``config``: its ``GroupedGemmConfig``) run the fused rowwise MLP on ``device``
-    (``AutoOptions.fused_experts``)."""
-    return grouped_recipe_key(device, config=config) == "grouped:fused"
-
-
 def run_auto_options(auto: AutoOptions, cfg: RunConfig, device: torch.device) -> AutoOptions:
-    """``auto`` with ``fused_experts`` set for this run on ``device``: the one place it is decided, so that every
-    caller (``train``'s measuring and forced paths, ``plan``) builds the units ``decide`` builds."""
-    return replace(auto, fused_experts=fused_experts_for(device, grouped_gemm_config(cfg)))
+    """``auto`` with ``fused_experts`` set: whether the run's FP8 experts (``fp8.grouped_kernel``, resolved on
+    ``device``) run the fused rowwise MLP. The one place it is decided, so that every caller (``train``'s measuring
+    and forced paths, ``plan``) builds the units ``decide`` builds."""
+    fused = grouped_recipe_key(device, config=grouped_gemm_config(cfg)) == "grouped:fused"
+    return replace(auto, fused_experts=fused)
 
 
 def run_units(decisions: list[Decision], cfg: RunConfig, auto: AutoOptions) -> list[AutoUnit]:

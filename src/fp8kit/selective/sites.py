@@ -219,13 +219,10 @@ def find_sites(model: nn.Module) -> list[Site]:
                          layer=layer, component=component)
                 )
         elif parts[-1] in _EXPERT_PARTS or "expert" in type(module).__name__.lower():
-            from fp8kit.moe.experts import Float8GroupedExperts, fused_gate_problem, layout_problem
+            from fp8kit.moe.experts import fused_gate_problem, layout_problem
 
             problem = layout_problem(module)
-            if isinstance(module, Float8GroupedExperts):
-                fusable = problem is None and module.gate_problem is None
-            else:
-                fusable = problem is None and fused_gate_problem(module) is None
+            fusable = problem is None and fused_gate_problem(module) is None
             for pname, p in _expert_params(module):
                 ub = "fc2" if "down" in pname or pname in ("w2", "fc2") else "fc1"
                 kind = "row_grouped" if ub == "fc2" else "column_grouped"
