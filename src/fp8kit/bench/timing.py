@@ -63,3 +63,34 @@ def time_ms(fn: Callable[[], None], *, device: torch.device, warmup: int, iters:
         torch.cuda.synchronize(device)
         results.append(start.elapsed_time(end) / iters)
     return statistics.median(results)
+
+
+def suspect_points(tokens: list[int], ms: list[float | None], *, next_tol: float = 1.10,
+                   growth_tol: float = 1.25) -> list[int]:
+    """Indices of a token sweep's timings that look like spikes, to be timed again.
+
+    A GEMM site's device time grows with the token count, at most about linearly. Point ``i`` (in
+    ascending token order) is suspect when it is slower than the next larger token count by more than
+    ``next_tol`` (time went down as the work went up), or slower than the previous point scaled linearly
+    by the token ratio, times ``growth_tol`` (it grew faster than the work; the slack covers tile waves
+    and operands leaving L2). Such points came from a disturbed timing window in the session-14 policy
+    reports (for example 1.403 ms at 1024 tokens between 0.086 and 0.268 ms); a real slowdown survives
+    re-timing and is kept.
+
+    Args:
+        tokens: the sweep's token counts, any order, no duplicates.
+        ms: milliseconds per point, aligned with ``tokens``; ``None`` (not timed) is skipped.
+
+    Returns:
+        indices into ``tokens`` / ``ms``, ascending by token count.
+    """
+    order = [i for i in sorted(range(len(tokens)), key=tokens.__getitem__) if ms[i] is not None]
+    out = []
+    for pos, i in enumerate(order):
+        prev = order[pos - 1] if pos > 0 else None
+        nxt = order[pos + 1] if pos + 1 < len(order) else None
+        above_next = nxt is not None and ms[i] > next_tol * ms[nxt]
+        above_growth = prev is not None and ms[i] > growth_tol * ms[prev] * tokens[i] / tokens[prev]
+        if above_next or above_growth:
+            out.append(i)
+    return out

@@ -60,6 +60,9 @@ def add_parsers(sub) -> None:
                    "config's fp8.recipe")
     p.add_argument("--warmup", type=int, help="warm-up iterations, default 5")
     p.add_argument("--iters", type=int, help="timed iterations (median), default 10")
+    p.add_argument("--retime", type=int, default=2,
+                   help="time a point that looks like a spike (slower than the next larger token count, or "
+                   "grown faster than its tokens) again up to N times, keeping the fastest; 0: off (default 2)")
     p.add_argument("--shape-sweep", dest="shape_sweep",
                    help='"SEQxMBS,..." e.g. "1024x1,4096x2"; default powers of two')
     p.add_argument("--max-tokens", dest="max_tokens", type=int, default=32768,
@@ -278,7 +281,7 @@ def _bench(args: argparse.Namespace, console) -> int:
     bench_args = BenchLayersArgs(
         model=cfg.model, vocab_size=cfg.data.vocab_size, **values, sources=sources,
         precisions=tuple(p.strip() for p in args.precisions.split(",") if p.strip()),
-        warmup=args.warmup, iters=args.iters,
+        warmup=args.warmup, iters=args.iters, retime=args.retime,
         shape_sweep=parse_shape_sweep(args.shape_sweep) if args.shape_sweep else auto_sweep(args.max_tokens),
         device=args.device, simulate_tp=args.simulate_tp, compile=args.compile,
     )
