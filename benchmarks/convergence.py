@@ -45,6 +45,8 @@ VARIANTS = {
     "tensorwise": [*FULL_FP8, "fp8.recipe=tensorwise", *FP32_MASTER],
     "blockwise": [*FULL_FP8, "fp8.recipe=blockwise", *FP32_MASTER],
     "delayed": [*FULL_FP8, "fp8.recipe=delayed", *FP32_MASTER],
+    # blockwise keeping no FP8 copy from forward to backward (the per-tensor recipes' peak memory)
+    "blockwise-recompute": [*FULL_FP8, "fp8.recipe=blockwise", "fp8.blockwise_recompute=true", *FP32_MASTER],
     # study "moe-qwen3": the experts' wgrad GEMMs in FP8 (the default "auto" picks bf16 for 768-wide experts)
     "tensorwise-gwfp8": [*FULL_FP8, "fp8.recipe=tensorwise", "fp8.grouped_wgrad=fp8", *FP32_MASTER],
     # study "optimizers": optimizer state precision, FP8 tensorwise matmuls everywhere
@@ -114,7 +116,9 @@ def report(out: Path, study: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = {n: read(out, n) for n in STUDIES[study]}
+    # the study's variants, then any other variant run into the same folder (e.g. --variants with an extra one)
+    extra = [n for n in VARIANTS if n not in STUDIES[study] and (out / n / "metrics.jsonl").exists()]
+    runs = {n: read(out, n) for n in [*STUDIES[study], *extra]}
     baseline = STUDIES[study][0]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     base_recs = runs.get(baseline) or []

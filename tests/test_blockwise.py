@@ -234,6 +234,81 @@ def test_weight_copy_recomputed_in_backward_gives_the_same_bits_and_saves_no_wei
     assert Float8BlockwiseLinear(256, 128, keep_weight_copy=False).keep_weight_copy is False
 
 
+def test_input_copy_recomputed_in_backward_gives_the_same_bits_and_saves_no_fp8():
+    """keep_input_copy=False (with keep_weight_copy=False: fp8.blockwise_recompute) saves the BF16 input instead
+    of its FP8 x^T copy and casts it again in the backward: the same y, dx, dw, db bit for bit, no FP8 saved."""
+    m, k, n = 200, 256, 384
+    x0, w0, b0, dy = _real(m, k, seed=1), _real(n, k, scale=0.05, seed=2), _real(n, seed=3), _real(m, n, seed=4)
+    got = {}
+    for keep in (True, False):
+        x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+        shapes, y = _saved_fp8_shapes(lambda: blockwise_linear(  # noqa: B023
+            x, w, b, cache_weight=False, keep_weight_copy=keep, keep_input_copy=keep))  # noqa: B023
+        y.backward(dy)
+        got[keep] = (shapes, y, x.grad, w.grad, b.grad)
+    (s_keep, *keep), (s_again, *again) = got[True], got[False]
+    for name, a, c in zip(("y", "dx", "dw", "db"), keep, again, strict=True):
+        assert torch.equal(a, c), f"{name} differs: max |diff| {(a.float() - c.float()).abs().max().item()}"
+    assert (k, 256) in s_keep, f"the FP8 x^T copy [K, Mp] expected among saved FP8 tensors {s_keep}"
+    assert s_again == [], f"nothing FP8 should be saved when both copies are cast again, saved {s_again}"
+    mod = Float8BlockwiseLinear(256, 128, keep_input_copy=False)
+    assert mod.keep_input_copy is False and "keep_input_copy=False" in repr(mod)
+
+
+class _NormLinear(nn.Module):
+    """RMSNorm -> blockwise linear, as a decoder block feeds q/k/v: the linear's input is recomputable."""
+
+    def __init__(self, k: int, n: int, keep: bool):
+        super().__init__()
+        self.norm = nn.RMSNorm(k, dtype=torch.bfloat16)
+        self.lin = Float8BlockwiseLinear(k, n, cache_weight=False, keep_weight_copy=keep, keep_input_copy=keep,
+                                         dtype=torch.bfloat16)
+
+    def forward(self, x):
+        return self.lin(self.norm(x))
+
+
+def test_compiled_recompute_saves_no_fp8_and_keeps_the_numerics():
+    """Under torch.compile (CPU Inductor) the backward's cast of the input is plain PyTorch, so the partitioner
+    recomputes it from what the RMSNorm backward saves anyway: no FP8 tensor and no extra activation is saved
+    (the kept-copy module saves its FP8 x^T and w^T). y, dx and the norm's gradient equal the kept-copy module's
+    bit for bit; dw is as accurate against float64 (within 0.5 dB, >= 25 dB): Inductor recomputes the norm output
+    in float32 inside the fused cast without rounding it to bf16, so a few E4M3 roundings differ (measured 29.58
+    vs 29.57 dB)."""
+    torch._dynamo.reset()
+    m, k, n = 256, 256, 384
+    x0, dy = _real(m, k, seed=5), _real(m, n, seed=6)
+    res = {}
+    for keep in (True, False):
+        torch.manual_seed(0)
+        mod = _NormLinear(k, n, keep)
+        mod.lin.weight.data.copy_(_real(n, k, scale=0.05, seed=7))
+        comp = torch.compile(mod)
+        x = x0.clone().requires_grad_()
+        saved = []
+
+        def pack(t):
+            saved.append((t.dtype, tuple(t.shape)))  # noqa: B023
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = comp(x)
+        y.backward(dy)
+        res[keep] = (saved, y.detach(), x.grad, mod.lin.weight.grad, mod.norm.weight.grad)
+    (s_keep, *keep), (s_again, *again) = res[True], res[False]
+    for name, a, c in zip(("y", "dx", "dnorm"), keep[:2] + keep[3:], again[:2] + again[3:], strict=True):
+        assert torch.equal(a, c), f"{name} differs: max |diff| {(a.float() - c.float()).abs().max().item()}"
+    ref = dy.double().t() @ nn.RMSNorm(k, dtype=torch.float64)(x0.double())
+    db_keep, db_again = sqnr(ref, keep[2].double()), sqnr(ref, again[2].double())
+    print(f"dw against float64: kept copy {db_keep:.2f} dB, cast again {db_again:.2f} dB")
+    assert db_again >= 25 and db_again >= db_keep - 0.5, (db_keep, db_again)
+    fp8_keep = [s for s in s_keep if s[0] == FP8]
+    assert (FP8, (k, m)) in fp8_keep and (FP8, (k, n)) in fp8_keep, s_keep
+    assert not [s for s in s_again if s[0] == FP8], f"FP8 saved with both copies cast again: {s_again}"
+    big = [s for s in s_again if s[1] in ((m, k), (1, m, k))]  # a saved [M, K] tensor: the norm's input only
+    assert len(big) <= 1, f"more than the norm's input saved at [M, K]: {s_again}"
+
+
 # ----------------------------------------------------------------------------- module conversion
 
 def test_from_linear_shares_parameters_and_state_dict_keys():
@@ -319,3 +394,36 @@ def test_torch_compile_matches_eager_bit_for_bit():
         assert torch.equal(a, b), f"compiled {name} differs: max {(a - b).abs().max().item()}"
     # The bias gradient is a reduction that Inductor may order differently: float32-accumulated.
     torch.testing.assert_close(grads[2], grads_c[2], rtol=0, atol=1e-2)
+
+
+def test_blockwise_recompute_config_builds_linears_that_cast_again_with_the_same_gradients():
+    """fp8.blockwise_recompute = true reaches every blockwise linear (no FP8 copy kept for the backward) and, in
+    eager mode, the model's gradients equal the default run's bit for bit (llama-125m widths, one layer)."""
+    from fp8kit.config import load_config
+    from fp8kit.config.options import options_from_config
+    from fp8kit.config.prepare_options import prepare_options
+    from fp8kit.models.build import build_hf_config, build_model
+    from fp8kit.parallel.prepare import prepare_model
+    from fp8kit.selective.decide import decide
+    from fp8kit.selective.sites import find_sites
+
+    ids = torch.randint(0, 1024, (2, 128), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for recompute in (False, True):
+        cfg = load_config(None, ["model.preset=llama-125m", "model.num_layers=1", "data.vocab_size=1024",
+                                 "train.mixed_precision=fp8", "fp8.recipe=blockwise", "fp8.emulate=true",
+                                 f"fp8.blockwise_recompute={str(recompute).lower()}"])
+        opts = prepare_options(cfg, fp8_now=True, emulate=True)
+        assert opts.blockwise_recompute is recompute
+        model = build_model(cfg.model, cfg.data.vocab_size, device="cpu", dtype=torch.bfloat16, seed=0)
+        hf_cfg = build_hf_config(cfg.model, cfg.data.vocab_size)
+        prepare_model(model, decide(find_sites(model), options_from_config(cfg, hf_cfg, "cpu")), opts, None,
+                      hf_cfg=hf_cfg)
+        linears = [m for m in model.modules() if isinstance(m, Float8BlockwiseLinear)]
+        assert len(linears) == 7, len(linears)
+        keeps = {(m.keep_input_copy, m.keep_weight_copy) for m in linears}
+        assert keeps == {(not recompute, not recompute)}, keeps
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads[recompute] = {n: p.grad for n, p in model.named_parameters()}
+    for name, g in grads[False].items():
+        assert torch.equal(g, grads[True][name]), f"{name}: gradients differ with fp8.blockwise_recompute"

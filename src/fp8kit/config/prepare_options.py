@@ -38,4 +38,5 @@ def prepare_options(cfg: RunConfig, *, fp8_now: bool, emulate: bool) -> PrepareO
         fp8_reduce_scatter=d.fp8_reduce_scatter,
         param_dtype=torch.float32 if t.param_dtype == "fp32" else torch.bfloat16,
         cache_weights=t.grad_accum > 1,  # the cache only pays when micro-batches share an optimizer step
+        blockwise_recompute=cfg.fp8.blockwise_recompute,
     )

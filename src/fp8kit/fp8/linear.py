@@ -7,8 +7,12 @@ Numerics, layouts and sources: :mod:`fp8kit.fp8.blockwise` (DeepSeek-V3, arXiv:2
 - dgrad ``dx = dy @ w``: ``dy`` 1x128 along N, ``w^T`` the same 128x128 blocks (the cached ``[K, N]`` copy).
 - wgrad ``dw = dy^T @ x``: ``dy^T`` and ``x^T`` 1x128 along M, i.e. 128x1 blocks of ``dy`` and ``x``.
 
-The forward saves only the FP8 ``x^T`` copy (and the cached FP8 weight), not the BF16 input. The bias
-is added, and its gradient reduced, in the input's precision outside the FP8 GEMMs.
+By default the forward saves only the FP8 ``x^T`` copy (and the FP8 ``w^T`` copy), not the BF16 input.
+``keep_input_copy=False`` / ``keep_weight_copy=False`` save the BF16 input / the weight instead and quantize them
+again in the backward (the same bits): the step holds both anyway (the norm, SwiGLU and attention backward save
+the inputs of the linears or what they are recomputed from, and the weight is a parameter), so the layer then adds
+nothing to the activation memory, at the price of one more cast of each in the backward. The bias is added, and its
+gradient reduced, in the input's precision outside the FP8 GEMMs.
 
 Tensor parallel (``fp8kit.parallel.tp_own``): when the weight is a DTensor sharded over a ``tp`` mesh, the
 module runs :func:`sharded_linear`: the FP8 ops see this rank's local shards only (``to_local()``) and the
@@ -25,13 +29,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fp8kit.fp8.blockwise import BLOCK, check_linear_shape
+from fp8kit.fp8.blockwise import BLOCK, check_linear_shape, quantize_act_wgrad
 from fp8kit.fp8.kernels import ops
 
 
 class _BlockwiseLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, cache_weight: bool, emulate: bool, keep_weight_copy: bool):
+    def forward(ctx, x, weight, bias, cache_weight: bool, emulate: bool, keep_weight_copy: bool,
+                keep_input_copy: bool = True):
         n, k = weight.shape
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k)
@@ -44,7 +49,9 @@ class _BlockwiseLinearFn(torch.autograd.Function):
         # The dgrad copy of the weight: kept from forward to backward (1 byte per weight element), or, when
         # the weight is sharded between them (FSDP2), quantized again in backward from the re-gathered weight.
         ctx.keep = keep_weight_copy or cache_weight  # a cached copy lives in the cache anyway
-        ctx.save_for_backward(xtq, xts, *((wtq, wts) if ctx.keep else (weight,)))
+        # The wgrad copy of the input: kept (1 byte per element), or quantized again in backward from the input.
+        ctx.keep_x = keep_input_copy
+        ctx.save_for_backward(*((xtq, xts) if keep_input_copy else (x2,)), *((wtq, wts) if ctx.keep else (weight,)))
         ctx.shape = (lead, m, n, k)
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.emulate = emulate
@@ -52,25 +59,27 @@ class _BlockwiseLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        xtq, xts, *w = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        x_saved, w = (saved[:2], saved[2:]) if ctx.keep_x else (saved[:1], saved[1:])
         lead, m, n, k = ctx.shape
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         dy2 = dy.reshape(-1, n)
         dyq, dys_t, dytq, dyts = ops.quantize_act(dy2)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            wtq, wts = w if ctx.keep else ops.quantize_weight(w[0], cache=False)[2:]
+            wtq, wts = w if ctx.keep else ops.quantize_weight_dgrad(w[0])
             dx = ops.blockwise_mm(dyq, dys_t, wtq, wts, BLOCK, x_dtype, ctx.emulate)[:m].reshape(*lead, k)
         if ctx.needs_input_grad[1]:
+            xtq, xts = x_saved if ctx.keep_x else quantize_act_wgrad(x_saved[0])
             dw = ops.blockwise_mm(dytq, dyts, xtq, xts, 1, w_dtype, ctx.emulate)
         if ctx.needs_input_grad[2]:
             db = dy2.sum(dim=0, dtype=torch.float32).to(b_dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def blockwise_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-    cache_weight: bool = True, emulate: bool = False, keep_weight_copy: bool = True,
+    cache_weight: bool = True, emulate: bool = False, keep_weight_copy: bool = True, keep_input_copy: bool = True,
 ) -> torch.Tensor:
     """``x @ weight^T + bias`` with the three GEMMs in blockwise FP8 (differentiable in all three inputs).
 
@@ -84,6 +93,9 @@ def blockwise_linear(
         keep_weight_copy: keep the FP8 ``w^T`` copy of the forward for the backward's dgrad GEMM (1 byte per
             weight element held in between; faster); False quantizes the weight again in the backward (what a
             weight sharded between forward and backward, FSDP2, needs). Same bits either way.
+        keep_input_copy: keep the forward's FP8 ``x^T`` copy (128x1 blocks, the wgrad operand) for the backward
+            (1 byte per input element held in between); False saves the input itself and quantizes it again in
+            the backward (module docstring). Same bits either way.
 
     Returns:
         ``[..., N]`` tensor of ``x.dtype``.
@@ -98,7 +110,7 @@ def blockwise_linear(
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"blockwise_linear: input of shape {tuple(x.shape)} does not match weight "
                          f"{tuple(weight.shape)} (last dimension must be {weight.shape[1]})")
-    return _BlockwiseLinearFn.apply(x, weight, bias, cache_weight, emulate, keep_weight_copy)
+    return _BlockwiseLinearFn.apply(x, weight, bias, cache_weight, emulate, keep_weight_copy, keep_input_copy)
 
 
 def sharded_linear(
@@ -175,7 +187,9 @@ class Float8BlockwiseLinear(nn.Module):
         emulate: run the GEMMs in float32 on dequantized operands on CUDA (for GPUs without blockwise
             FP8 GEMMs; the CPU always emulates).
         keep_weight_copy: keep the forward's FP8 ``w^T`` copy for the backward (see :func:`blockwise_linear`;
-            ``prepare_model`` turns it off under FSDP2).
+            ``prepare_model`` turns it off under FSDP2 and with ``fp8.blockwise_recompute``).
+        keep_input_copy: keep the forward's FP8 ``x^T`` copy for the backward (see :func:`blockwise_linear`;
+            ``prepare_model`` turns it off with ``fp8.blockwise_recompute``).
 
     Raises:
         ValueError: a feature count that is not a multiple of 128 (naming the shape).
@@ -184,6 +198,7 @@ class Float8BlockwiseLinear(nn.Module):
     def __init__(
         self, in_features: int, out_features: int, bias: bool = True, *, device=None, dtype=None,
         cache_weight: bool = True, emulate: bool = False, keep_weight_copy: bool = True,
+        keep_input_copy: bool = True,
     ) -> None:
         super().__init__()
         check_linear_shape(out_features, in_features, "Float8BlockwiseLinear")
@@ -192,6 +207,7 @@ class Float8BlockwiseLinear(nn.Module):
         self.cache_weight = cache_weight
         self.emulate = emulate
         self.keep_weight_copy = keep_weight_copy
+        self.keep_input_copy = keep_input_copy
         ops.load_cuda_kernels()  # here, not in traced code: see fp8kit.fp8.kernels.ops
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         if bias:
@@ -210,7 +226,7 @@ class Float8BlockwiseLinear(nn.Module):
     @classmethod
     def from_linear(
         cls, linear: nn.Linear, *, cache_weight: bool = True, emulate: bool = False, name: str | None = None,
-        keep_weight_copy: bool = True,
+        keep_weight_copy: bool = True, keep_input_copy: bool = True,
     ) -> Float8BlockwiseLinear:
         """A ``Float8BlockwiseLinear`` sharing ``linear``'s ``weight`` and ``bias`` Parameter objects.
 
@@ -227,6 +243,7 @@ class Float8BlockwiseLinear(nn.Module):
         nn.Module.__init__(mod)
         mod.in_features, mod.out_features = k, n
         mod.cache_weight, mod.emulate, mod.keep_weight_copy = cache_weight, emulate, keep_weight_copy
+        mod.keep_input_copy = keep_input_copy
         ops.load_cuda_kernels()  # here, not in traced code: see fp8kit.fp8.kernels.ops
         mod.weight = linear.weight
         mod.bias = linear.bias
@@ -253,9 +270,10 @@ class Float8BlockwiseLinear(nn.Module):
 
     def _local_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``[..., k] x [n, k] (+ [n]) -> [..., n]`` on plain tensors (a whole weight or a TP shard)."""
-        return _BlockwiseLinearFn.apply(x, weight, bias, self.cache_weight, self.emulate, self.keep_weight_copy)
+        return _BlockwiseLinearFn.apply(x, weight, bias, self.cache_weight, self.emulate, self.keep_weight_copy,
+                                        self.keep_input_copy)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"recipe=blockwise, cache_weight={self.cache_weight}, emulate={self.emulate}, "
-                f"keep_weight_copy={self.keep_weight_copy}")
+                f"keep_weight_copy={self.keep_weight_copy}, keep_input_copy={self.keep_input_copy}")

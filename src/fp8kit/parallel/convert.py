@@ -50,11 +50,14 @@ class ConversionOptions:
         keep_weight_copies: blockwise linears keep the forward's FP8 ``w^T`` copy for the backward
             (``Float8BlockwiseLinear(keep_weight_copy=...)``); ``prepare_model`` turns it off under FSDP2, where it
             would hold every layer's unsharded FP8 weight from its forward to its backward.
+        keep_input_copies: blockwise linears keep the forward's FP8 ``x^T`` copy for the backward
+            (``Float8BlockwiseLinear(keep_input_copy=...)``); off with ``fp8.blockwise_recompute``.
     """
 
     emulate: bool = False
     cache_weights: bool = False
     keep_weight_copies: bool = True
+    keep_input_copies: bool = True
     fsdp_float8_all_gather: bool = False
     grouped: GroupedGemmConfig = field(default_factory=GroupedGemmConfig)
     delayed: DelayedScalingState = field(default_factory=DelayedScalingState)
@@ -143,7 +146,8 @@ def _swap_own(model: nn.Module, todo: set[str], recipe: str, options: Conversion
             else:
                 new = Float8BlockwiseLinear.from_linear(linear, emulate=options.emulate, name=plain_fqn(real),
                                                         cache_weight=options.cache_weights,
-                                                        keep_weight_copy=options.keep_weight_copies)
+                                                        keep_weight_copy=options.keep_weight_copies,
+                                                        keep_input_copy=options.keep_input_copies)
         except ValueError as e:
             raise Fp8kitError(str(e)) from None
         setattr(parent, child, new)

@@ -72,6 +72,9 @@ class PrepareOptions:
             micro-batches of an optimizer step (``fp8kit.fp8.weight_cache``; ``fp8kit train``: with
             ``train.grad_accum > 1``). Ignored under FSDP2, where the cache would hold unsharded copies of every
             layer's weights until the next step.
+        blockwise_recompute: blockwise linears keep no FP8 copy of their input or weight from forward to
+            backward and quantize both again there (``fp8.blockwise_recompute``; with ``cache_weights`` the
+            cached weight is still reused).
     """
 
     fp8: bool = True
@@ -88,6 +91,7 @@ class PrepareOptions:
     param_dtype: torch.dtype = torch.bfloat16
     fp8_reduce_scatter: str = "off"
     cache_weights: bool = False
+    blockwise_recompute: bool = False
 
 
 @dataclass
@@ -132,7 +136,8 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
         fsdp_float8_all_gather=fp8_all_gather_choice(options.fp8_all_gather, options.recipe, fsdp),
         grouped=grouped,
         cache_weights=cache,
-        keep_weight_copies=not fsdp,
+        keep_weight_copies=not (fsdp or options.blockwise_recompute),
+        keep_input_copies=not options.blockwise_recompute,
         delayed=DelayedScalingState(options.delayed),
     )
     done = Prepared(conversion=conversion)

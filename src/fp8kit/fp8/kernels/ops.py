@@ -175,6 +175,25 @@ def _(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
 _quant_weight_op.register_fake(_fake_weight)
 
 
+# The backward's own cast of a weight (``keep_weight_copy=False``): the dgrad copy alone. A separate op (same
+# kernel, same bits) because AOTAutograd's CSE would otherwise merge it with the forward's identical call and keep
+# the forward's FP8 copy alive until the backward: the memory that casting again saves.
+
+@torch.library.custom_op("fp8kit::blockwise_quant_weight_dgrad", mutates_args=())
+def _quant_weight_dgrad_op(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_weight_ref(w)[2:]
+
+
+@_quant_weight_dgrad_op.register_kernel("cuda")
+def _(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_weight_cuda(w)[2:]
+
+
+@_quant_weight_dgrad_op.register_fake
+def _(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fake_weight(w)[2:]
+
+
 _CACHE = WeightCache(lambda w: _quantize_weight_any(w), "blockwise 128x128")
 
 
@@ -306,6 +325,18 @@ def quantize_weight(w: torch.Tensor, cache: bool = True) -> Quantized:
     if _fast(w):  # the triton_op itself, no custom op around it
         return _quantize_weight_cuda(w)
     return torch.ops.fp8kit.blockwise_quant_weight(w)
+
+
+def quantize_weight_dgrad(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dgrad copy ``(wtq, wts)`` of ``w[N, K]`` alone (``w^T``'s 128x128 blocks; the last two of
+    :func:`quantize_weight`'s outputs, the same bits), cast again in the backward (``keep_weight_copy=False``).
+
+    A separate op from the forward's weight cast so that ``torch.compile`` does not merge the two.
+
+    Raises:
+        ValueError: ``w`` is not 2-D with both dimensions divisible by 128.
+    """
+    return torch.ops.fp8kit.blockwise_quant_weight_dgrad(w)
 
 
 def blockwise_mm(
