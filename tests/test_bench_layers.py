@@ -210,11 +210,11 @@ def test_run_bench_layers_retimes_a_spiked_point_and_keeps_the_fastest(monkeypat
                            shape_sweep=[(64, 1), (128, 1), (256, 1)], device="cpu")
     rep = run_bench_layers(args)
     (rec,) = [m for m in rep["measurements"] if m["site"] == "qkv" and m["num_tokens"] == 128]
-    assert spiked and rec["retimed_from"][0] == spiked[0], rec
-    assert rec["ms"] < spiked[0] / 10, (rec["ms"], spiked[0])
+    assert spiked and rec["timings"][0] == spiked[0] and len(rec["timings"]) >= 2, rec
+    assert rec["ms"] == min(rec["timings"]) < spiked[0] / 10, (rec["ms"], spiked[0])
     assert rep["retime"] == 2
     rep_off = run_bench_layers(BenchLayersArgs(**{**args.__dict__, "retime": 0, "precisions": ("bf16",)}))
-    assert not any("retimed_from" in m for m in rep_off["measurements"])
+    assert not any("timings" in m for m in rep_off["measurements"])
 
 
 def test_blockwise_sites_not_of_128_blocks_are_noted_not_fatal():

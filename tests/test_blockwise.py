@@ -253,6 +253,23 @@ def test_input_copy_recomputed_in_backward_gives_the_same_bits_and_saves_no_fp8(
     assert s_again == [], f"nothing FP8 should be saved when both copies are cast again, saved {s_again}"
     mod = Float8BlockwiseLinear(256, 128, keep_input_copy=False)
     assert mod.keep_input_copy is False and "keep_input_copy=False" in repr(mod)
+    for keep_weight, cache in ((True, False), (False, True), (True, True)):  # mixed settings: the same bits
+        x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+        y = blockwise_linear(x, w, b, cache_weight=cache, keep_weight_copy=keep_weight, keep_input_copy=False)
+        y.backward(dy)
+        for name, a, c in zip(("y", "dx", "dw", "db"), keep, (y, x.grad, w.grad, b.grad), strict=True):
+            assert torch.equal(a, c), f"{name} differs with keep_weight_copy={keep_weight}, cache_weight={cache}"
+
+
+def test_fprop_and_wgrad_halves_are_quantize_act_bit_for_bit():
+    """quantize_act_fprop / quantize_act_wgrad (reference and op) are quantize_act's two halves, pad rows included."""
+    x = _real(200, 384, seed=11)
+    q, s_t, qt, st = blockwise.quantize_act(x)
+    for got, want in ((blockwise.quantize_act_fprop(x), (q, s_t)), (ops.quantize_act_fprop(x), (q, s_t)),
+                      (blockwise.quantize_act_wgrad(x), (qt, st))):
+        for a, b in zip(got, want, strict=True):
+            assert a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dtype == FP8 else a,
+                                                      b.view(torch.uint8) if b.dtype == FP8 else b)
 
 
 class _NormLinear(nn.Module):
@@ -417,8 +434,10 @@ def test_blockwise_recompute_config_builds_linears_that_cast_again_with_the_same
         assert opts.blockwise_recompute is recompute
         model = build_model(cfg.model, cfg.data.vocab_size, device="cpu", dtype=torch.bfloat16, seed=0)
         hf_cfg = build_hf_config(cfg.model, cfg.data.vocab_size)
-        prepare_model(model, decide(find_sites(model), options_from_config(cfg, hf_cfg, "cpu")), opts, None,
-                      hf_cfg=hf_cfg)
+        done = prepare_model(model, decide(find_sites(model), options_from_config(cfg, hf_cfg, "cpu")), opts, None,
+                             hf_cfg=hf_cfg)
+        # train.compile is off here: the run is told the input is saved in BF16
+        assert any("without train.compile" in n for n in done.notes) is recompute, done.notes
         linears = [m for m in model.modules() if isinstance(m, Float8BlockwiseLinear)]
         assert len(linears) == 7, len(linears)
         keeps = {(m.keep_input_copy, m.keep_weight_copy) for m in linears}

@@ -64,6 +64,9 @@ def test_triton_activation_quant_matches_reference_bit_for_bit(m, k, dtype):
     torch.cuda.synchronize()
     ref = blockwise.quantize_act(x.cpu())
     _assert_same(got, ref, ("q", "s_t", "qt", "st"), f"act {m}x{k} {dtype}")
+    got_fprop = ops.quantize_act_fprop(x)  # the kernel without its 128x1 pass (keep_input_copy=False)
+    torch.cuda.synchronize()
+    _assert_same(got_fprop, ref[:2], ("q", "s_t"), f"act fprop only {m}x{k} {dtype}")
 
 
 @pytest.mark.parametrize("n,k", [(4096, 4096), (14336, 4096), (4096, 14336), (384, 640)])

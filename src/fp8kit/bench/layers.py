@@ -35,6 +35,7 @@ Three ways to run:
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -163,7 +164,7 @@ def build_site_module(
     Raises:
         ConfigError: ``recipe`` is not a recipe name (FP8 only).
         CapabilityError: the recipe cannot run the site's shape: a blockwise site whose K or N is not a
-            multiple of 128, or (real tensor parallel) whose per-rank shard is not whole 128-blocks (training
+            multiple of 128, or (real tensor parallel) a per-rank shard the recipe cannot run (training
             keeps such a linear BF16; ``run_bench_layers`` notes the site as not timed in FP8).
     """
     torch.manual_seed(0)
@@ -193,10 +194,7 @@ def build_site_module(
     elif precision == "fp8":
         torchao_float8().convert_to_float8_training(module, config=float8_linear_config(recipe))
     if mesh is not None and own:
-        try:
-            _parallelize_own_site(module, site, recipe, mesh)
-        except ConfigError as e:
-            raise CapabilityError(str(e)) from None
+        _parallelize_own_site(module, site, recipe, mesh)
     elif mesh is not None:
         from fp8kit.bench.tensor_parallel import parallelize_site
 
@@ -210,8 +208,8 @@ def _parallelize_own_site(module: SiteModule, site: BenchSite, recipe: str, mesh
     styles.
 
     Raises:
-        ConfigError: a per-rank shard the recipe cannot run (``tp_own.check_shard``: blockwise needs whole
-            128-blocks), naming the site's GEMM and its shapes.
+        CapabilityError: a per-rank shard the recipe cannot run (``tp_own.check_shard``: blockwise needs whole
+            128-blocks, delayed multiples of 16), naming the site's GEMM and its shapes.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
@@ -222,8 +220,11 @@ def _parallelize_own_site(module: SiteModule, site: BenchSite, recipe: str, mesh
     if kind is None:  # duplicated sites are not split
         return
     for i, lin in enumerate(module.linears):
-        check_shard(f"bench-layers site {site.name} gemm {i}", (lin.out_features, lin.in_features), recipe, kind,
-                    mesh.size(), remedy="time its per-rank shapes with --simulate-tp, or choose another --tp")
+        try:
+            check_shard(f"bench-layers site {site.name} gemm {i}", (lin.out_features, lin.in_features), recipe,
+                        kind, mesh.size(), remedy="time its per-rank shapes with --simulate-tp, or choose another --tp")
+        except ConfigError as e:  # the recipe cannot run this shard: noted by run_bench_layers, the sweep goes on
+            raise CapabilityError(f"bench-layers: {e}") from None
     n = len(module.linears)
     if kind == "column":
         parallelize_module(module, mesh, PrepareModuleInput(input_layouts=(Shard(0),),
@@ -374,27 +375,29 @@ def _named(args: BenchLayersArgs, key: str) -> str:
 
 
 def _measure(timer, tokens: int, device: torch.device, mesh) -> tuple[float | None, str | None]:
-    """One point: ``(ms, None)``, or ``(None, "out of memory")``; under real TP the slowest rank's time."""
+    """One point: ``(ms, None)``, or ``(None, "out of memory")``; under real TP the slowest rank's time (a rank
+    out of memory makes it out of memory on every rank)."""
     try:
         ms = timer(tokens)
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
-        return None, "out of memory"
+        ms = math.inf  # every rank still joins the all-reduce below
     if mesh is not None:
         import torch.distributed as dist
 
         t = torch.tensor([ms], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         ms = float(t.item())
-    return ms, None
+    return (None, "out of memory") if math.isinf(ms) else (ms, None)
 
 
 def _retime_spikes(recs: list[dict], timer, site: BenchSite, device: torch.device, mesh, attempts: int) -> None:
     """Time the sweep's suspect points (:func:`fp8kit.bench.timing.suspect_points`) again, keep the fastest.
 
     Up to ``attempts`` more timings per point, stopping once the sweep no longer flags it; a re-timed
-    record keeps its earlier timings under ``"retimed_from"``. Every rank of a real TP mesh sees the same
-    (all-reduced) times, so all ranks re-time the same points.
+    record lists every timing of the point under ``"timings"`` (the first is the sweep's) and keeps the fastest
+    as ``"ms"``. Every rank of a real TP mesh sees the same (all-reduced) times, so all ranks re-time the same
+    points.
     """
     for _ in range(attempts):
         suspects = suspect_points([r["num_tokens"] for r in recs], [r["ms"] for r in recs])
@@ -403,10 +406,12 @@ def _retime_spikes(recs: list[dict], timer, site: BenchSite, device: torch.devic
         for i in suspects:
             rec = recs[i]
             ms, _err = _measure(timer, rec["num_tokens"], device, mesh)
-            rec.setdefault("retimed_from", []).append(rec["ms"])
-            if ms is not None and ms < rec["ms"]:
-                rec["ms"] = ms
-                rec["tflops"] = site.flops(rec["num_tokens"]) / (ms * 1e-3) / 1e12
+            timings = rec.setdefault("timings", [rec["ms"]])
+            if ms is None:
+                continue
+            timings.append(ms)
+            rec["ms"] = min(timings)
+            rec["tflops"] = site.flops(rec["num_tokens"]) / (rec["ms"] * 1e-3) / 1e12
 
 
 def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:

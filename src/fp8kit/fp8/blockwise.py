@@ -138,8 +138,18 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
         ``s_t`` float32 ``[K/128, Mp]``, ``qt`` E4M3 ``[K, Mp]`` (``x^T``, 1x128 blocks along M, for
         wgrad), ``st`` float32 ``[Mp/128, K]``; ``Mp = padded_rows(M)``, pad rows zero. All contiguous.
     """
+    return (*quantize_act_fprop(x), *quantize_act_wgrad(x))
+
+
+def quantize_act_fprop(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fprop copy of :func:`quantize_act` alone: ``(q, s_t)``, its first two outputs, the same bits (what the
+    blockwise linear's forward needs when it keeps no ``x^T`` copy for the backward).
+
+    Returns:
+        ``q`` E4M3 ``[Mp, K]`` (1x128 blocks along K) and ``s_t`` float32 ``[K/128, Mp]``.
+    """
     q, s = quantize_1x128(_pad_rows(x))
-    return (q, s.t().contiguous(), *quantize_act_wgrad(x))
+    return q, s.t().contiguous()
 
 
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:

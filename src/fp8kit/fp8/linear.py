@@ -41,13 +41,16 @@ class _BlockwiseLinearFn(torch.autograd.Function):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
-        xq, xs_t, xtq, xts = ops.quantize_act(x2)
+        if keep_input_copy:
+            xq, xs_t, xtq, xts = ops.quantize_act(x2)
+        else:  # the x^T copy is cast again in the backward: the forward writes the fprop copy only
+            xq, xs_t = ops.quantize_act_fprop(x2)
         wq, ws, wtq, wts = ops.quantize_weight(weight, cache_weight)
         y = ops.blockwise_mm(xq, xs_t, wq, ws, BLOCK, x.dtype, emulate)[:m]
         if bias is not None:
             y = y + bias.to(y.dtype)
-        # The dgrad copy of the weight: kept from forward to backward (1 byte per weight element), or, when
-        # the weight is sharded between them (FSDP2), quantized again in backward from the re-gathered weight.
+        # The dgrad copy of the weight: kept from forward to backward (1 byte per weight element), or quantized
+        # again in backward (FSDP2: from the re-gathered weight; fp8.blockwise_recompute: to hold no copy).
         ctx.keep = keep_weight_copy or cache_weight  # a cached copy lives in the cache anyway
         # The wgrad copy of the input: kept (1 byte per element), or quantized again in backward from the input.
         ctx.keep_x = keep_input_copy
@@ -70,11 +73,20 @@ class _BlockwiseLinearFn(torch.autograd.Function):
             wtq, wts = w if ctx.keep else ops.quantize_weight_dgrad(w[0])
             dx = ops.blockwise_mm(dyq, dys_t, wtq, wts, BLOCK, x_dtype, ctx.emulate)[:m].reshape(*lead, k)
         if ctx.needs_input_grad[1]:
-            xtq, xts = x_saved if ctx.keep_x else quantize_act_wgrad(x_saved[0])
+            xtq, xts = x_saved if ctx.keep_x else _wgrad_copy(x_saved[0])
             dw = ops.blockwise_mm(dytq, dyts, xtq, xts, 1, w_dtype, ctx.emulate)
         if ctx.needs_input_grad[2]:
             db = dy2.sum(dim=0, dtype=torch.float32).to(b_dtype)
         return dx, dw, db, None, None, None, None
+
+
+def _wgrad_copy(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``x^T`` copy cast again in the backward: plain PyTorch under ``torch.compile`` (Inductor recomputes and
+    fuses it: :func:`fp8kit.fp8.blockwise.quantize_act_wgrad`) and on the CPU; eagerly on CUDA the Triton kernel
+    (the same bits as the reference; the plain PyTorch would run as many separate kernels)."""
+    if torch.compiler.is_compiling() or not x2.is_cuda:
+        return quantize_act_wgrad(x2)
+    return ops.quantize_act(x2)[2:]
 
 
 def blockwise_linear(

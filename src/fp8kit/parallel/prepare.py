@@ -73,8 +73,8 @@ class PrepareOptions:
             ``train.grad_accum > 1``). Ignored under FSDP2, where the cache would hold unsharded copies of every
             layer's weights until the next step.
         blockwise_recompute: blockwise linears keep no FP8 copy of their input or weight from forward to
-            backward and quantize both again there (``fp8.blockwise_recompute``; with ``cache_weights`` the
-            cached weight is still reused).
+            backward and quantize both again there, blockwise experts their weights (``fp8.blockwise_recompute``;
+            with ``cache_weights`` the cached weight is still reused).
     """
 
     fp8: bool = True
@@ -130,7 +130,8 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     # the weight cache would hold unsharded FP8 copies of every layer's weights under FSDP2
     cache = options.cache_weights and not fsdp
     # FSDP2 re-gathers weights for the backward: blockwise linears and experts quantize them again there
-    grouped = replace(options.grouped, cache_weights=cache, keep_weight_copies=not fsdp)
+    grouped = replace(options.grouped, cache_weights=cache,
+                      keep_weight_copies=not (fsdp or options.blockwise_recompute))
     conversion = ConversionOptions(
         emulate=options.emulate,
         fsdp_float8_all_gather=fp8_all_gather_choice(options.fp8_all_gather, options.recipe, fsdp),
@@ -163,6 +164,12 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
         done.steps.append(f"ep{options.ep}")
     elif options.ep_fp8_dispatch:
         done.notes.append("distributed.ep_fp8_dispatch = true has no effect: no expert parallelism (ep = 1)")
+    if options.blockwise_recompute and options.fp8 and options.recipe != "blockwise":
+        done.notes.append(f"fp8.blockwise_recompute = true has no effect: fp8.recipe is {options.recipe!r}")
+    elif options.blockwise_recompute and options.fp8 and not options.compile:
+        done.notes.append("fp8.blockwise_recompute = true without train.compile: each blockwise linear saves its "
+                          "BF16 input for the backward (only torch.compile recomputes it from what the step "
+                          "saves anyway), which can take more memory than the FP8 copy it replaces")
 
     # 3. FP8 conversion of the remaining linears and experts, after TP (it sees the TP-sharded modules)
     #    and before AC (AC must recompute through the FP8 modules) and FSDP2 (FP8 all-gather needs

@@ -44,17 +44,18 @@ def _scale_of(amax, EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.const
 _CONFIGS = [triton.Config({"CHUNK": c}, num_warps=w) for c in (16, 32, 64, 128) for w in (4, 8)]
 
 
-@triton.autotune(configs=_CONFIGS, key=["K"])
+@triton.autotune(configs=_CONFIGS, key=["K", "WRITE_T"])
 @triton.jit
 def _act_quant_kernel(
     x_ptr, q_ptr, s_t_ptr, qt_ptr, st_ptr,
     M, MP, K, stride_xm,
     BLOCK_SIZE: tl.constexpr, EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, WRITE_T: tl.constexpr,
 ):
     # One program per 128x128 tile, walked in CHUNK-row slices so few registers stay live (occupancy
     # hides the memory latency). Pass 1 reads each slice from HBM: 1x128 row scales and the row copy,
-    # and the running column amax. Pass 2 re-reads the slices (L2-resident) for the 128x1 copy.
+    # and the running column amax. Pass 2 re-reads the slices (L2-resident) for the 128x1 copy; without
+    # WRITE_T (the fprop copy alone) there is no pass 2 and qt_ptr / st_ptr are not touched.
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = (pid_k * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)).to(tl.int64)
@@ -65,22 +66,24 @@ def _act_quant_kernel(
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=offs_m[:, None] < M, other=0.0,
                     eviction_policy="evict_last").to(tl.float32)
         ax = tl.abs(x)
-        col_amax = tl.maximum(col_amax, tl.max(ax, axis=0))
+        if WRITE_T:
+            col_amax = tl.maximum(col_amax, tl.max(ax, axis=0))
         # 1x128 along K: one scale per row -> q[Mp, K], s_t[K/128, Mp].
         scale_r = _scale_of(tl.max(ax, axis=1), EPS, AMAX_MAX, FP8_MAX)
         q = tl.clamp(x * scale_r[:, None], -FP8_MAX, FP8_MAX).to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + rows[:, None] * K + cols[None, :], q)
         tl.store(s_t_ptr + pid_k * MP + rows, tl.div_rn(tl.full((CHUNK,), 1.0, tl.float32), scale_r))
-    # 128x1 along M: one scale per column of the tile -> qt[K, Mp] (x transposed), st[Mp/128, K].
-    scale_c = _scale_of(col_amax, EPS, AMAX_MAX, FP8_MAX)
-    tl.store(st_ptr + pid_m * K + cols, tl.div_rn(tl.full((BLOCK_SIZE,), 1.0, tl.float32), scale_c))
-    for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
-        offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
-        rows = offs_m.to(tl.int64)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=offs_m[:, None] < M, other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)
-        qc = tl.clamp(x * scale_c[None, :], -FP8_MAX, FP8_MAX).to(qt_ptr.dtype.element_ty)
-        tl.store(qt_ptr + cols[:, None] * MP + rows[None, :], tl.trans(qc))
+    if WRITE_T:
+        # 128x1 along M: one scale per column of the tile -> qt[K, Mp] (x transposed), st[Mp/128, K].
+        scale_c = _scale_of(col_amax, EPS, AMAX_MAX, FP8_MAX)
+        tl.store(st_ptr + pid_m * K + cols, tl.div_rn(tl.full((BLOCK_SIZE,), 1.0, tl.float32), scale_c))
+        for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
+            offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
+            rows = offs_m.to(tl.int64)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=offs_m[:, None] < M, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+            qc = tl.clamp(x * scale_c[None, :], -FP8_MAX, FP8_MAX).to(qt_ptr.dtype.element_ty)
+            tl.store(qt_ptr + cols[:, None] * MP + rows[None, :], tl.trans(qc))
 
 
 @triton.autotune(configs=_CONFIGS, key=["N", "K"])
@@ -125,18 +128,28 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     Args:
         x: CUDA ``[M, K]`` bf16 / fp16 / fp32 tensor with unit stride along K, ``K % 128 == 0``.
     """
+    return _act_quant(x, True)
+
+
+def quantize_act_fprop(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first two outputs of :func:`quantize_act` (the fprop copy ``q`` and ``s_t``) alone, the same bits,
+    without the 128x1 pass (:func:`fp8kit.fp8.blockwise.quantize_act_fprop`)."""
+    return _act_quant(x, False)
+
+
+def _act_quant(x: torch.Tensor, write_t: bool) -> tuple[torch.Tensor, ...]:
     m, k = x.shape
     mp = padded_rows(m)
     q = torch.empty(mp, k, dtype=FP8, device=x.device)
-    qt = torch.empty(k, mp, dtype=FP8, device=x.device)
     s_t = torch.empty(k // BLOCK, mp, dtype=torch.float32, device=x.device)
-    st = torch.empty(mp // BLOCK, k, dtype=torch.float32, device=x.device)
+    qt = torch.empty(k, mp, dtype=FP8, device=x.device) if write_t else q  # not written without write_t
+    st = torch.empty(mp // BLOCK, k, dtype=torch.float32, device=x.device) if write_t else s_t
     if mp:
         _act_quant_kernel[(mp // BLOCK, k // BLOCK)](
             x, q, s_t, qt, st, m, mp, k, x.stride(0),
-            BLOCK_SIZE=BLOCK, EPS=AMAX_EPS, AMAX_MAX=F32_MAX, FP8_MAX=_FP8_MAX,
+            BLOCK_SIZE=BLOCK, EPS=AMAX_EPS, AMAX_MAX=F32_MAX, FP8_MAX=_FP8_MAX, WRITE_T=write_t,
         )
-    return q, s_t, qt, st
+    return (q, s_t, qt, st) if write_t else (q, s_t)
 
 
 # The weight cast is a ``torch.library.triton_op`` launching through ``wrap_triton``: eagerly a plain launch;

@@ -7,7 +7,11 @@ Each op has one schema and two implementations: CUDA runs the Triton kernels
 them), which is what keeps compiled and eager results bit-identical.
 
 - ``fp8kit::blockwise_quant_act(x[M, K])`` -> the 1x128 copy and the transposed 128x1 copy with scales.
+- ``fp8kit::blockwise_quant_act_fprop(x)`` -> the 1x128 copy alone (the forward of a linear that keeps no ``x^T``).
 - ``fp8kit::blockwise_quant_weight(w[N, K])`` -> the 128x128 copy in the fprop and dgrad layouts.
+- ``fp8kit::blockwise_quant_weight_dgrad(w)`` -> the dgrad layout alone, cast in the backward of a linear that keeps
+  no FP8 weight copy (FSDP2, ``fp8.blockwise_recompute``): an op of its own so that AOTAutograd's CSE does not
+  merge it with the forward's cast (a Python call per linear per backward; measured within the recompute figures).
 - ``fp8kit::blockwise_quant_weight_cached(w)`` -> the same, computed once per weight version (below).
 - ``fp8kit::blockwise_mm(a, a_scale_t, b, b_scale, b_block, out_dtype, emulate)`` -> ``a @ b^T``.
 
@@ -99,6 +103,7 @@ def _prepare(t: torch.Tensor, what: str, where: str, rows_blocked: bool) -> torc
 # name -> (operand, op name, rows blocked too, reference quantizer); the Triton kernels share the names.
 _QUANTIZERS = {
     "quantize_act": ("x", "fp8kit::blockwise_quant_act", False, blockwise.quantize_act),
+    "quantize_act_fprop": ("x", "fp8kit::blockwise_quant_act_fprop", False, blockwise.quantize_act_fprop),
     "quantize_weight": ("weight", "fp8kit::blockwise_quant_weight", True, blockwise.quantize_weight),
 }
 
@@ -120,6 +125,14 @@ def _quantize_act_ref(x: torch.Tensor) -> Quantized:
 
 def _quantize_act_cuda(x: torch.Tensor) -> Quantized:
     return _quantize("quantize_act", x, cuda=True)
+
+
+def _quantize_act_fprop_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize("quantize_act_fprop", x, cuda=False)
+
+
+def _quantize_act_fprop_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize("quantize_act_fprop", x, cuda=True)
 
 
 def _quantize_weight_ref(w: torch.Tensor) -> Quantized:
@@ -153,6 +166,23 @@ def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
     f32 = torch.float32
     return (x.new_empty(mp, k, dtype=FP8), x.new_empty(k // BLOCK, mp, dtype=f32),
             x.new_empty(k, mp, dtype=FP8), x.new_empty(mp // BLOCK, k, dtype=f32))
+
+
+@torch.library.custom_op("fp8kit::blockwise_quant_act_fprop", mutates_args=())
+def _quant_act_fprop_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_act_fprop_ref(x)
+
+
+@_quant_act_fprop_op.register_kernel("cuda")
+def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_act_fprop_cuda(x)
+
+
+@_quant_act_fprop_op.register_fake
+def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    mp = padded_rows(m)
+    return x.new_empty(mp, k, dtype=FP8), x.new_empty(k // BLOCK, mp, dtype=torch.float32)
 
 
 def _fake_weight(w: torch.Tensor) -> Quantized:
@@ -310,6 +340,17 @@ def quantize_act(x: torch.Tensor) -> Quantized:
     # linears (q/k/v, gate/up) only for an opaque op; Triton kernel wrappers allocate their outputs and are
     # never merged (measured: 112 instead of 88 activation casts per Llama-3-8B x 8 step, +2 ms).
     return torch.ops.fp8kit.blockwise_quant_act(x)
+
+
+def quantize_act_fprop(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fprop copy ``(q, s_t)`` of ``x[M, K]`` alone: :func:`quantize_act`'s first two outputs, the same bits,
+    without writing the ``x^T`` copy (the blockwise linear's forward with ``keep_input_copy=False``). A custom op
+    like :func:`quantize_act`, so the casts of one input shared by several linears are merged.
+
+    Raises:
+        ValueError: ``x`` is not 2-D with a last dimension divisible by 128.
+    """
+    return torch.ops.fp8kit.blockwise_quant_act_fprop(x)
 
 
 def quantize_weight(w: torch.Tensor, cache: bool = True) -> Quantized:
