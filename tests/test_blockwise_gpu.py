@@ -196,6 +196,23 @@ def test_compiled_recompute_matches_eager_kept_copies_on_cuda():
     assert db_again >= MIN_DB and db_again >= db_keep - 0.5, (db_keep, db_again)
 
 
+def test_eager_recompute_equals_kept_copies_on_cuda():
+    """Eagerly on CUDA the recompute linear casts x^T again with the Triton kernel and w^T with the dgrad op: output,
+    dgrad and wgrad equal the kept-copy linear's bit for bit (M not a multiple of 128: padded rows)."""
+    kw = dict(bias=True, device="cuda", dtype=torch.bfloat16, cache_weight=False)
+    keep = Float8BlockwiseLinear(4096, 2048, **kw)
+    again = Float8BlockwiseLinear(4096, 2048, keep_weight_copy=False, keep_input_copy=False, **kw)
+    again.load_state_dict(keep.state_dict())
+    x = _real(3, 333, 4096, seed=12).requires_grad_()
+    dy = _real(3, 333, 2048, seed=13)
+    got = {}
+    for name, mod in (("keep", keep), ("again", again)):
+        y = mod(x)
+        got[name] = (y, *torch.autograd.grad(y, (x, mod.weight, mod.bias), dy))
+    for name, a, b in zip(("output", "dgrad", "wgrad", "bias grad"), got["keep"], got["again"], strict=True):
+        assert torch.equal(a, b), f"eager recompute {name} differs: max {(a - b).abs().max().item()}"
+
+
 def test_compiled_recompute_after_rmsnorm_saves_no_fp8_on_cuda():
     """RMSNorm -> blockwise linear compiled on the H100: with recompute nothing FP8 is saved for the backward (the
     kept-copy module saves x^T and w^T); output, dx and dw are as accurate against float64 as the kept-copy
