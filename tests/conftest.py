@@ -83,3 +83,18 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype) * self.weight
+
+
+def saved_for_backward(fn):
+    """``(saved, out)``: ``out = fn()`` and the ``(dtype, shape)`` of every tensor autograd saved for the backward
+    while it ran (compiled graphs included: AOTAutograd saves through the same hooks)."""
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, tuple(t.shape)))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return saved, out
+

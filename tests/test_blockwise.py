@@ -18,7 +18,7 @@ from fp8kit.fp8.blockwise import BLOCK, FP8
 from fp8kit.fp8.kernels import ops
 from fp8kit.fp8.linear import Float8BlockwiseLinear, blockwise_linear
 from fp8kit.fp8.scaling import DTYPE_MAX, dequantize, quantize, scale_from_amax
-from tests.conftest import sqnr
+from tests.conftest import saved_for_backward, sqnr
 
 MIN_DB = 25.0
 
@@ -302,14 +302,7 @@ def test_compiled_recompute_saves_no_fp8_and_keeps_the_numerics():
         mod.lin.weight.data.copy_(_real(n, k, scale=0.05, seed=7))
         comp = torch.compile(mod)
         x = x0.clone().requires_grad_()
-        saved = []
-
-        def pack(t):
-            saved.append((t.dtype, tuple(t.shape)))  # noqa: B023
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = comp(x)
+        saved, y = saved_for_backward(lambda: comp(x))  # noqa: B023
         y.backward(dy)
         res[keep] = (saved, y.detach(), x.grad, mod.lin.weight.grad, mod.norm.weight.grad)
     (s_keep, *keep), (s_again, *again) = res[True], res[False]

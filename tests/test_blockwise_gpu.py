@@ -14,7 +14,7 @@ from torch import nn
 from fp8kit.fp8 import blockwise
 from fp8kit.fp8.kernels import ops
 from fp8kit.fp8.linear import Float8BlockwiseLinear
-from tests.conftest import sqnr
+from tests.conftest import saved_for_backward, sqnr
 
 pytestmark = [
     pytest.mark.gpu,
@@ -229,14 +229,7 @@ def test_compiled_recompute_after_rmsnorm_saves_no_fp8_on_cuda():
         lin.weight.data.copy_(w0)
         cm = torch.compile(nn.Sequential(norm, lin))
         x = x0.clone().requires_grad_()
-        saved = []
-
-        def pack(t):
-            saved.append((t.dtype, tuple(t.shape)))  # noqa: B023
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = cm(x)
+        saved, y = saved_for_backward(lambda: cm(x))  # noqa: B023
         y.backward(dy)
         out[keep] = (saved, y.detach(), x.grad, lin.weight.grad)
     x64 = x0.double().requires_grad_()
