@@ -98,15 +98,16 @@ class FP8Config(ConfigModel):
     blockwise_recompute: bool = Field(
         False,
         description="recipe = blockwise: keep no FP8 copies from a linear's forward to its backward; the backward "
-        "quantizes the BF16 input and the weight again (the same bits). The step holds those anyway, so blockwise "
+        "quantizes the BF16 input and the weight again (eagerly the same bits; compiled, some E4M3 values round to a "
+        "neighbour, as accurate against float64). The step holds those anyway, so blockwise "
         "then adds no activation memory (the per-tensor recipes' peak) at the price of one more cast of each "
         "linear's input and weight per backward. false: keep the FP8 x^T and w^T copies (1 byte per input and per "
         "weight element of every linear, from its forward to its backward; faster). Weights are always "
         "quantized again under FSDP2. The activation saving needs train.compile = true (eagerly the BF16 input is "
         "saved, which can cost more than its FP8 copy); with sequence parallel the column-parallel linears save "
         "their all-gathered BF16 input (a collective is never recomputed). Blockwise MoE experts cast their weight "
-        "copies again too (their x^T copies are kept). Measured on Llama-3-8B layers x 8 (H100): peak 23.6 -> 20.3 GiB (tensorwise's), "
-        "1.187x -> 1.148x BF16 (docs/benchmarks.md section 6).",
+        "copies again too (their x^T copies are kept). Measured on Llama-3-8B layers x 8 (H100): peak 23.6 -> "
+        "20.3 GiB (tensorwise's), 1.180x -> 1.150x BF16 (docs/benchmarks.md section 6).",
     )
     amax_history_len: int = Field(
         16, ge=1, description="recipe = delayed: steps of amax history per operand (Transformer Engine's "
