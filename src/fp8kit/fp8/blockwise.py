@@ -138,7 +138,8 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
         ``s_t`` float32 ``[K/128, Mp]``, ``qt`` E4M3 ``[K, Mp]`` (``x^T``, 1x128 blocks along M, for
         wgrad), ``st`` float32 ``[Mp/128, K]``; ``Mp = padded_rows(M)``, pad rows zero. All contiguous.
     """
-    return (*quantize_act_fprop(x), *quantize_act_wgrad(x))
+    xp = _pad_rows(x)  # once: both halves see Mp rows already and do not pad again
+    return (*quantize_act_fprop(xp), *quantize_act_wgrad(xp))
 
 
 def quantize_act_fprop(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
