@@ -16,6 +16,9 @@ All variants share the module code, the routing and the inputs; only the experts
   weights cast once per optimizer step, ``GroupedGemmConfig.cache_weights``);
 - ``rowwise-fused-gwbf16`` / ``-accum``: the fused path with its weight gradients a bf16 grouped GEMM
   (``fp8.grouped_wgrad = "bf16"``: no per-(expert, column) casts of the wgrad operands);
+- ``rowwise-fused-loop`` / ``-accum``: the fused path with its six GEMMs a loop of dense rowwise GEMMs, one per
+  expert (``fp8.grouped_gemm = "loop"``, ``moe/rowwise_loop.py``; one device-to-host copy of the group sizes per
+  layer, included); ``rowwise-fused-auto``: the defaults (``grouped_gemm`` and ``grouped_wgrad`` ``auto``);
 - ``blockwise-loop``: the blockwise recipe (1x128 / 128x128, DeepSeek-V3) as a loop of dense cuBLAS
   blockwise GEMMs over the experts (``moe/grouped_loop.py``; one device-to-host copy of the group sizes per
   layer, included in the time).
@@ -48,7 +51,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from fp8kit.moe.experts import Float8GroupedExperts  # noqa: E402
-from fp8kit.moe.grouped_mm import GroupedGemmConfig  # noqa: E402
+from fp8kit.moe.grouped_mm import GroupedGemmConfig, resolve_grouped_gemm  # noqa: E402
+from fp8kit.moe.routing import padded_rows  # noqa: E402
 
 TOKENS = 16384
 # name -> (experts, topk, hidden, expert width)
@@ -66,11 +70,16 @@ VARIANTS = {
     "rowwise-torchao": GroupedGemmConfig(kernel="torchao"),
     # weights cast every step (one micro-batch per optimizer step; the timed steps run no optimizer step, so a
     # cached weight would never be re-cast) and the cached steady state of gradient accumulation
-    "rowwise-fused": GroupedGemmConfig(kernel="fused", cache_weights=False),
-    "rowwise-fused-accum": GroupedGemmConfig(kernel="fused", cache_weights=True),
+    "rowwise-fused": GroupedGemmConfig(kernel="fused", cache_weights=False, gemm="grouped"),
+    "rowwise-fused-accum": GroupedGemmConfig(kernel="fused", cache_weights=True, gemm="grouped"),
     # fprop and dgrad in FP8, wgrad a bf16 grouped GEMM (no per-(expert, column) casts; fp8.grouped_wgrad = "bf16")
-    "rowwise-fused-gwbf16": GroupedGemmConfig(kernel="fused", cache_weights=False, wgrad="bf16"),
-    "rowwise-fused-gwbf16-accum": GroupedGemmConfig(kernel="fused", cache_weights=True, wgrad="bf16"),
+    "rowwise-fused-gwbf16": GroupedGemmConfig(kernel="fused", cache_weights=False, wgrad="bf16", gemm="grouped"),
+    "rowwise-fused-gwbf16-accum": GroupedGemmConfig(kernel="fused", cache_weights=True, wgrad="bf16", gemm="grouped"),
+    # the six GEMMs as a loop of dense rowwise GEMMs, one per expert (fp8.grouped_gemm = "loop"; moe/rowwise_loop.py)
+    "rowwise-fused-loop": GroupedGemmConfig(kernel="fused", cache_weights=False, gemm="loop"),
+    "rowwise-fused-loop-accum": GroupedGemmConfig(kernel="fused", cache_weights=True, gemm="loop"),
+    # the default (fp8.grouped_gemm = "auto", fp8.grouped_wgrad = "auto"), weights cast every step
+    "rowwise-fused-auto": GroupedGemmConfig(kernel="fused", cache_weights=False),
     "blockwise-loop": GroupedGemmConfig(recipe="blockwise"),
 }
 
@@ -95,6 +104,11 @@ def routing(t: int, e: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]
     idx = torch.rand(t, e, generator=g).argsort(dim=1)[:, :k].to(device)
     w = torch.softmax(torch.randn(t, k, generator=g), dim=-1).to(device, torch.bfloat16)
     return idx, w
+
+
+def routing_rows(idx: torch.Tensor, e: int) -> int:
+    """``P``: the padded routed rows the layer's dispatch makes for the choices ``idx`` (T, k) over ``e`` experts."""
+    return padded_rows(idx.numel(), e)
 
 
 def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
@@ -134,14 +148,19 @@ def profile_split(step) -> dict:
 
 
 def bench_ms(step) -> float:
-    """Median ms of ``step`` (``triton.testing.do_bench``)."""
+    """Median ms of ``step`` (``triton.testing.do_bench`` over 500 ms: at least 10 steps of the largest layer; with
+    50 ms, as before 2026-11-26, Mixtral's 45 ms layer was timed once and moved by 3% between runs)."""
     from triton.testing import do_bench
 
-    return do_bench(step, warmup=5, rep=50)
+    return do_bench(step, warmup=5, rep=500)
 
 
 def measure_model(name: str, variants: list[str], device, profile: bool) -> dict:
     e, k, h, i = MODELS[name]
+    # Each model starts from fresh compiled helpers (the routing's gathers and combine, the SwiGLU backward): a
+    # second model's shapes would otherwise recompile them with dynamic shapes (torch.compile's automatic dynamic),
+    # whose kernels took up to 6x longer here (H100, 2026-11-26), as in no single-model training run.
+    torch._dynamo.reset()
     torch.manual_seed(0)
     src = experts_module(e, h, i, device)
     x = torch.randn(TOKENS, h, device=device, dtype=torch.bfloat16)
@@ -169,6 +188,8 @@ def measure_model(name: str, variants: list[str], device, profile: bool) -> dict
             if ref_out is None:
                 ref_out = out
             r["sqnr_vs_bf16_db"] = None if v == "bf16" else round(sqnr(ref_out, out), 2)
+            if mod.runs_fused(device):  # how the fused MLP ran its GEMMs (fp8.grouped_gemm, resolved)
+                r["gemm"] = resolve_grouped_gemm(mod.config.gemm, e, routing_rows(idx, e), h, i, device)
             ms = bench_ms(step)
             r.update(ms=ms, tflops=flop / ms / 1e9)
             torch.cuda.reset_peak_memory_stats()

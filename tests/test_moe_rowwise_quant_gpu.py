@@ -103,9 +103,11 @@ def test_fp32_scales_next_to_a_power_of_two_match_torch_log2():
                  "experts fp32 near 2^n (columns)")
 
 
-@pytest.mark.parametrize("i,interleaved", [(768, False), (2048, False), (768, True)])
+@pytest.mark.parametrize("i,interleaved", [(768, False), (2048, False), (768, True), (14336, False), (14336, True),
+                                           (20480, False)])
 def test_swiglu_quantize_rows_matches_reference(i, interleaved):
-    h = _real(_dispatch().rows, 2 * i, scale=3.0, seed=i)
+    # Mixtral-wide rows (one 16384-wide chunk; 20480: two chunks) on 4099 rows (a tail block), not 131K
+    h = _real(_dispatch().rows if i <= 2048 else 4099, 2 * i, scale=3.0, seed=i)
     gates = torch.tensor([-1e4, -100.0, -87.5, -86.9, 86.9, 87.5, 100.0, 0.0], device="cuda").to(h.dtype)
     split_gate_up(h, interleaved)[0][0, : gates.numel()] = gates  # the SiLU clamps, in the gate columns
     _poison_allocator(4 * h.numel())

@@ -86,11 +86,13 @@ def grouped_recipe_key(device: torch.device, recipe: str = "tensorwise", config=
         return "grouped:unavailable"
 
 
-def shape_recipe_key(shape: AutoShape, recipe: str, grouped_key: str | None, wgrad: str = "auto") -> str:
+def shape_recipe_key(shape: AutoShape, recipe: str, grouped_key: str | None, wgrad: str = "auto",
+                     gemm: str = "auto") -> str:
     """The ``recipe`` part of a shape's cache key: the dense recipe, the grouped kernel key of one expert weight,
-    or for an expert MLP (``shape.mlp``, only on the fused kernel) ``grouped:fused:wgrad=<fp8.grouped_wgrad>``."""
+    or for an expert MLP (``shape.mlp``, only on the fused kernel)
+    ``grouped:fused:wgrad=<fp8.grouped_wgrad>:gemm=<fp8.grouped_gemm>``."""
     if shape.mlp:
-        return f"grouped:fused:wgrad={wgrad}"
+        return f"grouped:fused:wgrad={wgrad}:gemm={gemm}"
     return grouped_key if shape.is_grouped else recipe
 
 
@@ -126,10 +128,11 @@ def measure_shapes(
     dev_name, vers = device_name(device), _key_versions()
     grouped_key = grouped_recipe_key(device, recipe) if any(s.is_grouped for s, _ in shapes) else None
     wgrad = grouped.wgrad if grouped is not None else "auto"
+    gemm = grouped.gemm if grouped is not None else "auto"
     todo = []
     for shape, name in shapes:
-        key = cache_key(shape, device=dev_name, versions=vers, recipe=shape_recipe_key(shape, recipe, grouped_key, wgrad),
-                        tp=tp, ep=ep, compiled=compile)
+        key = cache_key(shape, device=dev_name, versions=vers,
+                        recipe=shape_recipe_key(shape, recipe, grouped_key, wgrad, gemm), tp=tp, ep=ep, compiled=compile)
         hit, warning = cache.load(key)
         if warning:
             out.warnings.append(warning)
@@ -151,7 +154,7 @@ def measure_shapes(
                 continue
             try:
                 ms[precision] = _time_one(shape, name, precision, recipe=recipe, device=device, compile=compile,
-                                          warmup=warmup, iters=iters, wgrad=wgrad)
+                                          warmup=warmup, iters=iters, wgrad=wgrad, gemm=gemm)
             except (CapabilityError, ConfigError) as e:
                 ms[precision], error = None, f"{precision}: {e}"
             except torch.OutOfMemoryError:
@@ -185,12 +188,12 @@ def _key_versions() -> dict[str, str]:
 
 
 def _time_one(shape: AutoShape, name: str, precision: str, *, recipe: str, device: torch.device, compile: bool,
-              warmup: int, iters: int, wgrad: str = "auto") -> float:
+              warmup: int, iters: int, wgrad: str = "auto", gemm: str = "auto") -> float:
     """Milliseconds of one forward + backward of ``shape``'s linears in ``precision`` (``bench-layers``' timers; an
     expert MLP shape: ``bench/experts_timer.ExpertsMLPTimer``)."""
     if shape.mlp:
         timer = ExpertsMLPTimer(shape.gemms, shape.num_gemms, shape.num_tokens, precision, device=device, wgrad=wgrad,
-                                compile=compile)
+                                gemm=gemm, compile=compile)
         return timer(warmup=warmup, iters=iters)
     site = BenchSite("llm", "column_grouped" if shape.is_grouped else "column", name, list(shape.gemms),
                      list(shape.gemms), tp=1, num_gemms=shape.num_gemms)
@@ -288,7 +291,8 @@ def lookup_cached(units: list[AutoUnit], cfg: RunConfig, device: torch.device, c
     out = {}
     for shape in shapes:
         key = cache_key(shape, device=dev_name, versions=vers,
-                        recipe=shape_recipe_key(shape, cfg.fp8.recipe, grouped_key, grouped.wgrad), tp=d.tp, ep=d.ep,
+                        recipe=shape_recipe_key(shape, cfg.fp8.recipe, grouped_key, grouped.wgrad, grouped.gemm),
+                        tp=d.tp, ep=d.ep,
                         compiled=cfg.train.compile)
         hit, _ = cache.load(key)
         if hit is not None:

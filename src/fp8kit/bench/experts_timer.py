@@ -36,9 +36,10 @@ def balanced_routing(rows: int, experts: int, device: torch.device) -> routing.D
     return routing.dispatch(ids[:, None], experts)
 
 
-def experts_layer(w_up: torch.Tensor, w_down: torch.Tensor, precision: str, wgrad: str) -> Float8GroupedExperts:
+def experts_layer(w_up: torch.Tensor, w_down: torch.Tensor, precision: str, wgrad: str,
+                  gemm: str = "auto") -> Float8GroupedExperts:
     """A ``Float8GroupedExperts`` over ``w_up`` (E, 2I, H) and ``w_down`` (E, H, I) (taken over as its Parameters):
-    both weights FP8 on the ``fused`` kernel with ``wgrad`` for ``precision = "fp8"``, else BF16."""
+    both weights FP8 on the ``fused`` kernel with ``wgrad`` and ``gemm`` for ``precision = "fp8"``, else BF16."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
@@ -48,7 +49,7 @@ def experts_layer(w_up: torch.Tensor, w_down: torch.Tensor, precision: str, wgra
         src = Qwen3MoeExperts(cfg)
     src.gate_up_proj, src.down_proj = nn.Parameter(w_up), nn.Parameter(w_down)
     fp8 = frozenset(WEIGHTS) if precision == "fp8" else frozenset()
-    return Float8GroupedExperts(src, fp8, GroupedGemmConfig(kernel="fused", wgrad=wgrad))
+    return Float8GroupedExperts(src, fp8, GroupedGemmConfig(kernel="fused", wgrad=wgrad, gemm=gemm))
 
 
 class ExpertsMLPTimer:
@@ -60,6 +61,7 @@ class ExpertsMLPTimer:
         experts: local experts ``E``; rows: routed rows ``P``.
         precision: ``"bf16"`` or ``"fp8"`` (fused rowwise FP8 MLP).
         wgrad: the fused path's wgrad precision (``fp8.grouped_wgrad``: ``auto``, ``fp8`` or ``bf16``).
+        gemm: how the fused path runs its GEMMs (``fp8.grouped_gemm``: ``auto``, ``grouped`` or ``loop``).
         compile: ``torch.compile`` the timed function.
 
     Raises:
@@ -68,7 +70,7 @@ class ExpertsMLPTimer:
     """
 
     def __init__(self, gemms: tuple[tuple[int, int], ...], experts: int, rows: int, precision: str, *,
-                 device: torch.device, wgrad: str = "auto", compile: bool = False):
+                 device: torch.device, wgrad: str = "auto", gemm: str = "auto", compile: bool = False):
         if len(gemms) != 2 or gemms[0][1] != 2 * gemms[1][0] or gemms[0][0] != gemms[1][1]:
             raise ValueError(f"ExpertsMLPTimer: gemms {gemms} are not ((H, 2I), (I, H)) of one gated MLP")
         (h, two_i), (inter, _) = gemms
@@ -76,7 +78,7 @@ class ExpertsMLPTimer:
         g = torch.Generator(device=device).manual_seed(0)
         w_up = (torch.randn(experts, two_i, h, generator=g, device=device) * h ** -0.5).to(torch.bfloat16)
         w_down = (torch.randn(experts, h, inter, generator=g, device=device) * inter ** -0.5).to(torch.bfloat16)
-        self.layer = experts_layer(w_up, w_down, precision, wgrad)
+        self.layer = experts_layer(w_up, w_down, precision, wgrad, gemm)
         self.x = torch.randn(rows, h, generator=g, device=device).to(torch.bfloat16).requires_grad_()
         self.dy = torch.randn(rows, h, generator=g, device=device).to(torch.bfloat16)
         self.ones = torch.ones(rows, 1, device=device, dtype=torch.bfloat16)

@@ -95,6 +95,16 @@ class FP8Config(ConfigModel):
         "Qwen3-30B-A3B's 768: 1.18x vs 1.03x bf16 per layer on the H100; fp8 for wider ones, e.g. DeepSeek-V3, "
         "Mixtral; docs/benchmarks.md section 4). bf16 is refused with recipe = blockwise or another grouped_kernel.",
     )
+    grouped_gemm: Literal["auto", "grouped", "loop"] = Field(
+        "auto",
+        description="MoE experts on the fused kernel: how its six GEMMs run. grouped (one "
+        "torch._scaled_grouped_mm each), loop (one dense rowwise torch._scaled_mm per expert; the group sizes are "
+        "copied to the host once per layer and the layer runs eagerly inside a compiled block) or auto (the loop "
+        "where each expert's GEMM has at least 100 GFLOP, e.g. Mixtral-8x7B or DeepSeek-V3 under EP 32: expert "
+        "layer 1.31x instead of 1.28x, 1.41x instead of 1.35x BF16 on the H100; grouped for many small experts, e.g. "
+        "Qwen3-30B-A3B or DeepSeek-V3 with 128 experts on one GPU, where the loop is host-bound; "
+        "docs/benchmarks.md section 4).",
+    )
     blockwise_recompute: bool = Field(
         False,
         description="recipe = blockwise: keep no FP8 copies from a linear's forward to its backward; the backward "

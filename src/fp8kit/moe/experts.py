@@ -17,6 +17,7 @@ Anything else raises rather than computing something different.
 from __future__ import annotations
 
 import warnings
+from functools import partial
 
 import torch
 from torch import nn
@@ -26,10 +27,12 @@ from fp8kit.moe import routing
 from fp8kit.moe.expert_parallel import ep_experts_forward, local_weight
 from fp8kit.moe.fused_experts import fused_rowwise_experts
 from fp8kit.moe.grouped_loop import group_bounds
+from fp8kit.moe.rowwise_loop import loop_scaled_grouped_mm
 from fp8kit.moe.grouped_mm import (
     GroupedGemmConfig,
     bf16_grouped_mm,
     fp8_grouped_mm,
+    resolve_grouped_gemm,
     resolve_grouped_kernel,
     scaled_grouped_gemm,
     tune_once_for_all_row_counts,
@@ -186,10 +189,13 @@ class Float8GroupedExperts(nn.Module):
         the per-weight grouped GEMMs (each weight FP8 or BF16). ``received``: the rowwise FP8 payload of
         expert-parallel dispatch, ``x`` then its carrier (``moe/fp8_dispatch.rowwise_dispatch``; fused only)."""
         if self.runs_fused(x.device):
+            w_up, w_down = local_weight(self.gate_up_proj), local_weight(self.down_proj)
             gemm, out_dtype = scaled_grouped_gemm(x.device)
-            return fused_rowwise_experts(x, local_weight(self.gate_up_proj), local_weight(self.down_proj),
-                                         d.gather_idx, d.pair_rows, d.offs, gemm, out_dtype or x.dtype,
-                                         self.config.cache_weights, self.config.wgrad, received=received)
+            run = fused_rowwise_experts
+            if self.fused_gemm(x.device, w_down.shape, d.gather_idx.shape[0]) == "loop":
+                gemm, run = None, _fused_loop_experts
+            return run(x, w_up, w_down, d.gather_idx, d.pair_rows, d.offs, gemm, out_dtype or x.dtype,
+                       self.config.cache_weights, self.config.wgrad, received=received)
         if received is not None:
             raise ValueError("Float8GroupedExperts.local_experts: a rowwise FP8 payload needs the fused FP8 experts "
                              f"({self.fused_problem(x.device)})")
@@ -197,6 +203,16 @@ class Float8GroupedExperts(nn.Module):
         bounds = self._host_bounds(d.offs, x.device)
         h = self._gate(self._linear("gate_up_proj", h, d.offs, bounds))
         return self._linear("down_proj", h, d.offs, bounds)
+
+    def fused_gemm(self, device: torch.device, down_shape: torch.Size, rows: int) -> str:
+        """``grouped`` or ``loop``: how the fused MLP runs its GEMMs for ``rows`` padded routed rows over local
+        experts of ``down_proj`` shape ``(E, H, I)`` (``grouped_mm.resolve_grouped_gemm``). The first choice of each
+        kind is printed once per process and expert shape."""
+        e, h, i = down_shape
+        choice = resolve_grouped_gemm(self.config.gemm, e, rows, h, i, device)
+        if (choice, self.config.gemm, e, h, i) not in _GEMM_SAID:
+            _say_gemm(choice, self.config.gemm, e, rows, h, i)
+        return choice
 
     def _gate(self, h: torch.Tensor) -> torch.Tensor:
         src = self.source
@@ -211,6 +227,30 @@ class Float8GroupedExperts(nn.Module):
         d = routing.dispatch(top_k_index, self.num_experts)
         y = self.local_experts(hidden_states, d)
         return routing.combine(y, d, top_k_weights, hidden_states.dtype)
+
+
+@torch.compiler.disable
+def _fused_loop_experts(x, w_up, w_down, gather_idx, pair_rows, offs, _gemm, out_dtype, cache_weights, wgrad,
+                        received=None):
+    """``fused_rowwise_experts`` with the loop of dense GEMMs (``moe/rowwise_loop.py``), run eagerly inside a compiled
+    block: the group bounds are read on the host here (one copy per layer, reused by the backward), and a traced
+    list of bounds would make Dynamo recompile for every routing."""
+    gemm = partial(loop_scaled_grouped_mm, bounds=group_bounds(offs))
+    return fused_rowwise_experts(x, w_up, w_down, gather_idx, pair_rows, offs, gemm, out_dtype, cache_weights, wgrad,
+                                 received=received)
+
+
+_GEMM_SAID: set[tuple] = set()  # (choice, asked, experts, hidden, width) already printed
+
+
+@torch.compiler.disable
+def _say_gemm(choice: str, asked: str, e: int, rows: int, h: int, i: int) -> None:
+    _GEMM_SAID.add((choice, asked, e, h, i))
+    gflop = 2.0 * (rows / max(e, 1)) * h * i / 1e9
+    how = ("a loop of dense rowwise GEMMs, one per expert (group bounds copied to the host per layer)"
+           if choice == "loop" else "grouped GEMMs (torch._scaled_grouped_mm)")
+    print(f"FP8 MoE experts: {e} local experts x {rows} routed rows (smallest expert GEMM {gflop:.1f} GFLOP), "
+          f"fp8.grouped_gemm = {asked}: {how}", flush=True)
 
 
 def swap_in(model: nn.Module, fqn: str, fp8_weights: frozenset[str], config: GroupedGemmConfig | None = None) -> nn.Module:

@@ -28,6 +28,11 @@ operands rowwise (``moe/quantize.py``) and run one grouped GEMM through a groupe
                        (``moe/grouped_loop.py``); emulated in float32 on the CPU or with ``emulate``.
                        The only kernel of that recipe (torch 2.11 has no blockwise grouped GEMM).
 
+How the ``fused`` kernel runs its six GEMMs (``GroupedGemmConfig.gemm``, :func:`resolve_grouped_gemm`): ``grouped``
+(one ``torch._scaled_grouped_mm`` per GEMM) or ``loop`` (one dense rowwise ``torch._scaled_mm`` per expert,
+``moe/rowwise_loop.py``: 1.03-1.16x faster GEMMs once each expert's GEMM is large enough to hide the host's launch,
+slower below; the group bounds copied to the host once per layer).
+
 Group layout (all kernels): ``offs`` (E,) int32 holds the cumulative end row of each expert's
 group; groups must start on multiples of 16 rows (``moe/routing.py`` pads them), because the wgrad
 GEMM groups along K. Rows past ``offs[-1]`` are not computed: the CUDA kernels leave them unwritten,
@@ -62,6 +67,17 @@ WGRAD_PRECISIONS = ("auto", "fp8", "bf16")
 #: cost 1.8 ms (layer 1.18x bf16 with a bf16 wgrad, 1.03x with FP8); at DeepSeek-V3's 2048 and Mixtral's 14336 the
 #: FP8 wgrad is 1-5% faster.
 WGRAD_BF16_BELOW_WIDTH = 1024
+#: How the fused kernel runs its GEMMs (``GroupedGemmConfig.gemm``; ``auto``: :func:`resolve_grouped_gemm`).
+GROUPED_GEMMS = ("auto", "grouped", "loop")
+#: ``auto`` runs the loop of dense GEMMs when the smallest per-expert GEMM of the layer (``2 * rows per expert *
+#: hidden * width``, the down projection's) has at least this many GFLOP. Measured on the H100
+#: (``benchmarks/grouped_gemm_loop.py`` and ``benchmarks/moe_layer.py``, docs/benchmarks.md section 4, 2026-11-26):
+#: the host launches a dense ``torch._scaled_mm`` every ~20 us, so below ~25 GFLOP (20 us of GEMM at 1250 TFLOP/s)
+#: the loop is host-bound (Qwen3-30B-A3B at 1024 rows per expert: 3.2 GFLOP, the six GEMMs 0.31x the grouped
+#: kernel; DeepSeek-V3 with 128 experts of 1024 rows, 30 GFLOP: whole layer 0.97x); at 50 GFLOP (Qwen3-30B-A3B under
+#: EP 16) the layer gained nothing (1.112x vs 1.107x BF16, and 0.92x vs 1.12x in the accumulation variant); from 120
+#: GFLOP (Mixtral-8x7B, DeepSeek-V3 under EP 32: 480) it won every time (layer 1.31x vs 1.28x, 1.41x vs 1.35x).
+LOOP_MIN_EXPERT_GFLOP = 100.0
 ALIGN = 16  # rows per group alignment the FP8 grouped GEMM needs (wgrad groups along K)
 
 
@@ -92,6 +108,9 @@ class GroupedGemmConfig:
             per-(expert, column) casts of its operands; torchao's ``rowwise_with_gw_hp``) or ``auto`` (bf16 for
             experts narrower than :data:`WGRAD_BF16_BELOW_WIDTH`, else fp8; :func:`resolve_wgrad`). Other kernels
             run every GEMM in FP8 and refuse ``bf16``.
+        gemm: how the ``fused`` kernel runs its GEMMs: ``grouped`` (``torch._scaled_grouped_mm``), ``loop`` (one dense
+            rowwise ``torch._scaled_mm`` per expert, ``moe/rowwise_loop.py``) or ``auto`` (:func:`resolve_grouped_gemm`:
+            the loop for large experts). Other kernels ignore it.
     """
 
     kernel: str = "auto"
@@ -101,17 +120,18 @@ class GroupedGemmConfig:
     cache_weights: bool = False
     keep_weight_copies: bool = True
     wgrad: str = "auto"
+    gemm: str = "auto"
 
     @classmethod
     def for_fp8_recipe(cls, recipe: str, emulate: bool = False, kernel: str = "auto",
-                       wgrad: str = "auto") -> GroupedGemmConfig:
+                       wgrad: str = "auto", gemm: str = "auto") -> GroupedGemmConfig:
         """The experts' config for a run's ``fp8.recipe``, ``fp8.grouped_kernel`` and ``fp8.grouped_wgrad``:
         ``blockwise`` -> blockwise experts (``blockwise_loop``, whatever ``kernel`` says; ``wgrad`` ``auto`` or
         ``fp8``), every other recipe -> rowwise grouped GEMMs (Hopper's only grouped FP8 kernel has rowwise
         scales) on ``kernel``."""
         if recipe == "blockwise":
-            return cls(emulate=emulate, recipe="blockwise", wgrad=wgrad)
-        return cls(kernel=kernel, emulate=emulate, recipe="rowwise", wgrad=wgrad)
+            return cls(emulate=emulate, recipe="blockwise", wgrad=wgrad, gemm=gemm)
+        return cls(kernel=kernel, emulate=emulate, recipe="rowwise", wgrad=wgrad, gemm=gemm)
 
 
 def resolve_wgrad(wgrad: str, expert_width: int) -> str:
@@ -126,6 +146,31 @@ def resolve_wgrad(wgrad: str, expert_width: int) -> str:
     if wgrad == "auto":
         return "bf16" if expert_width < WGRAD_BF16_BELOW_WIDTH else "fp8"
     return wgrad
+
+
+def resolve_grouped_gemm(gemm: str, experts: int, rows: int, hidden: int, width: int, device: torch.device) -> str:
+    """``grouped`` or ``loop``: how the fused experts of one layer run their GEMMs (``GroupedGemmConfig.gemm``).
+
+    ``auto`` -> ``loop`` on a CUDA GPU when the smallest per-expert GEMM, ``2 * (rows / experts) * hidden * width``
+    FLOP, reaches :data:`LOOP_MIN_EXPERT_GFLOP` (the routed rows are balanced on average; the shape is known on the
+    host, so no copy is needed to decide), else ``grouped``; on the CPU always ``grouped`` (the emulation; ``loop``
+    asked for explicitly runs there too, through the CPU ``torch._scaled_mm``).
+
+    Args:
+        experts: local experts; rows: the padded routed rows ``P`` of the layer's dispatch; hidden, width: ``H``,
+            ``I`` of the gated expert MLP.
+
+    Raises:
+        ValueError: ``gemm`` not in :data:`GROUPED_GEMMS`.
+    """
+    if gemm not in GROUPED_GEMMS:
+        raise ValueError(f"FP8 MoE experts: gemm = {gemm!r}; choose one of {', '.join(GROUPED_GEMMS)}")
+    if gemm != "auto":
+        return gemm
+    if device.type != "cuda" or experts == 0:
+        return "grouped"
+    gflop = 2.0 * (rows / experts) * hidden * width / 1e9
+    return "loop" if gflop >= LOOP_MIN_EXPERT_GFLOP else "grouped"
 
 
 def grouped_fp8_support(device: torch.device) -> tuple[bool, str]:

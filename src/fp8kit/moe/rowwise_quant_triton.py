@@ -44,6 +44,9 @@ FP8 = torch.float8_e4m3fn
 _FP8_MAX = DTYPE_MAX[FP8]
 #: Largest row chunk of the row kernels (a longer row is walked in chunks, twice).
 _MAX_BLOCK_K = 8192
+#: The SwiGLU kernel's largest chunk: a row of ``a`` up to this long is computed once, in registers (16 warps), instead
+#: of twice (amax pass, then cast pass reading ``h`` again): Mixtral-8x7B's 14336-wide experts.
+_MAX_SWIGLU_BLOCK = 16384
 _KW = dict(EPS=AMAX_EPS, AMAX_MAX=F32_MAX, FP8_MAX=_FP8_MAX)
 
 
@@ -164,11 +167,12 @@ def _swiglu_rows_kernel(
     tl.store(inv_ptr + offs_p, _inv(scale), mask=pmask)
 
 
-def _row_blocks(k: int) -> tuple[int, int, int, int]:
-    """``(ROWS, BLOCK_K, CHUNKS, num_warps)`` for rows of ``k`` elements (about 4-8K elements per program)."""
-    block_k = min(triton.next_power_of_2(max(k, 1)), _MAX_BLOCK_K)
+def _row_blocks(k: int, max_block: int = _MAX_BLOCK_K) -> tuple[int, int, int, int]:
+    """``(ROWS, BLOCK_K, CHUNKS, num_warps)`` for rows of ``k`` elements (about 2-16K elements per program, chunks of
+    at most ``max_block``)."""
+    block_k = min(triton.next_power_of_2(max(k, 1)), max_block)
     rows = max(1, 2048 // block_k)
-    return rows, block_k, triton.cdiv(k, block_k), 8 if block_k >= 4096 else 4
+    return rows, block_k, triton.cdiv(k, block_k), 16 if block_k >= 16384 else 8 if block_k >= 4096 else 4
 
 
 def gather_quantize_rows(src: torch.Tensor, index: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -206,7 +210,7 @@ def swiglu_quantize_rows(h: torch.Tensor, interleaved: bool) -> tuple[torch.Tens
     a = torch.empty(p, i, dtype=h.dtype, device=h.device)
     q = torch.empty(p, i, dtype=FP8, device=h.device)
     inv = torch.empty(p, dtype=torch.float32, device=h.device)
-    rows, block_k, chunks, warps = _row_blocks(i)
+    rows, block_k, chunks, warps = _row_blocks(i, _MAX_SWIGLU_BLOCK)
     _swiglu_rows_kernel[(triton.cdiv(p, rows),)](
         h, a, q, inv, p, i, h.stride(0),
         INTERLEAVED=interleaved, ROWS=rows, BLOCK_K=block_k, CHUNKS=chunks, num_warps=warps,
