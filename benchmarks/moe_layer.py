@@ -32,7 +32,7 @@ the activations. Routing: uniform random top-k (distinct experts per token), sof
 
 Timing: ``triton.testing.do_bench`` median of the eager forward + backward (no CUDA graph: the loop path
 needs the group sizes on the host, the same in training), so the host's launch time is included where it
-is not hidden behind the GPU's work. ``--profile`` adds a ``torch.profiler`` breakdown of each FP8 variant
+is not hidden behind the GPU's work. ``--profile`` adds a ``torch.profiler`` breakdown of each variant
 (GEMM / quantization / other device time).
 
     python benchmarks/moe_layer.py --out benchmarks/results/moe_layer_h100.json [--profile]
@@ -195,7 +195,7 @@ def measure_model(name: str, variants: list[str], device, profile: bool) -> dict
             torch.cuda.reset_peak_memory_stats()
             step()
             r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            if profile and v != "bf16":
+            if profile:
                 r["profile"] = profile_split(step)
         except Exception as exc:  # one failing variant must not lose the others
             r["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:240]}"

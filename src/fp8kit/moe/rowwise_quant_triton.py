@@ -389,6 +389,10 @@ def _experts_cast_kernel(
 
 
 _BN, _BK, _EXPERT_WARPS = 64, 128, 8
+#: The amax kernel's tile (rows x columns per step) and warps. Taller tiles mean fewer column atomics (one per column
+#: per BN rows): (256, 64, 4) reads the weights at 2.3-2.7 TB/s where (64, 128, 8) read them at 1.3-1.4 (H100, Qwen3 /
+#: DeepSeek-V3 / Mixtral expert shapes, the same bits; docs/benchmarks.md section 4, session 16).
+_AMAX_BN, _AMAX_BK, _AMAX_WARPS = 256, 64, 4
 
 
 def quantize_experts_dual(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -406,10 +410,10 @@ def quantize_experts_dual(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     dgrad_inv = torch.empty(e, k, dtype=torch.float32, device=dev)
     row_amax = torch.empty(e, n, dtype=torch.float32, device=dev)
     col_amax = torch.zeros(e, k, dtype=torch.float32, device=dev)
-    nb = triton.cdiv(n, _BN)
-    _experts_amax_kernel[(e, nb)](w, row_amax, col_amax, fprop_inv, n, k, w.stride(0), w.stride(1),
-                                  BN=_BN, BK=_BK, num_warps=_EXPERT_WARPS, **_KW)
-    _experts_cast_kernel[(e, nb, triton.cdiv(k, _BK))](
+    _experts_amax_kernel[(e, triton.cdiv(n, _AMAX_BN))](w, row_amax, col_amax, fprop_inv, n, k, w.stride(0),
+                                                         w.stride(1), BN=_AMAX_BN, BK=_AMAX_BK, num_warps=_AMAX_WARPS,
+                                                         **_KW)
+    _experts_cast_kernel[(e, triton.cdiv(n, _BN), triton.cdiv(k, _BK))](
         w, row_amax, col_amax, fprop, dgrad, dgrad_inv, n, k, w.stride(0), w.stride(1),
         BN=_BN, BK=_BK, num_warps=_EXPERT_WARPS, **_KW)
     return fprop, fprop_inv, dgrad, dgrad_inv
