@@ -407,3 +407,70 @@ def test_the_expert_mlp_timer_runs_the_layer_in_both_precisions():
     assert fp8(warmup=0, iters=1) > 0
     with pytest.raises(ValueError, match="not \\(\\(H, 2I\\), \\(I, H\\)\\)"):
         ExpertsMLPTimer(((128, 192), (128, 96)), 4, 70, "bf16", **kw)
+
+
+def test_with_accumulation_the_expert_mlp_is_timed_casting_its_weights_once_per_optimizer_step(tmp_path, monkeypatch):
+    """``accumulate = N`` (``train.grad_accum`` where the weight cache applies): the FP8 expert MLP timer casts the
+    weights on the first of every N calls only (the run's steady state: the cache hit on the others), and the
+    measurement is cached under its own key (another N is another measurement)."""
+    from fp8kit.bench.auto import measure_and_decide
+    from fp8kit.bench.experts_timer import ExpertsMLPTimer
+    from fp8kit.moe import rowwise_quant as rq
+
+    kw = dict(device=CPU, wgrad="fp8")
+    counted = {"calls": 0}
+    real = rq.quantize_experts_dual_ref
+
+    def counting(w):
+        counted["calls"] += 1
+        return real(w)
+
+    monkeypatch.setattr(rq, "quantize_experts_dual_ref", counting)
+    for accumulate, expected in ((1, 8 * 2), (4, 2 * 2)):  # 8 timed calls, two weights each
+        timer = ExpertsMLPTimer(((128, 192), (96, 128)), 4, 70, "fp8", accumulate=accumulate, **kw)
+        assert timer.layer.config.cache_weights is (accumulate > 1)
+        counted["calls"] = 0
+        timer(warmup=0, iters=8)
+        assert counted["calls"] == expected, f"accumulate {accumulate}: {counted['calls']} weight casts in 8 calls"
+    monkeypatch.undo()
+
+    cfg = load_config(None, ["model.preset=tiny-moe", "model.num_layers=1", "data.vocab_size=1024",
+                             "data.seq_length=16", "train.micro_batch_size=2", "train.compile=false",
+                             f"data.cache_dir={tmp_path}", "fp8.grouped_kernel=fused"])
+    sites = find_sites(build_model(cfg.model, 1024, device="meta"))
+    options = options_from_config(cfg, build_hf_config(cfg.model, 1024))
+
+    def run(accumulate: int) -> dict:
+        return measure_and_decide(cfg, sites, decide(sites, options), options, CPU, AutoCache(tmp_path), warmup=0,
+                                  iters=1, accumulate=accumulate).info
+
+    first = run(1)
+    assert run(4)["measured"] == 1, "accumulation changes what the expert MLP costs: measured again"
+    assert run(4)["measured"] == 0 and run(1)["measured"] == 0, "each setting is read from the cache next time"
+    assert first["measured"] == first["shapes"]
+
+
+def test_on_one_gpu_the_bf16_side_of_the_expert_mlp_is_the_transformers_module_the_run_keeps():
+    """With ``whole_layer`` (ep = 1) BF16 experts are timed as the run holds them: the transformers experts module (not
+    swapped: only experts with an FP8 weight are), through the experts implementation transformers gives a model's
+    experts (checked here on a built model), with its own routing; FP8 experts as ``Float8GroupedExperts.forward``.
+    Both compute the same layer (>= 20 dB apart, FP8 accuracy)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from fp8kit.bench.experts_timer import HF_EXPERTS_IMPLEMENTATION, ExpertsMLPTimer
+    from fp8kit.moe.experts import Float8GroupedExperts
+    from tests.conftest import sqnr
+
+    cfg = load_config(None, ["model.preset=tiny-moe", "model.num_layers=1"])
+    model = build_model(cfg.model, 1024, device="meta")
+    impls = {m.config._experts_implementation for n, m in model.named_modules() if n.endswith(".experts")}
+    assert impls == {HF_EXPERTS_IMPLEMENTATION}, impls
+
+    kw = dict(device=CPU, wgrad="fp8", whole_layer=True)
+    bf16 = ExpertsMLPTimer(((128, 192), (96, 128)), 4, 70, "bf16", **kw)
+    fp8 = ExpertsMLPTimer(((128, 192), (96, 128)), 4, 70, "fp8", **kw)
+    assert type(bf16.layer) is Qwen3MoeExperts and bf16.layer.config._experts_implementation == HF_EXPERTS_IMPLEMENTATION
+    assert isinstance(fp8.layer, Float8GroupedExperts) and fp8.layer.runs_fused(CPU)
+    a, b = bf16.fn(bf16.x).float(), fp8.fn(fp8.x).float()
+    assert a.shape == b.shape == (70, 128) and sqnr(a, b) >= 20, sqnr(a, b)
+    assert bf16(warmup=0, iters=1) > 0 and fp8(warmup=0, iters=1) > 0

@@ -87,12 +87,13 @@ def grouped_recipe_key(device: torch.device, recipe: str = "tensorwise", config=
 
 
 def shape_recipe_key(shape: AutoShape, recipe: str, grouped_key: str | None, wgrad: str = "auto",
-                     gemm: str = "auto") -> str:
+                     gemm: str = "auto", accumulate: int = 1) -> str:
     """The ``recipe`` part of a shape's cache key: the dense recipe, the grouped kernel key of one expert weight,
     or for an expert MLP (``shape.mlp``, only on the fused kernel)
-    ``grouped:fused:wgrad=<fp8.grouped_wgrad>:gemm=<fp8.grouped_gemm>``."""
+    ``grouped:fused:wgrad=<fp8.grouped_wgrad>:gemm=<fp8.grouped_gemm>``, with ``:accum=<N>`` when its FP8 weights are
+    cast once per ``N`` micro-batches (``ExpertsMLPTimer(accumulate=)``)."""
     if shape.mlp:
-        return f"grouped:fused:wgrad={wgrad}:gemm={gemm}"
+        return f"grouped:fused:wgrad={wgrad}:gemm={gemm}" + (f":accum={accumulate}" if accumulate > 1 else "")
     return grouped_key if shape.is_grouped else recipe
 
 
@@ -114,7 +115,7 @@ def run_units(decisions: list[Decision], cfg: RunConfig, auto: AutoOptions) -> l
 def measure_shapes(
     shapes: Sequence[tuple[AutoShape, str]], *, recipe: str, device: torch.device, tp: int, ep: int,
     cache: AutoCache, compile: bool, warmup: int = AUTO_WARMUP, iters: int = AUTO_ITERS,
-    progress: Callable[[int, int, str], None] | None = None, grouped=None,
+    progress: Callable[[int, int, str], None] | None = None, grouped=None, accumulate: int = 1,
 ) -> Measured:
     """Time each ``(shape, name)`` in BF16 and in FP8, or read it from ``cache`` (module docstring).
 
@@ -122,6 +123,8 @@ def measure_shapes(
     module cannot be built here (a GPU without the FP8 grouped GEMM, blockwise dims) or that runs out of
     memory gets a :class:`Timing` with ``error`` (BF16 in the decision); out-of-memory results are not cached.
     ``grouped``: the run's ``GroupedGemmConfig`` (kernel, wgrad) for grouped shapes; default the recipe's.
+    ``accumulate``: micro-batches per optimizer step that share their cast FP8 expert weights (expert MLP shapes are
+    timed in that steady state; :class:`~fp8kit.bench.experts_timer.ExpertsMLPTimer`).
     """
     t0 = time.perf_counter()
     out = Measured()
@@ -132,7 +135,8 @@ def measure_shapes(
     todo = []
     for shape, name in shapes:
         key = cache_key(shape, device=dev_name, versions=vers,
-                        recipe=shape_recipe_key(shape, recipe, grouped_key, wgrad, gemm), tp=tp, ep=ep, compiled=compile)
+                        recipe=shape_recipe_key(shape, recipe, grouped_key, wgrad, gemm, accumulate), tp=tp, ep=ep,
+                        compiled=compile)
         hit, warning = cache.load(key)
         if warning:
             out.warnings.append(warning)
@@ -154,7 +158,8 @@ def measure_shapes(
                 continue
             try:
                 ms[precision] = _time_one(shape, name, precision, recipe=recipe, device=device, compile=compile,
-                                          warmup=warmup, iters=iters, wgrad=wgrad, gemm=gemm)
+                                          warmup=warmup, iters=iters, wgrad=wgrad, gemm=gemm, accumulate=accumulate,
+                                          ep=ep)
             except (CapabilityError, ConfigError) as e:
                 ms[precision], error = None, f"{precision}: {e}"
             except torch.OutOfMemoryError:
@@ -188,12 +193,13 @@ def _key_versions() -> dict[str, str]:
 
 
 def _time_one(shape: AutoShape, name: str, precision: str, *, recipe: str, device: torch.device, compile: bool,
-              warmup: int, iters: int, wgrad: str = "auto", gemm: str = "auto") -> float:
+              warmup: int, iters: int, wgrad: str = "auto", gemm: str = "auto", accumulate: int = 1,
+              ep: int = 1) -> float:
     """Milliseconds of one forward + backward of ``shape``'s linears in ``precision`` (``bench-layers``' timers; an
     expert MLP shape: ``bench/experts_timer.ExpertsMLPTimer``)."""
     if shape.mlp:
         timer = ExpertsMLPTimer(shape.gemms, shape.num_gemms, shape.num_tokens, precision, device=device, wgrad=wgrad,
-                                gemm=gemm, compile=compile)
+                                gemm=gemm, compile=compile, accumulate=accumulate, whole_layer=ep == 1)
         return timer(warmup=warmup, iters=iters)
     site = BenchSite("llm", "column_grouped" if shape.is_grouped else "column", name, list(shape.gemms),
                      list(shape.gemms), tp=1, num_gemms=shape.num_gemms)
@@ -215,7 +221,7 @@ class AutoOutcome:
 
 def resolve_auto(cfg: RunConfig, sites: list[Site], decisions: list[Decision], options: DecideOptions,
                  device: torch.device, *, emulated: bool, topk: int = 1,
-                 status: Callable[[str], None] | None = None) -> AutoOutcome:
+                 status: Callable[[str], None] | None = None, accumulate: int = 1) -> AutoOutcome:
     """Apply ``selective.selective_fp8`` (module docstring) to the static ``decisions`` of ``sites``.
 
     Args:
@@ -224,6 +230,8 @@ def resolve_auto(cfg: RunConfig, sites: list[Site], decisions: list[Decision], o
         device: the training device; emulated: its FP8 GEMMs are emulated (``fp8.emulate``).
         topk: experts per token (grouped units are timed at ``tokens x topk`` pairs).
         status: one-line progress messages (the trainer's spinner).
+        accumulate: micro-batches per optimizer step that reuse their cast FP8 expert weights (``train.grad_accum``
+            where the weight cache applies; 1 otherwise): FP8 expert MLPs are timed in that steady state.
 
     Raises:
         ConfigError: tp / ep do not divide a unit's dimension or expert count.
@@ -248,14 +256,14 @@ def resolve_auto(cfg: RunConfig, sites: list[Site], decisions: list[Decision], o
     if mode == "auto":
         if options.auto is None:  # no token count (not a training run): nothing to time at
             return AutoOutcome(decisions, [], info)
-        return measure_and_decide(cfg, sites, decisions, options, device, cache, status=status)
+        return measure_and_decide(cfg, sites, decisions, options, device, cache, status=status, accumulate=accumulate)
     if not real_gpu:
         return AutoOutcome(decisions, [], info)
     # false / policy: no measuring; warn where the cache says FP8 is slower at a site kept in FP8
     tokens = {"*": options.num_tokens or cfg.data.seq_length * cfg.train.micro_batch_size,
               **cfg.selective.component_num_tokens}
     units = run_units(fp8, cfg, run_auto_options(AutoOptions(tokens, topk), cfg, device))
-    timings = lookup_cached(units, cfg, device, cache)
+    timings = lookup_cached(units, cfg, device, cache, accumulate)
     slow = slower_in_fp8(units, timings, {x.fqn for x in fp8})
     if not slow:
         return AutoOutcome(decisions, [], info)
@@ -269,20 +277,23 @@ def resolve_auto(cfg: RunConfig, sites: list[Site], decisions: list[Decision], o
 
 def measure_and_decide(cfg: RunConfig, sites: list[Site], decisions: list[Decision], options: DecideOptions,
                        device: torch.device, cache: AutoCache, *, status: Callable[[str], None] | None = None,
-                       warmup: int = AUTO_WARMUP, iters: int = AUTO_ITERS) -> AutoOutcome:
+                       warmup: int = AUTO_WARMUP, iters: int = AUTO_ITERS, accumulate: int = 1) -> AutoOutcome:
     """The ``auto`` path of :func:`resolve_auto` on any device (the CPU only in tests): units of the FP8
-    ``decisions``, timings (cache or measured; rank 0 under torchrun), ``decide`` again with the table."""
+    ``decisions``, timings (cache or measured; rank 0 under torchrun), ``decide`` again with the table.
+    ``accumulate``: as :func:`resolve_auto`."""
     auto = run_auto_options(options.auto, cfg, device)
     units = run_units(decisions, cfg, auto)
-    measured = _measure_on_rank0(units, cfg, device, cache, status, warmup, iters)
+    measured = _measure_on_rank0(units, cfg, device, cache, status, warmup, iters, accumulate)
     final = decide(sites, replace(options, auto=replace(auto, timings=measured.timings)))
     info = {"mode": cfg.selective.selective_fp8,
             **_table_info(units, measured, final, auto.min_speedup, cfg, device, cache.dir)}
     return AutoOutcome(final, measured.warnings, info)
 
 
-def lookup_cached(units: list[AutoUnit], cfg: RunConfig, device: torch.device, cache: AutoCache) -> dict:
-    """The cached timings of ``units``' shapes on ``device`` for this run's recipe and sizes (no measuring)."""
+def lookup_cached(units: list[AutoUnit], cfg: RunConfig, device: torch.device, cache: AutoCache,
+                  accumulate: int = 1) -> dict:
+    """The cached timings of ``units``' shapes on ``device`` for this run's recipe, sizes and weight-cast
+    accumulation (no measuring)."""
     d = cfg.distributed
     dev_name, vers = device_name(device), _key_versions()
     shapes = distinct_shapes(units)
@@ -291,7 +302,8 @@ def lookup_cached(units: list[AutoUnit], cfg: RunConfig, device: torch.device, c
     out = {}
     for shape in shapes:
         key = cache_key(shape, device=dev_name, versions=vers,
-                        recipe=shape_recipe_key(shape, cfg.fp8.recipe, grouped_key, grouped.wgrad, grouped.gemm),
+                        recipe=shape_recipe_key(shape, cfg.fp8.recipe, grouped_key, grouped.wgrad, grouped.gemm,
+                                                accumulate),
                         tp=d.tp, ep=d.ep,
                         compiled=cfg.train.compile)
         hit, _ = cache.load(key)
@@ -301,7 +313,7 @@ def lookup_cached(units: list[AutoUnit], cfg: RunConfig, device: torch.device, c
 
 
 def _measure_on_rank0(units: list[AutoUnit], cfg: RunConfig, device: torch.device, cache: AutoCache,
-                      status: Callable[[str], None] | None, warmup: int, iters: int) -> Measured:
+                      status: Callable[[str], None] | None, warmup: int, iters: int, accumulate: int = 1) -> Measured:
     """Measure on this process, or under torchrun on rank 0 and broadcast the result to every rank."""
     import torch.distributed as dist
 
@@ -312,7 +324,8 @@ def _measure_on_rank0(units: list[AutoUnit], cfg: RunConfig, device: torch.devic
     if not distributed or dist.get_rank() == 0:
         measured = measure_shapes(shapes, recipe=cfg.fp8.recipe, device=device, tp=d.tp, ep=d.ep, cache=cache,
                                   compile=cfg.train.compile, warmup=warmup, iters=iters,
-                                  progress=_progress_line(status), grouped=grouped_gemm_config(cfg))
+                                  progress=_progress_line(status), grouped=grouped_gemm_config(cfg),
+                                  accumulate=accumulate)
     if distributed:
         box = [measured]
         dist.broadcast_object_list(box, src=0)

@@ -101,6 +101,20 @@ class Prepared(Parallelized):
     conversion: ConversionOptions = field(default_factory=ConversionOptions)
 
 
+def uses_fsdp(mesh) -> bool:
+    """Whether a run on ``mesh`` (None: one process) shards or replicates its parameters with FSDP2 / HSDP."""
+    if mesh is None:
+        return False
+    return mesh["dp_shard"].size() > 1 or mesh["dp_replicate"].size() > 1
+
+
+def weight_cache_applies(requested: bool, mesh) -> bool:
+    """Whether the FP8 weight cache (``PrepareOptions.cache_weights``) is used on ``mesh``: as ``requested``, except
+    under FSDP2, where it would hold unsharded FP8 copies of every layer's weights. The one place this is decided
+    (``prepare_model`` and the ``auto`` timer of a run's experts, ``train/setup.py``)."""
+    return requested and not uses_fsdp(mesh)
+
+
 def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareOptions, mesh=None,
                   *, hf_cfg=None) -> Prepared:
     """Make ``model`` a training model in place (the order of the module docstring).
@@ -126,9 +140,8 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     tp = mesh["tp"].size() if mesh is not None else 1
     dp_shard = mesh["dp_shard"].size() if mesh is not None else 1
     dp_replicate = mesh["dp_replicate"].size() if mesh is not None else 1
-    fsdp = dp_shard > 1 or dp_replicate > 1
-    # the weight cache would hold unsharded FP8 copies of every layer's weights under FSDP2
-    cache = options.cache_weights and not fsdp
+    fsdp = uses_fsdp(mesh)
+    cache = weight_cache_applies(options.cache_weights, mesh)
     # FSDP2 re-gathers weights for the backward: blockwise linears and experts quantize them again there
     grouped = replace(options.grouped, cache_weights=cache,
                       keep_weight_copies=not (fsdp or options.blockwise_recompute))

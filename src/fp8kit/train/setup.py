@@ -45,7 +45,7 @@ from fp8kit.models.pretrained import (
 )
 from fp8kit.optim.memory import training_state_bytes
 from fp8kit.parallel.mesh import ParallelDims, resolve_dims
-from fp8kit.parallel.prepare import Prepared, prepare_model
+from fp8kit.parallel.prepare import Prepared, prepare_model, weight_cache_applies
 from fp8kit.selective.decide import Decision, decide
 from fp8kit.selective.sites import find_sites
 from fp8kit.train import checkpoint as ckpt
@@ -267,8 +267,10 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
     options = options_from_config(cfg, hf_cfg, device_name(device))
     sites = find_sites(model)
     # selective.selective_fp8 = "auto": time the candidates' shapes (CUDA; cached) and decide again
+    # with gradient accumulation (and the weight cache on), FP8 expert weights are cast once per optimizer step
+    accumulate = cfg.train.grad_accum if weight_cache_applies(cfg.train.grad_accum > 1, mesh) else 1
     auto = resolve_auto(cfg, sites, decide(sites, options), options, device, emulated=fp8_emulated(cfg, device),
-                        topk=moe_topk(hf_cfg), status=say)
+                        topk=moe_topk(hf_cfg), status=say, accumulate=accumulate)
     decisions = auto.decisions
     if any(d.is_fp8 and d.site.is_grouped_weight for d in decisions):
         # FP8 MoE experts need an FP8 grouped GEMM on this device (or fp8.emulate): fail now, not mid-run.
