@@ -56,7 +56,7 @@ def main() -> None:
         line = f"BN {bn:>3} BK {bk:>3} warps {warps}:"
         for name, w in weights.items():
             same = all(torch.equal(a, b) for a, b in zip(amax(w, bn, bk, warps), refs[name], strict=True))
-            ms = tt.do_bench(lambda w=w: amax(w, bn, bk, warps), warmup=5, rep=100)
+            ms = tt.do_bench(lambda w=w, bn=bn, bk=bk, warps=warps: amax(w, bn, bk, warps), warmup=5, rep=100)
             rows.append({"BN": bn, "BK": bk, "warps": warps, "shape": name, "ms": ms,
                          "tb_per_s": w.numel() * w.element_size() / ms / 1e9, "same_bits": same})
             line += f"  {name} {ms:.3f} ms ({rows[-1]['tb_per_s']:.2f} TB/s){'' if same else ' DIFFERENT BITS'}"

@@ -189,7 +189,7 @@ def measure_model(name: str, variants: list[str], device, profile: bool) -> dict
                 ref_out = out
             r["sqnr_vs_bf16_db"] = None if v == "bf16" else round(sqnr(ref_out, out), 2)
             if mod.runs_fused(device):  # how the fused MLP ran its GEMMs (fp8.grouped_gemm, resolved)
-                r["gemm"] = resolve_grouped_gemm(mod.config.gemm, e, routing_rows(idx, e), h, i, device)
+                r["gemm"] = resolve_grouped_gemm(mod.config.gemm, e, routing_rows(idx, e), h, i, True)
             ms = bench_ms(step)
             r.update(ms=ms, tflops=flop / ms / 1e9)
             torch.cuda.reset_peak_memory_stats()

@@ -409,30 +409,32 @@ def test_the_expert_mlp_timer_runs_the_layer_in_both_precisions():
         ExpertsMLPTimer(((128, 192), (128, 96)), 4, 70, "bf16", **kw)
 
 
-def test_with_accumulation_the_expert_mlp_is_timed_casting_its_weights_once_per_optimizer_step(tmp_path, monkeypatch):
-    """``accumulate = N`` (``train.grad_accum`` where the weight cache applies): the FP8 expert MLP timer casts the
-    weights on the first of every N calls only (the run's steady state: the cache hit on the others), and the
-    measurement is cached under its own key (another N is another measurement)."""
+def test_with_accumulation_the_expert_mlp_is_timed_casting_its_weights_once_per_optimizer_step(tmp_path):
+    """``accumulate = N`` (``train.grad_accum`` where the weight cache applies): the FP8 expert MLP timer runs the layer
+    with its cached FP8 weights (one cast, then cache hits) and adds a 1/N share of the two weights' cast, timed alone;
+    with N = 1 every call casts (the cache is not used). The measurement is cached under its own key (another N is
+    another measurement), and a closed timer holds no tensors."""
     from fp8kit.bench.auto import measure_and_decide
     from fp8kit.bench.experts_timer import ExpertsMLPTimer
-    from fp8kit.moe import rowwise_quant as rq
+    from fp8kit.moe.rowwise_quant import _EXPERTS_CACHE
 
     kw = dict(device=CPU, wgrad="fp8")
-    counted = {"calls": 0}
-    real = rq.quantize_experts_dual_ref
-
-    def counting(w):
-        counted["calls"] += 1
-        return real(w)
-
-    monkeypatch.setattr(rq, "quantize_experts_dual_ref", counting)
-    for accumulate, expected in ((1, 8 * 2), (4, 2 * 2)):  # 8 timed calls, two weights each
+    for accumulate in (1, 4):
         timer = ExpertsMLPTimer(((128, 192), (96, 128)), 4, 70, "fp8", accumulate=accumulate, **kw)
         assert timer.layer.config.cache_weights is (accumulate > 1)
-        counted["calls"] = 0
-        timer(warmup=0, iters=8)
-        assert counted["calls"] == expected, f"accumulate {accumulate}: {counted['calls']} weight casts in 8 calls"
-    monkeypatch.undo()
+        before = dict(_EXPERTS_CACHE.stats())
+        ms = timer(warmup=0, iters=8)
+        after = _EXPERTS_CACHE.stats()
+        hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+        if accumulate == 1:
+            assert (hits, misses) == (0, 0), "without accumulation the weights are cast in every call, uncached"
+            assert "weight_cast_ms" not in timer.parts and ms == timer.parts["step_ms"]
+        else:  # 1 warm-up call + 8 timed calls, two weights each: one miss per weight, then hits
+            assert (hits, misses) == (2 * 8, 2), (hits, misses)
+            p = timer.parts
+            assert p["weight_cast_ms"] > 0 and abs(ms - (p["step_ms"] + p["weight_cast_ms"] / 4)) < 1e-9, p
+        timer.close()
+        assert timer.layer is None and timer.fn is None and timer.x is None
 
     cfg = load_config(None, ["model.preset=tiny-moe", "model.num_layers=1", "data.vocab_size=1024",
                              "data.seq_length=16", "train.micro_batch_size=2", "train.compile=false",

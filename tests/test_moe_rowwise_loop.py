@@ -64,8 +64,8 @@ def test_loop_refuses_bounds_that_do_not_match_the_groups_and_other_ranks():
         loop_scaled_grouped_mm(b, b, torch.ones(32), torch.ones(2, 16), offs, torch.bfloat16, [(0, 16), (16, 32)])
 
 
-def test_auto_picks_the_loop_only_for_large_expert_gemms_on_cuda():
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+def test_auto_picks_the_loop_only_for_large_expert_gemms_on_the_fp8_kernel():
+    cuda, cpu = True, False  # fp8_kernel: a Hopper GPU runs the FP8 GEMMs; elsewhere the fused path is emulated
     # (experts, padded rows, hidden, width): the shapes of benchmarks/grouped_gemm_loop.py
     mixtral, dsv3_ep32 = (8, 32768, 4096, 14336), (8, 131072, 7168, 2048)
     qwen3, dsv3_128, qwen3_ep16 = (128, 131072, 2048, 768), (128, 131072, 7168, 2048), (8, 131072, 2048, 768)
@@ -74,7 +74,7 @@ def test_auto_picks_the_loop_only_for_large_expert_gemms_on_cuda():
     assert resolve_grouped_gemm("auto", *qwen3_ep16, cuda) == "grouped"  # 51.5 GFLOP: no gain in the layer
     assert resolve_grouped_gemm("auto", *qwen3, cuda) == "grouped"  # 3.2 GFLOP: host-bound (0.31x)
     assert resolve_grouped_gemm("auto", *dsv3_128, cuda) == "grouped"  # 30 GFLOP: below the margin
-    assert resolve_grouped_gemm("auto", *mixtral, cpu) == "grouped"  # the emulation on the CPU
+    assert resolve_grouped_gemm("auto", *mixtral, cpu) == "grouped"  # the emulation (CPU, or a GPU without the kernel)
     assert resolve_grouped_gemm("loop", *qwen3, cpu) == "loop"  # asked for: runs anywhere
     assert resolve_grouped_gemm("grouped", *mixtral, cuda) == "grouped"
     e, rows, h = 8, 4096, 4096
@@ -86,20 +86,31 @@ def test_auto_picks_the_loop_only_for_large_expert_gemms_on_cuda():
 
 
 def _module(gemm: str):
-    from tests.test_moe_fused import _hf_experts
-
     from fp8kit.moe.experts import Float8GroupedExperts
+    from tests.test_moe_fused import _hf_experts
 
     return Float8GroupedExperts(_hf_experts(), frozenset(("gate_up_proj", "down_proj")),
                                 GroupedGemmConfig(kernel="fused", wgrad="fp8", gemm=gemm))
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_fused_experts_with_the_loop_match_the_grouped_path(compiled, capsys):
+def test_fused_experts_with_the_loop_match_the_grouped_path(compiled, capsys, monkeypatch):
     """The whole fused expert MLP (forward + backward, an unused expert included) with ``gemm = "loop"`` against
     ``gemm = "grouped"``: >= 60 dB on the output and every gradient, eagerly and under ``torch.compile``
-    (aot_eager: the loop runs outside the graph, ``torch.compiler.disable``); the choice is printed once."""
+    (aot_eager: the loop runs outside the graph, ``torch.compiler.disable``); the loop really runs (6 GEMMs per step:
+    fprop, dgrad, wgrad of both weights) and the grouped path never calls it; the choice is printed once per shape."""
+    import fp8kit.moe.experts as experts_mod
     from tests.test_moe_fused import _run
+
+    calls = {"n": 0}
+    real = experts_mod.loop_scaled_grouped_mm
+
+    def spy(*args, **kwargs):
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(experts_mod, "loop_scaled_grouped_mm", spy)
+    monkeypatch.setattr(experts_mod, "_GEMM_SAID", set())
 
     t = 96
     torch.manual_seed(3)
@@ -112,7 +123,9 @@ def test_fused_experts_with_the_loop_match_the_grouped_path(compiled, capsys):
         torch._dynamo.reset()
         loop.forward = torch.compile(loop.forward, backend="aot_eager")
     ref = _run(grouped, hidden, idx, weights, g)
+    assert calls["n"] == 0, "the grouped path called the loop"
     got = _run(loop, hidden, idx, weights, g)
+    assert calls["n"] == 6, f"{calls['n']} loop GEMMs in one step, not 6"
     got_again = _run(loop, hidden, idx, weights, g)
     for what, a, b, c in zip(("output", "dx", "dw_up", "dw_down"), ref, got, got_again, strict=True):
         db = sqnr(a, b)
@@ -120,7 +133,7 @@ def test_fused_experts_with_the_loop_match_the_grouped_path(compiled, capsys):
         assert torch.equal(b, c), f"{what}: the loop is not deterministic"
     assert loop.down_proj.grad[7].abs().max().item() == 0.0
     said = [line for line in capsys.readouterr().out.splitlines() if "fp8.grouped_gemm = loop" in line]
-    assert len(said) <= 1, said
+    assert len(said) == 1 and "a loop of dense rowwise GEMMs" in said[0], said
 
 
 def test_grouped_gemm_setting_reaches_the_experts_config():

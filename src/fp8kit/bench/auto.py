@@ -23,6 +23,7 @@ decided together.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -37,6 +38,7 @@ from fp8kit.bench.layers import BenchLayersArgs, _GroupedTimer, _Timer
 from fp8kit.bench.sites import BenchSite
 from fp8kit.config import ModelConfig, RunConfig
 from fp8kit.config.options import grouped_gemm_config
+from fp8kit.fp8.weight_cache import clear_weight_caches
 from fp8kit.selective.auto import (
     AutoOptions,
     AutoShape,
@@ -122,7 +124,7 @@ def measure_shapes(
     ``progress(done, total, what)`` is called before each timing and once at the end. A shape whose FP8
     module cannot be built here (a GPU without the FP8 grouped GEMM, blockwise dims) or that runs out of
     memory gets a :class:`Timing` with ``error`` (BF16 in the decision); out-of-memory results are not cached.
-    ``grouped``: the run's ``GroupedGemmConfig`` (kernel, wgrad) for grouped shapes; default the recipe's.
+    ``grouped``: the run's ``GroupedGemmConfig`` (kernel, wgrad, gemm) for grouped shapes; default the recipe's.
     ``accumulate``: micro-batches per optimizer step that share their cast FP8 expert weights (expert MLP shapes are
     timed in that steady state; :class:`~fp8kit.bench.experts_timer.ExpertsMLPTimer`).
     """
@@ -176,6 +178,8 @@ def measure_shapes(
         progress(total, total, "done")
     if todo and device.type == "cuda":
         torch._dynamo.reset()  # drop the sites' compiled graphs before the model compiles
+        gc.collect()  # the timers' layers and tensors, then the FP8 weight copies they cached
+        clear_weight_caches()
         torch.cuda.empty_cache()
     out.seconds = time.perf_counter() - t0
     return out
@@ -200,7 +204,10 @@ def _time_one(shape: AutoShape, name: str, precision: str, *, recipe: str, devic
     if shape.mlp:
         timer = ExpertsMLPTimer(shape.gemms, shape.num_gemms, shape.num_tokens, precision, device=device, wgrad=wgrad,
                                 gemm=gemm, compile=compile, accumulate=accumulate, whole_layer=ep == 1)
-        return timer(warmup=warmup, iters=iters)
+        try:
+            return timer(warmup=warmup, iters=iters)
+        finally:
+            timer.close()
     site = BenchSite("llm", "column_grouped" if shape.is_grouped else "column", name, list(shape.gemms),
                      list(shape.gemms), tp=1, num_gemms=shape.num_gemms)
     args = BenchLayersArgs(model=ModelConfig(), vocab_size=0, recipe=recipe, warmup=warmup, iters=iters,

@@ -15,9 +15,11 @@ dispatch gathers ``topk`` rows per token, the same kernels). Each precision runs
   grouped GEMMs for fprop and dgrad, the run's wgrad precision).
 
 The FP8 expert weights are cast in every call (one micro-batch per optimizer step), or with ``accumulate = N`` once
-every N calls, as a run with ``train.grad_accum = N`` and the weight cache casts them (the mean over the calls is
-that run's steady state).
-Timing: ``bench/timing.time_ms`` (device time, the host's launches hidden), compiled with ``torch.compile`` when
+per N micro-batches, as a run with ``train.grad_accum = N`` and the weight cache casts them (the cached step plus a
+1/N share of the cast). Call :meth:`ExpertsMLPTimer.close` when done.
+Timing: ``bench/timing.time_ms`` (device time, the host's launches hidden where the layer does not wait for the GPU;
+the loop of dense GEMMs, ``fp8.grouped_gemm = "loop"``, reads the group bounds on the host in every call, as in
+training), compiled with ``torch.compile`` when
 ``compile`` (as ``train.compile`` compiles the block that holds the experts).
 """
 
@@ -27,11 +29,10 @@ import torch
 from torch import nn
 
 from fp8kit.bench.timing import time_ms
-from fp8kit.fp8.weight_cache import mark_optimizer_step
 from fp8kit.moe import routing
 from fp8kit.moe.experts import WEIGHTS, Float8GroupedExperts
 from fp8kit.moe.grouped_mm import GroupedGemmConfig
-
+from fp8kit.moe.rowwise_quant import quantize_experts_dual
 
 #: The experts implementation transformers gives a MoE model's experts (``config._experts_implementation``, set by
 #: ``PreTrainedModel``; a standalone experts module has none): what BF16 experts run on one GPU
@@ -81,9 +82,9 @@ class ExpertsMLPTimer:
         wgrad: the fused path's wgrad precision (``fp8.grouped_wgrad``: ``auto``, ``fp8`` or ``bf16``).
         gemm: how the fused path runs its GEMMs (``fp8.grouped_gemm``: ``auto``, ``grouped`` or ``loop``).
         accumulate: micro-batches per optimizer step whose FP8 expert weights the run casts once
-            (``train.grad_accum`` where the weight cache applies, ``parallel.prepare.weight_cache_applies``): the
-            timed calls then cast the weights once every ``accumulate`` calls, so the mean is the run's steady state
-            (1: cast every call).
+            (``config.prepare_options.weight_cast_accumulation``): the time is then the run's steady state, the
+            cached step plus a 1/accumulate share of the weights' cast (:meth:`__call__`); 1: the weights cast in
+            every call.
         compile: ``torch.compile`` the timed function.
         whole_layer: time each precision as the module one GPU runs, forward called with the routing (module
             docstring); False: ``local_experts`` + ``combine`` of a ``Float8GroupedExperts`` in both (expert parallel).
@@ -120,18 +121,36 @@ class ExpertsMLPTimer:
         return routing.combine(self.layer.local_experts(x, self.d), self.d, self.ones, x.dtype)
 
     def __call__(self, *, warmup: int, iters: int) -> float:
+        """Milliseconds of one micro-batch's forward + backward (``bench/timing.time_ms``). With ``accumulate = N > 1``
+        and FP8 weights: the step with the cached weights (cast once, in the first warm-up call) plus the cast of both
+        weights (the same kernels as a cache miss, timed alone) divided by N, the exact share of one micro-batch, however
+        ``time_ms`` groups its calls. The parts are left in ``self.parts``."""
         leaves = (self.x, self.layer.gate_up_proj, self.layer.down_proj)
-
-        calls = [0]
 
         def reset() -> None:
             for t in leaves:
                 t.grad = None
-            if calls[0] % self.accumulate == 0:  # a new optimizer step: the cached FP8 weights are cast again
-                mark_optimizer_step()
-            calls[0] += 1
 
         def step() -> None:
             self.fn(self.x).backward(self.dy)
 
-        return time_ms(step, device=self.device, warmup=warmup, iters=iters, before=reset)
+        try:
+            ms = time_ms(step, device=self.device, warmup=max(warmup, 1), iters=iters, before=reset)
+            self.parts = {"step_ms": ms}
+            if self.accumulate > 1 and getattr(self.layer, "fp8_weights", None):
+                cast = time_ms(self._cast_weights, device=self.device, warmup=warmup, iters=iters)
+                self.parts.update(weight_cast_ms=cast, accumulate=self.accumulate)
+                ms += cast / self.accumulate
+            return ms
+        finally:
+            reset()
+
+    def _cast_weights(self) -> None:
+        with torch.no_grad():
+            quantize_experts_dual(self.layer.gate_up_proj)
+            quantize_experts_dual(self.layer.down_proj)
+
+    def close(self) -> None:
+        """Drop the layer, its inputs and the (compiled) function, which refers back to the timer: without this the
+        timer's weights, gradients and FP8 copies would outlive the measurement until a garbage collection."""
+        self.fn = self.layer = self.x = self.dy = self.d = self.ids = self.ones = None

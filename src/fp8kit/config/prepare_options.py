@@ -10,7 +10,20 @@ import torch
 
 from fp8kit.config.options import delayed_scaling_for, grouped_gemm_config
 from fp8kit.config.schema import RunConfig
-from fp8kit.parallel.prepare import PrepareOptions
+from fp8kit.parallel.prepare import PrepareOptions, weight_cache_applies
+
+
+def weight_cache_requested(cfg: RunConfig) -> bool:
+    """Whether the run asks for the FP8 weight cache (``PrepareOptions.cache_weights``): only when micro-batches share
+    an optimizer step (``train.grad_accum > 1``); ``prepare_model`` still turns it off under FSDP2."""
+    return cfg.train.grad_accum > 1
+
+
+def weight_cast_accumulation(cfg: RunConfig, mesh=None) -> int:
+    """Micro-batches per optimizer step that reuse their cast FP8 weights in this run: ``train.grad_accum`` where the
+    weight cache applies on ``mesh`` (:func:`~fp8kit.parallel.prepare.weight_cache_applies`), else 1. ``mesh`` None:
+    one process (``fp8kit plan``'s view). What ``selective_fp8 = "auto"`` times the FP8 experts with."""
+    return cfg.train.grad_accum if weight_cache_applies(weight_cache_requested(cfg), mesh) else 1
 
 
 def prepare_options(cfg: RunConfig, *, fp8_now: bool, emulate: bool) -> PrepareOptions:
@@ -37,6 +50,6 @@ def prepare_options(cfg: RunConfig, *, fp8_now: bool, emulate: bool) -> PrepareO
         ep_fp8_dispatch=d.ep_fp8_dispatch,
         fp8_reduce_scatter=d.fp8_reduce_scatter,
         param_dtype=torch.float32 if t.param_dtype == "fp32" else torch.bfloat16,
-        cache_weights=t.grad_accum > 1,  # the cache only pays when micro-batches share an optimizer step
+        cache_weights=weight_cache_requested(cfg),
         blockwise_recompute=cfg.fp8.blockwise_recompute,
     )

@@ -91,12 +91,6 @@ class WeightCache:
         return {"hits": self.hits, "misses": self.misses, "entries": len(self.entries)}
 
 
-def mark_optimizer_step() -> None:
-    """Invalidate every entry as an optimizer step does (the next ``get`` casts again), without running one: for
-    timers that reproduce gradient accumulation (``bench/experts_timer.py``)."""
-    _step_done()
-
-
 def clear_weight_caches() -> None:
     """Drop every cached quantized weight of every cache (call after an update that bypasses the checks)."""
     for cache in _REGISTRY:

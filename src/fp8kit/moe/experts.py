@@ -22,21 +22,22 @@ from functools import partial
 import torch
 from torch import nn
 
-from fp8kit.base.errors import Fp8kitError
+from fp8kit.base.errors import CapabilityError, Fp8kitError
 from fp8kit.moe import routing
 from fp8kit.moe.expert_parallel import ep_experts_forward, local_weight
 from fp8kit.moe.fused_experts import fused_rowwise_experts
 from fp8kit.moe.grouped_loop import group_bounds
-from fp8kit.moe.rowwise_loop import loop_scaled_grouped_mm
 from fp8kit.moe.grouped_mm import (
     GroupedGemmConfig,
     bf16_grouped_mm,
     fp8_grouped_mm,
+    grouped_fp8_support,
     resolve_grouped_gemm,
     resolve_grouped_kernel,
     scaled_grouped_gemm,
     tune_once_for_all_row_counts,
 )
+from fp8kit.moe.rowwise_loop import loop_scaled_grouped_mm
 
 WEIGHTS = ("gate_up_proj", "down_proj")
 
@@ -209,7 +210,15 @@ class Float8GroupedExperts(nn.Module):
         experts of ``down_proj`` shape ``(E, H, I)`` (``grouped_mm.resolve_grouped_gemm``). The first choice of each
         kind is printed once per process and expert shape."""
         e, h, i = down_shape
-        choice = resolve_grouped_gemm(self.config.gemm, e, rows, h, i, device)
+        kernels = self.__dict__.setdefault("_fp8_kernel", {})  # device -> (runs the FP8 grouped GEMM, why not)
+        if str(device) not in kernels:
+            kernels[str(device)] = grouped_fp8_support(device)
+        real, why = kernels[str(device)]
+        choice = resolve_grouped_gemm(self.config.gemm, e, rows, h, i, real)
+        if choice == "loop" and device.type == "cuda" and not real:
+            raise CapabilityError(f"fp8.grouped_gemm = loop: the dense rowwise FP8 GEMMs need the GPU the grouped "
+                                  f"kernel needs ({why}); the fused experts run emulated here, use grouped_gemm = "
+                                  f"grouped or auto")
         if (choice, self.config.gemm, e, h, i) not in _GEMM_SAID:
             _say_gemm(choice, self.config.gemm, e, rows, h, i)
         return choice
@@ -246,10 +255,13 @@ _GEMM_SAID: set[tuple] = set()  # (choice, asked, experts, hidden, width) alread
 @torch.compiler.disable
 def _say_gemm(choice: str, asked: str, e: int, rows: int, h: int, i: int) -> None:
     _GEMM_SAID.add((choice, asked, e, h, i))
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return  # one line per run, not per rank
     gflop = 2.0 * (rows / max(e, 1)) * h * i / 1e9
     how = ("a loop of dense rowwise GEMMs, one per expert (group bounds copied to the host per layer)"
            if choice == "loop" else "grouped GEMMs (torch._scaled_grouped_mm)")
-    print(f"FP8 MoE experts: {e} local experts x {rows} routed rows (smallest expert GEMM {gflop:.1f} GFLOP), "
+    print(f"FP8 MoE experts: {e} local experts x {rows} routed rows (down projection {gflop:.1f} GFLOP per expert at "
+          f"balanced routing), "
           f"fp8.grouped_gemm = {asked}: {how}", flush=True)
 
 

@@ -160,7 +160,8 @@ def fused_rowwise_experts(
         w_up: (E, 2I, H) ``gate_up_proj`` (gate rows first, then up); w_down: (E, H, I) ``down_proj``.
         gather_idx, pair_rows, offs: the ``routing.Dispatch`` of the tokens (groups aligned to 16 rows).
         gemm: ``torch._scaled_grouped_mm`` semantics (``grouped_mm._cuda_scaled_grouped_mm`` on Hopper,
-            ``grouped_mm.emulated_scaled_grouped_mm`` elsewhere).
+            ``grouped_mm.emulated_scaled_grouped_mm`` elsewhere, or ``rowwise_loop.loop_scaled_grouped_mm`` with the
+            group bounds bound, ``fp8.grouped_gemm = "loop"``); kept for the backward.
         out_dtype: the GEMMs' output dtype (bf16 on CUDA).
         cache_weights: quantize each expert weight once per weight version and optimizer step, shared by the
             micro-batches of a gradient-accumulation step (:mod:`fp8kit.fp8.weight_cache`; the same bits).

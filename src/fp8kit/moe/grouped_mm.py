@@ -148,17 +148,19 @@ def resolve_wgrad(wgrad: str, expert_width: int) -> str:
     return wgrad
 
 
-def resolve_grouped_gemm(gemm: str, experts: int, rows: int, hidden: int, width: int, device: torch.device) -> str:
+def resolve_grouped_gemm(gemm: str, experts: int, rows: int, hidden: int, width: int, fp8_kernel: bool) -> str:
     """``grouped`` or ``loop``: how the fused experts of one layer run their GEMMs (``GroupedGemmConfig.gemm``).
 
-    ``auto`` -> ``loop`` on a CUDA GPU when the smallest per-expert GEMM, ``2 * (rows / experts) * hidden * width``
-    FLOP, reaches :data:`LOOP_MIN_EXPERT_GFLOP` (the routed rows are balanced on average; the shape is known on the
-    host, so no copy is needed to decide), else ``grouped``; on the CPU always ``grouped`` (the emulation; ``loop``
-    asked for explicitly runs there too, through the CPU ``torch._scaled_mm``).
+    ``auto`` -> ``loop`` where the FP8 GEMMs are real (``fp8_kernel``) and the per-expert GEMM of the down projection,
+    ``2 * (rows / experts) * hidden * width`` FLOP at balanced routing (the shape is known on the host, so no copy is
+    needed to decide), reaches :data:`LOOP_MIN_EXPERT_GFLOP`; else ``grouped``. Elsewhere the fused path runs the
+    float32 emulation, and ``auto`` keeps it (a ``loop`` asked for explicitly runs the CPU ``torch._scaled_mm`` on
+    the CPU; on a GPU without the kernel ``Float8GroupedExperts`` refuses it).
 
     Args:
         experts: local experts; rows: the padded routed rows ``P`` of the layer's dispatch; hidden, width: ``H``,
-            ``I`` of the gated expert MLP.
+            ``I`` of the gated expert MLP; fp8_kernel: the device runs the FP8 grouped GEMM
+            (:func:`grouped_fp8_support`).
 
     Raises:
         ValueError: ``gemm`` not in :data:`GROUPED_GEMMS`.
@@ -167,7 +169,7 @@ def resolve_grouped_gemm(gemm: str, experts: int, rows: int, hidden: int, width:
         raise ValueError(f"FP8 MoE experts: gemm = {gemm!r}; choose one of {', '.join(GROUPED_GEMMS)}")
     if gemm != "auto":
         return gemm
-    if device.type != "cuda" or experts == 0:
+    if not fp8_kernel or experts == 0:
         return "grouped"
     gflop = 2.0 * (rows / experts) * hidden * width / 1e9
     return "loop" if gflop >= LOOP_MIN_EXPERT_GFLOP else "grouped"

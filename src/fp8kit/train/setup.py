@@ -31,7 +31,7 @@ from fp8kit.bench.auto import resolve_auto
 from fp8kit.config import RunConfig
 from fp8kit.config.optim_choice import resolve_optimizer
 from fp8kit.config.options import grouped_gemm_config, moe_topk, options_from_config
-from fp8kit.config.prepare_options import prepare_options
+from fp8kit.config.prepare_options import prepare_options, weight_cast_accumulation
 from fp8kit.config.pretrained import resolve_pretrained
 from fp8kit.data.prepare import PreparedData, prepare_data
 from fp8kit.models.build import build_hf_config, build_model, count_params, flops_per_token
@@ -45,7 +45,7 @@ from fp8kit.models.pretrained import (
 )
 from fp8kit.optim.memory import training_state_bytes
 from fp8kit.parallel.mesh import ParallelDims, resolve_dims
-from fp8kit.parallel.prepare import Prepared, prepare_model, weight_cache_applies
+from fp8kit.parallel.prepare import Prepared, prepare_model
 from fp8kit.selective.decide import Decision, decide
 from fp8kit.selective.sites import find_sites
 from fp8kit.train import checkpoint as ckpt
@@ -268,9 +268,8 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
     sites = find_sites(model)
     # selective.selective_fp8 = "auto": time the candidates' shapes (CUDA; cached) and decide again
     # with gradient accumulation (and the weight cache on), FP8 expert weights are cast once per optimizer step
-    accumulate = cfg.train.grad_accum if weight_cache_applies(cfg.train.grad_accum > 1, mesh) else 1
     auto = resolve_auto(cfg, sites, decide(sites, options), options, device, emulated=fp8_emulated(cfg, device),
-                        topk=moe_topk(hf_cfg), status=say, accumulate=accumulate)
+                        topk=moe_topk(hf_cfg), status=say, accumulate=weight_cast_accumulation(cfg, mesh))
     decisions = auto.decisions
     if any(d.is_fp8 and d.site.is_grouped_weight for d in decisions):
         # FP8 MoE experts need an FP8 grouped GEMM on this device (or fp8.emulate): fail now, not mid-run.
