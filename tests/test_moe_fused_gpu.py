@@ -43,17 +43,24 @@ def _layer(gemm, out_dtype, wgrad, inputs, d):
     return [out.detach()] + [t.grad for t in leaves]
 
 
-def test_bf16_wgrad_on_cuda_matches_fp8_wgrad_path_and_emulation():
-    gen = torch.Generator(device="cuda").manual_seed(0)
+def _case(seed: int):
+    """``(dispatch, (hidden, w_up, w_down, router weights, output gradient))``: TOKENS tokens routed top-TOPK over
+    EXPERTS experts, the last UNUSED never picked, Qwen3-30B-A3B's expert shape."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     logits = torch.rand(TOKENS, EXPERTS, generator=gen, device="cuda")
     logits[:, EXPERTS - UNUSED:] = -1.0
     top = logits.topk(TOPK, dim=-1)
     d = routing.dispatch(top.indices, EXPERTS)
-    weights = torch.softmax(top.values, dim=-1).to(torch.bfloat16)
     inputs = (torch.randn(TOKENS, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16),
               (torch.randn(EXPERTS, 2 * WIDTH, HIDDEN, generator=gen, device="cuda") / HIDDEN ** 0.5).to(torch.bfloat16),
               (torch.randn(EXPERTS, HIDDEN, WIDTH, generator=gen, device="cuda") / WIDTH ** 0.5).to(torch.bfloat16),
-              weights, torch.randn(TOKENS, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16))
+              torch.softmax(top.values, dim=-1).to(torch.bfloat16),
+              torch.randn(TOKENS, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16))
+    return d, inputs
+
+
+def test_bf16_wgrad_on_cuda_matches_fp8_wgrad_path_and_emulation():
+    d, inputs = _case(0)
     gemm, out_dtype = scaled_grouped_gemm(torch.device("cuda"))
     fp8 = _layer(gemm, out_dtype, "fp8", inputs, d)
     bf16 = _layer(gemm, out_dtype, "bf16", inputs, d)
@@ -210,16 +217,7 @@ def test_fused_layer_with_the_loop_matches_the_grouped_kernel():
     from fp8kit.moe.grouped_loop import group_bounds
     from fp8kit.moe.rowwise_loop import loop_scaled_grouped_mm
 
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    logits = torch.rand(TOKENS, EXPERTS, generator=gen, device="cuda")
-    logits[:, EXPERTS - UNUSED:] = -1.0
-    top = logits.topk(TOPK, dim=-1)
-    d = routing.dispatch(top.indices, EXPERTS)
-    inputs = (torch.randn(TOKENS, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16),
-              (torch.randn(EXPERTS, 2 * WIDTH, HIDDEN, generator=gen, device="cuda") / HIDDEN ** 0.5).to(torch.bfloat16),
-              (torch.randn(EXPERTS, HIDDEN, WIDTH, generator=gen, device="cuda") / WIDTH ** 0.5).to(torch.bfloat16),
-              torch.softmax(top.values, dim=-1).to(torch.bfloat16),
-              torch.randn(TOKENS, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16))
+    d, inputs = _case(2)
     gemm, out_dtype = scaled_grouped_gemm(torch.device("cuda"))
     loop = partial(loop_scaled_grouped_mm, bounds=group_bounds(d.offs))
     for wgrad in ("fp8", "bf16"):
