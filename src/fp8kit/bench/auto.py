@@ -114,6 +114,21 @@ def run_units(decisions: list[Decision], cfg: RunConfig, auto: AutoOptions) -> l
                       topk=auto.topk, fused_experts=auto.fused_experts)
 
 
+def shape_keys(shapes: Sequence[AutoShape], *, recipe: str, device: torch.device, tp: int, ep: int, compiled: bool,
+               grouped=None, accumulate: int = 1) -> dict[AutoShape, dict]:
+    """The cache key of each shape for one run (:func:`~fp8kit.selective.auto_cache.cache_key` with
+    :func:`shape_recipe_key`): the one place :func:`measure_shapes` (which stores) and :func:`lookup_cached` (which only
+    reads) build them. ``grouped``: the run's ``GroupedGemmConfig`` (None: the recipe's defaults)."""
+    dev_name, vers = device_name(device), _key_versions()
+    grouped_key = grouped_recipe_key(device, recipe) if any(s.is_grouped for s in shapes) else None
+    wgrad = grouped.wgrad if grouped is not None else "auto"
+    gemm = grouped.gemm if grouped is not None else "auto"
+    return {s: cache_key(s, device=dev_name, versions=vers,
+                         recipe=shape_recipe_key(s, recipe, grouped_key, wgrad, gemm, accumulate), tp=tp, ep=ep,
+                         compiled=compiled)
+            for s in shapes}
+
+
 def measure_shapes(
     shapes: Sequence[tuple[AutoShape, str]], *, recipe: str, device: torch.device, tp: int, ep: int,
     cache: AutoCache, compile: bool, warmup: int = AUTO_WARMUP, iters: int = AUTO_ITERS,
@@ -130,15 +145,13 @@ def measure_shapes(
     """
     t0 = time.perf_counter()
     out = Measured()
-    dev_name, vers = device_name(device), _key_versions()
-    grouped_key = grouped_recipe_key(device, recipe) if any(s.is_grouped for s, _ in shapes) else None
     wgrad = grouped.wgrad if grouped is not None else "auto"
     gemm = grouped.gemm if grouped is not None else "auto"
+    keys = shape_keys([s for s, _ in shapes], recipe=recipe, device=device, tp=tp, ep=ep, compiled=compile,
+                      grouped=grouped, accumulate=accumulate)
     todo = []
     for shape, name in shapes:
-        key = cache_key(shape, device=dev_name, versions=vers,
-                        recipe=shape_recipe_key(shape, recipe, grouped_key, wgrad, gemm, accumulate), tp=tp, ep=ep,
-                        compiled=compile)
+        key = keys[shape]
         hit, warning = cache.load(key)
         if warning:
             out.warnings.append(warning)
@@ -302,17 +315,10 @@ def lookup_cached(units: list[AutoUnit], cfg: RunConfig, device: torch.device, c
     """The cached timings of ``units``' shapes on ``device`` for this run's recipe, sizes and weight-cast
     accumulation (no measuring)."""
     d = cfg.distributed
-    dev_name, vers = device_name(device), _key_versions()
-    shapes = distinct_shapes(units)
-    grouped = grouped_gemm_config(cfg)
-    grouped_key = grouped_recipe_key(device, cfg.fp8.recipe) if any(s.is_grouped for s in shapes) else None
+    keys = shape_keys(list(distinct_shapes(units)), recipe=cfg.fp8.recipe, device=device, tp=d.tp, ep=d.ep,
+                      compiled=cfg.train.compile, grouped=grouped_gemm_config(cfg), accumulate=accumulate)
     out = {}
-    for shape in shapes:
-        key = cache_key(shape, device=dev_name, versions=vers,
-                        recipe=shape_recipe_key(shape, cfg.fp8.recipe, grouped_key, grouped.wgrad, grouped.gemm,
-                                                accumulate),
-                        tp=d.tp, ep=d.ep,
-                        compiled=cfg.train.compile)
+    for shape, key in keys.items():
         hit, _ = cache.load(key)
         if hit is not None:
             out[shape] = hit

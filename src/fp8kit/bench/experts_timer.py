@@ -45,11 +45,6 @@ def balanced_ids(rows: int, experts: int, device: torch.device) -> torch.Tensor:
     return (torch.arange(rows, device=device) * experts // max(rows, 1))[:, None]
 
 
-def balanced_routing(rows: int, experts: int, device: torch.device) -> routing.Dispatch:
-    """The dispatch of :func:`balanced_ids`."""
-    return routing.dispatch(balanced_ids(rows, experts, device), experts)
-
-
 def experts_layer(w_up: torch.Tensor, w_down: torch.Tensor, precision: str, wgrad: str,
                   gemm: str = "auto", cache_weights: bool = False, hf_bf16: bool = False) -> nn.Module:
     """A ``Float8GroupedExperts`` over ``w_up`` (E, 2I, H) and ``w_down`` (E, H, I) (taken over as its Parameters):

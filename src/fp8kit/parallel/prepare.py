@@ -111,7 +111,7 @@ def uses_fsdp(mesh) -> bool:
 def weight_cache_applies(requested: bool, mesh) -> bool:
     """Whether the FP8 weight cache (``PrepareOptions.cache_weights``) is used on ``mesh``: as ``requested``, except
     under FSDP2, where it would hold unsharded FP8 copies of every layer's weights. The one place this is decided
-    (``prepare_model`` and the ``auto`` timer of a run's experts, ``train/setup.py``)."""
+    (``prepare_model``, and ``config.prepare_options.weight_cast_accumulation`` for the ``auto`` timer of the experts)."""
     return requested and not uses_fsdp(mesh)
 
 
