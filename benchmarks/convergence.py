@@ -47,6 +47,8 @@ VARIANTS = {
     "delayed": [*FULL_FP8, "fp8.recipe=delayed", *FP32_MASTER],
     # blockwise keeping no FP8 copy from forward to backward (the per-tensor recipes' peak memory)
     "blockwise-recompute": [*FULL_FP8, "fp8.recipe=blockwise", "fp8.blockwise_recompute=true", *FP32_MASTER],
+    # blockwise with the wgrad GEMM's x^T copy in 128x128 blocks (cuBLAS's faster kernel)
+    "blockwise-wgrad2d": [*FULL_FP8, "fp8.recipe=blockwise", "fp8.blockwise_wgrad_x=128x128", *FP32_MASTER],
     # study "moe-qwen3": the experts' wgrad GEMMs in FP8 (the default "auto" picks bf16 for 768-wide experts)
     "tensorwise-gwfp8": [*FULL_FP8, "fp8.recipe=tensorwise", "fp8.grouped_wgrad=fp8", *FP32_MASTER],
     # study "optimizers": optimizer state precision, FP8 tensorwise matmuls everywhere

@@ -139,6 +139,15 @@ def bench_shape(name: str, hidden: int, args, device: torch.device, world: int) 
             "bf16_GBps": sent_bf16 / res["bf16"] / 1e6}
 
 
+def _table(title: str, columns: tuple[str, ...], cells: list[tuple]) -> None:
+    """Print a markdown table under ``title``."""
+    print(f"\n{title}")
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in cells:
+        print("| " + " | ".join(str(c) for c in row) + " |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="qwen3-30b-a3b,deepseek-v3")
@@ -168,20 +177,18 @@ def main() -> int:
                 Path(args.out).mkdir(parents=True, exist_ok=True)
                 (Path(args.out) / "ep_dispatch.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     if rank == 0:
-        print(f"\nEP dispatch all-to-all, {world} ranks, {meta['device']}, forward only (ms, slowest rank)")
-        print("| model | rows/rank | bf16 | fp8 (pack+a2a+unpack) | fp8 / bf16 | a2a of payload | pack | unpack | bytes |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            m = r["ms"]
-            print(f"| {r['model']} | {r['rows']} | {m['bf16']:.3f} | {m['fp8']:.3f} | {r['fp8_vs_bf16']:.3f}x | "
-                  f"{m['fp8-exchange']:.3f} | {m['pack']:.3f} | {m['unpack']:.3f} | {r['bytes_ratio']:.3f} |")
-        print("\nWhole dispatch to the FP8 experts' fprop operand (ms, slowest rank)")
-        print("| model | experts | dispatch-bf16 | dispatch-fp8 (rowwise) | fp8 / bf16 | rowwise a2a alone | bytes |")
-        print("|---|---|---|---|---|---|---|")
-        for r in rows:
-            m = r["ms"]
-            print(f"| {r['model']} | {r['experts']} | {m['dispatch-bf16']:.3f} | {m['dispatch-fp8']:.3f} | "
-                  f"{r['dispatch_fp8_vs_bf16']:.3f}x | {m['rowwise-exchange']:.3f} | {r['rowwise_bytes_ratio']:.3f} |")
+        _table(f"EP dispatch all-to-all, {world} ranks, {meta['device']}, forward only (ms, slowest rank)",
+               ("model", "rows/rank", "bf16", "fp8 (pack+a2a+unpack)", "fp8 / bf16", "a2a of payload", "pack",
+                "unpack", "bytes"),
+               [(r["model"], r["rows"], f"{r['ms']['bf16']:.3f}", f"{r['ms']['fp8']:.3f}", f"{r['fp8_vs_bf16']:.3f}x",
+                 f"{r['ms']['fp8-exchange']:.3f}", f"{r['ms']['pack']:.3f}", f"{r['ms']['unpack']:.3f}",
+                 f"{r['bytes_ratio']:.3f}") for r in rows])
+        _table("Whole dispatch to the FP8 experts' fprop operand (ms, slowest rank)",
+               ("model", "experts", "dispatch-bf16", "dispatch-fp8 (rowwise)", "fp8 / bf16", "rowwise a2a alone",
+                "bytes"),
+               [(r["model"], r["experts"], f"{r['ms']['dispatch-bf16']:.3f}", f"{r['ms']['dispatch-fp8']:.3f}",
+                 f"{r['dispatch_fp8_vs_bf16']:.3f}x", f"{r['ms']['rowwise-exchange']:.3f}",
+                 f"{r['rowwise_bytes_ratio']:.3f}") for r in rows])
     dist.destroy_process_group()
     return 0
 

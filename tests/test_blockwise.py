@@ -380,7 +380,7 @@ def test_weight_cache_drops_entries_of_freed_weights():
 
 def test_custom_ops_pass_opcheck():
     x, w = _real(200, 256), _real(384, 256, scale=0.02)
-    torch.library.opcheck(torch.ops.fp8kit.blockwise_quant_act.default, (x,))
+    torch.library.opcheck(torch.ops.fp8kit.blockwise_quant_act.default, (x, "128x1"))
     torch.library.opcheck(torch.ops.fp8kit.blockwise_quant_weight.default, (w,))
     q, s_t, _, _ = ops.quantize_act(x)
     wq, ws, _, _ = ops.quantize_weight(w, cache=False)

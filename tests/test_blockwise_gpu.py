@@ -67,6 +67,11 @@ def test_triton_activation_quant_matches_reference_bit_for_bit(m, k, dtype):
     got_fprop = ops.quantize_act_fprop(x)  # the kernel without its 128x1 pass (keep_input_copy=False)
     torch.cuda.synchronize()
     _assert_same(got_fprop, ref[:2], ("q", "s_t"), f"act fprop only {m}x{k} {dtype}")
+    _poison_allocator(8 * blockwise.padded_rows(m) * k)
+    got_2d = ops.quantize_act(x, "128x128")  # x^T with one scale per 128x128 tile (fp8.blockwise_wgrad_x)
+    torch.cuda.synchronize()
+    _assert_same(got_2d, blockwise.quantize_act(x.cpu(), "128x128"), ("q", "s_t", "qt", "st"),
+                 f"act 128x128 {m}x{k} {dtype}")
 
 
 @pytest.mark.parametrize("n,k", [(4096, 4096), (14336, 4096), (4096, 14336), (384, 640)])
@@ -111,6 +116,33 @@ def test_linear_cublas_vs_emulation_and_float64(m, k, n):
     print(msg)
     assert all(v >= MIN_DB_VS_EMULATION for v in vs_emu.values()), msg
     assert all(v >= MIN_DB for v in vs_64.values()), msg
+
+
+@pytest.mark.parametrize("m,k,n", [(2048, 4096, 14336), (1001, 640, 384)])
+def test_wgrad_x_128x128_cublas_vs_emulation_float64_and_the_same_fprop_dgrad(m, k, n):
+    """``wgrad_x="128x128"`` runs the wgrad GEMM on cuBLAS's 1x128 x 128x128 kernel: against the float32 emulation
+    of the same operands and against float64 like the default; output and dgrad are the default's bits."""
+    ok, reason = ops.blockwise_gemm_support("cuda")
+    if not ok:
+        pytest.skip(reason)
+    lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(_real(n, k, scale=0.02, seed=1))
+    x = _real(m, k, seed=2).requires_grad_()
+    dy = _real(m, n, seed=3)
+    out = {}
+    for wgrad_x, emulate in (("128x1", False), ("128x128", False), ("128x128", True)):
+        mod = Float8BlockwiseLinear.from_linear(lin, emulate=emulate, cache_weight=False, wgrad_x=wgrad_x)
+        y = mod(x)
+        out[wgrad_x, emulate] = (y, *torch.autograd.grad(y, (x, lin.weight), dy))
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, lin.weight))
+    y64 = x64 @ w64.t()
+    dw64 = torch.autograd.grad(y64, w64, dy.double())[0]
+    new, base, emu = out["128x128", False], out["128x1", False], out["128x128", True]
+    db = {"vs emulation": sqnr(emu[2], new[2]), "vs float64": sqnr(dw64, new[2]), "128x1 vs float64": sqnr(dw64, base[2])}
+    print(f"{m}x{k}x{n} wgrad 128x128: {db}")
+    assert torch.equal(new[0], base[0]) and torch.equal(new[1], base[1]), "output / dgrad changed with wgrad_x"
+    assert db["vs emulation"] >= MIN_DB_VS_EMULATION and db["vs float64"] >= MIN_DB, db
 
 
 @pytest.mark.parametrize("cache_weight,keep_weight_copy", [(True, True), (False, True), (False, False)])

@@ -85,12 +85,12 @@ def test_compiled_routing_kernels_match_eager():
     result is bf16 (combine, token sum) and 1e-5 relative to the largest value where it is float32 (router-weight
     gradient)."""
     from fp8kit.moe.routing import (
+        _sum_topk_rows,
         combine_rows,
         combine_rows_grad,
         combine_weights_grad,
         gather_rows,
         row_pairs,
-        sum_token_rows,
     )
 
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -111,8 +111,8 @@ def test_compiled_routing_kernels_match_eager():
         assert torch.equal(a, b), f"{name}: compiled differs from eager by {(a.float() - b.float()).abs().max().item()}"
     summed = {
         "combine_rows": (combine_rows, (rows, d.pair_rows, w, torch.bfloat16)),
-        "sum_token_rows": (sum_token_rows, (rows, d.pair_rows, t, torch.bfloat16)),
-        "combine_weights_grad": (combine_weights_grad, (rows, d.pair_rows, g, torch.float32)),
+        "sum_token_rows": (_sum_topk_rows, (rows, d.pair_rows, topk, torch.bfloat16)),  # its compiled part
+        "combine_weights_grad": (combine_weights_grad, (rows, d.pair_rows, g, topk, torch.float32)),
     }
     for name, (fn, args) in summed.items():
         ref, got = fn.eager(*args).float(), fn(*args).float()

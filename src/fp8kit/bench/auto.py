@@ -89,14 +89,16 @@ def grouped_recipe_key(device: torch.device, recipe: str = "tensorwise", config=
 
 
 def shape_recipe_key(shape: AutoShape, recipe: str, grouped_key: str | None, wgrad: str = "auto",
-                     gemm: str = "auto", accumulate: int = 1) -> str:
-    """The ``recipe`` part of a shape's cache key: the dense recipe, the grouped kernel key of one expert weight,
-    or for an expert MLP (``shape.mlp``, only on the fused kernel)
-    ``grouped:fused:wgrad=<fp8.grouped_wgrad>:gemm=<fp8.grouped_gemm>``, with ``:accum=<N>`` when its FP8 weights are
-    cast once per ``N`` micro-batches (``ExpertsMLPTimer(accumulate=)``)."""
+                     gemm: str = "auto", accumulate: int = 1, wgrad_x: str = "128x1") -> str:
+    """The ``recipe`` part of a shape's cache key: the dense recipe (``blockwise:wgrad_x=128x128`` with
+    ``fp8.blockwise_wgrad_x = "128x128"``), the grouped kernel key of one expert weight, or for an expert MLP
+    (``shape.mlp``, only on the fused kernel) ``grouped:fused:wgrad=<fp8.grouped_wgrad>:gemm=<fp8.grouped_gemm>``,
+    with ``:accum=<N>`` when its FP8 weights are cast once per ``N`` micro-batches (``ExpertsMLPTimer(accumulate=)``)."""
     if shape.mlp:
         return f"grouped:fused:wgrad={wgrad}:gemm={gemm}" + (f":accum={accumulate}" if accumulate > 1 else "")
-    return grouped_key if shape.is_grouped else recipe
+    if shape.is_grouped:
+        return grouped_key
+    return f"{recipe}:wgrad_x={wgrad_x}" if recipe == "blockwise" and wgrad_x != "128x1" else recipe
 
 
 def run_auto_options(auto: AutoOptions, cfg: RunConfig, device: torch.device) -> AutoOptions:
@@ -115,16 +117,17 @@ def run_units(decisions: list[Decision], cfg: RunConfig, auto: AutoOptions) -> l
 
 
 def shape_keys(shapes: Sequence[AutoShape], *, recipe: str, device: torch.device, tp: int, ep: int, compiled: bool,
-               grouped=None, accumulate: int = 1) -> dict[AutoShape, dict]:
+               grouped=None, accumulate: int = 1, wgrad_x: str = "128x1") -> dict[AutoShape, dict]:
     """The cache key of each shape for one run (:func:`~fp8kit.selective.auto_cache.cache_key` with
     :func:`shape_recipe_key`): the one place :func:`measure_shapes` (which stores) and :func:`lookup_cached` (which only
-    reads) build them. ``grouped``: the run's ``GroupedGemmConfig`` (None: the recipe's defaults)."""
+    reads) build them. ``grouped``: the run's ``GroupedGemmConfig`` (None: the recipe's defaults); ``wgrad_x``:
+    ``fp8.blockwise_wgrad_x``."""
     dev_name, vers = device_name(device), _key_versions()
     grouped_key = grouped_recipe_key(device, recipe) if any(s.is_grouped for s in shapes) else None
     wgrad = grouped.wgrad if grouped is not None else "auto"
     gemm = grouped.gemm if grouped is not None else "auto"
     return {s: cache_key(s, device=dev_name, versions=vers,
-                         recipe=shape_recipe_key(s, recipe, grouped_key, wgrad, gemm, accumulate), tp=tp, ep=ep,
+                         recipe=shape_recipe_key(s, recipe, grouped_key, wgrad, gemm, accumulate, wgrad_x), tp=tp, ep=ep,
                          compiled=compiled)
             for s in shapes}
 
@@ -133,6 +136,7 @@ def measure_shapes(
     shapes: Sequence[tuple[AutoShape, str]], *, recipe: str, device: torch.device, tp: int, ep: int,
     cache: AutoCache, compile: bool, warmup: int = AUTO_WARMUP, iters: int = AUTO_ITERS,
     progress: Callable[[int, int, str], None] | None = None, grouped=None, accumulate: int = 1,
+    wgrad_x: str = "128x1",
 ) -> Measured:
     """Time each ``(shape, name)`` in BF16 and in FP8, or read it from ``cache`` (module docstring).
 
@@ -141,14 +145,15 @@ def measure_shapes(
     memory gets a :class:`Timing` with ``error`` (BF16 in the decision); out-of-memory results are not cached.
     ``grouped``: the run's ``GroupedGemmConfig`` (kernel, wgrad, gemm) for grouped shapes; default the recipe's.
     ``accumulate``: micro-batches per optimizer step that share their cast FP8 expert weights (expert MLP shapes are
-    timed in that steady state; :class:`~fp8kit.bench.experts_timer.ExpertsMLPTimer`).
+    timed in that steady state; :class:`~fp8kit.bench.experts_timer.ExpertsMLPTimer`). ``wgrad_x``: the blockwise
+    linears' ``fp8.blockwise_wgrad_x``.
     """
     t0 = time.perf_counter()
     out = Measured()
     wgrad = grouped.wgrad if grouped is not None else "auto"
     gemm = grouped.gemm if grouped is not None else "auto"
     keys = shape_keys([s for s, _ in shapes], recipe=recipe, device=device, tp=tp, ep=ep, compiled=compile,
-                      grouped=grouped, accumulate=accumulate)
+                      grouped=grouped, accumulate=accumulate, wgrad_x=wgrad_x)
     todo = []
     for shape, name in shapes:
         key = keys[shape]
@@ -174,7 +179,7 @@ def measure_shapes(
             try:
                 ms[precision] = _time_one(shape, name, precision, recipe=recipe, device=device, compile=compile,
                                           warmup=warmup, iters=iters, wgrad=wgrad, gemm=gemm, accumulate=accumulate,
-                                          ep=ep)
+                                          ep=ep, wgrad_x=wgrad_x)
             except (CapabilityError, ConfigError) as e:
                 ms[precision], error = None, f"{precision}: {e}"
             except torch.OutOfMemoryError:
@@ -211,7 +216,7 @@ def _key_versions() -> dict[str, str]:
 
 def _time_one(shape: AutoShape, name: str, precision: str, *, recipe: str, device: torch.device, compile: bool,
               warmup: int, iters: int, wgrad: str = "auto", gemm: str = "auto", accumulate: int = 1,
-              ep: int = 1) -> float:
+              ep: int = 1, wgrad_x: str = "128x1") -> float:
     """Milliseconds of one forward + backward of ``shape``'s linears in ``precision`` (``bench-layers``' timers; an
     expert MLP shape: ``bench/experts_timer.ExpertsMLPTimer``)."""
     if shape.mlp:
@@ -224,7 +229,7 @@ def _time_one(shape: AutoShape, name: str, precision: str, *, recipe: str, devic
     site = BenchSite("llm", "column_grouped" if shape.is_grouped else "column", name, list(shape.gemms),
                      list(shape.gemms), tp=1, num_gemms=shape.num_gemms)
     args = BenchLayersArgs(model=ModelConfig(), vocab_size=0, recipe=recipe, warmup=warmup, iters=iters,
-                           compile=compile, dynamic=False)
+                           compile=compile, dynamic=False, blockwise_wgrad_x=wgrad_x)
     timer = _GroupedTimer(site, precision, args, device) if shape.is_grouped else _Timer(site, precision, args, device)
     return timer(shape.num_tokens)
 
@@ -316,7 +321,8 @@ def lookup_cached(units: list[AutoUnit], cfg: RunConfig, device: torch.device, c
     accumulation (no measuring)."""
     d = cfg.distributed
     keys = shape_keys(list(distinct_shapes(units)), recipe=cfg.fp8.recipe, device=device, tp=d.tp, ep=d.ep,
-                      compiled=cfg.train.compile, grouped=grouped_gemm_config(cfg), accumulate=accumulate)
+                      compiled=cfg.train.compile, grouped=grouped_gemm_config(cfg), accumulate=accumulate,
+                      wgrad_x=cfg.fp8.blockwise_wgrad_x)
     out = {}
     for shape, key in keys.items():
         hit, _ = cache.load(key)
@@ -338,7 +344,7 @@ def _measure_on_rank0(units: list[AutoUnit], cfg: RunConfig, device: torch.devic
         measured = measure_shapes(shapes, recipe=cfg.fp8.recipe, device=device, tp=d.tp, ep=d.ep, cache=cache,
                                   compile=cfg.train.compile, warmup=warmup, iters=iters,
                                   progress=_progress_line(status), grouped=grouped_gemm_config(cfg),
-                                  accumulate=accumulate)
+                                  accumulate=accumulate, wgrad_x=cfg.fp8.blockwise_wgrad_x)
     if distributed:
         box = [measured]
         dist.broadcast_object_list(box, src=0)

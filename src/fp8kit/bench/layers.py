@@ -84,6 +84,8 @@ class BenchLayersArgs:
             the one token count timed (``selective_fp8 = "auto"``: static shapes, as training compiles).
         retime: after each site's sweep, time the points that look like spikes again, up to this many more
             times each, and keep the fastest (``bench/timing.py``, ``suspect_points``); 0 turns it off.
+        blockwise_wgrad_x: recipe ``blockwise``: the blocks of the wgrad copy of each linear's input
+            (``fp8.blockwise_wgrad_x``; ``Float8BlockwiseLinear(wgrad_x=...)``).
     """
 
     model: ModelConfig
@@ -101,6 +103,7 @@ class BenchLayersArgs:
     compile: bool | None = None
     dynamic: bool = True
     retime: int = 2
+    blockwise_wgrad_x: str = "128x1"
 
     def source(self, key: str) -> str:
         """Where ``key`` (one of :data:`SOURCED`) came from; ``"argument"`` when the caller did not say."""
@@ -150,7 +153,7 @@ class SiteModule(nn.Module):
 
 
 def build_site_module(
-    site: BenchSite, precision: str, recipe: str, device: torch.device, mesh=None
+    site: BenchSite, precision: str, recipe: str, device: torch.device, mesh=None, *, wgrad_x: str = "128x1",
 ) -> SiteModule:
     """The bf16 :class:`SiteModule` of ``site``; for ``precision == "fp8"`` its linears become torchao
     ``Float8Linear`` modules with ``float8_linear_config(recipe)`` (``fp8/recipes.py``), or fp8kit's
@@ -159,7 +162,8 @@ def build_site_module(
 
     Without ``mesh`` the linears have the per-rank shapes ``site.gemms``; with a 1-D ``("tp",)`` mesh they
     have the whole shapes ``site.full_gemms`` and are parallelized in place (``bench/tensor_parallel.py``).
-    Weights: ``nn.Linear`` initialisation with ``torch.manual_seed(0)``, bf16.
+    Weights: ``nn.Linear`` initialisation with ``torch.manual_seed(0)``, bf16. ``wgrad_x``: the blockwise
+    linears' ``wgrad_x`` (``fp8.blockwise_wgrad_x``).
 
     Raises:
         ConfigError: ``recipe`` is not a recipe name (FP8 only).
@@ -188,7 +192,7 @@ def build_site_module(
                     # cache_weight=False: the timed steps run no optimizer step, so a cached weight would hit on
                     # every step and leave the weight's casts out; a training step with one micro-batch pays them
                     module.linears[i] = Float8BlockwiseLinear.from_linear(lin, name=f"{site.name} gemm {i}",
-                                                                          cache_weight=False)
+                                                                          cache_weight=False, wgrad_x=wgrad_x)
             except ValueError as e:
                 raise CapabilityError(f"bench-layers: {e}") from None
     elif precision == "fp8":
@@ -254,9 +258,10 @@ def float8_linear_scaling(module: nn.Module) -> dict[str, str] | None:
     if any(type(m).__name__ == "Float8DelayedLinear" for m in module.modules()):
         return {"recipe": "delayed", "input": "tensorwise (amax history)", "weight": "tensorwise (amax history)",
                 "grad_output": "tensorwise (amax history)"}
-    if any(isinstance(m, Float8BlockwiseLinear) for m in module.modules()):
+    own = [m for m in module.modules() if isinstance(m, Float8BlockwiseLinear)]
+    if own:
         return {"recipe": "blockwise", "input": "1x128", "weight": "128x128", "grad_output": "1x128",
-                "input_for_grad_weight": "128x1", "grad_output_for_grad_weight": "128x1"}
+                "input_for_grad_weight": own[0].wgrad_x, "grad_output_for_grad_weight": "128x1"}
     for name, m in module.named_modules():
         if not isinstance(m, float8.Float8Linear):
             continue
@@ -282,7 +287,7 @@ class _Timer:
     ):
         self.site, self.device, self.args, self.mesh = site, device, args, mesh
         self.tp = mesh.size() if mesh is not None else 1
-        self.module = build_site_module(site, precision, args.recipe, device, mesh)
+        self.module = build_site_module(site, precision, args.recipe, device, mesh, wgrad_x=args.blockwise_wgrad_x)
         self.scaling = float8_linear_scaling(self.module) if precision == "fp8" else None
         if _compile(args, device):
             # Every site compiles SiteModule.forward: drop earlier entries so dynamo's per-code-object

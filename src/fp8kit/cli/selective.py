@@ -286,6 +286,7 @@ def _bench(args: argparse.Namespace, console) -> int:
         warmup=args.warmup, iters=args.iters, retime=args.retime,
         shape_sweep=parse_shape_sweep(args.shape_sweep) if args.shape_sweep else auto_sweep(args.max_tokens),
         device=args.device, simulate_tp=args.simulate_tp, compile=args.compile,
+        blockwise_wgrad_x=cfg.fp8.blockwise_wgrad_x,
     )
     main_rank = launched_rank() == 0
     if main_rank:

@@ -52,4 +52,5 @@ def prepare_options(cfg: RunConfig, *, fp8_now: bool, emulate: bool) -> PrepareO
         param_dtype=torch.float32 if t.param_dtype == "fp32" else torch.bfloat16,
         cache_weights=weight_cache_requested(cfg),
         blockwise_recompute=cfg.fp8.blockwise_recompute,
+        blockwise_wgrad_x=cfg.fp8.blockwise_wgrad_x,
     )

@@ -48,6 +48,16 @@ Granularity per GEMM (``y = x @ w^T``; M tokens, K input features, N output feat
     Every block lies along the reduction dimension of the GEMM that uses it (or is a square that does
     for both fprop and dgrad), so the GEMM applies one scale per 128-step of the reduction.
 
+    ``wgrad_x = "128x128"`` (``fp8.blockwise_wgrad_x``; not DeepSeek-V3's choice, the default is ``"128x1"``): the
+    wgrad GEMM's copy of ``x`` takes one scale per 128 tokens x 128 input features, as a weight does, instead of
+    one per 128 tokens of each feature. cuBLAS then runs its 1x128 x 128x128 kernel, the fprop one, instead of
+    the 1x128 x 1x128 kernel, which reaches only about 950 TFLOP/s on the H100 (1140-1200 for the same wgrad
+    GEMMs with this layout; ``docs/benchmarks.md`` section 6). The same freedom as Transformer Engine's
+    ``Float8BlockScaling(x_block_scaling_dim=2)``, for the wgrad copy only. The price: a 128x128 block shares
+    the scale of its largest element, so the other features of a block holding an outlier feature are scaled
+    down by the outlier's ratio and their small elements fall into E4M3's subnormals or to zero, which costs
+    their weight-gradient columns precision (``tests/test_blockwise.py`` measures it at ratios 1e3 and 1e5).
+
 Where each cast happens
     forward: ``x`` is read once by the fused activation kernel, which writes its 1x128 copy (fprop) and
     its 128x1 copy, transposed to ``x^T[K, M]`` (wgrad). Only the FP8 ``x^T`` copy is saved for the
@@ -55,7 +65,8 @@ Where each cast happens
     128x128 blocks in two layouts, ``w[N, K]`` (fprop) and ``w^T[K, N]`` (dgrad), same values, same
     scales, and cached across micro-batches (:mod:`fp8kit.fp8.kernels.ops`).
     backward: ``dy`` goes through the same fused kernel: 1x128 along N (dgrad) and ``dy^T[N, M]``
-    1x128 along M (wgrad).
+    1x128 along M (wgrad). With ``wgrad_x = "128x128"`` the same read of ``x`` writes ``x^T`` with one scale
+    per 128x128 tile (the tile the kernel reads anyway).
 
 Layouts (what :func:`quantize_act` and :func:`quantize_weight` return; Triton writes the same)
     ``M`` is padded with zero rows to ``Mp = ceil(M / 128) * 128`` so the wgrad reduction is whole
@@ -63,7 +74,8 @@ Layouts (what :func:`quantize_act` and :func:`quantize_weight` return; Triton wr
 
     - activation ``x[M, K]`` -> ``q[Mp, K]``, ``s_t[K/128, Mp]`` (1x128 scale of row m, block kb at
       ``[kb, m]``), ``qt[K, Mp]`` (``x^T``), ``st[Mp/128, K]`` (128x1 scale of column k, block mb at
-      ``[mb, k]``).
+      ``[mb, k]``); with ``wgrad_x = "128x128"``, ``st[K/128, L4(Mp/128)]`` instead (the weight layout of
+      ``x^T``: block ``(kb, mb)`` at ``[kb, mb]``, padding 1.0).
     - weight ``w[N, K]`` -> ``wq[N, K]``, ``ws[N/128, L4(K/128)]``, ``wtq[K, N]``, ``wts[K/128,
       L4(N/128)]`` where ``L4(n)`` rounds up to a multiple of 4 (cuBLAS wants the 128x128 scale
       columns 16-byte aligned); the padding holds 1.0 and is never read as a scale.
@@ -85,6 +97,19 @@ from fp8kit.fp8.scaling import quantize, scale_from_amax
 BLOCK = 128
 #: Storage format of every operand.
 FP8 = torch.float8_e4m3fn
+#: How the wgrad GEMM's copy of the input, ``x^T``, is blocked (module docstring): DeepSeek-V3's ``"128x1"`` (the
+#: default) or ``"128x128"``.
+WGRAD_X_BLOCKS = ("128x1", "128x128")
+
+
+def check_wgrad_x(wgrad_x: str, where: str) -> None:
+    """Raise unless ``wgrad_x`` is one of :data:`WGRAD_X_BLOCKS`.
+
+    Raises:
+        ValueError: naming ``where``, the value and the choices.
+    """
+    if wgrad_x not in WGRAD_X_BLOCKS:
+        raise ValueError(f"{where}: wgrad_x must be one of {', '.join(WGRAD_X_BLOCKS)}, got {wgrad_x!r}")
 
 
 def padded_rows(m: int) -> int:
@@ -126,20 +151,22 @@ def quantize_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, 1.0 / scale
 
 
-def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_act(x: torch.Tensor, wgrad_x: str = "128x1") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused activation / output-gradient quantization: both FP8 copies of ``x`` (reference).
 
     Args:
         x: ``[M, K]`` bf16 / fp16 / fp32 activation (or output gradient ``dy[M, N]``), ``K`` a multiple
             of 128, any ``M``.
+        wgrad_x: the blocks of the ``x^T`` copy, ``"128x1"`` or ``"128x128"`` (:func:`quantize_act_wgrad`).
 
     Returns:
         ``(q, s_t, qt, st)``: ``q`` E4M3 ``[Mp, K]`` (1x128 blocks along K, for fprop / dgrad),
         ``s_t`` float32 ``[K/128, Mp]``, ``qt`` E4M3 ``[K, Mp]`` (``x^T``, 1x128 blocks along M, for
-        wgrad), ``st`` float32 ``[Mp/128, K]``; ``Mp = padded_rows(M)``, pad rows zero. All contiguous.
+        wgrad), ``st`` float32 ``[Mp/128, K]`` (``"128x128"``: ``[K/128, L4(Mp/128)]``);
+        ``Mp = padded_rows(M)``, pad rows zero. All contiguous.
     """
     xp = _pad_rows(x)  # once: both halves see Mp rows already and do not pad again
-    return (*quantize_act_fprop(xp), *quantize_act_wgrad(xp))
+    return (*quantize_act_fprop(xp), *quantize_act_wgrad(xp, wgrad_x))
 
 
 def quantize_act_fprop(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +186,7 @@ def _pad_rows(x: torch.Tensor) -> torch.Tensor:
     return x if mp == m else torch.cat([x, x.new_zeros(mp - m, k)])
 
 
-def quantize_act_wgrad(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act_wgrad(x: torch.Tensor, wgrad_x: str = "128x1") -> tuple[torch.Tensor, torch.Tensor]:
     """The wgrad copy of :func:`quantize_act` alone: ``(qt, st)``, its last two outputs, the same bits.
 
     Plain PyTorch on purpose: the blockwise linear with ``keep_input_copy=False`` casts its input again in the
@@ -173,10 +200,19 @@ def quantize_act_wgrad(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Args:
         x: ``[M, K]`` float tensor, ``K`` a multiple of 128.
+        wgrad_x: ``"128x1"``: one scale per 128 rows of each column (DeepSeek-V3); ``"128x128"``: one scale per
+            128x128 tile, the layout :func:`quantize_weight` gives ``w^T`` (module docstring).
 
     Returns:
-        ``qt`` E4M3 ``[K, Mp]`` (``x^T``, 1x128 blocks along M) and ``st`` float32 ``[Mp/128, K]``.
+        ``qt`` E4M3 ``[K, Mp]`` (``x^T``, 1x128 blocks along M) and ``st`` float32 ``[Mp/128, K]``;
+        ``"128x128"``: ``qt`` with 128x128 blocks and ``st`` ``[K/128, L4(Mp/128)]`` (padding 1.0).
+
+    Raises:
+        ValueError: ``wgrad_x`` is not one of :data:`WGRAD_X_BLOCKS`.
     """
+    check_wgrad_x(wgrad_x, "quantize_act_wgrad")
+    if wgrad_x == "128x128":
+        return quantize_weight(_pad_rows(x))[2:]
     qt, st = quantize_1x128(_pad_rows(x).t().contiguous())
     return qt, st.t().contiguous()
 

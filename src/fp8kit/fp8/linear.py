@@ -5,7 +5,9 @@ Numerics, layouts and sources: :mod:`fp8kit.fp8.blockwise` (DeepSeek-V3, arXiv:2
 
 - fprop ``y = x @ w^T``: ``x`` 1x128 along K, ``w`` 128x128 (cached per weight version).
 - dgrad ``dx = dy @ w``: ``dy`` 1x128 along N, ``w^T`` the same 128x128 blocks (the cached ``[K, N]`` copy).
-- wgrad ``dw = dy^T @ x``: ``dy^T`` and ``x^T`` 1x128 along M, i.e. 128x1 blocks of ``dy`` and ``x``.
+- wgrad ``dw = dy^T @ x``: ``dy^T`` and ``x^T`` 1x128 along M, i.e. 128x1 blocks of ``dy`` and ``x``; with
+  ``wgrad_x="128x128"`` the ``x^T`` copy has 128x128 blocks (cuBLAS's faster 1x128 x 128x128 kernel; the trade-off
+  is in :mod:`fp8kit.fp8.blockwise`).
 
 By default the forward saves only the FP8 ``x^T`` copy (and the FP8 ``w^T`` copy), not the BF16 input.
 ``keep_input_copy=False`` / ``keep_weight_copy=False`` save the BF16 input / the weight instead and quantize them
@@ -29,20 +31,20 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fp8kit.fp8.blockwise import BLOCK, check_linear_shape, quantize_act_wgrad
+from fp8kit.fp8.blockwise import BLOCK, check_linear_shape, check_wgrad_x, quantize_act_wgrad
 from fp8kit.fp8.kernels import ops
 
 
 class _BlockwiseLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, cache_weight: bool, emulate: bool, keep_weight_copy: bool,
-                keep_input_copy: bool = True):
+                keep_input_copy: bool = True, wgrad_x: str = "128x1"):
         n, k = weight.shape
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
         if keep_input_copy:
-            xq, xs_t, xtq, xts = ops.quantize_act(x2)
+            xq, xs_t, xtq, xts = ops.quantize_act(x2, wgrad_x)
         else:  # the x^T copy is cast again in the backward: the forward writes the fprop copy only
             xq, xs_t = ops.quantize_act_fprop(x2)
         wq, ws, wtq, wts = ops.quantize_weight(weight, cache_weight)
@@ -54,6 +56,7 @@ class _BlockwiseLinearFn(torch.autograd.Function):
         ctx.keep = keep_weight_copy or cache_weight  # a cached copy lives in the cache anyway
         # The wgrad copy of the input: kept (1 byte per element), or quantized again in backward from the input.
         ctx.keep_x = keep_input_copy
+        ctx.wgrad_x = wgrad_x
         ctx.save_for_backward(*((xtq, xts) if keep_input_copy else (x2,)), *((wtq, wts) if ctx.keep else (weight,)))
         ctx.shape = (lead, m, n, k)
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
@@ -73,25 +76,27 @@ class _BlockwiseLinearFn(torch.autograd.Function):
             wtq, wts = w if ctx.keep else ops.quantize_weight_dgrad(w[0])
             dx = ops.blockwise_mm(dyq, dys_t, wtq, wts, BLOCK, x_dtype, ctx.emulate)[:m].reshape(*lead, k)
         if ctx.needs_input_grad[1]:
-            xtq, xts = x_saved if ctx.keep_x else _wgrad_copy(x_saved[0])
-            dw = ops.blockwise_mm(dytq, dyts, xtq, xts, 1, w_dtype, ctx.emulate)
+            xtq, xts = x_saved if ctx.keep_x else _wgrad_copy(x_saved[0], ctx.wgrad_x)
+            b_block = BLOCK if ctx.wgrad_x == "128x128" else 1
+            dw = ops.blockwise_mm(dytq, dyts, xtq, xts, b_block, w_dtype, ctx.emulate)
         if ctx.needs_input_grad[2]:
             db = dy2.sum(dim=0, dtype=torch.float32).to(b_dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
-def _wgrad_copy(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _wgrad_copy(x2: torch.Tensor, wgrad_x: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``x^T`` copy cast again in the backward: plain PyTorch under ``torch.compile`` (Inductor recomputes and
     fuses it: :func:`fp8kit.fp8.blockwise.quantize_act_wgrad`) and on the CPU; eagerly on CUDA the Triton kernel
     (the same bits as the reference; the plain PyTorch would run as many separate kernels)."""
     if torch.compiler.is_compiling() or not x2.is_cuda:
-        return quantize_act_wgrad(x2)
-    return ops.quantize_act(x2)[2:]
+        return quantize_act_wgrad(x2, wgrad_x)
+    return ops.quantize_act(x2, wgrad_x)[2:]
 
 
 def blockwise_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
     cache_weight: bool = True, emulate: bool = False, keep_weight_copy: bool = True, keep_input_copy: bool = True,
+    wgrad_x: str = "128x1",
 ) -> torch.Tensor:
     """``x @ weight^T + bias`` with the three GEMMs in blockwise FP8 (differentiable in all three inputs).
 
@@ -108,21 +113,25 @@ def blockwise_linear(
         keep_input_copy: keep the forward's FP8 ``x^T`` copy (128x1 blocks, the wgrad operand) for the backward
             (1 byte per input element held in between); False saves the input itself and quantizes it again in
             the backward (module docstring). Same bits either way.
+        wgrad_x: the blocks of the wgrad GEMM's ``x^T`` copy: ``"128x1"`` (DeepSeek-V3) or ``"128x128"``
+            (``fp8.blockwise_wgrad_x``; :mod:`fp8kit.fp8.blockwise`).
 
     Returns:
         ``[..., N]`` tensor of ``x.dtype``.
 
     Raises:
-        ValueError: ``weight`` is not ``[N, K]`` with multiples of 128, or ``x``'s last dimension is not K.
+        ValueError: ``weight`` is not ``[N, K]`` with multiples of 128, ``x``'s last dimension is not K, or
+            ``wgrad_x`` is not a layout.
         CapabilityError: on a CUDA GPU without blockwise FP8 GEMMs and ``emulate`` false.
     """
+    check_wgrad_x(wgrad_x, "blockwise_linear")
     if weight.dim() != 2:
         raise ValueError(f"blockwise_linear: weight must be 2-D [out_features, in_features], got {tuple(weight.shape)}")
     check_linear_shape(weight.shape[0], weight.shape[1], "blockwise_linear")
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"blockwise_linear: input of shape {tuple(x.shape)} does not match weight "
                          f"{tuple(weight.shape)} (last dimension must be {weight.shape[1]})")
-    return _BlockwiseLinearFn.apply(x, weight, bias, cache_weight, emulate, keep_weight_copy, keep_input_copy)
+    return _BlockwiseLinearFn.apply(x, weight, bias, cache_weight, emulate, keep_weight_copy, keep_input_copy, wgrad_x)
 
 
 def sharded_linear(
@@ -202,18 +211,22 @@ class Float8BlockwiseLinear(nn.Module):
             ``prepare_model`` turns it off under FSDP2 and with ``fp8.blockwise_recompute``).
         keep_input_copy: keep the forward's FP8 ``x^T`` copy for the backward (see :func:`blockwise_linear`;
             ``prepare_model`` turns it off with ``fp8.blockwise_recompute``).
+        wgrad_x: ``"128x1"`` or ``"128x128"``, the blocks of the wgrad GEMM's ``x^T`` copy (see
+            :func:`blockwise_linear`; ``fp8.blockwise_wgrad_x``).
 
     Raises:
-        ValueError: a feature count that is not a multiple of 128 (naming the shape).
+        ValueError: a feature count that is not a multiple of 128 (naming the shape), or an unknown ``wgrad_x``.
     """
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = True, *, device=None, dtype=None,
         cache_weight: bool = True, emulate: bool = False, keep_weight_copy: bool = True,
-        keep_input_copy: bool = True,
+        keep_input_copy: bool = True, wgrad_x: str = "128x1",
     ) -> None:
         super().__init__()
         check_linear_shape(out_features, in_features, "Float8BlockwiseLinear")
+        check_wgrad_x(wgrad_x, "Float8BlockwiseLinear")
+        self.wgrad_x = wgrad_x
         self.in_features = in_features
         self.out_features = out_features
         self.cache_weight = cache_weight
@@ -238,7 +251,7 @@ class Float8BlockwiseLinear(nn.Module):
     @classmethod
     def from_linear(
         cls, linear: nn.Linear, *, cache_weight: bool = True, emulate: bool = False, name: str | None = None,
-        keep_weight_copy: bool = True, keep_input_copy: bool = True,
+        keep_weight_copy: bool = True, keep_input_copy: bool = True, wgrad_x: str = "128x1",
     ) -> Float8BlockwiseLinear:
         """A ``Float8BlockwiseLinear`` sharing ``linear``'s ``weight`` and ``bias`` Parameter objects.
 
@@ -247,15 +260,18 @@ class Float8BlockwiseLinear(nn.Module):
             name: the module's qualified name, for the error message.
 
         Raises:
-            ValueError: ``in_features`` or ``out_features`` not a multiple of 128 (keep the layer BF16).
+            ValueError: ``in_features`` or ``out_features`` not a multiple of 128 (keep the layer BF16), or an
+                unknown ``wgrad_x``.
         """
         n, k = linear.weight.shape
-        check_linear_shape(n, k, f"Float8BlockwiseLinear.from_linear({name or type(linear).__name__})")
+        where = f"Float8BlockwiseLinear.from_linear({name or type(linear).__name__})"
+        check_linear_shape(n, k, where)
+        check_wgrad_x(wgrad_x, where)
         mod = cls.__new__(cls)
         nn.Module.__init__(mod)
         mod.in_features, mod.out_features = k, n
         mod.cache_weight, mod.emulate, mod.keep_weight_copy = cache_weight, emulate, keep_weight_copy
-        mod.keep_input_copy = keep_input_copy
+        mod.keep_input_copy, mod.wgrad_x = keep_input_copy, wgrad_x
         ops.load_cuda_kernels()  # here, not in traced code: see fp8kit.fp8.kernels.ops
         mod.weight = linear.weight
         mod.bias = linear.bias
@@ -283,9 +299,10 @@ class Float8BlockwiseLinear(nn.Module):
     def _local_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``[..., k] x [n, k] (+ [n]) -> [..., n]`` on plain tensors (a whole weight or a TP shard)."""
         return _BlockwiseLinearFn.apply(x, weight, bias, self.cache_weight, self.emulate, self.keep_weight_copy,
-                                        self.keep_input_copy)
+                                        self.keep_input_copy, self.wgrad_x)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"recipe=blockwise, cache_weight={self.cache_weight}, emulate={self.emulate}, "
-                f"keep_weight_copy={self.keep_weight_copy}, keep_input_copy={self.keep_input_copy}")
+                f"keep_weight_copy={self.keep_weight_copy}, keep_input_copy={self.keep_input_copy}, "
+                f"wgrad_x={self.wgrad_x!r}")

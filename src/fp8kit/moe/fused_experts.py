@@ -125,13 +125,21 @@ class _FusedRowwiseMLP(torch.autograd.Function):
             x = dequantize_payload(x_src, hdim, x_dtype) if received else x_src
             ht, hts, xc, xcs = rq.quantize_group_cols_dual(dh, x, offs, index_x=gather_idx)
             dw_up = gemm(ht, xc, hts, xcs, offs, out_dtype)
-        elif received:
-            dw_up = wgrad_high_precision(dh, dequantize_payload(x_src, hdim, dh.dtype, index=gather_idx), offs)
         else:
-            dw_up = wgrad_high_precision(dh, gather_rows(x_src.to(dh.dtype), gather_idx), offs)
+            dw_up = wgrad_high_precision(dh, _expert_rows(x_src, gather_idx, hdim, dh.dtype, received), offs)
         # tokens: the sum of each token's top-k rows (rows past the last group are never picked)
         dhidden = sum_token_rows(dx_rows, pair_rows, tokens, x_dtype)
         return dhidden, dw_up.to(up_dtype), dw_down.to(down_dtype), None, None, None, None, None, None, None, None
+
+
+def _expert_rows(x_src: torch.Tensor, gather_idx: torch.Tensor, hdim: int, dtype: torch.dtype,
+                 received: bool) -> torch.Tensor:
+    """The ``gate_up_proj`` input in expert order, ``(P, H)`` of ``dtype``, for the high-precision wgrad: the tokens
+    ``x_src (T, H)`` gathered through the dispatch index, or (expert-parallel FP8 dispatch) the received payload rows
+    ``x_src`` dequantized through it."""
+    if received:
+        return dequantize_payload(x_src, hdim, dtype, index=gather_idx)
+    return gather_rows(x_src.to(dtype), gather_idx)
 
 
 def wgrad_high_precision(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -122,12 +122,20 @@ def gather_rows(hidden: torch.Tensor, gather_idx: torch.Tensor) -> torch.Tensor:
     return torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])[gather_idx]
 
 
-@compiled_on_cuda
 def sum_token_rows(rows: torch.Tensor, pair_rows: torch.Tensor, tokens: int, dtype: torch.dtype) -> torch.Tensor:
     """(P, H) per-row values -> (T, H): each token's ``topk`` rows (``pair_rows``, pairs in token-major order)
     summed in at least float32, cast to ``dtype``. The gradient of the dispatch gather, as a gather (one kernel on
-    CUDA)."""
-    picked = rows[pair_rows].view(tokens, pair_rows.numel() // max(tokens, 1), rows.shape[1])
+    CUDA). ``topk`` is computed here, on the host, and reaches the compiled kernel as a constant: when the token
+    count changes between calls (expert parallelism, variable batches) only the row count becomes dynamic, and the
+    reduction over ``topk`` stays unrolled (derived inside, it was symbolic too: 1.5x slower,
+    ``benchmarks/routing_dynamic.py``)."""
+    return _sum_topk_rows(rows, pair_rows, max(1, pair_rows.numel() // max(tokens, 1)), dtype)
+
+
+@compiled_on_cuda
+def _sum_topk_rows(rows: torch.Tensor, pair_rows: torch.Tensor, topk: int, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`sum_token_rows` with ``topk`` given."""
+    picked = rows[pair_rows].view(-1, topk, rows.shape[1])
     acc = torch.promote_types(rows.dtype, torch.float32)
     return picked.sum(dim=1, dtype=acc).to(dtype)
 
@@ -164,12 +172,12 @@ def combine_rows_grad(grad: torch.Tensor, top_k_weights: torch.Tensor, row_pair:
 
 
 @compiled_on_cuda
-def combine_weights_grad(rows: torch.Tensor, pair_rows: torch.Tensor, grad: torch.Tensor,
+def combine_weights_grad(rows: torch.Tensor, pair_rows: torch.Tensor, grad: torch.Tensor, topk: int,
                          dtype: torch.dtype) -> torch.Tensor:
     """Gradient of :func:`combine` for the router weights: ``dw[t, k] = sum_h rows[pair_rows[t, k], h] *
-    grad[t, h]`` in float32, cast to ``dtype``; ``(T, topk)``."""
-    t = grad.shape[0]
-    picked = rows[pair_rows].view(t, pair_rows.numel() // max(t, 1), rows.shape[1])
+    grad[t, h]`` in float32, cast to ``dtype``; ``(T, topk)``. ``topk`` is passed as a constant, so a changing token
+    count makes only the row dimension dynamic (:func:`sum_token_rows`)."""
+    picked = rows[pair_rows].view(-1, topk, rows.shape[1])
     return (picked.float() * grad.float()[:, None, :]).sum(dim=-1).to(dtype)
 
 
@@ -205,7 +213,7 @@ class _Combine(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             drows = combine_rows_grad(grad, w, row_pairs(pair_rows, rows.shape[0]), rows.dtype)
         if ctx.needs_input_grad[2]:
-            dw = combine_weights_grad(rows, pair_rows, grad, w.dtype)
+            dw = combine_weights_grad(rows, pair_rows, grad, w.shape[1], w.dtype)
         return drows, None, dw, None
 
 

@@ -52,12 +52,15 @@ class ConversionOptions:
             would hold every layer's unsharded FP8 weight from its forward to its backward.
         keep_input_copies: blockwise linears keep the forward's FP8 ``x^T`` copy for the backward
             (``Float8BlockwiseLinear(keep_input_copy=...)``); off with ``fp8.blockwise_recompute``.
+        wgrad_x: blockwise linears' wgrad copy of their input, ``"128x1"`` or ``"128x128"``
+            (``Float8BlockwiseLinear(wgrad_x=...)``; ``fp8.blockwise_wgrad_x``).
     """
 
     emulate: bool = False
     cache_weights: bool = False
     keep_weight_copies: bool = True
     keep_input_copies: bool = True
+    wgrad_x: str = "128x1"
     fsdp_float8_all_gather: bool = False
     grouped: GroupedGemmConfig = field(default_factory=GroupedGemmConfig)
     delayed: DelayedScalingState = field(default_factory=DelayedScalingState)
@@ -147,7 +150,8 @@ def _swap_own(model: nn.Module, todo: set[str], recipe: str, options: Conversion
                 new = Float8BlockwiseLinear.from_linear(linear, emulate=options.emulate, name=plain_fqn(real),
                                                         cache_weight=options.cache_weights,
                                                         keep_weight_copy=options.keep_weight_copies,
-                                                        keep_input_copy=options.keep_input_copies)
+                                                        keep_input_copy=options.keep_input_copies,
+                                                        wgrad_x=options.wgrad_x)
         except ValueError as e:
             raise Fp8kitError(str(e)) from None
         setattr(parent, child, new)

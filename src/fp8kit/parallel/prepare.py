@@ -75,6 +75,8 @@ class PrepareOptions:
         blockwise_recompute: blockwise linears keep no FP8 copy of their input or weight from forward to
             backward and quantize both again there, blockwise experts their weights (``fp8.blockwise_recompute``;
             with ``cache_weights`` the cached weight is still reused).
+        blockwise_wgrad_x: the blocks of blockwise linears' wgrad copy of their input, ``"128x1"`` or ``"128x128"``
+            (``fp8.blockwise_wgrad_x``; ``Float8BlockwiseLinear(wgrad_x=...)``).
     """
 
     fp8: bool = True
@@ -92,6 +94,7 @@ class PrepareOptions:
     fp8_reduce_scatter: str = "off"
     cache_weights: bool = False
     blockwise_recompute: bool = False
+    blockwise_wgrad_x: str = "128x1"
 
 
 @dataclass
@@ -152,6 +155,7 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
         cache_weights=cache,
         keep_weight_copies=not (fsdp or options.blockwise_recompute),
         keep_input_copies=not options.blockwise_recompute,
+        wgrad_x=options.blockwise_wgrad_x,
         delayed=DelayedScalingState(options.delayed),
     )
     done = Prepared(conversion=conversion)
@@ -177,6 +181,9 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
         done.steps.append(f"ep{options.ep}")
     elif options.ep_fp8_dispatch:
         done.notes.append("distributed.ep_fp8_dispatch = true has no effect: no expert parallelism (ep = 1)")
+    if options.blockwise_wgrad_x != "128x1" and options.fp8 and options.recipe != "blockwise":
+        done.notes.append(f"fp8.blockwise_wgrad_x = {options.blockwise_wgrad_x!r} has no effect: fp8.recipe is "
+                          f"{options.recipe!r}")
     if options.blockwise_recompute and options.fp8 and options.recipe != "blockwise":
         done.notes.append(f"fp8.blockwise_recompute = true has no effect: fp8.recipe is {options.recipe!r}")
     elif options.blockwise_recompute and options.fp8 and not options.compile:

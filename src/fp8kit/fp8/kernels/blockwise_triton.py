@@ -9,7 +9,8 @@ test checks it. Layouts are documented there.
   writes both FP8 copies: the 1x128 copy ``q[Mp, K]`` (row amax) and the 128x1 copy transposed,
   ``qt[K, Mp]`` (column amax), with their decoding scales. Rows past ``M`` read as zero. The tile is
   walked in slices of ``CHUNK`` rows (few live registers, high occupancy); the column copy re-reads the
-  slices while they are still in L2.
+  slices while they are still in L2. With ``t2d`` (``wgrad_x = "128x128"``) the transposed copy takes one
+  scale per tile (the max of the column amaxes) in the weight layout of ``x^T``.
 - :func:`quantize_weight`: one program per 128x128 block of ``w[N, K]`` writes ``wq[N, K]`` and
   ``wtq[K, N]`` with the block's scale in both padded scale layouts (padding included).
 
@@ -44,13 +45,13 @@ def _scale_of(amax, EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.const
 _CONFIGS = [triton.Config({"CHUNK": c}, num_warps=w) for c in (16, 32, 64, 128) for w in (4, 8)]
 
 
-@triton.autotune(configs=_CONFIGS, key=["K", "WRITE_T"])
+@triton.autotune(configs=_CONFIGS, key=["K", "WRITE_T", "T_2D"])
 @triton.jit
 def _act_quant_kernel(
     x_ptr, q_ptr, s_t_ptr, qt_ptr, st_ptr,
-    M, MP, K, stride_xm,
+    M, MP, K, stride_xm, ST_LD,
     BLOCK_SIZE: tl.constexpr, EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
-    CHUNK: tl.constexpr, WRITE_T: tl.constexpr,
+    CHUNK: tl.constexpr, WRITE_T: tl.constexpr, T_2D: tl.constexpr,
 ):
     # One program per 128x128 tile, walked in CHUNK-row slices so few registers stay live (occupancy
     # hides the memory latency). Pass 1 reads each slice from HBM: 1x128 row scales and the row copy,
@@ -74,15 +75,28 @@ def _act_quant_kernel(
         tl.store(q_ptr + rows[:, None] * K + cols[None, :], q)
         tl.store(s_t_ptr + pid_k * MP + rows, tl.div_rn(tl.full((CHUNK,), 1.0, tl.float32), scale_r))
     if WRITE_T:
-        # 128x1 along M: one scale per column of the tile -> qt[K, Mp] (x transposed), st[Mp/128, K].
-        scale_c = _scale_of(col_amax, EPS, AMAX_MAX, FP8_MAX)
-        tl.store(st_ptr + pid_m * K + cols, tl.div_rn(tl.full((BLOCK_SIZE,), 1.0, tl.float32), scale_c))
+        if T_2D:
+            # One scale per 128x128 tile (the weight kernel's formula) -> qt[K, Mp], st[K/128, ST_LD] at
+            # [pid_k, pid_m]; the scale columns past Mp/128 (cuBLAS's 16-byte alignment) hold 1.0.
+            scale_c = _scale_of(tl.max(col_amax, axis=0), EPS, AMAX_MAX, FP8_MAX)
+            tl.store(st_ptr + pid_k * ST_LD + pid_m, tl.div_rn(1.0 + tl.zeros((), tl.float32), scale_c))
+            if pid_m == 0:
+                pad = tl.arange(0, 4)
+                tl.store(st_ptr + pid_k * ST_LD + MP // BLOCK_SIZE + pad, tl.full((4,), 1.0, tl.float32),
+                         mask=MP // BLOCK_SIZE + pad < ST_LD)
+        else:
+            # 128x1 along M: one scale per column of the tile -> qt[K, Mp] (x transposed), st[Mp/128, K].
+            scale_c = _scale_of(col_amax, EPS, AMAX_MAX, FP8_MAX)
+            tl.store(st_ptr + pid_m * K + cols, tl.div_rn(tl.full((BLOCK_SIZE,), 1.0, tl.float32), scale_c))
         for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
             offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
             rows = offs_m.to(tl.int64)
             x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=offs_m[:, None] < M, other=0.0,
                         eviction_policy="evict_first").to(tl.float32)
-            qc = tl.clamp(x * scale_c[None, :], -FP8_MAX, FP8_MAX).to(qt_ptr.dtype.element_ty)
+            if T_2D:
+                qc = tl.clamp(x * scale_c, -FP8_MAX, FP8_MAX).to(qt_ptr.dtype.element_ty)
+            else:
+                qc = tl.clamp(x * scale_c[None, :], -FP8_MAX, FP8_MAX).to(qt_ptr.dtype.element_ty)
             tl.store(qt_ptr + cols[:, None] * MP + rows[None, :], tl.trans(qc))
 
 
@@ -122,13 +136,14 @@ def _weight_quant_kernel(
         tl.store(wts_ptr + pid_k * WTS_LD + N // BLOCK_SIZE + pad, ones, mask=N // BLOCK_SIZE + pad < WTS_LD)
 
 
-def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_act(x: torch.Tensor, wgrad_x: str = "128x1") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`fp8kit.fp8.blockwise.quantize_act` (same outputs, bit for bit).
 
     Args:
         x: CUDA ``[M, K]`` bf16 / fp16 / fp32 tensor with unit stride along K, ``K % 128 == 0``.
+        wgrad_x: ``"128x1"`` or ``"128x128"``, the blocks of the ``x^T`` copy.
     """
-    return _act_quant(x, True)
+    return _act_quant(x, True, wgrad_x == "128x128")
 
 
 def quantize_act_fprop(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,17 +152,19 @@ def quantize_act_fprop(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _act_quant(x, False)
 
 
-def _act_quant(x: torch.Tensor, write_t: bool) -> tuple[torch.Tensor, ...]:
+def _act_quant(x: torch.Tensor, write_t: bool, t2d: bool = False) -> tuple[torch.Tensor, ...]:
     m, k = x.shape
     mp = padded_rows(m)
     q = torch.empty(mp, k, dtype=FP8, device=x.device)
     s_t = torch.empty(k // BLOCK, mp, dtype=torch.float32, device=x.device)
     qt = torch.empty(k, mp, dtype=FP8, device=x.device) if write_t else q  # not written without write_t
-    st = torch.empty(mp // BLOCK, k, dtype=torch.float32, device=x.device) if write_t else s_t
+    st_ld = round_up4(mp // BLOCK) if t2d else k
+    st_shape = (k // BLOCK, st_ld) if t2d else (mp // BLOCK, k)
+    st = torch.empty(st_shape, dtype=torch.float32, device=x.device) if write_t else s_t
     if mp:
         _act_quant_kernel[(mp // BLOCK, k // BLOCK)](
-            x, q, s_t, qt, st, m, mp, k, x.stride(0),
-            BLOCK_SIZE=BLOCK, EPS=AMAX_EPS, AMAX_MAX=F32_MAX, FP8_MAX=_FP8_MAX, WRITE_T=write_t,
+            x, q, s_t, qt, st, m, mp, k, x.stride(0), st_ld,
+            BLOCK_SIZE=BLOCK, EPS=AMAX_EPS, AMAX_MAX=F32_MAX, FP8_MAX=_FP8_MAX, WRITE_T=write_t, T_2D=t2d,
         )
     return (q, s_t, qt, st) if write_t else (q, s_t)
 

@@ -6,7 +6,8 @@ Each op has one schema and two implementations: CUDA runs the Triton kernels
 ``torch.compile`` the output shapes; the ops are opaque to Inductor (it neither fuses nor reorders
 them), which is what keeps compiled and eager results bit-identical.
 
-- ``fp8kit::blockwise_quant_act(x[M, K])`` -> the 1x128 copy and the transposed 128x1 copy with scales.
+- ``fp8kit::blockwise_quant_act(x[M, K], wgrad_x)`` -> the 1x128 copy and the transposed 128x1 (or, with
+  ``wgrad_x = "128x128"``, 128x128) copy with scales.
 - ``fp8kit::blockwise_quant_act_fprop(x)`` -> the 1x128 copy alone (the forward of a linear that keeps no ``x^T``).
 - ``fp8kit::blockwise_quant_weight(w[N, K])`` -> the 128x128 copy in the fprop and dgrad layouts.
 - ``fp8kit::blockwise_quant_weight_dgrad(w)`` -> the dgrad layout alone, cast in the backward of a linear that keeps
@@ -108,23 +109,24 @@ _QUANTIZERS = {
 }
 
 
-def _quantize(name: str, t: torch.Tensor, *, cuda: bool) -> Quantized:
-    """Checked input -> the Triton kernel ``name`` on CUDA (when triton imports), else the reference."""
+def _quantize(name: str, t: torch.Tensor, *args, cuda: bool) -> Quantized:
+    """Checked input -> the Triton kernel ``name`` on CUDA (when triton imports), else the reference; ``args``
+    follow ``t`` in both."""
     what, op, rows_blocked, reference = _QUANTIZERS[name]
     t = _prepare(t, what, op, rows_blocked)
     # the loaded fast-path module first: no import in traced code (load_cuda_kernels)
     kernels = (_CUDA_KERNELS or _triton_kernels()) if cuda else None
     if kernels is None:
-        return reference(t)
-    return _on_device(t, getattr(kernels, name), t)
+        return reference(t, *args)
+    return _on_device(t, getattr(kernels, name), t, *args)
 
 
-def _quantize_act_ref(x: torch.Tensor) -> Quantized:
-    return _quantize("quantize_act", x, cuda=False)
+def _quantize_act_ref(x: torch.Tensor, wgrad_x: str) -> Quantized:
+    return _quantize("quantize_act", x, wgrad_x, cuda=False)
 
 
-def _quantize_act_cuda(x: torch.Tensor) -> Quantized:
-    return _quantize("quantize_act", x, cuda=True)
+def _quantize_act_cuda(x: torch.Tensor, wgrad_x: str) -> Quantized:
+    return _quantize("quantize_act", x, wgrad_x, cuda=True)
 
 
 def _quantize_act_fprop_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,22 +152,23 @@ def _quantize_weight_any(w: torch.Tensor) -> Quantized:
 # --------------------------------------------------------------------------- quantization ops
 
 @torch.library.custom_op("fp8kit::blockwise_quant_act", mutates_args=())
-def _quant_act_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _quantize_act_ref(x)
+def _quant_act_op(x: torch.Tensor, wgrad_x: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _quantize_act_ref(x, wgrad_x)
 
 
 @_quant_act_op.register_kernel("cuda")
-def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _quantize_act_cuda(x)
+def _(x: torch.Tensor, wgrad_x: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _quantize_act_cuda(x, wgrad_x)
 
 
 @_quant_act_op.register_fake
-def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _(x: torch.Tensor, wgrad_x: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     m, k = x.shape
     mp = padded_rows(m)
     f32 = torch.float32
-    return (x.new_empty(mp, k, dtype=FP8), x.new_empty(k // BLOCK, mp, dtype=f32),
-            x.new_empty(k, mp, dtype=FP8), x.new_empty(mp // BLOCK, k, dtype=f32))
+    st = (x.new_empty(k // BLOCK, round_up4(mp // BLOCK), dtype=f32) if wgrad_x == "128x128"
+          else x.new_empty(mp // BLOCK, k, dtype=f32))
+    return x.new_empty(mp, k, dtype=FP8), x.new_empty(k // BLOCK, mp, dtype=f32), x.new_empty(k, mp, dtype=FP8), st
 
 
 @torch.library.custom_op("fp8kit::blockwise_quant_act_fprop", mutates_args=())
@@ -328,18 +331,20 @@ def _on_device(t: torch.Tensor, fn, *args):
 
 # --------------------------------------------------------------------------- public entry points
 
-def quantize_act(x: torch.Tensor) -> Quantized:
+def quantize_act(x: torch.Tensor, wgrad_x: str = "128x1") -> Quantized:
     """Both FP8 copies of an activation or output gradient ``x[M, K]``: ``(q, s_t, qt, st)``.
 
-    Layouts and numerics: :func:`fp8kit.fp8.blockwise.quantize_act`. Triton on CUDA (one read of ``x``).
+    Layouts and numerics: :func:`fp8kit.fp8.blockwise.quantize_act` (``wgrad_x``: the blocks of the ``x^T``
+    copy, ``"128x1"`` or ``"128x128"``). Triton on CUDA (one read of ``x``).
 
     Raises:
-        ValueError: ``x`` is not 2-D with a last dimension divisible by 128.
+        ValueError: ``x`` is not 2-D with a last dimension divisible by 128, or ``wgrad_x`` is not a layout.
     """
+    blockwise.check_wgrad_x(wgrad_x, "fp8kit::blockwise_quant_act")
     # The custom op, not the triton_op: AOTAutograd's CSE merges the casts of one input shared by several
     # linears (q/k/v, gate/up) only for an opaque op; Triton kernel wrappers allocate their outputs and are
     # never merged (measured: 112 instead of 88 activation casts per Llama-3-8B x 8 step, +2 ms).
-    return torch.ops.fp8kit.blockwise_quant_act(x)
+    return torch.ops.fp8kit.blockwise_quant_act(x, wgrad_x)
 
 
 def quantize_act_fprop(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
