@@ -21,7 +21,8 @@ All variants share the module code, the routing and the inputs; only the experts
   layer, included); ``rowwise-fused-auto``: the defaults (``grouped_gemm`` and ``grouped_wgrad`` ``auto``);
 - ``blockwise-loop``: the blockwise recipe (1x128 / 128x128, DeepSeek-V3) as a loop of dense cuBLAS
   blockwise GEMMs over the experts (``moe/grouped_loop.py``; one device-to-host copy of the group sizes per
-  layer, included in the time).
+  layer, included in the time); ``blockwise-loop-wgrad2d``: the same with each expert's wgrad copy of its input in
+  128x128 blocks (``fp8.blockwise_wgrad_x = "128x128"``).
 
 Shapes (the issue's): 16384 tokens per GPU routed top-k over E experts, published expert shapes:
 Qwen3-30B-A3B (128 experts, top-8, hidden 2048, expert width 768), DeepSeek-V3 (top-8, hidden 7168, width
@@ -81,6 +82,7 @@ VARIANTS = {
     # the default (fp8.grouped_gemm = "auto", fp8.grouped_wgrad = "auto"), weights cast every step
     "rowwise-fused-auto": GroupedGemmConfig(kernel="fused", cache_weights=False),
     "blockwise-loop": GroupedGemmConfig(recipe="blockwise"),
+    "blockwise-loop-wgrad2d": GroupedGemmConfig(recipe="blockwise", blockwise_wgrad_x="128x128"),
 }
 
 

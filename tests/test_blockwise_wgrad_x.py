@@ -179,3 +179,34 @@ def test_auto_cache_key_tells_the_layouts_apart():
     assert shape_recipe_key(dense, "blockwise", None) == "blockwise"
     assert shape_recipe_key(dense, "blockwise", None, wgrad_x="128x128") == "blockwise:wgrad_x=128x128"
     assert shape_recipe_key(dense, "tensorwise", None, wgrad_x="128x128") == "tensorwise"
+
+
+def test_blockwise_experts_take_the_same_layout_per_expert():
+    """The blockwise MoE loop (``moe/grouped_loop.py``) with ``wgrad_x="128x128"``: each expert's weight gradient is
+    the dense linear's on that expert's rows, bit for bit (uneven groups, one empty expert); output and dgrad keep the
+    default's bits; the run config reaches the experts' GroupedGemmConfig."""
+    from fp8kit.config import load_config
+    from fp8kit.config.options import grouped_gemm_config
+    from fp8kit.moe.grouped_loop import blockwise_loop_mm
+
+    sizes, k, n = (32, 0, 160, 48), 256, 384
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    x, w, g = _real(int(offs[-1]), k, seed=12), _real(len(sizes), n, k, scale=0.05, seed=13), _real(int(offs[-1]), n, seed=14)
+    got = {}
+    for wgrad_x in ("128x1", "128x128"):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = blockwise_loop_mm(xx, ww, offs, wgrad_x=wgrad_x)
+        y.backward(g)
+        got[wgrad_x] = (y, xx.grad, ww.grad)
+    assert torch.equal(got["128x1"][0], got["128x128"][0]) and torch.equal(got["128x1"][1], got["128x128"][1])
+    a = 0
+    for e, size in enumerate(sizes):
+        if size:
+            dense = _grads(x[a:a + size], w[e], g[a:a + size], wgrad_x="128x128")[2]
+            assert torch.equal(got["128x128"][2][e], dense), f"expert {e}: wgrad differs from the dense linear's"
+        a += size
+    assert got["128x128"][2][1].abs().max().item() == 0.0, "the empty expert got a nonzero wgrad"
+    cfg = load_config(None, ["fp8.recipe=blockwise", "fp8.blockwise_wgrad_x=128x128"])
+    assert grouped_gemm_config(cfg).blockwise_wgrad_x == "128x128"
+    with pytest.raises(ValueError, match="blockwise_loop_mm: wgrad_x"):
+        blockwise_loop_mm(x, w, offs, wgrad_x="2d")

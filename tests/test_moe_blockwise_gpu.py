@@ -19,8 +19,9 @@ from tests.test_moe_grouped import grouped_reference_f64
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+@pytest.mark.parametrize("wgrad_x", ["128x1", "128x128"])
 @pytest.mark.parametrize("k, n", [(2048, 1536), (768, 2048), (7168, 4096)])
-def test_cublas_loop_matches_emulation_and_float64(k, n):
+def test_cublas_loop_matches_emulation_and_float64(k, n, wgrad_x):
     sizes = [1024, 0, 48, 2000, 16, 512, 0, 304]
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -33,7 +34,7 @@ def test_cublas_loop_matches_emulation_and_float64(k, n):
     outs = {}
     for emulate in (False, True):
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = blockwise_loop_mm(xx, ww, offs, emulate=emulate)
+        y = blockwise_loop_mm(xx, ww, offs, emulate=emulate, wgrad_x=wgrad_x)
         y.backward(g)
         outs[emulate] = (y.float(), xx.grad.float(), ww.grad.float())
     ref = grouped_reference_f64(x, w, offs, g)
@@ -42,7 +43,7 @@ def test_cublas_loop_matches_emulation_and_float64(k, n):
         cut = (lambda t: t[used]) if what == "wgrad" else (lambda t: t[:last])
         db_emul = sqnr(cut(outs[True][j]), cut(outs[False][j]))
         db_f64 = sqnr(cut(ref[j]).float(), cut(outs[False][j]))
-        print(f"{k}x{n} {what}: cuBLAS vs emulation {db_emul:.1f} dB, vs float64 {db_f64:.1f} dB")
+        print(f"{k}x{n} wgrad_x {wgrad_x} {what}: cuBLAS vs emulation {db_emul:.1f} dB, vs float64 {db_f64:.1f} dB")
         assert db_emul >= 50.0, f"{what}: cuBLAS vs emulation {db_emul:.1f} dB < 50"
         assert db_f64 >= 25.0, f"{what}: cuBLAS vs float64 {db_f64:.1f} dB < 25"
     for i, s in enumerate(sizes):

@@ -90,15 +90,15 @@ def grouped_recipe_key(device: torch.device, recipe: str = "tensorwise", config=
 
 def shape_recipe_key(shape: AutoShape, recipe: str, grouped_key: str | None, wgrad: str = "auto",
                      gemm: str = "auto", accumulate: int = 1, wgrad_x: str = "128x1") -> str:
-    """The ``recipe`` part of a shape's cache key: the dense recipe (``blockwise:wgrad_x=128x128`` with
-    ``fp8.blockwise_wgrad_x = "128x128"``), the grouped kernel key of one expert weight, or for an expert MLP
+    """The ``recipe`` part of a shape's cache key: the dense recipe or the grouped kernel key of one expert weight
+    (both with ``:wgrad_x=128x128`` for the blockwise recipe with ``fp8.blockwise_wgrad_x = "128x128"``), or for an
+    expert MLP
     (``shape.mlp``, only on the fused kernel) ``grouped:fused:wgrad=<fp8.grouped_wgrad>:gemm=<fp8.grouped_gemm>``,
     with ``:accum=<N>`` when its FP8 weights are cast once per ``N`` micro-batches (``ExpertsMLPTimer(accumulate=)``)."""
     if shape.mlp:
         return f"grouped:fused:wgrad={wgrad}:gemm={gemm}" + (f":accum={accumulate}" if accumulate > 1 else "")
-    if shape.is_grouped:
-        return grouped_key
-    return f"{recipe}:wgrad_x={wgrad_x}" if recipe == "blockwise" and wgrad_x != "128x1" else recipe
+    key = grouped_key if shape.is_grouped else recipe
+    return f"{key}:wgrad_x={wgrad_x}" if recipe == "blockwise" and wgrad_x != "128x1" else key
 
 
 def run_auto_options(auto: AutoOptions, cfg: RunConfig, device: torch.device) -> AutoOptions:

@@ -343,7 +343,7 @@ class _GroupedTimer:
         e = site.num_gemms
         self.weights = [(torch.randn(e, n, k, device=device) * k ** -0.5).to(torch.bfloat16).requires_grad_()
                         for k, n in site.gemms]
-        self.config = GroupedGemmConfig.for_fp8_recipe(args.recipe)
+        self.config = GroupedGemmConfig.for_fp8_recipe(args.recipe, wgrad_x=args.blockwise_wgrad_x)
         self.backend = resolve_grouped_kernel(self.config, device) if precision == "fp8" else None
         self.scaling = None  # rowwise grouped GEMM, or blockwise experts for the blockwise recipe (moe/grouped_mm.py)
 
@@ -361,7 +361,8 @@ class _GroupedTimer:
 
         def step() -> None:
             if fp8:
-                outs = [fp8_grouped_mm(x, w, offs, self.backend, emulate=self.config.emulate) for w in self.weights]
+                outs = [fp8_grouped_mm(x, w, offs, self.backend, emulate=self.config.emulate,
+                                       wgrad_x=self.config.blockwise_wgrad_x) for w in self.weights]
             else:
                 outs = [bf16_grouped_mm(x, w, offs) for w in self.weights]
             torch.autograd.backward(outs, grads)

@@ -31,7 +31,8 @@ def grouped_for_fp8(fp8: FP8Config):
     from fp8kit.moe.grouped_mm import GroupedGemmConfig
 
     return GroupedGemmConfig.for_fp8_recipe(fp8.recipe, emulate=fp8.emulate, kernel=fp8.grouped_kernel,
-                                            wgrad=fp8.grouped_wgrad, gemm=fp8.grouped_gemm)
+                                            wgrad=fp8.grouped_wgrad, gemm=fp8.grouped_gemm,
+                                            wgrad_x=fp8.blockwise_wgrad_x)
 
 
 def conversion_options_for(fp8: FP8Config):

@@ -127,8 +127,8 @@ class FP8Config(ConfigModel):
         "runs the wgrad GEMM with its 1x128 x 128x128 kernel, 1.2x faster than the 1x128 x 1x128 one on the H100 "
         "(Llama-3-8B layers x 8: 1.183x -> 1.232x BF16; llama-125m final validation loss +0.36% vs BF16). The price: "
         "the features that share a 128x128 block with an outlier feature lose weight-gradient precision (1e5x "
-        "outliers: 9 dB on those columns). Dense blockwise linears only (blockwise MoE experts keep 128x1; "
-        "docs/benchmarks.md section 6).",
+        "outliers: 9 dB on those columns). Blockwise linears and blockwise MoE experts alike (docs/benchmarks.md "
+        "section 6).",
     )
     amax_history_len: int = Field(
         16, ge=1, description="recipe = delayed: steps of amax history per operand (Transformer Engine's "

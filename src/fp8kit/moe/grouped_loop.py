@@ -21,7 +21,9 @@ Per GEMM (``y = x @ w[e]^T``; rows of expert e: ``x[a:b]``):
 
 - fprop: ``x[a:b]`` 1x128 along K, ``w[e]`` 128x128;
 - dgrad: ``dy[a:b]`` 1x128 along N, ``w[e]^T`` the same 128x128 blocks;
-- wgrad: ``dy[a:b]^T`` and ``x[a:b]^T`` 1x128 along the tokens (128x1 blocks of ``dy`` and ``x``).
+- wgrad: ``dy[a:b]^T`` and ``x[a:b]^T`` 1x128 along the tokens (128x1 blocks of ``dy`` and ``x``); with
+  ``wgrad_x="128x128"`` (``fp8.blockwise_wgrad_x``) ``x[a:b]^T`` in 128x128 blocks, as the dense linear does
+  (:mod:`fp8kit.fp8.blockwise`).
 
 Saved for the backward: the FP8 ``x^T`` copies (1 byte per element) and the FP8 ``w[e]^T`` copies, not the bf16
 input; with ``keep_weight_copy=False`` (what ``prepare_model`` sets under FSDP2, where those copies would be of the
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8kit.fp8.blockwise import BLOCK
+from fp8kit.fp8.blockwise import BLOCK, check_wgrad_x
 from fp8kit.fp8.kernels import ops
 
 
@@ -46,7 +48,7 @@ def group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
 
 class _BlockwiseLoopFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, bounds, emulate, keep_weight_copy):
+    def forward(ctx, x, w, bounds, emulate, keep_weight_copy, wgrad_x="128x1"):
         p, _ = x.shape
         e, n, k = w.shape
         y = x.new_empty(p, n)
@@ -57,13 +59,14 @@ class _BlockwiseLoopFn(torch.autograd.Function):
         for i, (a, b) in enumerate(bounds):
             if b == a:
                 continue
-            xq, xs_t, xtq, xts = ops.quantize_act(x[a:b])
+            xq, xs_t, xtq, xts = ops.quantize_act(x[a:b], wgrad_x)
             wq, ws, wtq, wts = ops.quantize_weight(w[i], False)
             y[a:b] = ops.blockwise_mm(xq, xs_t, wq, ws, BLOCK, x.dtype, emulate)[: b - a]
             saved += [xtq, xts, wtq, wts] if keep_weight_copy else [xtq, xts]
             live.append(i)
         ctx.save_for_backward(*saved, *(() if keep_weight_copy else (w,)))
         ctx.bounds, ctx.live, ctx.emulate, ctx.keep = bounds, live, emulate, keep_weight_copy
+        ctx.x_block = BLOCK if wgrad_x == "128x128" else 1  # the wgrad GEMM's blocks of x^T
         ctx.meta = (p, e, n, k, x.dtype, w.dtype)
         return y
 
@@ -87,13 +90,13 @@ class _BlockwiseLoopFn(torch.autograd.Function):
                     wtq, wts = ops.quantize_weight(saved[-1][i], cache=False)[2:]
                 dx[a:b] = ops.blockwise_mm(dyq, dys_t, wtq, wts, BLOCK, x_dtype, ctx.emulate)[: b - a]
             if want_dw:
-                dw[i] = ops.blockwise_mm(dytq, dyts, xtq, xts, 1, w_dtype, ctx.emulate)
-        return dx, dw, None, None, None
+                dw[i] = ops.blockwise_mm(dytq, dyts, xtq, xts, ctx.x_block, w_dtype, ctx.emulate)
+        return dx, dw, None, None, None, None
 
 
 def blockwise_loop_mm(
     x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, emulate: bool = False,
-    bounds: list[tuple[int, int]] | None = None, keep_weight_copy: bool = True,
+    bounds: list[tuple[int, int]] | None = None, keep_weight_copy: bool = True, wgrad_x: str = "128x1",
 ) -> torch.Tensor:
     """Differentiable blockwise FP8 grouped GEMM ``out[rows of group e] = x[rows] @ w[e]^T`` (module docstring).
 
@@ -106,12 +109,14 @@ def blockwise_loop_mm(
             one device-to-host copy between the layer's GEMMs.
         keep_weight_copy: keep each expert's FP8 ``w[e]^T`` from forward to backward (False: quantize it again
             in the backward; see the module docstring).
+        wgrad_x: the blocks of each expert's wgrad copy of ``x``: ``"128x1"`` (DeepSeek-V3) or ``"128x128"``.
 
     Returns:
         (P, N) in ``x.dtype``; rows past ``offs[-1]`` are zero.
 
     Raises:
-        ValueError: shapes that do not match or dimensions that are not multiples of 128 (naming them).
+        ValueError: shapes that do not match, dimensions that are not multiples of 128 (naming them), or an unknown
+            ``wgrad_x``.
         CapabilityError: a CUDA GPU without cuBLAS blockwise FP8 GEMMs and ``emulate`` false.
     """
     if x.dim() != 2 or w.dim() != 3 or offs.dim() != 1 or x.shape[1] != w.shape[2] or offs.shape[0] != w.shape[0]:
@@ -120,6 +125,7 @@ def blockwise_loop_mm(
     if w.shape[1] % BLOCK or w.shape[2] % BLOCK:
         raise ValueError(f"blockwise_loop_mm: expert weight (E, N, K) = {tuple(w.shape)}: N and K must be multiples "
                          f"of {BLOCK} for blockwise FP8; keep these experts in BF16")
+    check_wgrad_x(wgrad_x, "blockwise_loop_mm")
     if bounds is None:
         bounds = group_bounds(offs)
-    return _BlockwiseLoopFn.apply(x, w, bounds, emulate, keep_weight_copy)
+    return _BlockwiseLoopFn.apply(x, w, bounds, emulate, keep_weight_copy, wgrad_x)

@@ -111,6 +111,8 @@ class GroupedGemmConfig:
         gemm: how the ``fused`` kernel runs its GEMMs: ``grouped`` (``torch._scaled_grouped_mm``), ``loop`` (one dense
             rowwise ``torch._scaled_mm`` per expert, ``moe/rowwise_loop.py``) or ``auto`` (:func:`resolve_grouped_gemm`:
             the loop for large experts). Other kernels ignore it.
+        blockwise_wgrad_x: ``blockwise_loop`` only: the blocks of each expert's wgrad copy of its input, ``"128x1"``
+            or ``"128x128"`` (``fp8.blockwise_wgrad_x``; :mod:`fp8kit.fp8.blockwise`).
     """
 
     kernel: str = "auto"
@@ -121,16 +123,17 @@ class GroupedGemmConfig:
     keep_weight_copies: bool = True
     wgrad: str = "auto"
     gemm: str = "auto"
+    blockwise_wgrad_x: str = "128x1"
 
     @classmethod
     def for_fp8_recipe(cls, recipe: str, emulate: bool = False, kernel: str = "auto",
-                       wgrad: str = "auto", gemm: str = "auto") -> GroupedGemmConfig:
+                       wgrad: str = "auto", gemm: str = "auto", wgrad_x: str = "128x1") -> GroupedGemmConfig:
         """The experts' config for a run's ``fp8.recipe``, ``fp8.grouped_kernel`` and ``fp8.grouped_wgrad``:
         ``blockwise`` -> blockwise experts (``blockwise_loop``, whatever ``kernel`` says; ``wgrad`` ``auto`` or
         ``fp8``), every other recipe -> rowwise grouped GEMMs (Hopper's only grouped FP8 kernel has rowwise
-        scales) on ``kernel``."""
+        scales) on ``kernel``; ``wgrad_x``: ``fp8.blockwise_wgrad_x`` (blockwise experts)."""
         if recipe == "blockwise":
-            return cls(emulate=emulate, recipe="blockwise", wgrad=wgrad, gemm=gemm)
+            return cls(emulate=emulate, recipe="blockwise", wgrad=wgrad, gemm=gemm, blockwise_wgrad_x=wgrad_x)
         return cls(kernel=kernel, emulate=emulate, recipe="rowwise", wgrad=wgrad, gemm=gemm)
 
 
@@ -399,6 +402,7 @@ def _check(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> None:
 def fp8_grouped_mm(
     x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, kernel: str, *, compile_quantize: bool = True,
     emulate: bool = False, bounds: list[tuple[int, int]] | None = None, keep_weight_copy: bool = True,
+    wgrad_x: str = "128x1",
 ) -> torch.Tensor:
     """Differentiable FP8 grouped GEMM ``out[rows of group e] = x[rows] @ w[e]^T``.
 
@@ -415,6 +419,7 @@ def fp8_grouped_mm(
         bounds: ``blockwise_loop`` only: the groups' host-side ``(start, end)`` rows, if already known.
         keep_weight_copy: ``blockwise_loop`` only: keep the FP8 weight copies for the backward
             (:attr:`GroupedGemmConfig.keep_weight_copies`).
+        wgrad_x: ``blockwise_loop`` only: :attr:`GroupedGemmConfig.blockwise_wgrad_x`.
 
     Returns:
         (P, N) in bf16 on CUDA (the kernel's output dtype), in ``x.dtype`` when emulated; rows past
@@ -436,7 +441,8 @@ def fp8_grouped_mm(
     if kernel == "fused":  # a single weight of a fused-kernel layer: the per-weight rowwise path
         return fp8_grouped_mm(x, w, offs, per_weight_kernel(x.device), compile_quantize=compile_quantize)
     if kernel == "blockwise_loop":
-        return blockwise_loop_mm(x, w, offs, emulate=emulate, bounds=bounds, keep_weight_copy=keep_weight_copy)
+        return blockwise_loop_mm(x, w, offs, emulate=emulate, bounds=bounds, keep_weight_copy=keep_weight_copy,
+                                 wgrad_x=wgrad_x)
     raise ValueError(f"fp8_grouped_mm: kernel must be resolved first (scaled_grouped_mm, torchao, emulated, blockwise_loop), "
                      f"got {kernel!r}")
 
