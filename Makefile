@@ -19,7 +19,7 @@ train: $(VENV)/.installed
 	$(VENV)/bin/fp8kit train
 
 test: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest -q --durations=20
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=20
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -12,6 +12,13 @@ from torch import nn
 torch.set_num_threads(2)
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (``make test`` runs two workers) each worker computes on one thread, so the two workers
+    share the two cores instead of spinning against each other (``workerinput`` exists only in a worker)."""
+    if hasattr(config, "workerinput"):
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     """A tokenizer/token cache shared by every test of the session (BPE training takes seconds)."""
