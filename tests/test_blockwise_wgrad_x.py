@@ -210,3 +210,14 @@ def test_blockwise_experts_take_the_same_layout_per_expert():
     assert grouped_gemm_config(cfg).blockwise_wgrad_x == "128x128"
     with pytest.raises(ValueError, match="blockwise_loop_mm: wgrad_x"):
         blockwise_loop_mm(x, w, offs, wgrad_x="2d")
+
+
+def test_library_entry_point_converts_with_the_layout():
+    """``fp8kit.convert_to_fp8`` (the library path, HF Trainer's too) builds its blockwise linears with the setting."""
+    import fp8kit
+    from fp8kit.config import FP8Config
+
+    model = nn.Sequential(nn.Linear(256, 384), nn.ReLU(), nn.Linear(384, 256))
+    fp8kit.convert_to_fp8(model, FP8Config(recipe="blockwise", emulate=True, blockwise_wgrad_x="128x128"))
+    linears = [m for m in model.modules() if isinstance(m, Float8BlockwiseLinear)]
+    assert linears and {m.wgrad_x for m in linears} == {"128x128"}, model

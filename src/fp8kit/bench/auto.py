@@ -92,8 +92,7 @@ def shape_recipe_key(shape: AutoShape, recipe: str, grouped_key: str | None, wgr
                      gemm: str = "auto", accumulate: int = 1, wgrad_x: str = "128x1") -> str:
     """The ``recipe`` part of a shape's cache key: the dense recipe or the grouped kernel key of one expert weight
     (both with ``:wgrad_x=128x128`` for the blockwise recipe with ``fp8.blockwise_wgrad_x = "128x128"``), or for an
-    expert MLP
-    (``shape.mlp``, only on the fused kernel) ``grouped:fused:wgrad=<fp8.grouped_wgrad>:gemm=<fp8.grouped_gemm>``,
+    expert MLP (``shape.mlp``, only on the fused kernel) ``grouped:fused:wgrad=<fp8.grouped_wgrad>:gemm=<fp8.grouped_gemm>``,
     with ``:accum=<N>`` when its FP8 weights are cast once per ``N`` micro-batches (``ExpertsMLPTimer(accumulate=)``)."""
     if shape.mlp:
         return f"grouped:fused:wgrad={wgrad}:gemm={gemm}" + (f":accum={accumulate}" if accumulate > 1 else "")

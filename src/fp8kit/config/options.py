@@ -37,12 +37,12 @@ def grouped_for_fp8(fp8: FP8Config):
 
 def conversion_options_for(fp8: FP8Config):
     """The ``parallel.convert.ConversionOptions`` of an ``fp8`` section for the library entry points
-    (``convert_to_fp8``, ``prepare_for_trainer``): emulation, the experts' recipe and kernel, and the delayed
-    recipe's history settings. (``fp8kit train`` builds its own in ``parallel/prepare.py``, adding FSDP2.)"""
+    (``convert_to_fp8``, ``prepare_for_trainer``): emulation, the experts' recipe and kernel, the blockwise wgrad
+    layout, and the delayed recipe's history settings. (``fp8kit train`` builds its own in ``parallel/prepare.py``, adding FSDP2.)"""
     from fp8kit.fp8.delayed_state import DelayedScalingState
     from fp8kit.parallel.convert import ConversionOptions
 
-    return ConversionOptions(emulate=fp8.emulate, grouped=grouped_for_fp8(fp8),
+    return ConversionOptions(emulate=fp8.emulate, grouped=grouped_for_fp8(fp8), wgrad_x=fp8.blockwise_wgrad_x,
                              delayed=DelayedScalingState(delayed_scaling_for(fp8)))
 
 

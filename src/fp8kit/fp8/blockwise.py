@@ -56,7 +56,7 @@ Granularity per GEMM (``y = x @ w^T``; M tokens, K input features, N output feat
     ``Float8BlockScaling(x_block_scaling_dim=2)``, for the wgrad copy only. The price: a 128x128 block shares
     the scale of its largest element, so the other features of a block holding an outlier feature are scaled
     down by the outlier's ratio and their small elements fall into E4M3's subnormals or to zero, which costs
-    their weight-gradient columns precision (``tests/test_blockwise.py`` measures it at ratios 1e3 and 1e5).
+    their weight-gradient columns precision (``tests/test_blockwise_wgrad_x.py`` measures it at ratios 1e3 and 1e5).
 
 Where each cast happens
     forward: ``x`` is read once by the fused activation kernel, which writes its 1x128 copy (fprop) and

@@ -147,7 +147,8 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     cache = weight_cache_applies(options.cache_weights, mesh)
     # FSDP2 re-gathers weights for the backward: blockwise linears and experts quantize them again there
     grouped = replace(options.grouped, cache_weights=cache,
-                      keep_weight_copies=not (fsdp or options.blockwise_recompute))
+                      keep_weight_copies=not (fsdp or options.blockwise_recompute),
+                      blockwise_wgrad_x=options.blockwise_wgrad_x)
     conversion = ConversionOptions(
         emulate=options.emulate,
         fsdp_float8_all_gather=fp8_all_gather_choice(options.fp8_all_gather, options.recipe, fsdp),
