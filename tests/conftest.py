@@ -25,6 +25,17 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("fp8kit-cache")
 
 
+def randn_outliers(*shape, scale=1.0, seed=0, dtype=torch.bfloat16) -> torch.Tensor:
+    """CPU ``randn(*shape) * scale`` with a few 10-30x outliers spread over it (one per 1000 elements, at least one in a non-empty tensor),
+    cast to ``dtype``: never zeros, never uniform (the quantization tests' inputs)."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(*shape, generator=g) * scale
+    if t.numel():
+        idx = torch.randint(0, t.numel(), (max(1, t.numel() // 1000),), generator=g)
+        t.view(-1)[idx] *= torch.empty(idx.numel()).uniform_(10, 30, generator=g)
+    return t.to(dtype)
+
+
 def small_run_overrides(cache_dir) -> list[str]:
     """--set overrides for a small, real training run on the stdlib corpus (CPU-friendly)."""
     return [

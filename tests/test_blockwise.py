@@ -18,18 +18,10 @@ from fp8kit.fp8.blockwise import BLOCK, FP8
 from fp8kit.fp8.kernels import ops
 from fp8kit.fp8.linear import Float8BlockwiseLinear, blockwise_linear
 from fp8kit.fp8.scaling import DTYPE_MAX, dequantize, quantize, scale_from_amax
+from tests.conftest import randn_outliers as _real
 from tests.conftest import saved_for_backward, sqnr
 
 MIN_DB = 25.0
-
-
-def _real(*shape, scale=1.0, seed=0, dtype=torch.bfloat16):
-    """randn with a few outliers (10-30x) spread over the tensor: never zeros, never uniform."""
-    g = torch.Generator().manual_seed(seed)
-    t = torch.randn(*shape, generator=g) * scale
-    idx = torch.randint(0, t.numel(), (max(1, t.numel() // 1000),), generator=g)
-    t.view(-1)[idx] *= torch.empty(idx.numel()).uniform_(10, 30, generator=g)
-    return t.to(dtype)
 
 
 # ----------------------------------------------------------------------------- reference quantization

@@ -14,19 +14,10 @@ from fp8kit.moe import routing
 from fp8kit.moe import rowwise_quant as rq
 from fp8kit.moe.quantize import group_ids, quantize_experts, quantize_group_cols, quantize_rows
 from fp8kit.moe.token_quant import split_gate_up
+from tests.conftest import randn_outliers as _real
 
 BF16_HALF_ULP = 2.0**-8  # relative rounding error bound of bf16 (8 significand bits)
 ZERO_ROW_INV = 2.0**-48  # 1 / 2^floor(log2(448 / AMAX_EPS)): the inv_scale of an all-zero row
-
-
-def _real(*shape, scale=1.0, seed=0, dtype=torch.bfloat16):
-    """randn with a few 10-30x outliers: never zeros, never uniform."""
-    g = torch.Generator().manual_seed(seed)
-    t = torch.randn(*shape, generator=g) * scale
-    if t.numel():
-        idx = torch.randint(0, t.numel(), (max(1, t.numel() // 1000),), generator=g)
-        t.view(-1)[idx] *= torch.empty(idx.numel()).uniform_(10, 30, generator=g)
-    return t.to(dtype)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

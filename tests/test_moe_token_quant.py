@@ -13,17 +13,9 @@ import torch.nn.functional as F
 from fp8kit.fp8 import blockwise
 from fp8kit.moe import routing
 from fp8kit.moe import token_quant as tq
+from tests.conftest import randn_outliers as _real
 
 BF16_HALF_ULP = 2.0**-8  # relative rounding error bound of bf16 (8 significand bits)
-
-
-def _real(*shape, scale=1.0, seed=0, dtype=torch.bfloat16):
-    """randn with a few 10-30x outliers: never zeros, never uniform."""
-    g = torch.Generator().manual_seed(seed)
-    t = torch.randn(*shape, generator=g) * scale
-    idx = torch.randint(0, t.numel(), (max(1, t.numel() // 1000),), generator=g)
-    t.view(-1)[idx] *= torch.empty(idx.numel()).uniform_(10, 30, generator=g)
-    return t.to(dtype)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
