@@ -125,7 +125,7 @@ class FP8Config(ConfigModel):
         "scale per 128 tokens of each input feature, DeepSeek-V3's recipe) or 128x128 (one scale per 128 tokens x "
         "128 features, as a weight; Transformer Engine's x_block_scaling_dim = 2 for this copy only): cuBLAS then "
         "runs the wgrad GEMM with its 1x128 x 128x128 kernel, 1.2x faster than the 1x128 x 1x128 one on the H100 "
-        "(Llama-3-8B layers x 8: 1.183x -> 1.232x BF16; llama-125m final validation loss +0.36% vs BF16). The price: "
+        "(Llama-3-8B layers x 8: 1.18-1.20x -> 1.23-1.25x BF16; llama-125m final validation loss +0.36% vs BF16). The price: "
         "the features that share a 128x128 block with an outlier feature lose weight-gradient precision (1e5x "
         "outliers: 9 dB on those columns). Blockwise linears and blockwise MoE experts alike (docs/benchmarks.md "
         "section 6).",
