@@ -3,7 +3,8 @@
 On the CPU (the reference path CI runs; ``tests/test_blockwise_gpu.py`` checks the Triton kernel against it bit for
 bit): the layout and its scales, a linear whose output and dgrad keep the default's bits while its wgrad stays
 >= 25 dB against float64, the trade-off with outlier features measured at two ratios, the op under
-``torch.compile``, the config reaching every blockwise linear, bad values, and the ``auto`` cache key.
+``torch.compile``, the config reaching every blockwise linear (``fp8kit train`` and the library entry points, which
+also honour ``fp8.blockwise_recompute`` now), bad values, and the ``auto`` cache key.
 """
 
 from __future__ import annotations
@@ -213,3 +214,17 @@ def test_library_entry_point_converts_with_the_layout():
     fp8kit.convert_to_fp8(model, FP8Config(recipe="blockwise", emulate=True, blockwise_wgrad_x="128x128"))
     linears = [m for m in model.modules() if isinstance(m, Float8BlockwiseLinear)]
     assert linears and {m.wgrad_x for m in linears} == {"128x128"}, model
+
+
+def test_library_entry_point_honours_blockwise_recompute():
+    """``convert_to_fp8`` with ``fp8.blockwise_recompute = true`` builds linears that keep no FP8 copy (it used to be
+    ignored outside ``fp8kit train``)."""
+    import fp8kit
+    from fp8kit.config import FP8Config
+
+    for recompute in (False, True):
+        model = nn.Sequential(nn.Linear(256, 384), nn.ReLU(), nn.Linear(384, 256))
+        fp8kit.convert_to_fp8(model, FP8Config(recipe="blockwise", emulate=True, blockwise_recompute=recompute))
+        keeps = {(m.keep_input_copy, m.keep_weight_copy) for m in model.modules()
+                 if isinstance(m, Float8BlockwiseLinear)}
+        assert keeps == {(not recompute, not recompute)}, (recompute, keeps)
