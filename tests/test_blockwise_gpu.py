@@ -90,17 +90,22 @@ def test_blockwise_gemm_supported_here():
         assert ok, reason
 
 
-@pytest.mark.parametrize("m,k,n", [(1000, 4096, 4096), (1001, 640, 384), (2048, 4096, 14336), (256, 14336, 4096)])
-def test_linear_cublas_vs_emulation_and_float64(m, k, n):
-    """(1001, 640, 384): M not a multiple of 128 and (K // 128) % 4 != 0 (pytorch #166752)."""
+def _linear_case(m: int, k: int, n: int, bias: bool):
+    """A bf16 ``nn.Linear(k, n)`` on CUDA (weights from :func:`_real` x 0.02), an input ``x[m, k]`` that requires grad
+    and an output gradient ``dy[m, n]``; skips where this GPU has no blockwise FP8 GEMM."""
     ok, reason = ops.blockwise_gemm_support("cuda")
     if not ok:
         pytest.skip(reason)
-    lin = nn.Linear(k, n, bias=True, device="cuda", dtype=torch.bfloat16)
+    lin = nn.Linear(k, n, bias=bias, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         lin.weight.copy_(_real(n, k, scale=0.02, seed=1))
-    x = _real(m, k, seed=2).requires_grad_()
-    dy = _real(m, n, seed=3)
+    return lin, _real(m, k, seed=2).requires_grad_(), _real(m, n, seed=3)
+
+
+@pytest.mark.parametrize("m,k,n", [(1000, 4096, 4096), (1001, 640, 384), (2048, 4096, 14336), (256, 14336, 4096)])
+def test_linear_cublas_vs_emulation_and_float64(m, k, n):
+    """(1001, 640, 384): M not a multiple of 128 and (K // 128) % 4 != 0 (pytorch #166752)."""
+    lin, x, dy = _linear_case(m, k, n, bias=True)
     out = {}
     for emulate in (False, True):
         mod = Float8BlockwiseLinear.from_linear(lin, emulate=emulate, cache_weight=False)
@@ -122,14 +127,7 @@ def test_linear_cublas_vs_emulation_and_float64(m, k, n):
 def test_wgrad_x_128x128_cublas_vs_emulation_float64_and_the_same_fprop_dgrad(m, k, n):
     """``wgrad_x="128x128"`` runs the wgrad GEMM on cuBLAS's 1x128 x 128x128 kernel: against the float32 emulation
     of the same operands and against float64 like the default; output and dgrad are the default's bits."""
-    ok, reason = ops.blockwise_gemm_support("cuda")
-    if not ok:
-        pytest.skip(reason)
-    lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
-        lin.weight.copy_(_real(n, k, scale=0.02, seed=1))
-    x = _real(m, k, seed=2).requires_grad_()
-    dy = _real(m, n, seed=3)
+    lin, x, dy = _linear_case(m, k, n, bias=False)
     out = {}
     for wgrad_x, emulate in (("128x1", False), ("128x128", False), ("128x128", True)):
         mod = Float8BlockwiseLinear.from_linear(lin, emulate=emulate, cache_weight=False, wgrad_x=wgrad_x)
