@@ -112,6 +112,12 @@ def check_wgrad_x(wgrad_x: str, where: str) -> None:
         raise ValueError(f"{where}: wgrad_x must be one of {', '.join(WGRAD_X_BLOCKS)}, got {wgrad_x!r}")
 
 
+def wgrad_x_block(wgrad_x: str) -> int:
+    """The ``b_block`` the wgrad GEMM passes for its ``x^T`` operand (``kernels.ops.blockwise_mm``): :data:`BLOCK`
+    for ``"128x128"`` tiles, 1 for DeepSeek-V3's ``"128x1"`` blocks (1x128 along the tokens of ``x^T``)."""
+    return BLOCK if wgrad_x == "128x128" else 1
+
+
 def padded_rows(m: int) -> int:
     """``m`` rounded up to a multiple of :data:`BLOCK` (the token dimension of the FP8 copies)."""
     return -(-m // BLOCK) * BLOCK

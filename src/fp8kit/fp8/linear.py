@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fp8kit.fp8.blockwise import BLOCK, check_linear_shape, check_wgrad_x, quantize_act_wgrad
+from fp8kit.fp8.blockwise import BLOCK, check_linear_shape, check_wgrad_x, quantize_act_wgrad, wgrad_x_block
 from fp8kit.fp8.kernels import ops
 
 
@@ -77,8 +77,7 @@ class _BlockwiseLinearFn(torch.autograd.Function):
             dx = ops.blockwise_mm(dyq, dys_t, wtq, wts, BLOCK, x_dtype, ctx.emulate)[:m].reshape(*lead, k)
         if ctx.needs_input_grad[1]:
             xtq, xts = x_saved if ctx.keep_x else _wgrad_copy(x_saved[0], ctx.wgrad_x)
-            b_block = BLOCK if ctx.wgrad_x == "128x128" else 1
-            dw = ops.blockwise_mm(dytq, dyts, xtq, xts, b_block, w_dtype, ctx.emulate)
+            dw = ops.blockwise_mm(dytq, dyts, xtq, xts, wgrad_x_block(ctx.wgrad_x), w_dtype, ctx.emulate)
         if ctx.needs_input_grad[2]:
             db = dy2.sum(dim=0, dtype=torch.float32).to(b_dtype)
         return dx, dw, db, None, None, None, None, None

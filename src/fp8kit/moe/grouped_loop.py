@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8kit.fp8.blockwise import BLOCK, check_wgrad_x
+from fp8kit.fp8.blockwise import BLOCK, check_wgrad_x, wgrad_x_block
 from fp8kit.fp8.kernels import ops
 
 
@@ -66,7 +66,7 @@ class _BlockwiseLoopFn(torch.autograd.Function):
             live.append(i)
         ctx.save_for_backward(*saved, *(() if keep_weight_copy else (w,)))
         ctx.bounds, ctx.live, ctx.emulate, ctx.keep = bounds, live, emulate, keep_weight_copy
-        ctx.x_block = BLOCK if wgrad_x == "128x128" else 1  # the wgrad GEMM's blocks of x^T
+        ctx.x_block = wgrad_x_block(wgrad_x)  # the wgrad GEMM's blocks of x^T
         ctx.meta = (p, e, n, k, x.dtype, w.dtype)
         return y
 
