@@ -26,6 +26,7 @@ from fp8kit.base.torchao_lib import torchao_float8
 from fp8kit.fp8.delayed import DelayedScalingState, Float8DelayedLinear
 from fp8kit.fp8.linear import Float8BlockwiseLinear
 from fp8kit.fp8.recipes import float8_linear_config, recipe_info
+from fp8kit.fp8.swiglu_mlp import install_fused_mlps
 from fp8kit.moe import experts as moe_experts
 from fp8kit.moe.grouped_mm import GroupedGemmConfig
 from fp8kit.selective.decide import Decision
@@ -54,6 +55,8 @@ class ConversionOptions:
             (``Float8BlockwiseLinear(keep_input_copy=...)``); off with ``fp8.blockwise_recompute``.
         wgrad_x: blockwise linears' wgrad copy of their input, ``"128x1"`` or ``"128x128"``
             (``Float8BlockwiseLinear(wgrad_x=...)``; ``fp8.blockwise_wgrad_x``).
+        fused_mlp: SwiGLU MLPs whose three projections are blockwise FP8 run as one function with the SwiGLU's
+            casts fused (``fp8kit.fp8.swiglu_mlp.install_fused_mlps``; ``fp8.blockwise_fused_mlp``).
     """
 
     emulate: bool = False
@@ -61,6 +64,7 @@ class ConversionOptions:
     keep_weight_copies: bool = True
     keep_input_copies: bool = True
     wgrad_x: str = "128x1"
+    fused_mlp: bool = True
     fsdp_float8_all_gather: bool = False
     grouped: GroupedGemmConfig = field(default_factory=GroupedGemmConfig)
     delayed: DelayedScalingState = field(default_factory=DelayedScalingState)
@@ -128,6 +132,8 @@ def apply_fp8(model: nn.Module, decisions: list[Decision], options: ConversionOp
     for recipe, todo in by_recipe.items():
         if recipe_info(recipe).engine == "fp8kit":
             count += _swap_own(model, todo, recipe, options)
+            if recipe == "blockwise" and options.fused_mlp:
+                install_fused_mlps(model)
             continue
         config = float8_linear_config(
             recipe, emulate=options.emulate, enable_fsdp_float8_all_gather=options.fsdp_float8_all_gather
@@ -135,6 +141,22 @@ def apply_fp8(model: nn.Module, decisions: list[Decision], options: ConversionOp
         float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda _m, fqn, t=todo: fqn in t)
         count += len(todo)
     return count
+
+
+def fused_mlp_notes(model: nn.Module) -> list[str]:
+    """What ``fp8.blockwise_fused_mlp`` does in ``model`` now, for the run's notes: how many SwiGLU MLPs run fused,
+    and each reason some run unfused (empty when the model has no MLP of ``swiglu_mlp.FUSABLE_MLPS``)."""
+    fused, blocked = install_fused_mlps(model)
+    if not fused and not blocked:
+        return []
+    notes = [f"fp8.blockwise_fused_mlp: {len(fused)} of {len(fused) + len(blocked)} SwiGLU MLPs run with the "
+             "SwiGLU's FP8 casts fused (fp8kit.fp8.swiglu_mlp)"]
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in blocked.items():
+        by_reason.setdefault(reason, []).append(name)
+    for reason, names in sorted(by_reason.items()):
+        notes.append(f"fp8.blockwise_fused_mlp: {len(names)} MLP(s) run unfused ({reason}), e.g. {names[0]}")
+    return notes
 
 
 def _swap_own(model: nn.Module, todo: set[str], recipe: str, options: ConversionOptions) -> int:

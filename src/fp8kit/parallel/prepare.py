@@ -32,7 +32,7 @@ from fp8kit.comm import AutoScaleState, apply_fp8_reduce_scatter
 from fp8kit.comm.fsdp_reduce_scatter import fsdp_custom_reduce_scatter_support
 from fp8kit.fp8.delayed import DelayedScaling, DelayedScalingState
 from fp8kit.moe.grouped_mm import GroupedGemmConfig
-from fp8kit.parallel.convert import ConversionOptions, apply_fp8
+from fp8kit.parallel.convert import ConversionOptions, apply_fp8, fused_mlp_notes
 from fp8kit.parallel.parallelize import (
     Parallelized,
     apply_ac,
@@ -77,6 +77,8 @@ class PrepareOptions:
             with ``cache_weights`` the cached weight is still reused).
         blockwise_wgrad_x: the blocks of blockwise linears' wgrad copy of their input, ``"128x1"`` or ``"128x128"``
             (``fp8.blockwise_wgrad_x``; ``Float8BlockwiseLinear(wgrad_x=...)``).
+        blockwise_fused_mlp: SwiGLU MLPs whose projections are all blockwise FP8 run with the SwiGLU's casts fused
+            (``fp8.blockwise_fused_mlp``; ``fp8kit.fp8.swiglu_mlp``).
     """
 
     fp8: bool = True
@@ -95,6 +97,7 @@ class PrepareOptions:
     cache_weights: bool = False
     blockwise_recompute: bool = False
     blockwise_wgrad_x: str = "128x1"
+    blockwise_fused_mlp: bool = True
 
 
 @dataclass
@@ -157,6 +160,7 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
         keep_weight_copies=not (fsdp or options.blockwise_recompute),
         keep_input_copies=not options.blockwise_recompute,
         wgrad_x=options.blockwise_wgrad_x,
+        fused_mlp=options.blockwise_fused_mlp,
         delayed=DelayedScalingState(options.delayed),
     )
     done = Prepared(conversion=conversion)
@@ -198,6 +202,8 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     if options.fp8:
         apply_fp8(model, decisions, conversion)  # skips what tensor parallel converted already
         done.steps.append("fp8")
+        if conversion.fused_mlp and options.recipe == "blockwise":
+            done.notes.extend(fused_mlp_notes(model))
         done.fp8_all_gather = conversion.fsdp_float8_all_gather
         if options.fp8_all_gather and not fsdp:
             done.notes.append("fp8.enable_fsdp_float8_all_gather = true has no effect: no FSDP2 (dp_shard = 1)")

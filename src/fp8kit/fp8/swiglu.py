@@ -1,0 +1,168 @@
+"""The SwiGLU of a blockwise FP8 MLP with its casts fused in: forward and backward (``torch.ops.fp8kit.*``).
+
+A SwiGLU MLP is ``down(silu(gate(x)) * up(x))``. Unfused, the SwiGLU writes ``a`` in bf16 and the down
+projection's cast reads it back; in the backward the SwiGLU's gradient writes ``dg`` and ``du`` in bf16 and the
+gate / up projections' casts read them back. Fused (the FP8 engine issue: "the SwiGLU activation writes the FP8
+input of down_proj"), one read of the SwiGLU's inputs writes the FP8 copies directly:
+
+- :func:`swiglu_quantize_act` (``fp8kit::blockwise_swiglu_quant``): ``a = silu(g) * u`` and
+  ``blockwise.quantize_act(a, wgrad_x)``: the down projection's fprop operand (1x128) and wgrad operand
+  (``a^T``, ``128x1`` or ``128x128`` blocks).
+- :func:`swiglu_backward_quantize` (``fp8kit::blockwise_swiglu_bwd_quant``): ``dg``, ``du`` from ``da`` and
+  ``blockwise.quantize_act`` of each: the gate / up projections' dgrad (1x128) and wgrad (128x1) operands.
+
+Numerics (the reference functions below; the Triton kernels of :mod:`fp8kit.fp8.kernels.swiglu_triton` compute
+the same bits, checked on the GPU): float32 math on the inputs, SiLU's sigmoid as
+:func:`fp8kit.fp8.silu.sigmoid_f32`, each SwiGLU value rounded once to the input dtype (what the unfused bf16
+tensor would hold, up to the sigmoid's last float32 bit), then the blockwise cast of
+:mod:`fp8kit.fp8.blockwise`. ``dg = da * u * s * (1 + g * (1 - s))`` and ``du = da * g * s`` with
+``s = sigmoid(g)`` (the derivative of ``g * sigmoid(g) * u``), evaluated left to right.
+
+Each op: CUDA runs the Triton kernel, every other device (and CUDA without triton) the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8kit.base.triton_lib import triton_module
+from fp8kit.fp8.blockwise import BLOCK, FP8, check_wgrad_x, padded_rows, quantize_act, round_up4
+from fp8kit.fp8.silu import sigmoid_f32
+
+Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check(where: str, **tensors: torch.Tensor) -> None:
+    first = next(iter(tensors.values()))
+    for name, t in tensors.items():
+        if t.dim() != 2 or t.dtype not in _FLOATS or t.shape[1] % BLOCK:
+            raise ValueError(f"{where}: {name} must be a 2-D bf16 / fp16 / fp32 tensor [M, I] with I a multiple of "
+                             f"{BLOCK}, got {t.dtype} {tuple(t.shape)}")
+        if t.shape != first.shape or t.device != first.device:
+            raise ValueError(f"{where}: {', '.join(tensors)} must have one shape and device, got "
+                             + ", ".join(f"{n} {tuple(x.shape)} on {x.device}" for n, x in tensors.items()))
+
+
+# --------------------------------------------------------------------------- reference
+
+def swiglu_ref(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``silu(g) * u`` in float32 (:func:`fp8kit.fp8.silu.sigmoid_f32`), rounded once to ``g.dtype``."""
+    gf = g.float()
+    return (gf * sigmoid_f32(gf) * u.float()).to(g.dtype)
+
+
+def swiglu_backward_ref(da: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dg, du)``, the gradients of ``a = silu(g) * u`` given ``da`` (module docstring), each in ``g.dtype``."""
+    d, gf, uf = da.float(), g.float(), u.float()
+    s = sigmoid_f32(gf)
+    dg = d * uf * s * (1.0 + gf * (1.0 - s))
+    du = d * gf * s
+    return dg.to(g.dtype), du.to(g.dtype)
+
+
+def swiglu_quantize_act_ref(g: torch.Tensor, u: torch.Tensor, wgrad_x: str) -> Quantized:
+    """PyTorch reference of :func:`swiglu_quantize_act`."""
+    return quantize_act(swiglu_ref(g, u), wgrad_x)
+
+
+def swiglu_backward_quantize_ref(da: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """PyTorch reference of :func:`swiglu_backward_quantize`."""
+    dg, du = swiglu_backward_ref(da, g, u)
+    return (*quantize_act(dg), *quantize_act(du))
+
+
+# --------------------------------------------------------------------------- ops
+
+def _kernels():
+    """:mod:`fp8kit.fp8.kernels.swiglu_triton`, or None (``base.triton_lib.triton_module``)."""
+    return triton_module("fp8kit.fp8.kernels.swiglu_triton", "fused SwiGLU quantization")
+
+
+def _unit_stride(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t if t.stride(1) == 1 else t.contiguous() for t in ts)
+
+
+def _fake_act(like: torch.Tensor, t2d: bool) -> Quantized:
+    m, k = like.shape
+    mp = padded_rows(m)
+    f32 = torch.float32
+    st = like.new_empty(k // BLOCK, round_up4(mp // BLOCK), dtype=f32) if t2d else like.new_empty(mp // BLOCK, k, dtype=f32)
+    return like.new_empty(mp, k, dtype=FP8), like.new_empty(k // BLOCK, mp, dtype=f32), like.new_empty(k, mp, dtype=FP8), st
+
+
+@torch.library.custom_op("fp8kit::blockwise_swiglu_quant", mutates_args=())
+def _swiglu_op(g: torch.Tensor, u: torch.Tensor, wgrad_x: str) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return swiglu_quantize_act_ref(g, u, wgrad_x)
+
+
+@_swiglu_op.register_kernel("cuda")
+def _(g, u, wgrad_x):
+    kernels = _kernels()
+    if kernels is None:
+        return swiglu_quantize_act_ref(g, u, wgrad_x)
+    with torch.cuda.device(g.device):
+        return kernels.swiglu_quantize_act(*_unit_stride(g, u), wgrad_x)
+
+
+@_swiglu_op.register_fake
+def _(g, u, wgrad_x):
+    return _fake_act(g, wgrad_x == "128x128")
+
+
+@torch.library.custom_op("fp8kit::blockwise_swiglu_bwd_quant", mutates_args=())
+def _swiglu_bwd_op(da: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return swiglu_backward_quantize_ref(da, g, u)
+
+
+@_swiglu_bwd_op.register_kernel("cuda")
+def _(da, g, u):
+    kernels = _kernels()
+    if kernels is None:
+        return swiglu_backward_quantize_ref(da, g, u)
+    with torch.cuda.device(g.device):
+        return kernels.swiglu_backward_quantize(*_unit_stride(da, g, u))
+
+
+@_swiglu_bwd_op.register_fake
+def _(da, g, u):
+    return (*_fake_act(g, False), *_fake_act(g, False))
+
+
+def swiglu_quantize_act(g: torch.Tensor, u: torch.Tensor, wgrad_x: str = "128x1") -> Quantized:
+    """``a = silu(g) * u`` cast to blockwise FP8 in both layouts, without writing ``a``.
+
+    Args:
+        g, u: the gate and up projections' outputs, ``[M, I]`` of one float dtype and device, ``I % 128 == 0``.
+        wgrad_x: the blocks of the ``a^T`` copy, ``"128x1"`` or ``"128x128"`` (``fp8.blockwise_wgrad_x``).
+
+    Returns:
+        ``blockwise.quantize_act(swiglu_ref(g, u), wgrad_x)``: E4M3 ``q[Mp, I]``, float32 ``s_t[I/128, Mp]``,
+        E4M3 ``qt[I, Mp]``, float32 ``st`` (``[Mp/128, I]``, or ``[I/128, L4(Mp/128)]`` for ``"128x128"``).
+
+    Raises:
+        ValueError: a tensor not 2-D float with I a multiple of 128, mismatched shapes, or an unknown ``wgrad_x``.
+    """
+    check_wgrad_x(wgrad_x, "fp8kit::blockwise_swiglu_quant")
+    _check("fp8kit::blockwise_swiglu_quant", g=g, u=u)
+    return torch.ops.fp8kit.blockwise_swiglu_quant(g, u, wgrad_x)
+
+
+def swiglu_backward_quantize(da: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The SwiGLU's input gradients cast to blockwise FP8 in both layouts, without writing them in bf16.
+
+    Args:
+        da: gradient of ``a = silu(g) * u``, ``[M, I]``.
+        g, u: the forward's gate and up outputs, ``[M, I]`` of one float dtype (the gradients get it).
+
+    Returns:
+        ``(*quantize_act(dg), *quantize_act(du))`` of :func:`swiglu_backward_ref`: eight tensors, ``dg``'s
+        ``(q, s_t, qt, st)`` then ``du``'s, in :func:`fp8kit.fp8.blockwise.quantize_act`'s ``128x1`` layout.
+
+    Raises:
+        ValueError: a tensor not 2-D float with I a multiple of 128, or mismatched shapes.
+    """
+    _check("fp8kit::blockwise_swiglu_bwd_quant", da=da, g=g, u=u)
+    return torch.ops.fp8kit.blockwise_swiglu_bwd_quant(da, g, u)
