@@ -25,7 +25,7 @@ from tests.conftest import sqnr
 BF16_ULP = 2.0**-7  # relative spacing of bf16 values
 
 
-def test_swiglu_reference_is_pytorchs_silu_within_one_bf16_ulp():
+def test_swiglu_reference_is_pytorchs_silu_rounded_once():
     g, u = _real(300, 256, seed=1), _real(300, 256, seed=2)
     ours = swiglu_ref(g, u).float()
     torch_ = (F.silu(g.float()) * u.float()).to(torch.bfloat16).float()
@@ -99,7 +99,7 @@ def test_fused_mlp_matches_the_three_blockwise_linears(wgrad_x, keep_weight_copy
     fused = (y_fu, *torch.autograd.grad(y_fu, (x, *weights), dy))
     for name, r, a, b in zip(("y", "dx", "dw_gate", "dw_up", "dw_down"), ref, unfused, fused, strict=True):
         vs_unfused, vs_fp64 = sqnr(a.double(), b.double()), sqnr(r, b.double())
-        # the two differ only where PyTorch's SiLU and fp8kit's sigmoid_f32 round a bf16 value differently
+        # the two differ only where a SwiGLU value rounds to another bf16 (unfused: Inductor's SiLU in bf16)
         assert vs_unfused >= 35.0, f"{name}: fused vs unfused {vs_unfused:.1f} dB (< 35 dB)"
         # two FP8 GEMMs in series (gate/up, then down): ~24-25 dB on y where one linear holds ~28-30
         assert vs_fp64 >= 22.0, f"{name}: fused vs float64 {vs_fp64:.1f} dB (< 22 dB)"

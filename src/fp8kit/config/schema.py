@@ -131,13 +131,15 @@ class FP8Config(ConfigModel):
         "section 6).",
     )
     blockwise_fused_mlp: bool = Field(
-        True,
+        False,
         description="recipe = blockwise: run the SwiGLU MLPs of HF Llama / Qwen2 / Qwen3 / Mistral models whose "
         "gate, up and down projections are all blockwise FP8 as one fused function: the SwiGLU writes the down "
         "projection's FP8 operands and its backward the gate / up projections' FP8 gradient operands directly, "
         "without the bf16 tensors in between (fp8kit.fp8.swiglu_mlp). Same GEMMs and scales; each SwiGLU value is "
         "rounded to bf16 before its cast as unfused. An MLP runs unfused, and the run says why, when a projection "
-        "is BF16, tensor-parallel, hooked (fp8.stats_every) or has a bias, or with fp8.blockwise_recompute.",
+        "is BF16, tensor-parallel, hooked (fp8.stats_every) or has a bias, or with fp8.blockwise_recompute. Off by "
+        "default: on the H100 its SwiGLU kernels are not yet faster than Inductor's SwiGLU plus the separate casts "
+        "(one Llama-3-8B MLP, docs/benchmarks.md section 6).",
     )
     amax_history_len: int = Field(
         16, ge=1, description="recipe = delayed: steps of amax history per operand (Transformer Engine's "

@@ -11,12 +11,13 @@ input of down_proj"), one read of the SwiGLU's inputs writes the FP8 copies dire
 - :func:`swiglu_backward_quantize` (``fp8kit::blockwise_swiglu_bwd_quant``): ``dg``, ``du`` from ``da`` and
   ``blockwise.quantize_act`` of each: the gate / up projections' dgrad (1x128) and wgrad (128x1) operands.
 
-Numerics (the reference functions below; the Triton kernels of :mod:`fp8kit.fp8.kernels.swiglu_triton` compute
-the same bits, checked on the GPU): float32 math on the inputs, SiLU's sigmoid as
-:func:`fp8kit.fp8.silu.sigmoid_f32`, each SwiGLU value rounded once to the input dtype (what the unfused bf16
-tensor would hold, up to the sigmoid's last float32 bit), then the blockwise cast of
-:mod:`fp8kit.fp8.blockwise`. ``dg = da * u * s * (1 + g * (1 - s))`` and ``du = da * g * s`` with
-``s = sigmoid(g)`` (the derivative of ``g * sigmoid(g) * u``), evaluated left to right.
+Numerics (the reference functions below): float32 math on the inputs, each SwiGLU value rounded once to the
+input dtype (what the unfused MLP's bf16 tensor holds), then the blockwise cast of :mod:`fp8kit.fp8.blockwise`.
+``dg = da * u * s * (1 + g * (1 - s))`` and ``du = da * g * s`` with ``s = sigmoid(g)`` (the derivative of
+``g * sigmoid(g) * u``). The Triton kernels (:mod:`fp8kit.fp8.kernels.swiglu_triton`) compute the sigmoid with the
+hardware's ``exp`` and division, as Inductor's SiLU does, so a SwiGLU value can differ from the reference's by a
+bf16 ulp; the casts of the values they computed are bit for bit :func:`fp8kit.fp8.blockwise.quantize_act`
+(checked on the GPU).
 
 Each op: CUDA runs the Triton kernel, every other device (and CUDA without triton) the reference.
 """
@@ -27,7 +28,6 @@ import torch
 
 from fp8kit.base.triton_lib import triton_module
 from fp8kit.fp8.blockwise import BLOCK, FP8, check_wgrad_x, padded_rows, quantize_act, round_up4
-from fp8kit.fp8.silu import sigmoid_f32
 
 Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -47,15 +47,15 @@ def _check(where: str, **tensors: torch.Tensor) -> None:
 # --------------------------------------------------------------------------- reference
 
 def swiglu_ref(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``silu(g) * u`` in float32 (:func:`fp8kit.fp8.silu.sigmoid_f32`), rounded once to ``g.dtype``."""
+    """``silu(g) * u`` in float32, rounded once to ``g.dtype``."""
     gf = g.float()
-    return (gf * sigmoid_f32(gf) * u.float()).to(g.dtype)
+    return (gf * torch.sigmoid(gf) * u.float()).to(g.dtype)
 
 
 def swiglu_backward_ref(da: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dg, du)``, the gradients of ``a = silu(g) * u`` given ``da`` (module docstring), each in ``g.dtype``."""
     d, gf, uf = da.float(), g.float(), u.float()
-    s = sigmoid_f32(gf)
+    s = torch.sigmoid(gf)
     dg = d * uf * s * (1.0 + gf * (1.0 - s))
     du = d * gf * s
     return dg.to(g.dtype), du.to(g.dtype)

@@ -16,9 +16,9 @@ what changes is where the SwiGLU's tensors are cast:
 
 Saved for the backward: the FP8 ``x^T`` copy, ``g`` and ``u`` (bf16, as the unfused SwiGLU backward saves them),
 the FP8 ``a^T`` copy, and the FP8 ``w^T`` copies (or the weights, ``keep_weight_copy=False``). Numerics: each
-SwiGLU value is rounded to bf16 before its cast, as the unfused MLP's bf16 tensor is; the SiLU's sigmoid is
-:func:`fp8kit.fp8.silu.sigmoid_f32` (within 3e-7 of PyTorch's), so an element can differ from the unfused MLP by
-one bf16 ulp before the cast.
+SwiGLU value is rounded to bf16 before its cast, as the unfused MLP's bf16 tensor is; the sigmoid is computed with
+the hardware's ``exp`` on the GPU (as Inductor's), so an element can differ from the unfused MLP's by one bf16 ulp
+before the cast.
 
 :func:`install_fused_mlps` gives the SwiGLU MLP modules of the HF Llama / Qwen2 / Qwen3 / Mistral families
 (:data:`FUSABLE_MLPS`) a forward that runs this function whenever its projections allow it

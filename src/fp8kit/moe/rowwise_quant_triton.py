@@ -15,7 +15,7 @@ Kernels (the wrappers below expect non-empty inputs; the ops run the reference o
 - :func:`gather_quantize_rows`: one program per ``ROWS`` output rows, each read through ``index`` (one
   read when the row fits one ``BLOCK_K`` chunk, else a second pass over the chunks, L1/L2-resident).
 - :func:`swiglu_quantize_rows`: one program per ``ROWS`` rows of ``h``, the same way: ``a = silu(gate) * up`` with
-  :func:`fp8kit.fp8.kernels.blockwise_triton._sigmoid` (launched with ``enable_fp_fusion=False``, as token_quant).
+  :func:`fp8kit.moe.token_quant_triton._sigmoid` (launched with ``enable_fp_fusion=False``, as token_quant).
 - :func:`quantize_group_cols`: one program per (group ``0..E``, ``BC``-column block): pass 1 the column amax over
   the group's rows ``[offs[g-1], offs[g])`` (group ``E`` = the rows past ``offs[-1]``, the reference's
   dummy group), pass 2 re-reads them (L2) and writes the ``(C, P)`` row-major cast. The dual launch
@@ -36,8 +36,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from fp8kit.fp8.kernels.blockwise_triton import _scale_of, _sigmoid
+from fp8kit.fp8.kernels.blockwise_triton import _scale_of
 from fp8kit.fp8.scaling import AMAX_EPS, DTYPE_MAX, F32_MAX
+from fp8kit.moe.token_quant_triton import _sigmoid
 
 FP8 = torch.float8_e4m3fn
 _FP8_MAX = DTYPE_MAX[FP8]

@@ -10,7 +10,7 @@ slices (L2-resident) for the transposed 128x1 copy ``qt[K, Mp]`` + ``st[Mp/128, 
 - :func:`gather_quantize_act`: a tile row ``m`` is ``src[index[m]]`` (zero when ``index[m] == T`` or
   ``m >= M``), read through the index; the gathered copy never exists.
 - :func:`swiglu_quantize_act`: a tile row is ``a = silu(gate) * up`` rounded to ``h.dtype`` (the reference's
-  op sequence, :func:`fp8kit.fp8.silu.sigmoid_f32`, launched with ``enable_fp_fusion=False`` so no
+  op sequence, :func:`fp8kit.moe.token_quant.sigmoid_f32`, launched with ``enable_fp_fusion=False`` so no
   multiply-add is contracted to an FMA); pass 1 also writes ``a``, pass 2 recomputes it from ``h``.
 
 Autotuned over ``CHUNK`` and ``num_warps`` keyed on the feature dimension; every configuration computes the
@@ -24,10 +24,16 @@ import triton
 import triton.language as tl
 
 from fp8kit.fp8.blockwise import BLOCK, FP8, padded_rows
-from fp8kit.fp8.kernels.blockwise_triton import _col_scale, _quant_cols, _quant_rows, _sigmoid
+from fp8kit.fp8.kernels.blockwise_triton import _col_scale, _quant_cols, _quant_rows
 from fp8kit.fp8.scaling import AMAX_EPS, DTYPE_MAX, F32_MAX
+from fp8kit.moe import token_quant as tq
 
 _FP8_MAX = DTYPE_MAX[FP8]
+_LOG2E = tl.constexpr(tq.EXP_LOG2E)
+_C1 = tl.constexpr(tq.EXP_C1)
+_C2 = tl.constexpr(tq.EXP_C2)
+_P0, _P1, _P2, _P3, _P4, _P5 = (tl.constexpr(p) for p in tq.EXP_P)
+_CLAMP = tl.constexpr(tq.SILU_CLAMP)
 
 _CONFIGS = [triton.Config({"CHUNK": c}, num_warps=w) for c in (16, 32, 64, 128) for w in (4, 8)]
 
@@ -62,6 +68,24 @@ def _gather_act_quant_kernel(
         offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
         x = _gathered(src_ptr, idx_ptr, offs_m, cols, T, M, stride_src, "evict_first")
         _quant_cols(x, offs_m.to(tl.int64), cols, scale_c, qt_ptr, MP, FP8_MAX)
+
+
+@triton.jit
+def _sigmoid(g):
+    # fp8kit.moe.token_quant.sigmoid_f32, operation for operation (Cephes expf, IEEE reciprocal).
+    t = tl.minimum(tl.maximum(-g, -_CLAMP), _CLAMP)
+    n = tl.floor(t * _LOG2E + 0.5)
+    r = t - n * _C1
+    r = r - n * _C2
+    y = r * _P0 + _P1
+    y = y * r + _P2
+    y = y * r + _P3
+    y = y * r + _P4
+    y = y * r + _P5
+    y = y * (r * r) + r + 1.0
+    e = y * ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+    s = tl.div_rn(tl.full(e.shape, 1.0, tl.float32), e + 1.0)
+    return tl.where(-g > _CLAMP, 0.0, s)
 
 
 @triton.jit

@@ -97,7 +97,7 @@ class PrepareOptions:
     cache_weights: bool = False
     blockwise_recompute: bool = False
     blockwise_wgrad_x: str = "128x1"
-    blockwise_fused_mlp: bool = True
+    blockwise_fused_mlp: bool = False
 
 
 @dataclass

@@ -29,14 +29,8 @@ import triton.language as tl
 
 from fp8kit.fp8.blockwise import BLOCK, FP8, padded_rows, round_up4
 from fp8kit.fp8.scaling import AMAX_EPS, DTYPE_MAX, F32_MAX
-from fp8kit.fp8.silu import EXP_C1, EXP_C2, EXP_LOG2E, EXP_P, SILU_CLAMP
 
 _FP8_MAX = DTYPE_MAX[FP8]
-_LOG2E = tl.constexpr(EXP_LOG2E)
-_C1 = tl.constexpr(EXP_C1)
-_C2 = tl.constexpr(EXP_C2)
-_P0, _P1, _P2, _P3, _P4, _P5 = (tl.constexpr(p) for p in EXP_P)
-_CLAMP = tl.constexpr(SILU_CLAMP)
 
 
 @triton.jit
@@ -73,24 +67,6 @@ def _col_scale(col_amax, st_ptr, pid_m, cols, K, EPS, AMAX_MAX, FP8_MAX, BLOCK_S
     scale_c = _scale_of(col_amax, EPS, AMAX_MAX, FP8_MAX)
     tl.store(st_ptr + pid_m * K + cols, tl.div_rn(tl.full((BLOCK_SIZE,), 1.0, tl.float32), scale_c))
     return scale_c
-
-
-@triton.jit
-def _sigmoid(g):
-    # fp8kit.fp8.silu.sigmoid_f32, operation for operation (Cephes expf, IEEE reciprocal).
-    t = tl.minimum(tl.maximum(-g, -_CLAMP), _CLAMP)
-    n = tl.floor(t * _LOG2E + 0.5)
-    r = t - n * _C1
-    r = r - n * _C2
-    y = r * _P0 + _P1
-    y = y * r + _P2
-    y = y * r + _P3
-    y = y * r + _P4
-    y = y * r + _P5
-    y = y * (r * r) + r + 1.0
-    e = y * ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
-    s = tl.div_rn(tl.full(e.shape, 1.0, tl.float32), e + 1.0)
-    return tl.where(-g > _CLAMP, 0.0, s)
 
 
 @triton.jit
@@ -140,7 +116,14 @@ def _act_quant_kernel(
         tl.store(s_t_ptr + pid_k * MP + rows, tl.div_rn(tl.full((CHUNK,), 1.0, tl.float32), scale_r))
     if WRITE_T:
         if T_2D:
-            scale_c = _tile_scale(col_amax, st_ptr, pid_m, pid_k, MP, ST_LD, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
+            # One scale per 128x128 tile (the weight kernel's formula) -> qt[K, Mp], st[K/128, ST_LD] at
+            # [pid_k, pid_m]; the scale columns past Mp/128 (cuBLAS's 16-byte alignment) hold 1.0.
+            scale_c = _scale_of(tl.max(col_amax, axis=0), EPS, AMAX_MAX, FP8_MAX)
+            tl.store(st_ptr + pid_k * ST_LD + pid_m, tl.div_rn(1.0 + tl.zeros((), tl.float32), scale_c))
+            if pid_m == 0:
+                pad = tl.arange(0, 4)
+                tl.store(st_ptr + pid_k * ST_LD + MP // BLOCK_SIZE + pad, tl.full((4,), 1.0, tl.float32),
+                         mask=MP // BLOCK_SIZE + pad < ST_LD)
         else:
             # 128x1 along M: one scale per column of the tile -> qt[K, Mp] (x transposed), st[Mp/128, K].
             scale_c = _scale_of(col_amax, EPS, AMAX_MAX, FP8_MAX)

@@ -1,0 +1,140 @@
+"""fp8kit's blockwise Triton kernels in Triton's CPU interpreter (``TRITON_INTERPRET=1``; run by
+tests/test_kernels_in_interpreter.py where triton is installed, e.g. ``pip install triton`` on a CPU machine).
+
+What it checks, every autotune configuration launched in turn (the interpreter has no benchmarker):
+
+- the activation and weight casts give the same bits in every configuration;
+- the fused SwiGLU casts (``fp8.kernels.swiglu_triton``) write exactly the activation kernel's casts of the SwiGLU
+  values they computed (``values=True``), and those values are the PyTorch reference's within a bf16 ulp
+  (forward) or bf16 rounding (backward, >= 45 dB);
+- the MoE token kernels (``moe.token_quant_triton``) write the activation kernel's casts of their gathered / SwiGLU
+  rows.
+
+It does not compare E4M3 bits with PyTorch's: Triton 3.6's interpreter converts float32 to E4M3 differently from
+the GPU near powers of two (e.g. 124.6 -> 64 instead of 128), so bit equality with the PyTorch reference is the
+GPU tests' job (``pytest -m gpu``); here every kernel is compared with the same emulation.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+
+class Fixed:
+    """Launch an autotuned kernel with one given config (the interpreter has no benchmarker)."""
+
+    def __init__(self, tuner, cfg):
+        self.tuner, self.cfg = tuner, cfg
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            kw = {k: v for k, v in kw.items() if k != "enable_fp_fusion"}
+            return self.tuner.fn[grid](*args, **kw, **self.cfg.kwargs, num_warps=self.cfg.num_warps)
+        return run
+
+
+def bits(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def same(got, ref, where):
+    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+        assert a.shape == b.shape, (where, i, a.shape, b.shape)
+        n = (bits(a) != bits(b)).sum().item()
+        assert n == 0, f"{where} output {i}: {n} of {a.numel()} differ"
+
+
+def each_config(mod, name, fn):
+    """``fn(cfg)`` with ``mod.name`` launching each of its autotune configs in turn; their outputs must agree."""
+    tuner = getattr(mod, name)
+    first = None
+    try:
+        for cfg in tuner.configs:
+            setattr(mod, name, Fixed(tuner, cfg))
+            out = fn(cfg)
+            first = out if first is None else first
+            same(out, first, f"{name} {cfg} vs {tuner.configs[0]}")
+    finally:
+        setattr(mod, name, tuner)
+
+
+def rnd(*shape, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(*shape, generator=g) * scale
+    t.view(-1)[::97] *= 25.0
+    return t.to(torch.bfloat16)
+
+
+def main() -> int:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    torch.library.wrap_triton = lambda k: k  # the weight op launches through it; Fixed is not a JITFunction
+    from fp8kit.fp8 import swiglu
+    from fp8kit.fp8.kernels import blockwise_triton as bt
+    from fp8kit.fp8.kernels import swiglu_triton as st
+    from fp8kit.moe import token_quant_triton as tqt
+
+    def act(t, wgrad_x="128x1"):  # the activation kernel, first config: the casts every other kernel must match
+        tuner = bt._act_quant_kernel
+        bt._act_quant_kernel = Fixed(tuner, tuner.configs[0])
+        try:
+            return bt.quantize_act(t, wgrad_x)
+        finally:
+            bt._act_quant_kernel = tuner
+
+    x = rnd(300, 256, seed=1)
+    for wgrad_x in ("128x1", "128x128"):
+        each_config(bt, "_act_quant_kernel", lambda cfg, w=wgrad_x: bt.quantize_act(x, w))
+    each_config(bt, "_act_quant_kernel", lambda cfg: bt.quantize_act_fprop(x))
+    print("act kernel: every config the same bits", flush=True)
+    w = rnd(256, 384, scale=0.02, seed=2)
+    each_config(bt, "_weight_quant_kernel", lambda cfg: bt.quantize_weight(w))
+    print("weight kernel: every config the same bits", flush=True)
+
+    g, u, da = rnd(200, 256, scale=2.0, seed=3), rnd(200, 256, seed=4), rnd(200, 256, scale=1e-3, seed=5)
+    g.view(-1)[:6] = torch.tensor([-100.0, -87.5, 0.0, 30.0, 90.0, -1e-20], dtype=torch.bfloat16)
+    for wgrad_x in ("128x1", "128x128"):
+        def forward(cfg, wgrad_x=wgrad_x):
+            *got, a = st.swiglu_quantize_act(g, u, wgrad_x, values=True)
+            same(got, act(a, wgrad_x), f"swiglu {wgrad_x} {cfg}")
+            ref = swiglu.swiglu_ref(g, u).float()
+            off = ((a.float() - ref).abs() > 2**-7 * ref.abs()).sum().item()
+            assert off == 0, f"swiglu {wgrad_x} {cfg}: {off} values off by more than a bf16 ulp"
+            same(st.swiglu_quantize_act(g, u, wgrad_x), got, f"swiglu without values {cfg}")
+            return got
+        each_config(st, "_swiglu_quant_kernel", forward)
+    print("swiglu kernel: every config casts its values as the act kernel does, values within a bf16 ulp", flush=True)
+
+    def backward(cfg):
+        *got, dg, du = st.swiglu_backward_quantize(da, g, u, values=True)
+        same(got, (*act(dg), *act(du)), f"swiglu backward {cfg}")
+        for v, r in zip((dg, du), swiglu.swiglu_backward_ref(da, g, u), strict=True):
+            err = (v.double() - r.double()).square().sum() / r.double().square().sum()
+            assert err < 10 ** -4.5, f"swiglu backward {cfg}: relative error {err.item():.2e} (GPU test: >= 45 dB)"
+        same(st.swiglu_backward_quantize(da, g, u), got, f"swiglu backward without values {cfg}")
+        return got
+
+    each_config(st, "_swiglu_bwd_quant_kernel", backward)
+    print("swiglu backward kernel: every config casts its values as the act kernel does", flush=True)
+
+    src = rnd(50, 256, seed=6)
+    idx = torch.randint(0, 51, (300,), generator=torch.Generator().manual_seed(7))
+    gathered = act(torch.cat([src, src.new_zeros(1, 256)])[idx])
+    each_config(tqt, "_gather_act_quant_kernel",
+                lambda cfg: (same(out := tqt.gather_quantize_act(src, idx), gathered, f"moe gather {cfg}"), out)[1])
+    h = rnd(200, 512, seed=8)
+
+    def moe_swiglu(cfg):
+        a, *got = tqt.swiglu_quantize_act(h, False)
+        same(got, act(a), f"moe swiglu {cfg}")
+        return got
+
+    each_config(tqt, "_swiglu_act_quant_kernel", moe_swiglu)
+    print("moe token kernels: every config casts as the act kernel does", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
