@@ -4,6 +4,7 @@ import os
 
 if os.environ.get("EXP_CAST") == "1":
     import torch
+
     from fp8kit.fp8 import blockwise
     from fp8kit.fp8.kernels import ops
 
