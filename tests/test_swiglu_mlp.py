@@ -18,7 +18,7 @@ from fp8kit.fp8.swiglu import (
     swiglu_quantize_act,
     swiglu_ref,
 )
-from fp8kit.fp8.swiglu_mlp import blockwise_swiglu_mlp, fused_mlp_blocker, install_fused_mlps
+from fp8kit.fp8.swiglu_mlp import blockwise_swiglu_mlp, fused_mlp_blocker, fused_mlp_report
 from tests.conftest import randn_outliers as _real
 from tests.conftest import sqnr
 
@@ -190,7 +190,7 @@ def test_an_mlp_falls_back_to_its_own_forward_and_says_why():
     assert fused_mlp_blocker(mlp) is None and not torch.equal(mlp(x), unfused)  # fused again (another rounding)
     mlp.up_proj = mlp.up_proj.to_linear()  # a policy or the precision schedule keeps up_proj BF16
     assert "not all of gate_proj / up_proj / down_proj are blockwise FP8" in fused_mlp_blocker(mlp)
-    fused, blocked = install_fused_mlps(model)
+    fused, blocked = fused_mlp_report(model)
     assert len(fused) == 1 and list(blocked.values()) == [fused_mlp_blocker(mlp)], (fused, blocked)
 
 
@@ -200,3 +200,24 @@ def test_recompute_and_other_recipes_leave_the_mlps_alone():
     model, done = _llama(True, recipe="tensorwise")
     assert not any("blockwise_fused_mlp" in n for n in done.notes), done.notes
     assert not any(hasattr(m, "_fp8kit_unfused_forward") for m in model.modules())
+
+
+def test_health_statistics_keep_the_mlps_unfused_and_the_run_says_so(cache_dir, tmp_path):
+    """fp8.stats_every hooks every FP8 projection (its operands are measured per linear), so the fused MLPs run their
+    own forward; the run's warnings say so rather than leaving the user to believe the MLPs were fused."""
+    import contextlib
+    import io
+
+    from fp8kit.config import load_config
+    from fp8kit.train.trainer import train
+    from tests.conftest import small_run_overrides
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        res = train(load_config(None, [*small_run_overrides(cache_dir), "model.preset=llama-125m", "train.steps=2",
+                                       "train.mixed_precision=fp8", "fp8.recipe=blockwise", "fp8.emulate=true",
+                                       "fp8.blockwise_fused_mlp=true", "fp8.stats_every=1", "train.eval_every=0",
+                                       "train.checkpoint_every=0", "train.final_checkpoint=false"]), tmp_path / "run")
+    out = " ".join(buf.getvalue().split())
+    assert "fp8.blockwise_fused_mlp: the SwiGLU MLPs run unfused in this run: fp8.stats_every" in out, out[-3000:]
+    assert any(row["layer"].endswith("mlp.down_proj") for row in res.metrics[-1]["fp8_health"]), res.metrics[-1]

@@ -162,20 +162,26 @@ def _fused_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
                                        gate.emulate, gate.keep_weight_copy, gate.wgrad_x)
 
 
-def install_fused_mlps(model: nn.Module) -> tuple[list[str], dict[str, str]]:
-    """Give every :data:`FUSABLE_MLPS` module of ``model`` the fused forward (idempotent).
+def _mlps(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, mod) for name, mod in model.named_modules() if type(mod).__name__ in FUSABLE_MLPS]
 
-    Returns:
-        ``(fused, blocked)``: the names of the MLPs that run fused now, and ``{name: reason}`` for those that
-        run their own forward now (each re-checks at every call: :func:`fused_mlp_blocker`).
-    """
-    fused, blocked = [], {}
-    for name, mod in model.named_modules():
-        if type(mod).__name__ not in FUSABLE_MLPS:
-            continue
+
+def install_fused_mlps(model: nn.Module) -> None:
+    """Give every :data:`FUSABLE_MLPS` module of ``model`` the fused forward (idempotent; each call re-checks
+    :func:`fused_mlp_blocker` and runs the module's own forward while it names a reason)."""
+    for _, mod in _mlps(model):
         if not hasattr(mod, _ORIGINAL):
             setattr(mod, _ORIGINAL, mod.forward)
             mod.forward = types.MethodType(_fused_forward, mod)
+
+
+def fused_mlp_report(model: nn.Module) -> tuple[list[str], dict[str, str]]:
+    """``(fused, blocked)``: the names of the installed MLPs of ``model`` that run fused now, and ``{name: reason}``
+    for those that run their own forward now (:func:`fused_mlp_blocker`)."""
+    fused, blocked = [], {}
+    for name, mod in _mlps(model):
+        if not hasattr(mod, _ORIGINAL):
+            continue
         reason = fused_mlp_blocker(mod)
         if reason is None:
             fused.append(name)

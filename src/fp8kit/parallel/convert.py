@@ -26,7 +26,7 @@ from fp8kit.base.torchao_lib import torchao_float8
 from fp8kit.fp8.delayed import DelayedScalingState, Float8DelayedLinear
 from fp8kit.fp8.linear import Float8BlockwiseLinear
 from fp8kit.fp8.recipes import float8_linear_config, recipe_info
-from fp8kit.fp8.swiglu_mlp import install_fused_mlps
+from fp8kit.fp8.swiglu_mlp import fused_mlp_report, install_fused_mlps
 from fp8kit.moe import experts as moe_experts
 from fp8kit.moe.grouped_mm import GroupedGemmConfig
 from fp8kit.selective.decide import Decision
@@ -146,7 +146,7 @@ def apply_fp8(model: nn.Module, decisions: list[Decision], options: ConversionOp
 def fused_mlp_notes(model: nn.Module) -> list[str]:
     """What ``fp8.blockwise_fused_mlp`` does in ``model`` now, for the run's notes: how many SwiGLU MLPs run fused,
     and each reason some run unfused (empty when the model has no MLP of ``swiglu_mlp.FUSABLE_MLPS``)."""
-    fused, blocked = install_fused_mlps(model)
+    fused, blocked = fused_mlp_report(model)
     if not fused and not blocked:
         return []
     notes = [f"fp8.blockwise_fused_mlp: {len(fused)} of {len(fused) + len(blocked)} SwiGLU MLPs run with the "
