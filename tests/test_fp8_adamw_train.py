@@ -2,11 +2,11 @@
 
 The reference is AdamW with FP32 master weights (train.param_dtype = fp32: FP32 weights, gradients and
 states, bf16 forward through autocast, 16 bytes/param). Both runs use FP8 matmuls, the same seed, data
-order and schedule (250 steps, lr 1e-3, 10 warmup steps, cosine to 10 %). Threshold: FP8AdamW's mean train
+order and schedule (150 steps, lr 1e-3, 10 warmup steps, cosine to 10 %). Threshold: FP8AdamW's mean train
 loss over the last 10 % of steps and its final validation loss within 2 % of AdamW's (the issue's bar;
-measured +0.22 % and +0.38 %: 5.0801 vs 5.0692 and 5.3863 vs 5.3660). Training state recorded per step:
-8.00 B/param (6 + 2 for the bf16 working weights; 8.0033 with the flat layout's padding) against 16.
-The two runs take about 165 s together (AdamW 0.26 s/step, FP8AdamW 0.34 s/step, 2 cores, eager step).
+measured +0.12 % and +0.16 %: 5.4311 vs 5.4249 and 5.8038 vs 5.7944; at 250 steps, until session 18, +0.22 % and
++0.38 %). Training state recorded per step: 8.00 B/param (6 + 2 for the bf16 working weights; 8.0033 with the flat
+layout's padding) against 16. The two runs take about 100 s together on 2 cores (eager step).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def runs(cache_dir, tmp_path_factory):
-    """The two 250-step runs, once for the tests below: ``{name: (TrainResult, console output)}``."""
+    """The two 150-step runs, once for the tests below: ``{name: (TrainResult, console output)}``."""
     out = {}
     base = [
         f"train.steps={STEPS}",
@@ -75,14 +75,14 @@ def test_fp8_adamw_loss_within_2pct_of_fp32_adamw(runs):
     assert abs(val / val_ref - 1) < GAP, (
         f"val loss {val:.4f} vs AdamW {val_ref:.4f} ({val / val_ref - 1:+.2%})"
     )
-    # both learned: ln(1024) = 6.93 is where training starts (measured 7.00 -> 5.08, val 6.09 -> 5.39)
+    # both learned: ln(1024) = 6.93 is where training starts (measured: train 7.00 -> 5.43, val 6.08 at step 50 -> 5.80)
     first = statistics.fmean(r["loss"] for r in fp8[:5])
     vals = [r["val_loss"] for r in fp8 if r.get("val_loss") is not None]
-    assert tail < first - 1.5, f"fp8_adamw train loss fell only from {first:.3f} to {tail:.3f}"
-    assert len(vals) == STEPS // 50 and vals[-1] < vals[0] - 0.3 and vals[-1] < 6.0, (
+    assert tail < first - 1.2, f"fp8_adamw train loss fell only from {first:.3f} to {tail:.3f}"
+    assert len(vals) == STEPS // 50 and vals[-1] < vals[0] - 0.15 and vals[-1] < 6.0, (
         f"fp8_adamw val losses {vals}"
     )
-    assert tail_ref < first - 1.5
+    assert tail_ref < first - 1.2
 
 
 @pytest.mark.slow

@@ -79,8 +79,14 @@ def _kernels():
     return triton_module("fp8kit.fp8.kernels.swiglu_triton", "fused SwiGLU quantization")
 
 
-def _unit_stride(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return tuple(t if t.stride(1) == 1 else t.contiguous() for t in ts)
+def _on_cuda(name: str, reference, tensors: tuple[torch.Tensor, ...], *args):
+    """The Triton kernel ``name`` of :func:`_kernels` on ``tensors`` (unit stride along the last dim) and ``args``,
+    on their GPU; the ``reference`` where triton is missing."""
+    kernels = _kernels()
+    if kernels is None:
+        return reference(*tensors, *args)
+    with torch.cuda.device(tensors[0].device):
+        return getattr(kernels, name)(*(t if t.stride(1) == 1 else t.contiguous() for t in tensors), *args)
 
 
 def _fake_act(like: torch.Tensor, t2d: bool) -> Quantized:
@@ -99,11 +105,7 @@ def _swiglu_op(g: torch.Tensor, u: torch.Tensor, wgrad_x: str) -> tuple[
 
 @_swiglu_op.register_kernel("cuda")
 def _(g, u, wgrad_x):
-    kernels = _kernels()
-    if kernels is None:
-        return swiglu_quantize_act_ref(g, u, wgrad_x)
-    with torch.cuda.device(g.device):
-        return kernels.swiglu_quantize_act(*_unit_stride(g, u), wgrad_x)
+    return _on_cuda("swiglu_quantize_act", swiglu_quantize_act_ref, (g, u), wgrad_x)
 
 
 @_swiglu_op.register_fake
@@ -119,11 +121,7 @@ def _swiglu_bwd_op(da: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> tuple[
 
 @_swiglu_bwd_op.register_kernel("cuda")
 def _(da, g, u):
-    kernels = _kernels()
-    if kernels is None:
-        return swiglu_backward_quantize_ref(da, g, u)
-    with torch.cuda.device(g.device):
-        return kernels.swiglu_backward_quantize(*_unit_stride(da, g, u))
+    return _on_cuda("swiglu_backward_quantize", swiglu_backward_quantize_ref, (da, g, u))
 
 
 @_swiglu_bwd_op.register_fake
