@@ -3,23 +3,24 @@ the blockwise casts of their outputs, in one read of their inputs.
 
 Both walk ``[M, I]`` in 128x128 tiles as :func:`fp8kit.fp8.kernels.blockwise_triton._act_quant_kernel` does
 (one program per tile, ``CHUNK``-row slices; pass 1 writes the 1x128 copy and keeps the column amax, pass 2
-re-reads the slices from L2 for the transposed copy), with the same tile helpers, so the FP8 bits are those of
-:func:`fp8kit.fp8.blockwise.quantize_act` of the rounded SwiGLU values the kernel computed:
+re-reads the slices from L2 for the transposed copy, or, with one 128-row slice, casts the values still in
+registers), with the same tile helpers, so the FP8 copies are :func:`fp8kit.fp8.blockwise.quantize_act` of the
+rounded SwiGLU values the kernel computed:
 
-- :func:`swiglu_quantize_act`: ``a = silu(g) * u`` in float32, rounded to the input dtype, then both FP8 copies of ``a``: the down projection's fprop operand
-  and its wgrad operand (``128x1`` blocks or, ``T_2D``, one scale per 128x128 tile). ``a`` itself is never
-  written.
+- :func:`swiglu_quantize_act`: ``a = silu(g) * u`` in float32, rounded to the input dtype, then both FP8 copies of
+  ``a``: the down projection's fprop operand and its wgrad operand (``128x1`` blocks or, ``T_2D``, one scale per
+  128x128 tile). ``a`` itself is not written.
 - :func:`swiglu_backward_quantize`: ``dg = da * u * s * (1 + g * (1 - s))`` and ``du = da * g * s`` with
   ``s = sigmoid(g)``, each rounded to the input dtype, then both FP8 copies of each (1x128 for the gate / up
   dgrad GEMM, 128x1 for their wgrad GEMMs). Neither gradient is written in bf16.
 
 The sigmoid is the hardware's (``exp`` as ``ex2.approx``, fast division, FMA contraction on), as Inductor's SiLU
-is: a first version with the IEEE-exact sigmoid of :mod:`fp8kit.fp8.silu` (bit-equal to a PyTorch reference) was
-compute-bound, 3-7x slower than the bytes it moves, and slower than the unfused MLP on the H100
-(docs/benchmarks.md section 6). So a SwiGLU value can differ from the PyTorch reference's by a bf16 ulp; the GPU
-test checks that, and checks the FP8 copies bit for bit against :func:`fp8kit.fp8.blockwise.quantize_act` of the
-values the kernel computed (``values=True`` returns them). Autotuned over ``CHUNK`` and ``num_warps`` keyed on ``I``; every
-configuration computes the same bits. Imported only on CUDA.
+is. A first version computed the sigmoid as the MoE SwiGLU kernel does (Cephes ``expf`` in IEEE operations, bit-equal
+to a PyTorch reference) and was compute-bound: slower than the unfused MLP on the H100 (docs/benchmarks.md
+section 6). So a SwiGLU value can differ from :func:`fp8kit.fp8.swiglu.swiglu_ref`'s by a bf16 ulp; the GPU test
+checks that, and the FP8 copies bit for bit against ``quantize_act`` of the values the kernel computed
+(``values=True`` returns them). Autotuned over ``CHUNK`` and ``num_warps`` keyed on ``I``; every configuration
+computes the same bits (tests/test_kernels_in_interpreter.py). Imported only on CUDA.
 """
 
 from __future__ import annotations
