@@ -12,6 +12,31 @@ from pathlib import Path
 
 import torch
 
+#: the tiny preset with its MLP widened to 512 (688 is not a multiple of the blockwise recipe's 128, which would keep
+#: the MLPs BF16 and the fused MLP idle): written by :func:`write_whole_block_config` into the cache directory
+WHOLE_BLOCK_CONFIG = "{cache}/tiny_whole_blocks/config.json"
+BLOCKWISE_FUSED = [f"model.hf_config={WHOLE_BLOCK_CONFIG}", "fp8.recipe=blockwise", "fp8.emulate=true",
+                   "fp8.blockwise_fused_mlp=true"]
+
+
+def write_whole_block_config(cache) -> None:
+    """The HF config of :data:`WHOLE_BLOCK_CONFIG` (idempotent)."""
+    from fp8kit.config import load_config
+    from fp8kit.models.build import build_hf_config
+
+    path = Path(WHOLE_BLOCK_CONFIG.format(cache=cache))
+    if not path.is_file():
+        cfg = load_config(None, ["model.num_layers=2"])
+        hf = build_hf_config(cfg.model, 1024)
+        hf.intermediate_size = 512
+        path.parent.mkdir(parents=True, exist_ok=True)
+        hf.to_json_file(str(path))
+
+
+def scenario_sets(name: str, cache) -> list[str]:
+    """The ``--set`` overrides of scenario ``name`` with the cache directory filled in."""
+    return [s.format(cache=cache) for s in SCENARIOS[name]]
+
 SCENARIOS = {
     # global batch 4 sequences like the single-process reference (micro_batch_size 4)
     "fsdp_bf16": ["train.mixed_precision=bf16", "train.micro_batch_size=2"],
@@ -22,6 +47,9 @@ SCENARIOS = {
                   "distributed.sequence_parallel=true"],
     "tpsp_fp8": ["train.mixed_precision=fp8", "train.micro_batch_size=4", "distributed.tp=2",
                  "distributed.sequence_parallel=true"],
+    # blockwise with the fused SwiGLU MLPs (fp8.blockwise_fused_mlp) under FSDP2: the weights re-gathered for the
+    # backward, their dgrad copies cast again there (keep_weight_copy = False)
+    "fsdp_blockwise_fused": ["train.mixed_precision=fp8", "train.micro_batch_size=2", *BLOCKWISE_FUSED],
     # MoE: FP8 grouped experts under FSDP2 (the 3-D expert weights sharded on dim 0 like any weight)
     "fsdp_moe_fp8": ["model.preset=tiny-moe", "train.mixed_precision=fp8", "train.micro_batch_size=2"],
     # expert parallel: 4 of the 8 experts per rank, tokens by all-to-all, the rest FSDP2
@@ -54,7 +82,7 @@ def main() -> None:
 
     for name in sys.argv[3:]:
         sets = small_run_overrides(cache) + ["train.steps=10", "train.eval_every=0", "train.checkpoint_every=0"]
-        cfg = load_config(None, sets + SCENARIOS[name])
+        cfg = load_config(None, sets + scenario_sets(name, cache))
         src = RESUME.get(name)
         train(cfg, out_root / name, resume=out_root / src[0] / "checkpoints" / src[1] if src else None)
     import torch.distributed as dist

@@ -33,6 +33,7 @@ from fp8kit.parallel.mesh import resolve_dims
 from fp8kit.train.metrics import read_metrics
 from fp8kit.train.trainer import train
 from tests.conftest import small_run_overrides
+from tests.distributed_worker import BLOCKWISE_FUSED, write_whole_block_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = {"bf16": 4e-3, "fp8": 1e-2}
@@ -87,10 +88,11 @@ def dist_runs(cache_dir, tmp_path_factory, one_thread):
     train(load_config(None, small_run_overrides(cache_dir) + ["train.steps=1", "train.final_checkpoint=false",
                                                               "train.mixed_precision=bf16"]),
           tmp_path_factory.mktemp("warm") / "r")
+    write_whole_block_config(cache_dir)
     out = tmp_path_factory.mktemp("dist")
     _torchrun(2, [str(ROOT / "tests" / "distributed_worker.py"), str(out), str(cache_dir),
                   "fsdp_bf16", "fsdp_fp8", "tp_bf16", "tp_fp8", "tpsp_bf16", "tpsp_fp8", "fsdp_moe_fp8", "ep_moe_fp8",
-                  "ep_moe_bf16"], timeout=600)
+                  "ep_moe_bf16", "fsdp_blockwise_fused"], timeout=600)
     return out
 
 
@@ -105,6 +107,10 @@ def references(cache_dir, tmp_path_factory, one_thread):
         metrics = train(cfg, out / prec).metrics
         refs[prec] = [r["loss"] for r in metrics]
         refs[f"{prec}_val"] = metrics[-1]["val_loss"]
+    write_whole_block_config(cache_dir)
+    cfg = load_config(None, small_run_overrides(cache_dir) + BASE + META + [
+        "train.mixed_precision=fp8", *(s.format(cache=cache_dir) for s in BLOCKWISE_FUSED)])
+    refs["blockwise_fused"] = [r["loss"] for r in train(cfg, out / "blockwise_fused").metrics]
     refs["dir"] = out
     return refs
 
@@ -131,6 +137,18 @@ def test_two_ranks_match_one_process(dist_runs, references, layout, prec):
     _close(got, references[prec], TOL[prec], f"{layout} x2 {prec} vs 1 process")
     # the validation loss (same windows: global batch 4) is averaged over the data-parallel ranks
     _close([records[-1]["val_loss"]], [references[f"{prec}_val"]], TOL[prec], f"{layout} x2 {prec} val loss")
+
+
+def test_fsdp2_runs_the_fused_blockwise_mlps_like_one_process(dist_runs, references):
+    """fp8.blockwise_fused_mlp under FSDP2 (2 ranks): the MLPs run fused (the run says so) with the weights
+    re-gathered for the backward, and the losses follow the one-process run of the same setting."""
+    import json
+
+    summary = json.loads((dist_runs / "fsdp_blockwise_fused" / "summary.json").read_text())
+    assert any("2 of 2 SwiGLU MLPs run with the SwiGLU's FP8 casts fused" in n for n in summary["parallel_notes"]), \
+        summary["parallel_notes"]
+    got = _losses(dist_runs / "fsdp_blockwise_fused")
+    _close(got, references["blockwise_fused"], TOL["fp8"], "fsdp x2 blockwise, fused MLPs vs 1 process")
 
 
 def test_layout_is_recorded_in_the_summary(dist_runs):
