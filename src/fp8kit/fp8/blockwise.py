@@ -157,6 +157,16 @@ def quantize_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, 1.0 / scale
 
 
+def empty_act_outputs(like: torch.Tensor, m, k: int, wgrad_x: str = "128x1") -> tuple[torch.Tensor, ...]:
+    """Uninitialised ``(q, s_t, qt, st)`` in :func:`quantize_act`'s layout for an ``[m, k]`` input, on ``like``'s
+    device: what the Triton casts fill, and the shapes the ops' fake implementations give ``torch.compile``."""
+    mp = padded_rows(m)
+    f32 = torch.float32
+    st = (like.new_empty(k // BLOCK, round_up4(mp // BLOCK), dtype=f32) if wgrad_x == "128x128"
+          else like.new_empty(mp // BLOCK, k, dtype=f32))
+    return like.new_empty(mp, k, dtype=FP8), like.new_empty(k // BLOCK, mp, dtype=f32), like.new_empty(k, mp, dtype=FP8), st
+
+
 def quantize_act(x: torch.Tensor, wgrad_x: str = "128x1") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused activation / output-gradient quantization: both FP8 copies of ``x`` (reference).
 

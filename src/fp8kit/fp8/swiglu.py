@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 
 from fp8kit.base.triton_lib import triton_module
-from fp8kit.fp8.blockwise import BLOCK, FP8, check_wgrad_x, padded_rows, quantize_act, round_up4
+from fp8kit.fp8.blockwise import BLOCK, check_wgrad_x, empty_act_outputs, quantize_act
+from fp8kit.fp8.kernels.ops import Quantized
 
-Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -89,14 +89,6 @@ def _on_cuda(name: str, reference, tensors: tuple[torch.Tensor, ...], *args):
         return getattr(kernels, name)(*(t if t.stride(1) == 1 else t.contiguous() for t in tensors), *args)
 
 
-def _fake_act(like: torch.Tensor, t2d: bool) -> Quantized:
-    m, k = like.shape
-    mp = padded_rows(m)
-    f32 = torch.float32
-    st = like.new_empty(k // BLOCK, round_up4(mp // BLOCK), dtype=f32) if t2d else like.new_empty(mp // BLOCK, k, dtype=f32)
-    return like.new_empty(mp, k, dtype=FP8), like.new_empty(k // BLOCK, mp, dtype=f32), like.new_empty(k, mp, dtype=FP8), st
-
-
 @torch.library.custom_op("fp8kit::blockwise_swiglu_quant", mutates_args=())
 def _swiglu_op(g: torch.Tensor, u: torch.Tensor, wgrad_x: str) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,7 +102,7 @@ def _(g, u, wgrad_x):
 
 @_swiglu_op.register_fake
 def _(g, u, wgrad_x):
-    return _fake_act(g, wgrad_x == "128x128")
+    return empty_act_outputs(g, *g.shape, wgrad_x)
 
 
 @torch.library.custom_op("fp8kit::blockwise_swiglu_bwd_quant", mutates_args=())
@@ -126,7 +118,7 @@ def _(da, g, u):
 
 @_swiglu_bwd_op.register_fake
 def _(da, g, u):
-    return (*_fake_act(g, False), *_fake_act(g, False))
+    return (*empty_act_outputs(g, *g.shape), *empty_act_outputs(g, *g.shape))
 
 
 def swiglu_quantize_act(g: torch.Tensor, u: torch.Tensor, wgrad_x: str = "128x1") -> Quantized:

@@ -36,7 +36,7 @@ import torch
 
 from fp8kit.base.triton_lib import triton_module
 from fp8kit.fp8 import blockwise
-from fp8kit.fp8.blockwise import BLOCK, FP8, padded_rows
+from fp8kit.fp8.blockwise import BLOCK
 
 Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -139,13 +139,6 @@ def _triton_kernels():
     return triton_module("fp8kit.moe.token_quant_triton", "MoE token quantization")
 
 
-def _fake_quantized(like: torch.Tensor, m, k: int) -> Quantized:
-    mp = padded_rows(m)
-    f32 = torch.float32
-    return (like.new_empty(mp, k, dtype=FP8), like.new_empty(k // BLOCK, mp, dtype=f32),
-            like.new_empty(k, mp, dtype=FP8), like.new_empty(mp // BLOCK, k, dtype=f32))
-
-
 @torch.library.custom_op("fp8kit::moe_gather_quant_act", mutates_args=())
 def _gather_op(src: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return gather_quantize_act_ref(src, index)
@@ -165,7 +158,7 @@ def _(src, index):
 @_gather_op.register_fake
 def _(src, index):
     _check_gather(src, index)
-    return _fake_quantized(src, index.shape[0], src.shape[1])
+    return blockwise.empty_act_outputs(src, index.shape[0], src.shape[1])
 
 
 @torch.library.custom_op("fp8kit::moe_swiglu_quant_act", mutates_args=())
@@ -188,7 +181,7 @@ def _(h, interleaved):
 @_swiglu_op.register_fake
 def _(h, interleaved):
     i = _check_h(h, "fp8kit::moe_swiglu_quant_act")
-    return (h.new_empty(h.shape[0], i), *_fake_quantized(h, h.shape[0], i))
+    return (h.new_empty(h.shape[0], i), *blockwise.empty_act_outputs(h, h.shape[0], i))
 
 
 # --------------------------------------------------------------------------- public entry points

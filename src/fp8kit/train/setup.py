@@ -353,7 +353,7 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
         },
     }
     setup.warnings.extend(prepared.notes)
-    if cfg.fp8.blockwise_fused_mlp and cfg.fp8.stats_every and any("blockwise_fused_mlp" in n for n in prepared.notes):
+    if cfg.fp8.blockwise_fused_mlp and cfg.fp8.stats_every and cfg.fp8.recipe == "blockwise":  # any precision phase
         setup.warnings.append("fp8.blockwise_fused_mlp: the SwiGLU MLPs run unfused in this run: fp8.stats_every hooks "
                               "each projection to measure its operands (fp8kit.train.health)")
     return setup

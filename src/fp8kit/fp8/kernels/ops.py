@@ -163,12 +163,7 @@ def _(x: torch.Tensor, wgrad_x: str) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 @_quant_act_op.register_fake
 def _(x: torch.Tensor, wgrad_x: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    m, k = x.shape
-    mp = padded_rows(m)
-    f32 = torch.float32
-    st = (x.new_empty(k // BLOCK, round_up4(mp // BLOCK), dtype=f32) if wgrad_x == "128x128"
-          else x.new_empty(mp // BLOCK, k, dtype=f32))
-    return x.new_empty(mp, k, dtype=FP8), x.new_empty(k // BLOCK, mp, dtype=f32), x.new_empty(k, mp, dtype=FP8), st
+    return blockwise.empty_act_outputs(x, *x.shape, wgrad_x)
 
 
 @torch.library.custom_op("fp8kit::blockwise_quant_act_fprop", mutates_args=())

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8kit.fp8.blockwise import BLOCK, FP8, padded_rows, round_up4
+from fp8kit.fp8.blockwise import BLOCK, FP8, empty_act_outputs
 from fp8kit.fp8.kernels.blockwise_triton import _col_scale, _quant_cols, _quant_rows, _tile_scale
 from fp8kit.fp8.scaling import AMAX_EPS, DTYPE_MAX, F32_MAX
 
@@ -156,14 +156,6 @@ def _swiglu_bwd_quant_kernel(
         _quant_cols(du, rows, cols, u_scale, uqt_ptr, MP, FP8_MAX)
 
 
-def _act_outputs(m: int, k: int, device, t2d: bool = False) -> tuple[torch.Tensor, ...]:
-    """Empty ``(q, s_t, qt, st)`` in :func:`fp8kit.fp8.blockwise.quantize_act`'s layout."""
-    mp = padded_rows(m)
-    st_shape = (k // BLOCK, round_up4(mp // BLOCK)) if t2d else (mp // BLOCK, k)
-    return (torch.empty(mp, k, dtype=FP8, device=device), torch.empty(k // BLOCK, mp, dtype=torch.float32, device=device),
-            torch.empty(k, mp, dtype=FP8, device=device), torch.empty(st_shape, dtype=torch.float32, device=device))
-
-
 def swiglu_quantize_act(g: torch.Tensor, u: torch.Tensor, wgrad_x: str,
                         values: bool = False) -> tuple[torch.Tensor, ...]:
     """Triton version of :func:`fp8kit.fp8.swiglu.swiglu_quantize_act_ref` (module docstring: the SwiGLU values
@@ -176,7 +168,7 @@ def swiglu_quantize_act(g: torch.Tensor, u: torch.Tensor, wgrad_x: str,
     """
     m, k = g.shape
     t2d = wgrad_x == "128x128"
-    q, s_t, qt, st = _act_outputs(m, k, g.device, t2d)
+    q, s_t, qt, st = empty_act_outputs(g, m, k, wgrad_x)
     a = torch.empty(m, k, dtype=g.dtype, device=g.device) if values else q
     mp = q.shape[0]
     if mp:
@@ -198,8 +190,8 @@ def swiglu_backward_quantize(da: torch.Tensor, g: torch.Tensor, u: torch.Tensor,
         values: also return ``dg`` and ``du`` themselves (rounded to ``g.dtype``) as outputs 9 and 10.
     """
     m, k = g.shape
-    gouts = _act_outputs(m, k, g.device)
-    uouts = _act_outputs(m, k, g.device)
+    gouts = empty_act_outputs(g, m, k)
+    uouts = empty_act_outputs(g, m, k)
     dg, du = ((torch.empty(m, k, dtype=g.dtype, device=g.device) for _ in range(2)) if values
               else (gouts[0], uouts[0]))
     mp = gouts[0].shape[0]
