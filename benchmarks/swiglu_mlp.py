@@ -118,7 +118,7 @@ def main() -> int:
         path.write_text(json.dumps(out, indent=1))
         print(f"{m}x{h}x{i}: " + ", ".join(f"{v} {row['ms'][v]:.3f} ms ({row['speedup'][v]}x)" for v in variants),
               flush=True)
-    print("\n| M x H x I | " + " | ".join(variants) + " |\n|---" * (len(variants) + 1) + "|")
+    print("\n| M x H x I | " + " | ".join(variants) + " |\n" + "|---" * (len(variants) + 1) + "|")
     for r in out["rows"]:
         print(f"| {r['M']}x{r['H']}x{r['I']} | " + " | ".join(f"{r['ms'][v]:.3f} ({r['speedup'][v]}x)"
                                                          for v in variants) + " |")

@@ -24,7 +24,14 @@ import triton
 import triton.language as tl
 
 from fp8kit.fp8.blockwise import BLOCK, FP8, padded_rows
-from fp8kit.fp8.kernels.blockwise_triton import _col_scale, _quant_cols, _quant_rows
+from fp8kit.fp8.kernels.blockwise_triton import (
+    _col_amax,
+    _col_scale,
+    _max_init,
+    _max_rows,
+    _quant_cols,
+    _quant_rows,
+)
 from fp8kit.fp8.scaling import AMAX_EPS, DTYPE_MAX, F32_MAX
 from fp8kit.moe import token_quant as tq
 
@@ -57,13 +64,13 @@ def _gather_act_quant_kernel(
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = (pid_k * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)).to(tl.int64)
-    col_amax = tl.zeros((BLOCK_SIZE,), tl.float32)
+    abs_max = _max_init(CHUNK, BLOCK_SIZE)
     for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
         offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
         x = _gathered(src_ptr, idx_ptr, offs_m, cols, T, M, stride_src, "evict_last")
-        amax = _quant_rows(x, offs_m.to(tl.int64), cols, q_ptr, s_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, CHUNK)
-        col_amax = tl.maximum(col_amax, amax)
-    scale_c = _col_scale(col_amax, st_ptr, pid_m, cols, K, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
+        ax = _quant_rows(x, offs_m.to(tl.int64), cols, q_ptr, s_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, CHUNK)
+        abs_max = _max_rows(abs_max, ax, CHUNK, BLOCK_SIZE)
+    scale_c = _col_scale(_col_amax(abs_max, CHUNK, BLOCK_SIZE), st_ptr, pid_m, cols, K, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
     for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
         offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
         x = _gathered(src_ptr, idx_ptr, offs_m, cols, T, M, stride_src, "evict_first")
@@ -117,7 +124,7 @@ def _swiglu_act_quant_kernel(
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = (pid_k * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)).to(tl.int64)
-    col_amax = tl.zeros((BLOCK_SIZE,), tl.float32)
+    abs_max = _max_init(CHUNK, BLOCK_SIZE)
     for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
         offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
         rows = offs_m.to(tl.int64)
@@ -125,9 +132,9 @@ def _swiglu_act_quant_kernel(
         a = a.to(a_ptr.dtype.element_ty)  # round to h.dtype (RTNE) as the reference; the FP8 copies quantize these
 
         tl.store(a_ptr + rows[:, None] * INTER + cols[None, :], a, mask=offs_m[:, None] < M)
-        amax = _quant_rows(a.to(tl.float32), rows, cols, q_ptr, s_t_ptr, pid_k, MP, INTER, EPS, AMAX_MAX, FP8_MAX, CHUNK)
-        col_amax = tl.maximum(col_amax, amax)
-    scale_c = _col_scale(col_amax, st_ptr, pid_m, cols, INTER, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
+        ax = _quant_rows(a.to(tl.float32), rows, cols, q_ptr, s_t_ptr, pid_k, MP, INTER, EPS, AMAX_MAX, FP8_MAX, CHUNK)
+        abs_max = _max_rows(abs_max, ax, CHUNK, BLOCK_SIZE)
+    scale_c = _col_scale(_col_amax(abs_max, CHUNK, BLOCK_SIZE), st_ptr, pid_m, cols, INTER, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
     for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
         offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
         a = _swiglu(h_ptr, offs_m, cols, pid_k, M, INTER, stride_hm, INTERLEAVED, "evict_first", CHUNK, BLOCK_SIZE)

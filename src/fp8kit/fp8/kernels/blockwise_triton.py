@@ -8,8 +8,9 @@ test checks it. Layouts are documented there.
 - :func:`quantize_act`: one program per 128x128 tile of ``x[M, K]`` reads the tile from HBM once and
   writes both FP8 copies: the 1x128 copy ``q[Mp, K]`` (row amax) and the 128x1 copy transposed,
   ``qt[K, Mp]`` (column amax), with their decoding scales. Rows past ``M`` read as zero. The tile is
-  walked in slices of ``CHUNK`` rows (few live registers, high occupancy); the column copy re-reads the
-  slices while they are still in L2. With ``t2d`` (``wgrad_x = "128x128"``) the transposed copy takes one
+  walked in slices of ``CHUNK`` rows (few live registers, high occupancy), keeping the running max of
+  ``|x|`` element-wise so the column amax takes one reduction across warps per tile (``_max_rows``); the
+  column copy re-reads the slices while they are still in L2. With ``t2d`` (``wgrad_x = "128x128"``) the transposed copy takes one
   scale per tile (the max of the column amaxes) in the weight layout of ``x^T``.
 - :func:`quantize_weight`: one program per 128x128 block of ``w[N, K]`` writes ``wq[N, K]`` and
   ``wtq[K, N]`` with the block's scale in both padded scale layouts (padding included).
@@ -46,13 +47,43 @@ def _scale_of(amax, EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.const
 
 @triton.jit
 def _quant_rows(x, rows, cols, q_ptr, s_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, CHUNK: tl.constexpr):
-    # 1x128 along K: one scale per row -> q[Mp, K], s_t[K/128, Mp]. Returns the slice's column amax.
+    # 1x128 along K: one scale per row -> q[Mp, K], s_t[K/128, Mp]. Returns |x| for the caller's _max_rows.
     ax = tl.abs(x)
     scale_r = _scale_of(tl.max(ax, axis=1), EPS, AMAX_MAX, FP8_MAX)
     q = tl.clamp(x * scale_r[:, None], -FP8_MAX, FP8_MAX).to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + rows[:, None] * K + cols[None, :], q)
     tl.store(s_t_ptr + pid_k * MP + rows, tl.div_rn(tl.full((CHUNK,), 1.0, tl.float32), scale_r))
-    return tl.max(ax, axis=0)
+    return ax
+
+
+@triton.jit
+def _max_rows(abs_max, ax, CHUNK: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    # The running max over a tile's CHUNK-row slices of |x|, kept element-wise ([CHUNK, 128]) so that the
+    # reduction across warps happens once per tile (_col_amax), not once per slice; with one slice (CHUNK = 128)
+    # reduced at once (a second 128x128 float32 tile held in registers cost more than the one reduction).
+    # max is exact, so either way gives the same bits.
+    if CHUNK == BLOCK_SIZE:
+        return tl.max(ax, axis=0)
+    else:
+        return tl.maximum(abs_max, ax)
+
+
+@triton.jit
+def _max_init(CHUNK: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    # the zero _max_rows starts from ([128] with one slice, [CHUNK, 128] otherwise)
+    if CHUNK == BLOCK_SIZE:
+        return tl.zeros((BLOCK_SIZE,), tl.float32)
+    else:
+        return tl.zeros((CHUNK, BLOCK_SIZE), tl.float32)
+
+
+@triton.jit
+def _col_amax(abs_max, CHUNK: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    # The tile's column amax [128] from _max_rows's running max.
+    if CHUNK == BLOCK_SIZE:
+        return abs_max
+    else:
+        return tl.max(abs_max, axis=0)
 
 
 @triton.jit
@@ -100,7 +131,7 @@ def _act_quant_kernel(
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = (pid_k * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)).to(tl.int64)
-    col_amax = tl.zeros((BLOCK_SIZE,), tl.float32)
+    abs_max = _max_init(CHUNK, BLOCK_SIZE)
     for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
         offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
         rows = offs_m.to(tl.int64)
@@ -108,13 +139,14 @@ def _act_quant_kernel(
                     eviction_policy="evict_last").to(tl.float32)
         ax = tl.abs(x)
         if WRITE_T:
-            col_amax = tl.maximum(col_amax, tl.max(ax, axis=0))
+            abs_max = _max_rows(abs_max, ax, CHUNK, BLOCK_SIZE)
         # 1x128 along K: one scale per row -> q[Mp, K], s_t[K/128, Mp].
         scale_r = _scale_of(tl.max(ax, axis=1), EPS, AMAX_MAX, FP8_MAX)
         q = tl.clamp(x * scale_r[:, None], -FP8_MAX, FP8_MAX).to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + rows[:, None] * K + cols[None, :], q)
         tl.store(s_t_ptr + pid_k * MP + rows, tl.div_rn(tl.full((CHUNK,), 1.0, tl.float32), scale_r))
     if WRITE_T:
+        col_amax = _col_amax(abs_max, CHUNK, BLOCK_SIZE)
         if T_2D:
             # One scale per 128x128 tile (the weight kernel's formula) -> qt[K, Mp], st[K/128, ST_LD] at
             # [pid_k, pid_m]; the scale columns past Mp/128 (cuBLAS's 16-byte alignment) hold 1.0.

@@ -30,7 +30,15 @@ import triton
 import triton.language as tl
 
 from fp8kit.fp8.blockwise import BLOCK, FP8, empty_act_outputs
-from fp8kit.fp8.kernels.blockwise_triton import _col_scale, _quant_cols, _quant_rows, _tile_scale
+from fp8kit.fp8.kernels.blockwise_triton import (
+    _col_amax,
+    _col_scale,
+    _max_init,
+    _max_rows,
+    _quant_cols,
+    _quant_rows,
+    _tile_scale,
+)
 from fp8kit.fp8.scaling import AMAX_EPS, DTYPE_MAX, F32_MAX
 
 _FP8_MAX = DTYPE_MAX[FP8]
@@ -96,14 +104,15 @@ def _swiglu_quant_kernel(
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = (pid_k * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)).to(tl.int64)
-    col_amax = tl.zeros((BLOCK_SIZE,), tl.float32)
+    abs_max = _max_init(CHUNK, BLOCK_SIZE)
     for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
         offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
         a = _swiglu(g_ptr, u_ptr, offs_m, cols, M, stride_g, stride_u, "evict_last")
         if STORE_VALUES:
             _store_values(a_ptr, a, offs_m, cols, M, K)
-        amax = _quant_rows(a, offs_m.to(tl.int64), cols, q_ptr, s_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, CHUNK)
-        col_amax = tl.maximum(col_amax, amax)
+        ax = _quant_rows(a, offs_m.to(tl.int64), cols, q_ptr, s_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, CHUNK)
+        abs_max = _max_rows(abs_max, ax, CHUNK, BLOCK_SIZE)
+    col_amax = _col_amax(abs_max, CHUNK, BLOCK_SIZE)
     if T_2D:
         scale_t = _tile_scale(col_amax, st_ptr, pid_m, pid_k, MP, ST_LD, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
     else:
@@ -132,8 +141,8 @@ def _swiglu_bwd_quant_kernel(
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = (pid_k * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)).to(tl.int64)
-    g_amax = tl.zeros((BLOCK_SIZE,), tl.float32)
-    u_amax = tl.zeros((BLOCK_SIZE,), tl.float32)
+    g_max = _max_init(CHUNK, BLOCK_SIZE)
+    u_max = _max_init(CHUNK, BLOCK_SIZE)
     for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
         offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
         rows = offs_m.to(tl.int64)
@@ -141,12 +150,12 @@ def _swiglu_bwd_quant_kernel(
         if STORE_VALUES:
             _store_values(dg_ptr, dg, offs_m, cols, M, K)
             _store_values(du_ptr, du, offs_m, cols, M, K)
-        amax = _quant_rows(dg, rows, cols, gq_ptr, gs_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, CHUNK)
-        g_amax = tl.maximum(g_amax, amax)
-        amax = _quant_rows(du, rows, cols, uq_ptr, us_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, CHUNK)
-        u_amax = tl.maximum(u_amax, amax)
-    g_scale = _col_scale(g_amax, gst_ptr, pid_m, cols, K, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
-    u_scale = _col_scale(u_amax, ust_ptr, pid_m, cols, K, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
+        ax = _quant_rows(dg, rows, cols, gq_ptr, gs_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, CHUNK)
+        g_max = _max_rows(g_max, ax, CHUNK, BLOCK_SIZE)
+        ax = _quant_rows(du, rows, cols, uq_ptr, us_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, CHUNK)
+        u_max = _max_rows(u_max, ax, CHUNK, BLOCK_SIZE)
+    g_scale = _col_scale(_col_amax(g_max, CHUNK, BLOCK_SIZE), gst_ptr, pid_m, cols, K, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
+    u_scale = _col_scale(_col_amax(u_max, CHUNK, BLOCK_SIZE), ust_ptr, pid_m, cols, K, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
     for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
         offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
         rows = offs_m.to(tl.int64)
