@@ -10,8 +10,8 @@ test checks it. Layouts are documented there.
   ``qt[K, Mp]`` (column amax), with their decoding scales. Rows past ``M`` read as zero. The tile is
   walked in slices of ``CHUNK`` rows (few live registers, high occupancy), keeping the running max of
   ``|x|`` element-wise so the column amax takes one reduction across warps per tile (``_max_rows``); the
-  column copy re-reads the slices while they are still in L2. With ``t2d`` (``wgrad_x = "128x128"``) the transposed copy takes one
-  scale per tile (the max of the column amaxes) in the weight layout of ``x^T``.
+  column copy re-reads the slices while they are still in L2. With ``t2d`` (``wgrad_x = "128x128"``) the
+  transposed copy takes one scale per tile (the max of the column amaxes) in the weight layout of ``x^T``.
 - :func:`quantize_weight`: one program per 128x128 block of ``w[N, K]`` writes ``wq[N, K]`` and
   ``wtq[K, N]`` with the block's scale in both padded scale layouts (padding included).
 
