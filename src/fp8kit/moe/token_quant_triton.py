@@ -28,7 +28,6 @@ from fp8kit.fp8.kernels.blockwise_triton import (
     _col_amax,
     _col_scale,
     _max_init,
-    _max_rows,
     _quant_cols,
     _quant_rows,
 )
@@ -68,8 +67,8 @@ def _gather_act_quant_kernel(
     for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
         offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
         x = _gathered(src_ptr, idx_ptr, offs_m, cols, T, M, stride_src, "evict_last")
-        ax = _quant_rows(x, offs_m.to(tl.int64), cols, q_ptr, s_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, CHUNK)
-        abs_max = _max_rows(abs_max, ax, CHUNK, BLOCK_SIZE)
+        abs_max = _quant_rows(x, offs_m.to(tl.int64), cols, q_ptr, s_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, abs_max,
+                              CHUNK, BLOCK_SIZE)
     scale_c = _col_scale(_col_amax(abs_max, CHUNK, BLOCK_SIZE), st_ptr, pid_m, cols, K, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
     for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
         offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
@@ -132,8 +131,8 @@ def _swiglu_act_quant_kernel(
         a = a.to(a_ptr.dtype.element_ty)  # round to h.dtype (RTNE) as the reference; the FP8 copies quantize these
 
         tl.store(a_ptr + rows[:, None] * INTER + cols[None, :], a, mask=offs_m[:, None] < M)
-        ax = _quant_rows(a.to(tl.float32), rows, cols, q_ptr, s_t_ptr, pid_k, MP, INTER, EPS, AMAX_MAX, FP8_MAX, CHUNK)
-        abs_max = _max_rows(abs_max, ax, CHUNK, BLOCK_SIZE)
+        abs_max = _quant_rows(a.to(tl.float32), rows, cols, q_ptr, s_t_ptr, pid_k, MP, INTER, EPS, AMAX_MAX, FP8_MAX, abs_max,
+                              CHUNK, BLOCK_SIZE)
     scale_c = _col_scale(_col_amax(abs_max, CHUNK, BLOCK_SIZE), st_ptr, pid_m, cols, INTER, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
     for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
         offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)

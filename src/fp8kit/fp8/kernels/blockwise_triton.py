@@ -9,7 +9,7 @@ test checks it. Layouts are documented there.
   writes both FP8 copies: the 1x128 copy ``q[Mp, K]`` (row amax) and the 128x1 copy transposed,
   ``qt[K, Mp]`` (column amax), with their decoding scales. Rows past ``M`` read as zero. The tile is
   walked in slices of ``CHUNK`` rows (few live registers, high occupancy), keeping the running max of
-  ``|x|`` element-wise so the column amax takes one reduction across warps per tile (``_max_rows``); the
+  ``|x|`` element-wise so the column amax takes one reduction across warps per tile (``_quant_rows``); the
   column copy re-reads the slices while they are still in L2. With ``t2d`` (``wgrad_x = "128x128"``) the
   transposed copy takes one scale per tile (the max of the column amaxes) in the weight layout of ``x^T``.
 - :func:`quantize_weight`: one program per 128x128 block of ``w[N, K]`` writes ``wq[N, K]`` and
@@ -46,22 +46,17 @@ def _scale_of(amax, EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.const
 # Tile helpers shared with the fused casts of fp8kit.fp8.kernels.swiglu_triton and fp8kit.moe.token_quant_triton.
 
 @triton.jit
-def _quant_rows(x, rows, cols, q_ptr, s_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, CHUNK: tl.constexpr):
-    # 1x128 along K: one scale per row -> q[Mp, K], s_t[K/128, Mp]. Returns |x| for the caller's _max_rows.
+def _quant_rows(x, rows, cols, q_ptr, s_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, abs_max,
+                CHUNK: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    # 1x128 along K: one scale per row -> q[Mp, K], s_t[K/128, Mp]. Returns abs_max (from _max_init) updated with
+    # this slice's |x|: kept element-wise ([CHUNK, 128]) so that the reduction across warps happens once per tile
+    # (_col_amax), not once per slice; with one slice (CHUNK = 128) reduced at once (a second 128x128 float32
+    # tile held in registers cost more than the one reduction). max is exact, so either way gives the same bits.
     ax = tl.abs(x)
     scale_r = _scale_of(tl.max(ax, axis=1), EPS, AMAX_MAX, FP8_MAX)
     q = tl.clamp(x * scale_r[:, None], -FP8_MAX, FP8_MAX).to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + rows[:, None] * K + cols[None, :], q)
     tl.store(s_t_ptr + pid_k * MP + rows, tl.div_rn(tl.full((CHUNK,), 1.0, tl.float32), scale_r))
-    return ax
-
-
-@triton.jit
-def _max_rows(abs_max, ax, CHUNK: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    # The running max over a tile's CHUNK-row slices of |x|, kept element-wise ([CHUNK, 128]) so that the
-    # reduction across warps happens once per tile (_col_amax), not once per slice; with one slice (CHUNK = 128)
-    # reduced at once (a second 128x128 float32 tile held in registers cost more than the one reduction).
-    # max is exact, so either way gives the same bits.
     if CHUNK == BLOCK_SIZE:
         return tl.max(ax, axis=0)
     else:
@@ -70,7 +65,7 @@ def _max_rows(abs_max, ax, CHUNK: tl.constexpr, BLOCK_SIZE: tl.constexpr):
 
 @triton.jit
 def _max_init(CHUNK: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    # the zero _max_rows starts from ([128] with one slice, [CHUNK, 128] otherwise)
+    # the zero _quant_rows's running max starts from ([128] with one slice, [CHUNK, 128] otherwise)
     if CHUNK == BLOCK_SIZE:
         return tl.zeros((BLOCK_SIZE,), tl.float32)
     else:
@@ -79,7 +74,7 @@ def _max_init(CHUNK: tl.constexpr, BLOCK_SIZE: tl.constexpr):
 
 @triton.jit
 def _col_amax(abs_max, CHUNK: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    # The tile's column amax [128] from _max_rows's running max.
+    # The tile's column amax [128] from _quant_rows's running max.
     if CHUNK == BLOCK_SIZE:
         return abs_max
     else:
@@ -137,29 +132,15 @@ def _act_quant_kernel(
         rows = offs_m.to(tl.int64)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=offs_m[:, None] < M, other=0.0,
                     eviction_policy="evict_last").to(tl.float32)
-        ax = tl.abs(x)
-        if WRITE_T:
-            abs_max = _max_rows(abs_max, ax, CHUNK, BLOCK_SIZE)
-        # 1x128 along K: one scale per row -> q[Mp, K], s_t[K/128, Mp].
-        scale_r = _scale_of(tl.max(ax, axis=1), EPS, AMAX_MAX, FP8_MAX)
-        q = tl.clamp(x * scale_r[:, None], -FP8_MAX, FP8_MAX).to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + rows[:, None] * K + cols[None, :], q)
-        tl.store(s_t_ptr + pid_k * MP + rows, tl.div_rn(tl.full((CHUNK,), 1.0, tl.float32), scale_r))
+        # (without WRITE_T the running max is unused and compiled away)
+        abs_max = _quant_rows(x, rows, cols, q_ptr, s_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, abs_max, CHUNK,
+                              BLOCK_SIZE)
     if WRITE_T:
         col_amax = _col_amax(abs_max, CHUNK, BLOCK_SIZE)
         if T_2D:
-            # One scale per 128x128 tile (the weight kernel's formula) -> qt[K, Mp], st[K/128, ST_LD] at
-            # [pid_k, pid_m]; the scale columns past Mp/128 (cuBLAS's 16-byte alignment) hold 1.0.
-            scale_c = _scale_of(tl.max(col_amax, axis=0), EPS, AMAX_MAX, FP8_MAX)
-            tl.store(st_ptr + pid_k * ST_LD + pid_m, tl.div_rn(1.0 + tl.zeros((), tl.float32), scale_c))
-            if pid_m == 0:
-                pad = tl.arange(0, 4)
-                tl.store(st_ptr + pid_k * ST_LD + MP // BLOCK_SIZE + pad, tl.full((4,), 1.0, tl.float32),
-                         mask=MP // BLOCK_SIZE + pad < ST_LD)
+            scale_c = _tile_scale(col_amax, st_ptr, pid_m, pid_k, MP, ST_LD, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
         else:
-            # 128x1 along M: one scale per column of the tile -> qt[K, Mp] (x transposed), st[Mp/128, K].
-            scale_c = _scale_of(col_amax, EPS, AMAX_MAX, FP8_MAX)
-            tl.store(st_ptr + pid_m * K + cols, tl.div_rn(tl.full((BLOCK_SIZE,), 1.0, tl.float32), scale_c))
+            scale_c = _col_scale(col_amax, st_ptr, pid_m, cols, K, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
         for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
             offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
             rows = offs_m.to(tl.int64)
@@ -167,9 +148,9 @@ def _act_quant_kernel(
                         eviction_policy="evict_first").to(tl.float32)
             if T_2D:
                 qc = tl.clamp(x * scale_c, -FP8_MAX, FP8_MAX).to(qt_ptr.dtype.element_ty)
+                tl.store(qt_ptr + cols[:, None] * MP + rows[None, :], tl.trans(qc))
             else:
-                qc = tl.clamp(x * scale_c[None, :], -FP8_MAX, FP8_MAX).to(qt_ptr.dtype.element_ty)
-            tl.store(qt_ptr + cols[:, None] * MP + rows[None, :], tl.trans(qc))
+                _quant_cols(x, rows, cols, scale_c, qt_ptr, MP, FP8_MAX)
 
 
 @triton.autotune(configs=_CONFIGS, key=["N", "K"])

@@ -34,7 +34,6 @@ from fp8kit.fp8.kernels.blockwise_triton import (
     _col_amax,
     _col_scale,
     _max_init,
-    _max_rows,
     _quant_cols,
     _quant_rows,
     _tile_scale,
@@ -110,8 +109,8 @@ def _swiglu_quant_kernel(
         a = _swiglu(g_ptr, u_ptr, offs_m, cols, M, stride_g, stride_u, "evict_last")
         if STORE_VALUES:
             _store_values(a_ptr, a, offs_m, cols, M, K)
-        ax = _quant_rows(a, offs_m.to(tl.int64), cols, q_ptr, s_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, CHUNK)
-        abs_max = _max_rows(abs_max, ax, CHUNK, BLOCK_SIZE)
+        abs_max = _quant_rows(a, offs_m.to(tl.int64), cols, q_ptr, s_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, abs_max,
+                              CHUNK, BLOCK_SIZE)
     col_amax = _col_amax(abs_max, CHUNK, BLOCK_SIZE)
     if T_2D:
         scale_t = _tile_scale(col_amax, st_ptr, pid_m, pid_k, MP, ST_LD, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
@@ -150,10 +149,10 @@ def _swiglu_bwd_quant_kernel(
         if STORE_VALUES:
             _store_values(dg_ptr, dg, offs_m, cols, M, K)
             _store_values(du_ptr, du, offs_m, cols, M, K)
-        ax = _quant_rows(dg, rows, cols, gq_ptr, gs_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, CHUNK)
-        g_max = _max_rows(g_max, ax, CHUNK, BLOCK_SIZE)
-        ax = _quant_rows(du, rows, cols, uq_ptr, us_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, CHUNK)
-        u_max = _max_rows(u_max, ax, CHUNK, BLOCK_SIZE)
+        g_max = _quant_rows(dg, rows, cols, gq_ptr, gs_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, g_max,
+                            CHUNK, BLOCK_SIZE)
+        u_max = _quant_rows(du, rows, cols, uq_ptr, us_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, u_max,
+                            CHUNK, BLOCK_SIZE)
     g_scale = _col_scale(_col_amax(g_max, CHUNK, BLOCK_SIZE), gst_ptr, pid_m, cols, K, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
     u_scale = _col_scale(_col_amax(u_max, CHUNK, BLOCK_SIZE), ust_ptr, pid_m, cols, K, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
     for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
