@@ -524,3 +524,29 @@ def test_combine_gradients_equal_plain_autograd_in_bf16():
     assert rows.grad[~used].abs().max().item() == 0.0, "padding rows got a gradient"
     assert torch.equal(w.grad, ref_w.grad), \
         f"router-weight gradients differ by {(w.grad.float() - ref_w.grad.float()).abs().max().item()}"
+
+
+def test_topk_sums_add_the_pairs_in_k_order():
+    """``weighted_sum`` and ``sum_token_rows`` add a token's ``topk`` rows one ``k`` after the other in float32
+    (``routing._topk_loop``, the form Inductor compiles into one gather kernel): bit for bit the explicit loop, and
+    within the float32 summation bound of a float64 sum. Values of very different magnitude, so another order would show."""
+    torch.manual_seed(3)
+    t, e, topk, hdim = 41, 8, 5, 48
+    idx = torch.stack([torch.randperm(e)[:topk] for _ in range(t)])
+    d = routing.dispatch(idx, e)
+    rows = (torch.randn(d.rows, hdim) * torch.logspace(-4, 4, d.rows)[:, None]).to(torch.bfloat16)
+    w = torch.softmax(torch.randn(t, topk), dim=-1).to(torch.bfloat16)
+    picked = rows[d.pair_rows].view(t, topk, hdim).float()
+    want_w = picked[:, 0] * w[:, 0, None].float()
+    want_s = picked[:, 0].clone()
+    for k in range(1, topk):
+        want_w = want_w + picked[:, k] * w[:, k, None].float()
+        want_s = want_s + picked[:, k]
+    got_w = routing.weighted_sum(rows[d.pair_rows], w, torch.float32)
+    got_s = routing.sum_token_rows(rows, d.pair_rows, t, torch.float32)
+    assert torch.equal(got_w, want_w), f"weighted_sum differs by {(got_w - want_w).abs().max().item():.3g}"
+    assert torch.equal(got_s, want_s), f"sum_token_rows differs by {(got_s - want_s).abs().max().item():.3g}"
+    terms = rows[d.pair_rows].view(t, topk, hdim).double()
+    # a float32 sum of topk terms is off by at most (topk - 1) * 2^-24 * sum |terms| (Higham, eq. 4.4)
+    worst = ((got_s.double() - terms.sum(1)).abs() / (terms.abs().sum(1) * (topk - 1) * 2.0**-24)).max().item()
+    assert worst <= 1.0, f"sum_token_rows vs float64: {worst:.3g} x the float32 summation bound"

@@ -18,8 +18,9 @@ Kernels (the wrappers below expect non-empty inputs; the ops run the reference o
   :func:`fp8kit.moe.token_quant_triton._sigmoid` (launched with ``enable_fp_fusion=False``, as token_quant).
 - :func:`quantize_group_cols`: one program per (group ``0..E``, ``BC``-column block): pass 1 the column amax over
   the group's rows ``[offs[g-1], offs[g])`` (group ``E`` = the rows past ``offs[-1]``, the reference's
-  dummy group), pass 2 re-reads them (L2) and writes the ``(C, P)`` row-major cast. The dual launch
-  serves ``g`` and ``x`` from one grid (the program's column block says which).
+  dummy group), pass 2 re-reads them (mostly from HBM: a persistent launch that kept the strips in L2 was
+  slower) and writes the ``(C, P)`` row-major cast. The dual launch serves ``g`` and ``x`` from one grid (the
+  program's column block says which).
 - :func:`quantize_experts_dual`: two kernels. ``_experts_amax_kernel``, per (expert, ``BN`` rows of ``N``):
   walks ``K``, keeps the row amax (written with the fprop ``inv_scale``) and atomically maxes the column
   amax into an ``(E, K)`` buffer; ``_experts_cast_kernel``, per (expert, ``BN x BK`` tile): both casts of
@@ -285,7 +286,10 @@ def _group_cols_dual_kernel(
                           GATHER, BR, BC, EPS, AMAX_MAX, FP8_MAX)
 
 
-_BR, _BC, _GROUP_WARPS = 64, 64, 4
+#: 256-row slices of 64 columns, 4 warps: the fastest of 20 tile shapes and 9 persistent launches at the Qwen3-30B-A3B,
+#: DeepSeek-V3 and Mixtral-8x7B expert shapes on the H100, 14-21% faster than 64 x 64 (same bits;
+#: ``benchmarks/experiments/group_cols/``). A taller slice has more bytes in flight per program.
+_BR, _BC, _GROUP_WARPS = 256, 64, 4
 
 
 def _group_out(like: torch.Tensor, p: int, c: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
