@@ -71,7 +71,8 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
     return total + (cur_e - cur_s if cur_e is not None else 0.0)
 
 
-def profile_one(sets: list[str], warmup: int, steps: int, top: int, trace: Path | None = None) -> dict:
+def profile_one(sets: list[str], warmup: int, steps: int, top: int, trace: Path | None = None,
+                gap_us: float = 50.0) -> dict:
     """Build the run from ``sets`` and profile ``steps`` training steps after ``warmup`` (see module docstring)."""
     import torch
     from torch.autograd import DeviceType
@@ -114,7 +115,7 @@ def profile_one(sets: list[str], warmup: int, steps: int, top: int, trace: Path 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as full:
             step()
         full.export_chrome_trace(str(trace))
-        gaps = idle_gaps(full.events(), DeviceType)
+        gaps = idle_gaps(full.events(), DeviceType, min_us=gap_us)
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     busy_ms = union_us([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e3 / steps
     groups = dict.fromkeys(GROUPS, 0.0)
@@ -148,13 +149,19 @@ def idle_gaps(events, device_type, min_us: float = 50.0, top: int = 15) -> dict:
         if end is not None and s - end > min_us:
             gaps.append((end, s))
         end = e if end is None else max(end, e)
-    rows = []
-    for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:
+    rows, by_op = [], {}
+    for i, (a, b) in enumerate(sorted(gaps, key=lambda g: g[0] - g[1])):
         running = sorted((h for h in host if h.time_range.start <= a <= h.time_range.end),
                          key=lambda h: h.time_range.end - h.time_range.start)  # innermost first
         ops = list(dict.fromkeys(h.name for h in running))
-        rows.append({"us": round(b - a, 1), "host_ops": ops[:12]})
-    return {"total_us": round(sum(b - a for a, b in gaps), 1), "count": len(gaps), "largest": rows}
+        # the innermost operator that is not a bare launch / sync call says whose host code the GPU waited for
+        who = next((o for o in ops if not o.startswith(("cuda", "cu"))), "(none)")
+        by_op[who] = by_op.get(who, 0.0) + (b - a)
+        if i < top:
+            rows.append({"us": round(b - a, 1), "host_ops": ops[:12]})
+    by_op = dict(sorted(((k, round(v, 1)) for k, v in by_op.items()), key=lambda kv: -kv[1])[:25])
+    return {"min_us": min_us, "total_us": round(sum(b - a for a, b in gaps), 1), "count": len(gaps), "largest": rows,
+            "by_host_op_us": by_op}
 
 
 def main() -> int:
@@ -166,6 +173,8 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--trace", action="store_true",
                     help="also record one step with host activity: OUT/<variant>.trace.json and its GPU idle gaps")
+    ap.add_argument("--gap-us", type=float, default=50.0,
+                    help="with --trace: count GPU idle gaps longer than this (us), summed by the host operator running")
     ap.add_argument("--gpu", default="h100", help="suffix of the shipped policy for adaptive variants")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="extra config override")
     ap.add_argument("--out", default="runs/step-profile")
@@ -178,7 +187,7 @@ def main() -> int:
     if args.one:
         sets = [*COMMON, *wl, f"data.cache_dir={out / 'cache'}", *variant_sets(args.one, preset, args.gpu), *args.sets]
         row = profile_one(sets, args.warmup, args.steps, args.top,
-                          out / f"{args.one}.trace.json" if args.trace else None)
+                          out / f"{args.one}.trace.json" if args.trace else None, args.gap_us)
         row.update(variant=args.one, sets=sets)
         (out / f"{args.one}.json").write_text(json.dumps(row, indent=1))
         return 0
@@ -186,7 +195,7 @@ def main() -> int:
     for v in filter(None, args.variants.split(",")):
         cmd = [sys.executable, __file__, "--one", v, "--workload", args.workload, "--warmup", str(args.warmup),
                "--steps", str(args.steps), "--top", str(args.top), "--gpu", args.gpu, "--out", str(out)]
-        cmd += ["--trace"] if args.trace else []
+        cmd += ["--trace", "--gap-us", str(args.gap_us)] if args.trace else []
         for s in args.sets:
             cmd += ["--set", s]
         proc = subprocess.run(cmd, text=True, capture_output=True)

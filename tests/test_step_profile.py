@@ -61,3 +61,6 @@ def test_idle_gaps_name_the_innermost_host_ops_running_when_the_gpu_waits(sp):
     got = sp.idle_gaps(events, DeviceType)
     assert got["count"] == 1 and got["total_us"] == 300.0, got
     assert got["largest"][0]["host_ops"] == ["aten::item", "opt.step", "train_step"], got
+    # --gap-us 10 also counts the 20 us gap; each gap is charged to the innermost operator running when it began
+    fine = sp.idle_gaps(events, DeviceType, min_us=10.0)
+    assert fine["count"] == 2 and fine["by_host_op_us"] == {"aten::item": 300.0, "train_step": 20.0}, fine
