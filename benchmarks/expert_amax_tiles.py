@@ -26,7 +26,7 @@ import fp8kit.moe.rowwise_quant_triton as k  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b up": (128, 1536, 2048), "qwen3-30b-a3b down": (128, 2048, 768),
           "deepseek-v3 up": (128, 4096, 7168), "deepseek-v3 down": (128, 7168, 2048),
-          "mixtral-8x7b up": (8, 28672, 4096)}
+          "mixtral-8x7b up": (8, 28672, 4096), "mixtral-8x7b down": (8, 4096, 14336)}
 
 
 def amax(w: torch.Tensor, bn: int, bk: int, warps: int) -> tuple[torch.Tensor, ...]:

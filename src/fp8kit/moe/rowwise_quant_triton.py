@@ -45,7 +45,7 @@ FP8 = torch.float8_e4m3fn
 _FP8_MAX = DTYPE_MAX[FP8]
 #: Largest row chunk of the row kernels (a longer row is walked in chunks, twice).
 _MAX_BLOCK_K = 8192
-#: The SwiGLU kernel's largest chunk: a row of ``a`` up to this long is computed once, in registers (16 warps), instead
+#: The SwiGLU kernel's largest chunk: a row of ``a`` up to this long is computed once, in registers (8 warps), instead
 #: of twice (amax pass, then cast pass reading ``h`` again): Mixtral-8x7B's 14336-wide experts.
 _MAX_SWIGLU_BLOCK = 16384
 _KW = dict(EPS=AMAX_EPS, AMAX_MAX=F32_MAX, FP8_MAX=_FP8_MAX)
@@ -173,7 +173,12 @@ def _row_blocks(k: int, max_block: int = _MAX_BLOCK_K) -> tuple[int, int, int, i
     at most ``max_block``)."""
     block_k = min(triton.next_power_of_2(max(k, 1)), max_block)
     rows = max(1, 2048 // block_k)
-    return rows, block_k, triton.cdiv(k, block_k), 16 if block_k >= 16384 else 8 if block_k >= 4096 else 4
+    chunks = triton.cdiv(k, block_k)
+    # 16 warps only for rows walked twice in chunks of 8192 or more (Mixtral's 28672-wide dh: 1.53 -> 1.12 ms with
+    # 16 warps instead of 8); one 16384-wide chunk (Mixtral's SwiGLU) runs best on 8 (1.21 ms against 1.55 on 16).
+    # H100, the same bits: benchmarks/experiments/row_casts/.
+    warps = 16 if chunks > 1 and block_k >= 8192 else 8 if block_k >= 4096 else 4
+    return rows, block_k, chunks, warps
 
 
 def gather_quantize_rows(src: torch.Tensor, index: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
