@@ -529,7 +529,8 @@ def test_combine_gradients_equal_plain_autograd_in_bf16():
 def test_topk_sums_add_the_pairs_in_k_order():
     """``weighted_sum`` and ``sum_token_rows`` add a token's ``topk`` rows one ``k`` after the other in float32
     (``routing._topk_loop``, the form Inductor compiles into one gather kernel): bit for bit the explicit loop, and
-    within the float32 summation bound of a float64 sum. Values of very different magnitude, so another order would show."""
+    within the float32 summation bound of a float64 sum. Values of very different magnitude, so that another order
+    would show."""
     torch.manual_seed(3)
     t, e, topk, hdim = 41, 8, 5, 48
     idx = torch.stack([torch.randperm(e)[:topk] for _ in range(t)])
