@@ -20,6 +20,10 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from graph_timing import same_bits as same  # noqa: E402
+from graph_timing import timed  # noqa: E402
 
 from fp8kit.moe import rowwise_quant_triton as rq  # noqa: E402
 from fp8kit.moe.routing import dispatch  # noqa: E402
@@ -69,35 +73,6 @@ def launch(g, x, offs, index_x, br, bc, warps, per_sm):
     return g_data, g_inv, x_data, x_inv
 
 
-def timed(fn, reps=10, trials=7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        for _ in range(reps):
-            fn()
-    out = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        gr.replay()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) / reps)
-    del gr
-    return sorted(out)[len(out) // 2]
-
-
-def same(a, b) -> bool:
-    return all(torch.equal(u.view(torch.uint8) if u.dtype.itemsize == 1 else u,
-                           v.view(torch.uint8) if v.dtype.itemsize == 1 else v) for u, v in zip(a, b, strict=True))
-
-
 def operands(name):
     e, k, h, i = MODELS[name]
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -138,7 +113,7 @@ def main() -> None:
                 try:
                     out = launch(g, x, offs, idx, br, bc, w, ps)
                     ok = same(out, ref)
-                    ms = timed(lambda: launch(g, x, offs, idx, br, bc, w, ps))
+                    ms = timed(lambda: launch(g, x, offs, idx, br, bc, w, ps), reps=10)
                     r = {"cfg": [br, bc, w, ps], "ms": round(ms, 4), "tb_s_min": round(elems * 3 / ms / 1e9, 3),
                          "bit_equal": ok}
                 except Exception as exc:  # noqa: BLE001 - record and go on

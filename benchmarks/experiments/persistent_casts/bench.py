@@ -18,6 +18,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from graph_timing import timed  # noqa: E402,F401  (ablate.py imports it from here)
 
 from fp8kit.fp8 import blockwise  # noqa: E402
 from fp8kit.fp8.kernels import blockwise_triton as bt  # noqa: E402
@@ -32,29 +35,6 @@ class Fixed:
 
     def __getitem__(self, grid):
         return lambda *a, **kw: self.tuner.fn[grid](*a, **kw, **self.cfg.kwargs, num_warps=self.cfg.num_warps)
-
-
-def timed(fn, reps=20, trials=7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    out = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) / reps)
-    return sorted(out)[len(out) // 2]
 
 
 def bits(ts):

@@ -3,7 +3,7 @@
 output gradients' dgrad casts; ``_swiglu_rows_kernel``, SwiGLU + the down projection's input cast) timed alone at the
 DeepSeek-V3 and Mixtral-8x7B expert shapes of ``benchmarks/moe_layer.py`` for rows per program, chunk width and warps
 around the committed choice (``_row_blocks``), each checked bit for bit against the committed launch. CUDA graph of
-10 launches, replayed, median of 7 (``benchmarks/experiments/group_cols/bench.py``'s timer).
+10 launches, replayed, median of 7 (``benchmarks/experiments/graph_timing.py``).
 
     python benchmarks/experiments/row_casts/bench.py --out /tmp/row_casts.json
 """
@@ -20,9 +20,10 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "group_cols"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import same, timed  # noqa: E402  (group_cols/bench.py)
+from graph_timing import same_bits as same  # noqa: E402
+from graph_timing import timed  # noqa: E402
 
 from fp8kit.moe import rowwise_quant_triton as rq  # noqa: E402
 from fp8kit.moe.routing import dispatch  # noqa: E402
@@ -86,7 +87,7 @@ def main() -> None:
             for cfg in cfgs:
                 try:
                     ok = same(fn(*cfg), ref)
-                    ms = timed(lambda: fn(*cfg))
+                    ms = timed(lambda: fn(*cfg), reps=10)
                     r = {"cfg": list(cfg), "ms": round(ms, 4), "tb_s": round(nbytes / ms / 1e9, 3), "bit_equal": ok}
                 except Exception as exc:  # noqa: BLE001 - record and go on
                     r = {"cfg": list(cfg), "error": f"{type(exc).__name__}: {str(exc)[:160]}"}
