@@ -79,6 +79,13 @@ def summary(rows, nbytes):
     return {"best_tile_grid": p0, "best": best, "bits_off_any": sum(r["bits_off"] for r in rows), "all": rows}
 
 
+def report(label: str, r: dict) -> None:
+    """One line per kernel: the best tile-grid configuration, the best overall, and whether any was off in bits."""
+    print(f"{label}: tile grid {r['best_tile_grid']['ms']:.4f} ({r['best_tile_grid']['TB/s']:.2f}) "
+          f"best {r['best']['ms']:.4f} ({r['best']['TB/s']:.2f}) {r['best']['config']} "
+          f"bits off {r['bits_off_any']}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -113,17 +120,13 @@ def main() -> None:
             r = summary(each(st, "_swiglu_quant_kernel", lambda: st.swiglu_quantize_act(g, u, wgrad_x),
                              lambda out: same(out, ref)), 6 * n)
             res[f"swiglu fwd {m}x14336 {wgrad_x}"] = r
-            print(f"swiglu fwd {m} {wgrad_x}: tile grid {r['best_tile_grid']['ms']:.4f} "
-                  f"({r['best_tile_grid']['TB/s']:.2f}) best {r['best']['ms']:.4f} ({r['best']['TB/s']:.2f}) "
-                  f"{r['best']['config']} bits off {r['bits_off_any']}", flush=True)
+            report(f"swiglu fwd {m} {wgrad_x}", r)
         *_, dg, du = st.swiglu_backward_quantize(da, g, u, values=True)
         ref = (*blockwise.quantize_act(dg), *blockwise.quantize_act(du))
         r = summary(each(st, "_swiglu_bwd_quant_kernel", lambda: st.swiglu_backward_quantize(da, g, u),
                          lambda out: same(out, ref)), 10 * n)
         res[f"swiglu bwd {m}x14336"] = r
-        print(f"swiglu bwd {m}: tile grid {r['best_tile_grid']['ms']:.4f} ({r['best_tile_grid']['TB/s']:.2f}) "
-              f"best {r['best']['ms']:.4f} ({r['best']['TB/s']:.2f}) {r['best']['config']} "
-              f"bits off {r['bits_off_any']}", flush=True)
+        report(f"swiglu bwd {m}", r)
         Path(args.out).write_text(json.dumps(res, indent=1))
 
 
