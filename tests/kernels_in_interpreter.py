@@ -8,7 +8,9 @@ What it checks, every autotune configuration launched in turn (the interpreter h
   values they computed (``values=True``), and those values are the PyTorch reference's within a bf16 ulp
   (forward) or bf16 rounding (backward, >= 45 dB);
 - the MoE token kernels (``moe.token_quant_triton``) write the activation kernel's casts of their gathered / SwiGLU
-  rows.
+  rows;
+- the rowwise MoE kernels' fusions (``moe.rowwise_quant_triton``: the combine's backward read through the pairs, the
+  SwiGLU backward + row cast) give the casts of the same kernels on the materialized input.
 
 It does not compare E4M3 bits with PyTorch's: Triton 3.6's interpreter converts float32 to E4M3 differently from
 the GPU near powers of two (e.g. 124.6 -> 64 instead of 128), so bit equality with the PyTorch reference is the
@@ -21,6 +23,8 @@ import os
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 
 class Fixed:
@@ -133,7 +137,54 @@ def main() -> int:
 
     each_config(tqt, "_swiglu_act_quant_kernel", moe_swiglu)
     print("moe token kernels: every config casts as the act kernel does", flush=True)
+    moe_rowwise_fusions()
     return 0
+
+
+@triton.jit
+def _round_pow2(scale):
+    # moe.rowwise_quant_triton's power-of-two rounding without libdevice (absent from the interpreter); both sides of
+    # each rowwise comparison use this one
+    return tl.exp2(tl.floor(tl.log2(scale)))
+
+
+def moe_rowwise_fusions() -> None:
+    """The rowwise MoE kernels' fusions (``moe.rowwise_quant_triton``) against the same kernels on the materialized
+    input: the combine's backward read through the pairs (rows and wgrad columns), and the SwiGLU backward + row cast
+    (one chunk, and two chunks with the re-read of ``dh``) against the row kernel on the ``dh`` it wrote."""
+    from fp8kit.moe import routing
+    from fp8kit.moe import rowwise_quant as rq
+    from fp8kit.moe import rowwise_quant_triton as rqt
+
+    rqt._round_pow2 = _round_pow2
+    gen = torch.Generator().manual_seed(9)
+    top = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(45)])
+    d = routing.dispatch(top, 8)  # experts 6 and 7 empty, rows past the last group
+    grad, x = rnd(45, 136, seed=10), rnd(45, 72, seed=11)
+    weights = torch.softmax(torch.randn(45, 2, generator=gen), dim=-1).to(torch.bfloat16)
+    row_pair = routing.row_pairs(d.pair_rows, d.rows)
+    token, w_row = routing.combine_row_weights(row_pair, weights)
+    dy = routing.combine_rows_grad(grad, weights, row_pair, torch.bfloat16)
+    q, inv, rows = rqt.gather_quantize_rows(grad, token, weight=w_row, keep_rows=True)
+    # the interpreter rounds float32 to bf16 its own way: rows within a bf16 ulp of torch's, then kernel vs kernel
+    err = ((rows.float() - dy.float()).abs() / dy.float().abs().clamp(min=1e-6)).max().item()
+    assert err <= 2.0**-7, f"moe weighted gather: rows off by {err:.2e} (> a bf16 ulp)"
+    same((q, inv), rqt.gather_quantize_rows(rows, torch.arange(d.rows)), "moe weighted gather")
+    same(rqt.quantize_group_cols_dual(grad, x, d.offs, d.gather_idx, index_g=token, weight_g=w_row),
+         rqt.quantize_group_cols_dual(rows, x, d.offs, d.gather_idx), "moe group cols, g through the pairs")
+    for i, max_block in ((150, 8192), (150, 64)):  # one chunk; three chunks of 64 (dh re-read)
+        h, da = rnd(7, 2 * i, scale=3.0, seed=12), rnd(7, i, seed=13)
+        blocks = rqt._row_blocks
+        rqt._row_blocks = lambda k, mb=max_block, blocks=blocks: blocks(k, mb)
+        try:
+            dh, q, inv = rqt.swiglu_backward_quantize_rows(h, da)
+        finally:
+            rqt._row_blocks = blocks
+        ref = rq.swiglu_backward_ref(h, da).float()
+        err = ((dh.float() - ref).abs() / ref.abs().clamp(min=1e-6)).max().item()
+        assert err <= 2.0**-7, f"moe swiglu backward I={i} block {max_block}: dh off by {err:.2e} (> a bf16 ulp)"
+        same((q, inv), rqt.gather_quantize_rows(dh, torch.arange(7)), f"moe swiglu backward cast, block {max_block}")
+    print("moe rowwise fusions: the same casts as on the materialized input", flush=True)
 
 
 if __name__ == "__main__":

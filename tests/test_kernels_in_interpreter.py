@@ -23,4 +23,4 @@ def test_kernels_agree_in_the_triton_interpreter():
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "kernels_in_interpreter.py")], env=env,
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "moe token kernels" in proc.stdout, proc.stdout
+    assert "moe token kernels" in proc.stdout and "moe rowwise fusions" in proc.stdout, proc.stdout

@@ -38,6 +38,87 @@ def test_fused_mlp_matches_float64_reference(tokens):
         check_layer(f"{name}, {tokens} tokens", idx, e, leaves, ref_leaves, ref, out)
 
 
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many elements of ``a`` and ``b`` differ in their bits (NaN-safe)."""
+    return int((a.view(torch.int16 if a.element_size() == 2 else torch.int32)
+                != b.view(torch.int16 if b.element_size() == 2 else torch.int32)).sum())
+
+
+@pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
+@pytest.mark.parametrize("hidden_dtype", [torch.bfloat16, torch.float32])
+def test_combine_fused_into_the_mlp_equals_the_mlp_then_the_combine(wgrad, hidden_dtype):
+    """``fused_rowwise_experts(..., top_k_weights=w)``, whose backward casts the output gradient read through the
+    pairs (``dy (P, H)`` never written), equals the uncombined call followed by ``routing.combine``, bit for bit on
+    the output and on the gradients of the tokens, both weights and the router weights: with FP8 and bf16 weight
+    gradients, for bf16 tokens and float32 ones (GEMM outputs then float32 too, as on the CPU where the experts
+    module passes the tokens' dtype). Routings with empty experts and unbalanced load."""
+    e, hdim, inter = 8, 64, 48
+    for name, idx in _routings(37, e):
+        torch.manual_seed(5)
+        d = routing.dispatch(idx, e)
+        h = torch.randn(37, hdim).to(hidden_dtype)
+        w_up = (torch.randn(e, 2 * inter, hdim) / hdim ** 0.5).to(torch.bfloat16)
+        w_down = (torch.randn(e, hdim, inter) / inter ** 0.5).to(torch.bfloat16)
+        weights = torch.softmax(torch.randn(37, 2), dim=-1).to(hidden_dtype)
+        g = torch.randn(37, hdim).to(hidden_dtype)
+        runs = []
+        for fused_combine in (False, True):
+            leaves = [t.clone().requires_grad_() for t in (h, w_up, w_down, weights)]
+            args = (leaves[0], leaves[1], leaves[2], d.gather_idx, d.pair_rows, d.offs, emulated_scaled_grouped_mm,
+                    hidden_dtype)
+            if fused_combine:
+                out = fused_rowwise_experts(*args, cache_weights=False, wgrad=wgrad, top_k_weights=leaves[3])
+            else:
+                out = routing.combine(fused_rowwise_experts(*args, cache_weights=False, wgrad=wgrad), d, leaves[3],
+                                      hidden_dtype)
+            out.backward(g)
+            runs.append([out.detach(), *(t.grad for t in leaves)])
+        for what, a, b in zip(("output", "dx", "dw_up", "dw_down", "d_router_weights"), *runs, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape, f"{name} {what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}"
+            diff = _bits_equal(a, b)
+            assert diff == 0, f"{name}, wgrad {wgrad}, {hidden_dtype}: {what} differs in {diff} of {a.numel()}"
+
+
+def test_combine_fused_into_the_mlp_refuses_bad_router_weights():
+    e = 4
+    idx = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    d = routing.dispatch(idx, e)
+    h = torch.randn(3, 32, dtype=torch.bfloat16)
+    w_up, w_down = torch.randn(e, 32, 32, dtype=torch.bfloat16), torch.randn(e, 32, 16, dtype=torch.bfloat16)
+    args = (h, w_up, w_down, d.gather_idx, d.pair_rows, d.offs, emulated_scaled_grouped_mm, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"top_k_weights \(3, 3\) must be \(T, topk\) for 3 tokens and 6 pairs"):
+        fused_rowwise_experts(*args, top_k_weights=torch.rand(3, 3))
+    with pytest.raises(ValueError, match="cannot be combined with an expert-parallel payload"):
+        fused_rowwise_experts(*args, top_k_weights=torch.rand(3, 2), received=h)
+    with pytest.raises(ValueError, match=r"hidden in the GEMMs' output dtype \(hidden torch.float32, out_dtype "
+                                         r"torch.bfloat16\)"):
+        fused_rowwise_experts(h.float(), *args[1:], top_k_weights=torch.rand(3, 2))
+
+
+def test_experts_module_fuses_the_combine_only_for_tokens_in_the_gemms_dtype():
+    """The experts module hands its router weights to the fused MLP when the tokens are in the GEMMs' output
+    dtype, and combines outside otherwise (float32 tokens with bf16 GEMM outputs: the CUDA case under autocast)."""
+    import fp8kit.moe.experts as experts_mod
+
+    module = Float8GroupedExperts(_hf_experts(), frozenset(("gate_up_proj", "down_proj")),
+                                  GroupedGemmConfig(kernel="fused"))
+    seen = []
+    real = experts_mod.fused_rowwise_experts
+    experts_mod.fused_rowwise_experts = lambda *a, **kw: seen.append(kw["top_k_weights"] is not None) or real(*a, **kw)
+    real_gemm = experts_mod.scaled_grouped_gemm
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(16)])
+    weights = torch.softmax(torch.randn(16, 2), dim=-1)
+    try:
+        module(torch.randn(16, 128, dtype=torch.bfloat16), idx, weights.to(torch.bfloat16))
+        experts_mod.scaled_grouped_gemm = lambda device: (emulated_scaled_grouped_mm, torch.bfloat16)
+        out = module(torch.randn(16, 128), idx, weights)
+    finally:
+        experts_mod.fused_rowwise_experts = real
+        experts_mod.scaled_grouped_gemm = real_gemm
+    assert seen == [True, False], f"combine fused into the MLP per call: {seen}"
+    assert out.dtype == torch.float32 and out.shape == (16, 128)
+
+
 def _hf_experts(e: int = 8, hdim: int = 128, inter: int = 64) -> Qwen3MoeExperts:
     cfg = Qwen3MoeConfig(hidden_size=hdim, moe_intermediate_size=inter, num_experts=e, hidden_act="silu")
     mod = Qwen3MoeExperts(cfg)

@@ -78,6 +78,30 @@ def test_bf16_wgrad_on_cuda_matches_fp8_wgrad_path_and_emulation():
         assert db >= 20.0, f"{what}: bf16 vs fp8 wgrad only {db:.1f} dB apart"
 
 
+@pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
+def test_combine_fused_into_the_mlp_equals_the_mlp_then_the_combine(wgrad):
+    """With ``top_k_weights`` the fused MLP combines its rows and casts the output gradient read through the pairs
+    (Triton: ``gather_weighted_quantize_rows`` and the weighted ``g`` of ``quantize_group_cols_dual``): output and
+    the gradients of tokens, weights and router weights equal the MLP followed by ``routing.combine`` bit for bit."""
+    d, (h, w_up, w_down, weights, g) = _case(3)
+    gemm, out_dtype = scaled_grouped_gemm(torch.device("cuda"))
+    runs = []
+    for fused in (False, True):
+        leaves = [t.detach().clone().requires_grad_() for t in (h, w_up, w_down, weights)]
+        args = (leaves[0], leaves[1], leaves[2], d.gather_idx, d.pair_rows, d.offs, gemm, out_dtype)
+        if fused:
+            out = fused_rowwise_experts(*args, cache_weights=False, wgrad=wgrad, top_k_weights=leaves[3])
+        else:
+            out = routing.combine(fused_rowwise_experts(*args, cache_weights=False, wgrad=wgrad), d, leaves[3],
+                                  torch.bfloat16)
+        out.backward(g)
+        torch.cuda.synchronize()
+        runs.append([out.detach(), *(t.grad for t in leaves)])
+    for what, a, b in zip(("output", "dx", "dw_up", "dw_down", "d_router_weights"), *runs, strict=True):
+        diff = (a.view(torch.int16) != b.view(torch.int16)).sum().item()
+        assert diff == 0, f"wgrad={wgrad}: {what} differs in {diff} of {a.numel()} elements"
+
+
 def test_compiled_routing_kernels_match_eager():
     """The routing helpers compiled on CUDA (``base.cuda_compile``) against their plain eager functions on the same
     GPU at Qwen3-30B-A3B's token shape (16384 tokens, top-8 of 128 experts, hidden 2048): gathers and the row
@@ -138,9 +162,10 @@ class _MoEBlock(torch.nn.Module):
         return x + self.experts(y, idx, (w / w.sum(-1, keepdim=True)).to(y.dtype))
 
 
-def compiled_block_gradients(wgrad: str) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+def compiled_block_gradients(wgrad: str, dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """``(name, eager gradient, compiled gradient)`` of the input and every parameter of :class:`_MoEBlock`
-    (16 experts x 256, hidden 1024, top-4, 2048 tokens, float32 weights, bf16 autocast), eager vs Inductor."""
+    (16 experts x 256, hidden 1024, top-4, 2048 tokens), eager vs Inductor: float32 weights under bf16 autocast
+    (the experts combine outside the fused MLP), or bf16 weights and tokens (the combine fused into it)."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
@@ -154,14 +179,14 @@ def compiled_block_gradients(wgrad: str) -> list[tuple[str, torch.Tensor, torch.
         src.gate_up_proj.copy_(torch.randn_like(src.gate_up_proj) / h ** 0.5)
         src.down_proj.copy_(torch.randn_like(src.down_proj) / i ** 0.5)
     experts = Float8GroupedExperts(src.to("cuda"), frozenset(("gate_up_proj", "down_proj")), GroupedGemmConfig(wgrad=wgrad))
-    block = _MoEBlock(experts, e, k, h)
-    x0 = torch.randn(t, h, device="cuda")
+    block = _MoEBlock(experts, e, k, h).to(dtype)
+    x0 = torch.randn(t, h, device="cuda", dtype=dtype)
     g = torch.randn(t, h, device="cuda")
     runs = []
     for fn in (block, torch.compile(block)):
         block.zero_grad(set_to_none=True)
         x = x0.clone().requires_grad_()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.float32):
             out = fn(x)
         out.float().backward(g)
         runs.append({"x": x.grad, **{n: p.grad.clone() for n, p in block.named_parameters()}})
@@ -174,12 +199,16 @@ def test_compiled_block_gradients_equal_eager():
     non-zero and >= 25 dB from eager's (the fused casts are the same bits; Inductor's float32 sums and kernels may
     round differently, and a one-ulp change can flip an E4M3 rounding). Guards session 13's regression: with
     ``routing._Combine`` traced by Dynamo, every gradient of the expert branch (experts, router, norm) came out
-    zero for float32 inputs (bf16 inputs were not affected)."""
-    for wgrad in ("fp8", "bf16"):
-        for name, a, b in compiled_block_gradients(wgrad):
-            assert b is not None and b.abs().max().item() > 0, f"wgrad={wgrad}: compiled {name} gradient is zero or missing"
-            db = sqnr(a.float(), b.float())
-            assert db >= 25.0, f"wgrad={wgrad}: compiled vs eager {name} {db:.1f} dB < 25"
+    zero for float32 inputs (bf16 inputs were not affected); session 21's combine fused into the fused MLP did the
+    same for float32 inputs (all expert-branch gradients zero, x at 7.5 dB), so only bf16 tokens take it: the bf16
+    block here runs it compiled."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for wgrad in ("fp8", "bf16"):
+            for name, a, b in compiled_block_gradients(wgrad, dtype):
+                where = f"{dtype}, wgrad={wgrad}"
+                assert b is not None and b.abs().max().item() > 0, f"{where}: compiled {name} gradient is zero or missing"
+                db = sqnr(a.float(), b.float())
+                assert db >= 25.0, f"{where}: compiled vs eager {name} {db:.1f} dB < 25"
 
 
 @pytest.mark.parametrize("form", ["2d x 3d", "2d x 2d"])

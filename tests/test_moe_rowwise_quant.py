@@ -78,6 +78,25 @@ def test_swiglu_quantize_rows_equals_quantize_rows_of_swiglu(p, i, interleaved):
     _assert_same((q, inv), quantize_rows(a), f"swiglu P={p} I={i} interleaved={interleaved}")
 
 
+# ----------------------------------------------------------------------------- swiglu backward + rows
+
+@pytest.mark.parametrize("p,i", [(37, 128), (5, 300), (1, 1), (0, 64)])
+def test_swiglu_backward_quantize_rows_equals_quantize_rows_of_the_backward(p, i):
+    """``dh`` is the derivative of ``silu(gate) * up`` (>= 45 dB against float64 autograd: bf16 rounding of
+    ``dh`` only), and ``(q, inv)`` is ``quantize_rows(dh)`` bit for bit."""
+    h = _real(p, 2 * i, scale=3.0, seed=p + i)
+    da = _real(p, i, seed=p + i + 1)
+    dh, q, inv = rq.swiglu_backward_quantize_rows(h, da)
+    assert dh.dtype == h.dtype and dh.shape == h.shape
+    _assert_same((q, inv), quantize_rows(dh), f"swiglu backward P={p} I={i}")
+    if p * i:
+        h64 = h.double().requires_grad_()
+        gate, up = h64.chunk(2, dim=-1)
+        (F.silu(gate) * up).backward(da.double())
+        err = (dh.double() - h64.grad).norm() / h64.grad.norm()
+        assert err <= 2.0**-8, f"swiglu backward P={p} I={i}: relative error {err:.2e} > bf16 rounding 2^-8"
+
+
 # ----------------------------------------------------------------------------- group columns
 
 GROUP_CASES = [  # (P, C, group sizes, T for an index or None)
@@ -120,6 +139,52 @@ def test_quantize_group_cols_dual_equals_two_calls_on_a_real_dispatch():
     _assert_same(rq.quantize_group_cols_dual(g, x, d.offs), (*ref_g, *ref_x), "dual, plain x")
 
 
+# ----------------------------------------------------------------------------- the combine's backward, fused
+
+def _combine_case(tokens: int, topk: int, h: int, dtype=torch.bfloat16, seed: int = 0):
+    """A real dispatch with empty experts and padding rows, the combine's output gradient and router weights."""
+    gen = torch.Generator().manual_seed(seed)
+    experts = torch.tensor([0, 1, 3, 4, 6, 7])  # experts 2 and 5 get no token
+    top = experts[torch.stack([torch.randperm(6, generator=gen)[:topk] for _ in range(tokens)])]
+    d = routing.dispatch(top, 8)
+    grad = _real(tokens, h, seed=seed + 1, dtype=dtype)
+    weights = torch.softmax(torch.randn(tokens, topk, generator=gen), dim=-1).to(dtype)
+    row_pair = routing.row_pairs(d.pair_rows, d.rows)
+    token, w_row = routing.combine_row_weights(row_pair, weights)
+    dy = routing.combine_rows_grad(grad, weights, row_pair, dtype)
+    return d, grad, weights, token, w_row, dy
+
+
+@pytest.mark.parametrize("tokens,topk,h", [(45, 2, 136), (9, 3, 64), (1, 1, 256)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gather_weighted_quantize_rows_equals_the_cast_of_the_combines_backward(tokens, topk, h, dtype):
+    """The output gradient's dgrad copy read through the pairs equals ``quantize_rows`` of
+    ``routing.combine_rows_grad``'s rows bit for bit; ``keep_rows`` returns exactly those rows; padding rows are zero."""
+    d, grad, weights, token, w_row, dy = _combine_case(tokens, topk, h, dtype, seed=tokens + h)
+    assert d.offs[-1] < d.rows or tokens == 1, "the case needs padding rows"
+    ref = quantize_rows(dy)
+    q, inv, rows = rq.gather_weighted_quantize_rows(grad, token, w_row)
+    assert rows is None
+    _assert_same((q, inv), ref, f"weighted gather T={tokens} topk={topk} H={h} {dtype}")
+    q, inv, rows = rq.gather_weighted_quantize_rows(grad, token.int(), w_row, keep_rows=True)
+    _assert_same((q, inv, rows), (*ref, dy), f"weighted gather, rows kept, T={tokens} topk={topk} H={h} {dtype}")
+    pad = token == tokens
+    assert (rows[pad] == 0).all() and (inv[pad] == ZERO_ROW_INV).all(), "padding rows must be zero"
+
+
+def test_quantize_group_cols_dual_reads_the_gradient_through_the_pairs():
+    """``g`` read through the combine's token index and router weights equals ``g`` materialized by
+    ``routing.combine_rows_grad``, bit for bit, with ``x`` plain or read through the dispatch index."""
+    d, grad, weights, token, w_row, dy = _combine_case(45, 2, 136, seed=3)
+    src = _real(45, 72, seed=4)
+    ref = rq.quantize_group_cols_dual(dy, src, d.offs, d.gather_idx)
+    _assert_same(rq.quantize_group_cols_dual(grad, src, d.offs, d.gather_idx, index_g=token, weight_g=w_row), ref,
+                 "dual, g through the pairs, indexed x")
+    x = routing.gather(src, d)
+    _assert_same(rq.quantize_group_cols_dual(grad, x, d.offs, index_g=token, weight_g=w_row),
+                 rq.quantize_group_cols_dual(dy, x, d.offs), "dual, g through the pairs, plain x")
+
+
 # ----------------------------------------------------------------------------- expert weights
 
 @pytest.mark.parametrize("e,n,k,dtype", [(3, 96, 200, torch.bfloat16), (2, 64, 128, torch.float32), (1, 1, 1, torch.float16)])
@@ -136,12 +201,17 @@ def test_ops_compile_fullgraph_equal_eager():
     d = routing.dispatch(torch.tensor([[0, 2], [2, 3], [0, 3], [3, 0], [2, 0]]), 4)  # expert 1 empty
     src, h, g, w = _real(5, 128, seed=1), _real(d.rows, 256, seed=2), _real(d.rows, 96, seed=3), _real(4, 64, 128, seed=4)
 
-    def fn(src, idx, offs, h, g, w):
+    token, w_row = routing.combine_row_weights(routing.row_pairs(d.pair_rows, d.rows), torch.rand(5, 2))
+
+    def fn(src, idx, offs, h, g, w, token, w_row):
         return (*rq.gather_quantize_rows(src, idx), *rq.swiglu_quantize_rows(h),
                 *rq.quantize_group_cols_fused(src, offs, transposed=False, index=idx),
-                *rq.quantize_group_cols_dual(g, src, offs, idx), *rq.quantize_experts_dual(w))
+                *rq.quantize_group_cols_dual(g, src, offs, idx), *rq.quantize_experts_dual(w),
+                *rq.gather_weighted_quantize_rows(src, token, w_row, keep_rows=True),
+                *rq.quantize_group_cols_dual(src, src, offs, idx, index_g=token, weight_g=w_row),
+                *rq.swiglu_backward_quantize_rows(h, h[:, :128]))
 
-    args = (src, d.gather_idx, d.offs, h, g, w)
+    args = (src, d.gather_idx, d.offs, h, g, w, token, w_row)
     _assert_same(torch.compile(fn, fullgraph=True)(*args), fn(*args), "compiled vs eager")
 
 
@@ -167,3 +237,14 @@ def test_bad_input_raises_naming_the_op():
         rq.quantize_group_cols_dual(src[:3], src, offs, idx[:2])
     with pytest.raises(ValueError, match="moe_rw_experts_dual_quant: w must be a 3-D"):
         rq.quantize_experts_dual(src)
+    with pytest.raises(ValueError, match=r"moe_rw_gather_weighted_quant: weight must be a 1-D float tensor with one "
+                                         r"weight per index entry \(3\)"):
+        rq.gather_weighted_quantize_rows(src, idx, torch.ones(2))
+    with pytest.raises(ValueError, match="moe_rw_gather_weighted_quant: weight must be"):
+        rq.gather_weighted_quantize_rows(src, idx, torch.ones(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"moe_rw_swiglu_bwd_quant: da must be \(8, 64\)"):
+        rq.swiglu_backward_quantize_rows(src, src[:, :32])
+    with pytest.raises(ValueError, match="moe_rw_group_cols_dual_quant: index_g and weight_g come together"):
+        rq.quantize_group_cols_dual(src, src[:3], offs, index_g=idx)
+    with pytest.raises(ValueError, match="moe_rw_group_cols_dual_quant: weight_g must be a 1-D float tensor"):
+        rq.quantize_group_cols_dual(src, src[:3], offs, index_g=idx, weight_g=torch.ones(4))

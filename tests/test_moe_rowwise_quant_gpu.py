@@ -21,6 +21,7 @@ from fp8kit.moe import routing
 from fp8kit.moe import rowwise_quant as rq
 from fp8kit.moe.quantize import group_ids, quantize_experts, quantize_group_cols, quantize_rows
 from fp8kit.moe.token_quant import split_gate_up
+from tests.conftest import sqnr
 
 pytestmark = [
     pytest.mark.gpu,
@@ -115,6 +116,25 @@ def test_swiglu_quantize_rows_matches_reference(i, interleaved):
     _assert_same(got, rq.swiglu_quantize_rows_ref(h, interleaved), f"swiglu I={i} interleaved={interleaved}")
 
 
+@pytest.mark.parametrize("i", [768, 2048, 1000, 14336])
+def test_swiglu_backward_quantize_rows_matches_reference(i):
+    """The SwiGLU backward + rowwise cast kernel (one chunk per half at 768 / 2048 / 1000 with a masked tail; two
+    chunks and a re-read of ``dh`` at Mixtral's 14336, on 4099 rows): the cast is ``quantize_rows`` of the ``dh`` it
+    wrote, bit for bit; ``dh`` is the PyTorch reference's within a bf16 ulp but for at most 1e-4 of the elements
+    (the hardware's ``exp`` in the sigmoid; where ``1 + g (1 - s)`` nearly cancels, an fp32 ulp can move the bf16
+    rounding), and >= 45 dB from it overall."""
+    rows = _dispatch().rows if i <= 2048 else 4099
+    h = _real(rows, 2 * i, scale=3.0, seed=i + 3)
+    da = _real(rows, i, seed=i + 4)
+    _poison_allocator(6 * rows * i)
+    dh, q, inv = rq.swiglu_backward_quantize_rows(h, da)
+    _assert_same((q, inv), quantize_rows(dh), f"swiglu backward cast I={i}")
+    ref = rq.swiglu_backward_ref(h, da).float()
+    beyond = ((dh.float() - ref).abs() > ref.abs() * 2.0**-7).float().mean().item()
+    db = sqnr(ref, dh.float())
+    assert beyond <= 1e-4 and db >= 45.0, f"swiglu backward I={i}: {beyond:.2e} of dh beyond a bf16 ulp, {db:.1f} dB"
+
+
 @pytest.mark.parametrize("k", [2048, 7168])
 @pytest.mark.parametrize("transposed", [True, False])
 def test_quantize_group_cols_through_the_index_matches_reference(k, transposed):
@@ -138,6 +158,50 @@ def test_quantize_group_cols_tail_rows_and_dual_match_reference():
     _assert_same(rq.quantize_group_cols_dual(g, x, d.offs, d.gather_idx), (*ref_g, *ref_x), "group cols dual")
 
 
+def _combine_grad(d: routing.Dispatch, tokens: int, topk: int, h: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    grad = _real(tokens, h, seed=seed)
+    weights = torch.softmax(torch.randn(tokens, topk, generator=g, device="cuda"), dim=-1).to(torch.bfloat16)
+    row_pair = routing.row_pairs(d.pair_rows, d.rows)
+    token, w_row = routing.combine_row_weights(row_pair, weights)
+    return grad, weights, row_pair, token, w_row
+
+
+@pytest.mark.parametrize("h", [2048, 7168, 14336])
+def test_gather_weighted_quantize_rows_matches_the_combines_backward(h):
+    """The output gradient's dgrad copy read through the pairs (one and two chunks per row; Mixtral's 14336 on a
+    top-2 routing of 4099 tokens) equals ``quantize_rows(routing.combine_rows_grad(...))`` bit for bit, and the
+    kept rows equal ``combine_rows_grad``'s (compiled on CUDA: a gather and one float32 product, exact)."""
+    if h <= 7168:
+        d, tokens, topk = _dispatch(), TOKENS, TOPK
+    else:
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        tokens, topk = 4099, 2
+        d = routing.dispatch(torch.rand(tokens, 8, generator=gen, device="cuda").topk(topk, dim=-1).indices, 8)
+    grad, weights, row_pair, token, w_row = _combine_grad(d, tokens, topk, h, seed=h)
+    dy = routing.combine_rows_grad(grad, weights, row_pair, torch.bfloat16)
+    _poison_allocator(4 * d.rows * h)
+    got = rq.gather_weighted_quantize_rows(grad, token, w_row)
+    assert got[2] is None
+    _assert_same(got[:2], quantize_rows(dy), f"weighted gather H={h}")
+    _poison_allocator(4 * d.rows * h)
+    _assert_same(rq.gather_weighted_quantize_rows(grad, token, w_row, keep_rows=True), (*quantize_rows(dy), dy),
+                 f"weighted gather, rows kept, H={h}")
+
+
+@pytest.mark.parametrize("h", [2048, 7168])
+def test_quantize_group_cols_dual_through_the_pairs_matches_reference(h):
+    """``g`` read through the combine's pairs and router weights equals the dual cast of the materialized ``dy``."""
+    d = _dispatch()
+    grad, weights, row_pair, token, w_row = _combine_grad(d, TOKENS, TOPK, h, seed=h + 1)
+    dy = routing.combine_rows_grad(grad, weights, row_pair, torch.bfloat16)
+    a = _real(d.rows, 768, seed=h + 2)
+    ref = rq.quantize_group_cols_dual_ref(dy, a, d.offs, None)
+    _poison_allocator(6 * d.rows * h)
+    got = rq.quantize_group_cols_dual(grad, a, d.offs, index_g=token, weight_g=w_row)
+    _assert_same((got[0], got[1], got[2].t(), got[3]), ref, f"dual through the pairs H={h}")
+
+
 @pytest.mark.parametrize("e,n,k", [(128, 1536, 2048), (128, 2048, 768), (8, 4096, 7168)])
 def test_quantize_experts_dual_matches_reference(e, n, k):
     w = _real(e, n, k, scale=0.02, seed=n + k)
@@ -152,10 +216,15 @@ def test_ops_compile_fullgraph_equal_eager():
     src, h, g, w = _real(TOKENS, 2048, seed=7), _real(d.rows, 1536, seed=8), _real(d.rows, 2048, seed=9), \
         _real(16, 1536, 2048, seed=10)
 
-    def fn(src, idx, offs, h, g, w):
+    _, _, _, token, w_row = _combine_grad(d, TOKENS, TOPK, 2048, seed=11)
+
+    def fn(src, idx, offs, h, g, w, token, w_row):
         return (*rq.gather_quantize_rows(src, idx), *rq.swiglu_quantize_rows(h),
                 *rq.quantize_group_cols_fused(src, offs, transposed=False, index=idx),
-                *rq.quantize_group_cols_dual(g, src, offs, idx), *rq.quantize_experts_dual(w))
+                *rq.quantize_group_cols_dual(g, src, offs, idx), *rq.quantize_experts_dual(w),
+                *rq.gather_weighted_quantize_rows(src, token, w_row, keep_rows=True),
+                *rq.quantize_group_cols_dual(src, src, offs, idx, index_g=token, weight_g=w_row),
+                *rq.swiglu_backward_quantize_rows(h, g[:, :768]))
 
-    args = (src, d.gather_idx, d.offs, h, g, w)
+    args = (src, d.gather_idx, d.offs, h, g, w, token, w_row)
     _assert_same(torch.compile(fn, fullgraph=True)(*args), fn(*args), "compiled vs eager")

@@ -122,6 +122,7 @@ class Float8GroupedExperts(nn.Module):
         self.fp8_weights = frozenset(fp8_weights)
         self.config = config or GroupedGemmConfig()
         self._kernels: dict[str, str] = {}  # device -> resolved grouped-GEMM kernel
+        self._fp8_kernel: dict[str, tuple[bool, str]] = {}  # device -> (runs the FP8 grouped GEMM, why not)
         self.ep_group = None  # set by moe/expert_parallel.shard_experts
         self.gate_problem = fused_gate_problem(source)  # None: the fused expert MLP computes this gate
         self.__dict__["source"] = source  # not a submodule: its weights are ours
@@ -185,33 +186,45 @@ class Float8GroupedExperts(nn.Module):
         """Whether this layer's experts run the fused rowwise FP8 MLP on ``device`` (:meth:`fused_problem` is None)."""
         return bool(self.fp8_weights) and self.fused_problem(device) is None
 
-    def local_experts(self, x: torch.Tensor, d: routing.Dispatch, received: torch.Tensor | None = None) -> torch.Tensor:
+    def local_experts(self, x: torch.Tensor, d: routing.Dispatch, received: torch.Tensor | None = None,
+                      top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP of this rank's experts on the token rows ``x`` (T, H) dispatched by ``d``: ``(P, H)`` rows in
         expert order (rows past ``d.offs[-1]`` undefined). The fused rowwise FP8 MLP where :meth:`runs_fused`, else
         the per-weight grouped GEMMs (each weight FP8 or BF16). ``received``: the rowwise FP8 payload of
-        expert-parallel dispatch, ``x`` then its carrier (``moe/fp8_dispatch.rowwise_dispatch``; fused only)."""
-        if self.runs_fused(x.device):
+        expert-parallel dispatch, ``x`` then its carrier (``moe/fp8_dispatch.rowwise_dispatch``; fused only).
+        ``top_k_weights`` (T, topk): return ``routing.combine`` of those rows, (T, H) in ``x``'s dtype; the fused
+        MLP takes the combine in, and its backward reads the combine's gradient through the pairs
+        (``fused_rowwise_experts``), where ``x`` is in the GEMMs' output dtype (bf16 tokens on CUDA; float32 tokens
+        under autocast combine outside, see ``fused_rowwise_experts``)."""
+        if self.runs_fused(x.device) and (received is None or top_k_weights is None):
             w_up, w_down = local_weight(self.gate_up_proj), local_weight(self.down_proj)
             gemm, out_dtype = scaled_grouped_gemm(x.device)
             run = fused_rowwise_experts
             if self.fused_gemm(x.device, w_down.shape, d.gather_idx.shape[0]) == "loop":
                 gemm, run = None, _fused_loop_experts
-            return run(x, w_up, w_down, d.gather_idx, d.pair_rows, d.offs, gemm, out_dtype or x.dtype,
-                       self.config.cache_weights, self.config.wgrad, received=received)
+            out_dtype = out_dtype or x.dtype
+            inside = top_k_weights if x.dtype == out_dtype else None
+            y = run(x, w_up, w_down, d.gather_idx, d.pair_rows, d.offs, gemm, out_dtype, self.config.cache_weights,
+                    self.config.wgrad, received=received, top_k_weights=inside)
+            return y if top_k_weights is None or inside is not None else routing.combine(y, d, top_k_weights, x.dtype)
+        if received is not None and top_k_weights is not None:
+            raise ValueError("Float8GroupedExperts.local_experts: received (expert parallelism) and top_k_weights "
+                             "cannot be given together: expert parallelism combines after its return all-to-all")
         if received is not None:
             raise ValueError("Float8GroupedExperts.local_experts: a rowwise FP8 payload needs the fused FP8 experts "
                              f"({self.fused_problem(x.device)})")
         h = routing.gather(x, d)
         bounds = self._host_bounds(d.offs, x.device)
         h = self._gate(self._linear("gate_up_proj", h, d.offs, bounds))
-        return self._linear("down_proj", h, d.offs, bounds)
+        y = self._linear("down_proj", h, d.offs, bounds)
+        return y if top_k_weights is None else routing.combine(y, d, top_k_weights, x.dtype)
 
     def fused_gemm(self, device: torch.device, down_shape: torch.Size, rows: int) -> str:
         """``grouped`` or ``loop``: how the fused MLP runs its GEMMs for ``rows`` padded routed rows over local
         experts of ``down_proj`` shape ``(E, H, I)`` (``grouped_mm.resolve_grouped_gemm``). The first choice of each
         kind is printed once per process and expert shape."""
         e, h, i = down_shape
-        kernels = self.__dict__.setdefault("_fp8_kernel", {})  # device -> (runs the FP8 grouped GEMM, why not)
+        kernels = self._fp8_kernel  # an attribute set in __init__: Dynamo traces it (a __dict__.setdefault broke the graph)
         if str(device) not in kernels:
             kernels[str(device)] = grouped_fp8_support(device)
         real, why = kernels[str(device)]
@@ -235,19 +248,18 @@ class Float8GroupedExperts(nn.Module):
         if getattr(self, "ep_group", None) is not None:  # expert parallel: moe/expert_parallel.py
             return ep_experts_forward(self, hidden_states, top_k_index, top_k_weights)
         d = routing.dispatch(top_k_index, self.num_experts)
-        y = self.local_experts(hidden_states, d)
-        return routing.combine(y, d, top_k_weights, hidden_states.dtype)
+        return self.local_experts(hidden_states, d, top_k_weights=top_k_weights)
 
 
 @torch.compiler.disable
 def _fused_loop_experts(x, w_up, w_down, gather_idx, pair_rows, offs, _gemm, out_dtype, cache_weights, wgrad,
-                        received=None):
+                        received=None, top_k_weights=None):
     """``fused_rowwise_experts`` with the loop of dense GEMMs (``moe/rowwise_loop.py``), run eagerly inside a compiled
     block: the group bounds are read on the host here (one copy per layer, reused by the backward), and a traced
     list of bounds would make Dynamo recompile for every routing."""
     gemm = partial(loop_scaled_grouped_mm, bounds=group_bounds(offs))
     return fused_rowwise_experts(x, w_up, w_down, gather_idx, pair_rows, offs, gemm, out_dtype, cache_weights, wgrad,
-                                 received=received)
+                                 received=received, top_k_weights=top_k_weights)
 
 
 _GEMM_SAID: set[tuple] = set()  # (choice, asked, experts, hidden, width) already printed

@@ -15,14 +15,22 @@ weights, fprop + dgrad        ``quantize_experts_dual(W)`` once per weight versi
                               across micro-batches); the dgrad copy serves the backward
 SwiGLU + down's input cast    ``swiglu_quantize_rows(h)``: ``a`` (kept for the backward)   act, cast
                               and its FP8 copy from one read of ``h``
+SwiGLU backward + dh cast     ``swiglu_backward_quantize_rows(h, da)``: ``dh`` and its      act bwd, cast
+                              rowwise copy from one read of ``h`` and ``da``
 down wgrad operands           ``quantize_group_cols_dual(dy, a)``: per-(expert, column)    scatter amax
                               scales without a scatter, both operands in one launch
 up wgrad operands             ``quantize_group_cols_dual(dh, hidden, index_x=gather_idx)``  gather, scatter
                               reads the tokens through the dispatch index again
 token gradient                ``dx[pair_rows]`` summed over the top-k (a gather)           index_put
+combine + its backward        with ``top_k_weights``: the combine in the forward, and the  gather-mul
+                              output gradient's dgrad and wgrad casts read the ``(T, H)``  write + read
+                              gradient through the pairs, each row times its router
+                              weight (``gather_weighted_quantize_rows``, the ``g`` of
+                              ``quantize_group_cols_dual``): ``dy (P, H)`` never exists
 ============================  ===========================================================  ============
 
-The output gradient's rowwise casts (dgrad of both GEMMs) use ``gather_quantize_rows`` with the identity index.
+``dy`` is cast by ``gather_quantize_rows`` with the identity index when the combine is not fused (expert parallelism
+combines after the return all-to-all, so its experts get ``dy`` rows; float32 tokens).
 
 Under expert parallelism with FP8 dispatch (``received=``, ``moe/fp8_dispatch.rowwise_dispatch``) the tokens arrive
 already cast by the same kernel on the sending rank: the dispatch + x cast step becomes a gather of their E4M3
@@ -34,7 +42,7 @@ both weight gradients are ``torch._grouped_mm`` on the bf16 operands instead: no
 ``dy, a, dh, x`` (the two ``quantize_group_cols_dual`` launches) for a bf16 wgrad GEMM, the tokens gathered once
 more in expert order for ``gate_up_proj``'s wgrad. Where the experts are small (Qwen3-30B-A3B: 768 wide) those casts
 cost more than the FP8 wgrad GEMM saves (``benchmarks/moe_layer.py``, docs/benchmarks.md section 4).
-The SwiGLU backward is :func:`swiglu_backward` (float32), compiled on CUDA.
+The SwiGLU backward and the rowwise cast of its output are one kernel (``swiglu_backward_quantize_rows``).
 
 Numerics equal the unfused rowwise path (``moe/grouped_mm.fp8_grouped_mm`` with the ``scaled_grouped_mm`` /
 ``emulated`` kernels) up to the order of the float32 top-k sum of the token gradient, since every cast is
@@ -52,25 +60,19 @@ from collections.abc import Callable
 
 import torch
 
-from fp8kit.base.cuda_compile import compiled_on_cuda
 from fp8kit.moe import rowwise_quant as rq
 from fp8kit.moe.grouped_mm import resolve_wgrad
-from fp8kit.moe.routing import gather_rows, sum_token_rows
+from fp8kit.moe.routing import (
+    combine_row_weights,
+    combine_rows,
+    combine_weights_grad,
+    gather_rows,
+    row_pairs,
+    sum_token_rows,
+)
 from fp8kit.moe.rowwise_payload import dequantize_payload, payload_rows
 
 GemmFn = Callable[..., torch.Tensor]
-
-
-@compiled_on_cuda
-def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
-    """Gradient ``dh (P, 2I)`` of ``a = silu(gate) * up`` (``gate, up = h.chunk(2, -1)``) given ``da (P, I)``:
-    ``dgate = da * up * s * (1 + g (1 - s))``, ``dup = da * silu(g)``, ``s = sigmoid(g)``, in float32, rounded
-    to ``h.dtype`` (the formula of ``token_quant.swiglu_backward``, without its 128-multiple requirement).
-    Compiled on CUDA (one fused kernel; ``base.cuda_compile``)."""
-    gate, up = h.chunk(2, dim=-1)
-    g, u, d = gate.float(), up.float(), da.float()
-    s = torch.sigmoid(g)
-    return torch.cat([d * u * s * (1.0 + g * (1.0 - s)), d * g * s], dim=1).to(h.dtype)
 
 
 def _rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +82,8 @@ def _rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class _FusedRowwiseMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, w_up, w_down, gather_idx, pair_rows, offs, gemm, out_dtype, cached, wgrad_fp8, received):
+    def forward(ctx, hidden, w_up, w_down, top_k_weights, gather_idx, pair_rows, offs, gemm, out_dtype, cached,
+                wgrad_fp8, received):
         if received is None:
             xq, xs = rq.gather_quantize_rows(hidden, gather_idx)
             x_src = hidden
@@ -95,33 +98,55 @@ class _FusedRowwiseMLP(torch.autograd.Function):
         h = gemm(xq, up_f, xs, up_fs, offs, out_dtype)
         a, aq, as_ = rq.swiglu_quantize_rows(h)
         y = gemm(aq, down_f, as_, down_fs, offs, out_dtype)
-        ctx.save_for_backward(x_src, gather_idx, pair_rows, offs, h, a, up_d, up_ds, down_d, down_ds)
+        saved = [x_src, gather_idx, pair_rows, offs, h, a, up_d, up_ds, down_d, down_ds]
+        # routing.combine, here so that the backward can read its gradient through the pairs. Its rows and weights
+        # are held by ctx, not saved, so that the backward can free the (P, H) rows once the router weights'
+        # gradient is taken (saved tensors would live through the whole backward: +0.5 GiB peak at Qwen3-30B-A3B).
+        ctx.combine = None if top_k_weights is None else [y, top_k_weights]
+        if top_k_weights is not None:
+            y = combine_rows(y, pair_rows, top_k_weights, hidden.dtype)
+        ctx.save_for_backward(*saved)
         ctx.gemm, ctx.out_dtype, ctx.wgrad_fp8 = gemm, out_dtype, wgrad_fp8
         ctx.dtypes = (hidden.dtype, w_up.dtype, w_down.dtype)
         ctx.tokens, ctx.received = hidden.shape, received is not None
         return y
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, grad):
         x_src, gather_idx, pair_rows, offs, h, a, up_d, up_ds, down_d, down_ds = ctx.saved_tensors
-        gemm, out_dtype = ctx.gemm, ctx.out_dtype
+        gemm, out_dtype, wgrad_fp8 = ctx.gemm, ctx.out_dtype, ctx.wgrad_fp8
         x_dtype, up_dtype, down_dtype = ctx.dtypes
         (tokens, hdim), received = ctx.tokens, ctx.received
-        dy = dy.to(a.dtype).contiguous()
+        # down_proj's output gradient dy: its dgrad copy, and what its wgrad cast reads
+        dy_weights = None
+        if ctx.combine is not None:
+            y, weights = ctx.combine
+            ctx.combine = None
+            dy_weights = combine_weights_grad(y, pair_rows, grad, weights.shape[1], weights.dtype) \
+                if ctx.needs_input_grad[3] else None
+            rows = y.shape[0]
+            del y
+            # dy = grad[token] * weight (routing.combine_rows_grad), never written unless the wgrad is bf16
+            token, w_row = combine_row_weights(row_pairs(pair_rows, rows), weights)
+            grad = grad.contiguous()
+            dyq, dys, dy = rq.gather_weighted_quantize_rows(grad, token, w_row, keep_rows=not wgrad_fp8)
+            dy_src = dict(g=grad, index_g=token, weight_g=w_row)
+        else:
+            dy = grad.to(a.dtype).contiguous()
+            dyq, dys = _rows(dy)
+            dy_src = dict(g=dy)
         # down_proj: dgrad and wgrad
-        dyq, dys = _rows(dy)
         da = gemm(dyq, down_d, dys, down_ds, offs, out_dtype)
-        if ctx.wgrad_fp8:
-            gt, gts, ac, acs = rq.quantize_group_cols_dual(dy, a, offs)
+        if wgrad_fp8:
+            gt, gts, ac, acs = rq.quantize_group_cols_dual(x=a, offs=offs, **dy_src)
             dw_down = gemm(gt, ac, gts, acs, offs, out_dtype)
         else:
             dw_down = wgrad_high_precision(dy, a, offs)
-        # SwiGLU
-        dh = swiglu_backward(h, da.to(h.dtype))
-        # gate_up_proj: dgrad and wgrad (x read again through the dispatch index)
-        dhq, dhs = _rows(dh)
+        # SwiGLU backward and gate_up_proj's output-gradient cast in one pass; then its dgrad and wgrad (x read again
+        # through the dispatch index)
+        dh, dhq, dhs = rq.swiglu_backward_quantize_rows(h, da)
         dx_rows = gemm(dhq, up_d, dhs, up_ds, offs, out_dtype)
-        if ctx.wgrad_fp8:
+        if wgrad_fp8:
             x = dequantize_payload(x_src, hdim, x_dtype) if received else x_src
             ht, hts, xc, xcs = rq.quantize_group_cols_dual(dh, x, offs, index_x=gather_idx)
             dw_up = gemm(ht, xc, hts, xcs, offs, out_dtype)
@@ -129,7 +154,8 @@ class _FusedRowwiseMLP(torch.autograd.Function):
             dw_up = wgrad_high_precision(dh, _expert_rows(x_src, gather_idx, hdim, dh.dtype, received), offs)
         # tokens: the sum of each token's top-k rows (rows past the last group are never picked)
         dhidden = sum_token_rows(dx_rows, pair_rows, tokens, x_dtype)
-        return dhidden, dw_up.to(up_dtype), dw_down.to(down_dtype), None, None, None, None, None, None, None, None
+        return (dhidden, dw_up.to(up_dtype), dw_down.to(down_dtype), dy_weights,
+                None, None, None, None, None, None, None, None)
 
 
 def _expert_rows(x_src: torch.Tensor, gather_idx: torch.Tensor, hdim: int, dtype: torch.dtype,
@@ -159,9 +185,10 @@ def wgrad_high_precision(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -
 def fused_rowwise_experts(
     hidden: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, gather_idx: torch.Tensor,
     pair_rows: torch.Tensor, offs: torch.Tensor, gemm: GemmFn, out_dtype: torch.dtype, cache_weights: bool = True,
-    wgrad: str = "auto", received: torch.Tensor | None = None,
+    wgrad: str = "auto", received: torch.Tensor | None = None, top_k_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The expert MLP of the dispatched tokens in rowwise FP8 with fused quantization (module docstring).
+    """The expert MLP of the dispatched tokens in rowwise FP8 with fused quantization (module docstring), and with
+    ``top_k_weights`` the combine too.
 
     Args:
         hidden: (T, H) tokens (bf16 on CUDA).
@@ -179,22 +206,40 @@ def fused_rowwise_experts(
         received: the rowwise FP8 payload of expert-parallel dispatch (``fp8_dispatch.rowwise_dispatch``), whose
             rows are the tokens: ``hidden`` is then its ``(R, H)`` carrier (values never read; its gradient is
             the received rows' gradient) and ``gather_idx`` indexes the payload rows.
+        top_k_weights: (T, topk) router weights of the pairs (``pair_rows`` in ``top_k_index.reshape(-1)`` order):
+            return ``routing.combine`` of the expert outputs, whose backward the casts of the output gradient then
+            read through the pairs (``dy (P, H)`` is never written). Only with ``hidden`` in ``out_dtype`` (the
+            gradient is then read in the rows' dtype, as ``routing.combine_rows_grad`` rounds it; float32 tokens
+            under autocast combine outside: inside this Function, traced by torch.compile, their whole expert
+            branch lost its gradients on the H100, torch 2.11, as ``routing._Combine`` did in session 13), and not
+            with ``received`` (expert parallelism combines after its return all-to-all).
 
     Returns:
-        (P, H) expert outputs in expert order, in ``out_dtype`` (rows past ``offs[-1]`` undefined on CUDA);
-        gradients flow to ``hidden``, ``w_up`` and ``w_down`` (in their dtypes).
+        (P, H) expert outputs in expert order, in ``out_dtype`` (rows past ``offs[-1]`` undefined on CUDA); with
+        ``top_k_weights`` the combined ``(T, H)`` in ``hidden``'s dtype (``routing.combine``'s formula, float32 sum
+        in ``k`` order). Gradients flow to ``hidden``, ``w_up``, ``w_down`` and ``top_k_weights`` (in their dtypes),
+        bit for bit what the uncombined call followed by ``routing.combine`` gives.
 
     Raises:
-        ValueError: shapes that do not fit (from the quantization ops, naming the tensor), or an unknown ``wgrad``.
+        ValueError: shapes that do not fit (from the quantization ops, naming the tensor), an unknown ``wgrad``, or
+            ``top_k_weights`` with ``received``, with ``hidden`` not in ``out_dtype``, or not ``(T, topk)`` for the
+            ``pair_rows`` given.
     """
+    if top_k_weights is not None and (received is not None or hidden.dtype != out_dtype or top_k_weights.dim() != 2
+                                      or top_k_weights.shape[0] != hidden.shape[0]
+                                      or top_k_weights.numel() != pair_rows.numel()):
+        raise ValueError(f"fused_rowwise_experts: top_k_weights {tuple(top_k_weights.shape)} must be (T, topk) for "
+                         f"{hidden.shape[0]} tokens and {pair_rows.numel()} pairs, with hidden in the GEMMs' output "
+                         f"dtype (hidden {hidden.dtype}, out_dtype {out_dtype}), and cannot be combined with an "
+                         f"expert-parallel payload (received={'given' if received is not None else 'None'})")
     wgrad = resolve_wgrad(wgrad, w_down.shape[-1])
     e, two_i, hdim = w_up.shape
     if w_down.shape != (e, hdim, two_i // 2) or hidden.shape[1] != hdim:
         raise ValueError(f"fused_rowwise_experts: hidden {tuple(hidden.shape)}, gate_up_proj {tuple(w_up.shape)} and "
                          f"down_proj {tuple(w_down.shape)} are not (T, H), (E, 2I, H), (E, H, I)")
     cached = _cached_weights(w_up, w_down) if cache_weights else None
-    return _FusedRowwiseMLP.apply(hidden, w_up, w_down, gather_idx, pair_rows, offs, gemm, out_dtype, cached,
-                                  wgrad == "fp8", received)
+    return _FusedRowwiseMLP.apply(hidden, w_up, w_down, top_k_weights, gather_idx, pair_rows, offs, gemm, out_dtype,
+                                  cached, wgrad == "fp8", received)
 
 
 @torch.compiler.disable

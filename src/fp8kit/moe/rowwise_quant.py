@@ -8,11 +8,16 @@ without the intermediate copies and separate amax passes:
 - :func:`gather_quantize_rows`: the dispatch gather (``routing.Dispatch.gather_idx``) + ``quantize_rows``;
   the gathered BF16 copy is never written. ``moe/rowwise_payload.py`` has its kernel write the same bits into
   one uint8 row per token: the FP8 token dispatch of expert parallelism.
+- :func:`gather_weighted_quantize_rows`: the combine's backward (``routing.combine_rows_grad``: each expert row's
+  gradient is its token's gradient times the router weight) + ``quantize_rows``: the output gradient's dgrad
+  copy straight from the ``(T, H)`` gradient, the ``(P, H)`` product never written unless asked for.
 - :func:`swiglu_quantize_rows`: ``a = silu(gate) * up`` (:func:`fp8kit.moe.token_quant.swiglu_ref`, bit for
   bit) + ``quantize_rows(a)``, from one read of ``h``.
+- :func:`swiglu_backward_quantize_rows`: the SwiGLU backward ``dh`` (:func:`swiglu_backward_ref`; on CUDA within a
+  bf16 ulp: the hardware's sigmoid) + ``quantize_rows(dh)`` of the ``dh`` written, from one read of ``h`` and ``da``.
 - :func:`quantize_group_cols_fused` / :func:`quantize_group_cols_dual`: the wgrad operands (one scale per
   (group, column)) without the scatter: groups are contiguous row ranges; ``x`` optionally read through
-  the dispatch index.
+  the dispatch index, ``g`` through the combine's (token index and router weight per row).
 - :func:`quantize_experts_dual`: both right operands of the expert weights (fprop: over K; dgrad: over N).
 
 Each is a ``torch.library`` op (``torch.ops.fp8kit.moe_rw_*``): CUDA runs the Triton kernels of
@@ -77,6 +82,15 @@ def _check_h(h: torch.Tensor) -> int:
     return h.shape[1] // 2
 
 
+def _check_dh(h: torch.Tensor, da: torch.Tensor) -> None:
+    where = "fp8kit::moe_rw_swiglu_bwd_quant"
+    i = _check_h(h)
+    _check_float(da, 2, "da", where)
+    if da.shape != (h.shape[0], i) or da.device != h.device:
+        raise ValueError(f"{where}: da must be ({h.shape[0]}, {i}) on {h.device} for h {tuple(h.shape)}, got "
+                         f"{tuple(da.shape)} on {da.device}")
+
+
 def _check_group(x: torch.Tensor, offs: torch.Tensor, index: torch.Tensor | None, name: str, where: str) -> int:
     """The row count ``P`` of the (possibly gathered) ``x``, after checking the arguments."""
     _check_float(x, 2, name, where)
@@ -87,9 +101,31 @@ def _check_group(x: torch.Tensor, offs: torch.Tensor, index: torch.Tensor | None
     return index.shape[0]
 
 
-def _check_dual(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, index_x: torch.Tensor | None) -> None:
+def _check_weight(weight: torch.Tensor, index: torch.Tensor, name: str, where: str) -> None:
+    if weight.dim() != 1 or weight.dtype not in _FLOATS or weight.device != index.device or \
+            weight.shape[0] != index.shape[0]:
+        raise ValueError(f"{where}: {name} must be a 1-D float tensor with one weight per index entry "
+                         f"({index.shape[0]}) on {index.device}, got {weight.dtype} {tuple(weight.shape)} on "
+                         f"{weight.device}")
+
+
+def _check_weighted(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> None:
+    where = "fp8kit::moe_rw_gather_weighted_quant"
+    _check_float(src, 2, "src", where)
+    _check_index(index, src.device, "index", where)
+    _check_weight(weight, index, "weight", where)
+
+
+def _check_dual(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, index_x: torch.Tensor | None,
+                index_g: torch.Tensor | None = None, weight_g: torch.Tensor | None = None) -> None:
     where = "fp8kit::moe_rw_group_cols_dual_quant"
-    p = _check_group(g, offs, None, "g", where)
+    if (index_g is None) != (weight_g is None):
+        raise ValueError(f"{where}: index_g and weight_g come together (the combine's backward), got "
+                         f"index_g {'None' if index_g is None else tuple(index_g.shape)} and weight_g "
+                         f"{'None' if weight_g is None else tuple(weight_g.shape)}")
+    p = _check_group(g, offs, index_g, "g", where)
+    if weight_g is not None:
+        _check_weight(weight_g, index_g, "weight_g", where)
     px = _check_group(x, offs, index_x, "x", where)
     if px != p:
         rows = "index_x" if index_x is not None else "x"
@@ -102,9 +138,11 @@ def _check_w(w: torch.Tensor) -> None:
 
 # --------------------------------------------------------------------------- reference
 
-def _gathered(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``cat([src, zeros(1, K)])[index]``: the dispatch gather (``routing.gather``), index ``T`` a zero row."""
-    return torch.cat([src, src.new_zeros(1, src.shape[1])])[index]
+def _gathered(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``cat([src, zeros(1, K)])[index]``: the dispatch gather (``routing.gather``), index ``T`` a zero row; with
+    ``weight`` (P,) each row times its weight in float32, rounded to ``src``'s dtype (``routing.combine_rows_grad``)."""
+    rows = torch.cat([src, src.new_zeros(1, src.shape[1])])[index]
+    return rows if weight is None else (rows.float() * weight.float()[:, None]).to(src.dtype)
 
 
 def gather_quantize_rows_ref(src: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,11 +151,40 @@ def gather_quantize_rows_ref(src: torch.Tensor, index: torch.Tensor) -> tuple[to
     return quantize_rows(_gathered(src, index))
 
 
+def gather_weighted_quantize_rows_ref(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, keep_rows: bool
+                                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PyTorch reference of :func:`gather_weighted_quantize_rows`: ``rows = (cat([src, zeros(1, K)])[index].float() *
+    weight[:, None]).to(src.dtype)``, then ``quantize_rows(rows)``; ``(q, inv, rows if keep_rows else (0, K))``."""
+    _check_weighted(src, index, weight)
+    rows = _gathered(src, index, weight)
+    return (*quantize_rows(rows), rows if keep_rows else rows[:0])
+
+
 def swiglu_quantize_rows_ref(h: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PyTorch reference of :func:`swiglu_quantize_rows`: ``a = swiglu_ref(h)``, then ``quantize_rows(a)``."""
     _check_h(h)
     a = swiglu_ref(h, interleaved)
     return (a, *quantize_rows(a))
+
+
+def swiglu_backward_ref(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+    """Gradient ``dh (P, 2I)`` of ``a = silu(gate) * up`` (``gate, up = h.chunk(2, -1)``) given ``da (P, I)``:
+    ``dgate = da * up * s * (1 + g (1 - s))``, ``dup = da * g * s``, ``s = sigmoid(g)`` (``torch.sigmoid``), in
+    float32, rounded to ``h.dtype`` (the formula of ``token_quant.swiglu_backward``, without its 128-multiple
+    requirement)."""
+    gate, up = h.chunk(2, dim=-1)
+    g, u, d = gate.float(), up.float(), da.float()
+    s = torch.sigmoid(g)
+    return torch.cat([d * u * s * (1.0 + g * (1.0 - s)), d * g * s], dim=1).to(h.dtype)
+
+
+def swiglu_backward_quantize_rows_ref(h: torch.Tensor, da: torch.Tensor
+                                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PyTorch reference of :func:`swiglu_backward_quantize_rows`: ``dh = swiglu_backward_ref(h, da)``, then
+    ``quantize_rows(dh)``."""
+    _check_dh(h, da)
+    dh = swiglu_backward_ref(h, da)
+    return (dh, *quantize_rows(dh))
 
 
 def quantize_group_cols_ref(
@@ -131,11 +198,13 @@ def quantize_group_cols_ref(
 
 
 def quantize_group_cols_dual_ref(
-    g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, index_x: torch.Tensor | None
+    g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, index_x: torch.Tensor | None,
+    index_g: torch.Tensor | None = None, weight_g: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """PyTorch reference of the op behind :func:`quantize_group_cols_dual`: both ``(C, P)`` row-major buffers."""
-    _check_dual(g, x, offs, index_x)
-    return (*quantize_group_cols_ref(g, offs, None), *quantize_group_cols_ref(x, offs, index_x))
+    _check_dual(g, x, offs, index_x, index_g, weight_g)
+    g_rows = g if index_g is None else _gathered(g, index_g, weight_g)
+    return (*quantize_group_cols_ref(g_rows, offs, None), *quantize_group_cols_ref(x, offs, index_x))
 
 
 def quantize_experts_dual_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -184,6 +253,31 @@ def _(src, index):
     return src.new_empty(index.shape[0], src.shape[1], dtype=FP8), _f32(src, index.shape[0])
 
 
+@torch.library.custom_op("fp8kit::moe_rw_gather_weighted_quant", mutates_args=())
+def _weighted_op(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, keep_rows: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return gather_weighted_quantize_rows_ref(src, index, weight, keep_rows)
+
+
+@_weighted_op.register_kernel("cuda")
+def _(src, index, weight, keep_rows):
+    _check_weighted(src, index, weight)
+    kernels = _triton_kernels()
+    if kernels is None or index.numel() == 0 or src.shape[1] == 0:
+        return gather_weighted_quantize_rows_ref(src, index, weight, keep_rows)
+    with torch.cuda.device(src.device):
+        q, inv, rows = kernels.gather_quantize_rows(_rows_last(src), index.contiguous(), weight=weight.contiguous(),
+                                                    keep_rows=keep_rows)
+    return q, inv, src.new_empty(0, src.shape[1]) if rows is None else rows
+
+
+@_weighted_op.register_fake
+def _(src, index, weight, keep_rows):
+    _check_weighted(src, index, weight)
+    p, k = index.shape[0], src.shape[1]
+    return src.new_empty(p, k, dtype=FP8), _f32(src, p), src.new_empty(p if keep_rows else 0, k)
+
+
 @torch.library.custom_op("fp8kit::moe_rw_swiglu_quant", mutates_args=())
 def _swiglu_op(h: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return swiglu_quantize_rows_ref(h, interleaved)
@@ -204,6 +298,28 @@ def _(h, interleaved):
     i = _check_h(h)
     p = h.shape[0]
     return h.new_empty(p, i), h.new_empty(p, i, dtype=FP8), _f32(h, p)
+
+
+@torch.library.custom_op("fp8kit::moe_rw_swiglu_bwd_quant", mutates_args=())
+def _swiglu_bwd_op(h: torch.Tensor, da: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return swiglu_backward_quantize_rows_ref(h, da)
+
+
+@_swiglu_bwd_op.register_kernel("cuda")
+def _(h, da):
+    _check_dh(h, da)
+    kernels = _triton_kernels()
+    if kernels is None or h.shape[0] == 0 or h.shape[1] == 0:
+        return swiglu_backward_quantize_rows_ref(h, da)
+    with torch.cuda.device(h.device):
+        return kernels.swiglu_backward_quantize_rows(_rows_last(h), _rows_last(da))
+
+
+@_swiglu_bwd_op.register_fake
+def _(h, da):
+    _check_dh(h, da)
+    p, k = h.shape
+    return h.new_empty(p, k), h.new_empty(p, k, dtype=FP8), _f32(h, p)
 
 
 @torch.library.custom_op("fp8kit::moe_rw_group_cols_quant", mutates_args=())
@@ -229,26 +345,33 @@ def _(x, offs, index):
 
 
 @torch.library.custom_op("fp8kit::moe_rw_group_cols_dual_quant", mutates_args=())
-def _dual_op(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, index_x: torch.Tensor | None) -> tuple[
+def _dual_op(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, index_x: torch.Tensor | None,
+             index_g: torch.Tensor | None, weight_g: torch.Tensor | None) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return quantize_group_cols_dual_ref(g, x, offs, index_x)
+    return quantize_group_cols_dual_ref(g, x, offs, index_x, index_g, weight_g)
+
+
+def _contig(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
 
 
 @_dual_op.register_kernel("cuda")
-def _(g, x, offs, index_x):
-    _check_dual(g, x, offs, index_x)
+def _(g, x, offs, index_x, index_g, weight_g):
+    _check_dual(g, x, offs, index_x, index_g, weight_g)
     kernels = _triton_kernels()
-    if kernels is None or g.numel() == 0 or x.shape[1] == 0:
-        return quantize_group_cols_dual_ref(g, x, offs, index_x)
+    p = g.shape[0] if index_g is None else index_g.shape[0]
+    if kernels is None or p == 0 or g.shape[1] == 0 or x.shape[1] == 0:
+        return quantize_group_cols_dual_ref(g, x, offs, index_x, index_g, weight_g)
     with torch.cuda.device(g.device):
-        return kernels.quantize_group_cols_dual(_rows_last(g), _rows_last(x), offs.contiguous(),
-                                                None if index_x is None else index_x.contiguous())
+        return kernels.quantize_group_cols_dual(_rows_last(g), _rows_last(x), offs.contiguous(), _contig(index_x),
+                                                _contig(index_g), _contig(weight_g))
 
 
 @_dual_op.register_fake
-def _(g, x, offs, index_x):
-    _check_dual(g, x, offs, index_x)
-    (p, n), k, e = g.shape, x.shape[1], offs.shape[0]
+def _(g, x, offs, index_x, index_g, weight_g):
+    _check_dual(g, x, offs, index_x, index_g, weight_g)
+    p = g.shape[0] if index_g is None else index_g.shape[0]
+    n, k, e = g.shape[1], x.shape[1], offs.shape[0]
     return g.new_empty(n, p, dtype=FP8), _f32(g, e * n), g.new_empty(k, p, dtype=FP8), _f32(g, e * k)
 
 
@@ -320,6 +443,34 @@ def gather_quantize_rows(src: torch.Tensor, index: torch.Tensor) -> tuple[torch.
     return torch.ops.fp8kit.moe_rw_gather_quant(src, index)
 
 
+def gather_weighted_quantize_rows(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, keep_rows: bool = False
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The combine's backward and the rowwise E4M3 cast in one read: row ``r`` is ``src[index[r]] * weight[r]``.
+
+    Equal bit for bit to ``quantize_rows(rows)`` with ``rows = (cat([src, zeros(1, K)])[index].float() *
+    weight.float()[:, None]).to(src.dtype)``: exactly ``routing.combine_rows_grad``'s rows when ``src`` is the
+    combine's output gradient, ``index = row_pairs // topk`` and ``weight`` the router weight of each row's pair
+    (0 for padding). On CUDA one Triton kernel reads each token row through ``index`` and never writes the
+    ``(P, K)`` product unless ``keep_rows``.
+
+    Args:
+        src: ``(T, K)`` bf16 / fp16 / fp32 (the gradient of the combined ``(T, H)`` output).
+        index: ``(P,)`` int64 / int32 source row per output row, values in ``[0, T]`` (``T``: a zero row); the
+            CUDA kernel does not check the range (as :func:`gather_quantize_rows`).
+        weight: ``(P,)`` float weight per output row, on ``src``'s device.
+        keep_rows: also return the rounded ``(P, K)`` rows in ``src``'s dtype (a high-precision wgrad's operand).
+
+    Returns:
+        ``(q (P, K) E4M3 row-major, inv_scale (P,) float32, rows (P, K) or None)``.
+
+    Raises:
+        ValueError: ``src`` not a 2-D float tensor; ``index`` not a 1-D integer tensor on ``src``'s device;
+            ``weight`` not a 1-D float tensor of ``index``'s length on that device.
+    """
+    q, inv, rows = torch.ops.fp8kit.moe_rw_gather_weighted_quant(src, index, weight, keep_rows)
+    return q, inv, rows if keep_rows else None
+
+
 def swiglu_quantize_rows(h: torch.Tensor, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SwiGLU of the gate_up output and its rowwise E4M3 copy, from one read of ``h``.
 
@@ -337,6 +488,26 @@ def swiglu_quantize_rows(h: torch.Tensor, interleaved: bool = False) -> tuple[to
         ValueError: ``h`` not a 2-D float tensor or its last dim odd.
     """
     return torch.ops.fp8kit.moe_rw_swiglu_quant(h, interleaved)
+
+
+def swiglu_backward_quantize_rows(h: torch.Tensor, da: torch.Tensor
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The SwiGLU backward of the fused experts and the rowwise E4M3 cast of its output, from one read of ``h`` and
+    ``da``: the gate_up GEMM's output gradient for its dgrad (``q``) and, in ``h``'s dtype, for its wgrad cast.
+
+    Args:
+        h: ``(P, 2I)`` bf16 / fp16 / fp32 gate_up output (gate half, up half).
+        da: ``(P, I)`` float gradient of ``a = silu(gate) * up``.
+
+    Returns:
+        ``(dh (P, 2I) h.dtype, q (P, 2I) E4M3 row-major, inv_scale (P,) float32)``: ``dh`` is
+        :func:`swiglu_backward_ref` (on CUDA within a bf16 ulp of it: the kernel's sigmoid is the hardware's, as
+        Inductor's, which computed ``dh`` here before), ``(q, inv_scale)`` exactly ``quantize_rows(dh)``.
+
+    Raises:
+        ValueError: ``h`` not a 2-D float tensor with an even last dim, or ``da`` not ``(P, I)`` on its device.
+    """
+    return torch.ops.fp8kit.moe_rw_swiglu_bwd_quant(h, da)
 
 
 def quantize_group_cols_fused(
@@ -369,13 +540,16 @@ def quantize_group_cols_fused(
 
 
 def quantize_group_cols_dual(
-    g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, index_x: torch.Tensor | None = None
+    g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, index_x: torch.Tensor | None = None,
+    index_g: torch.Tensor | None = None, weight_g: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Both wgrad operands in one launch: ``g`` as :func:`quantize_group_cols_fused` with ``transposed=True``
     and ``x`` (read through ``index_x`` if given) with ``transposed=False``.
 
     Args:
-        g: ``(P, N)`` output gradients; x: ``(P, K)`` activations, or ``(T, K)`` with ``index_x (P,)``;
+        g: ``(P, N)`` output gradients, or ``(T, N)`` read through ``index_g (P,)`` with each row times
+            ``weight_g (P,)`` (as :func:`gather_weighted_quantize_rows`: the combine's backward, fused);
+        x: ``(P, K)`` activations, or ``(T, K)`` with ``index_x (P,)``;
         offs: ``(E,)`` cumulative group ends.
 
     Returns:
@@ -383,9 +557,11 @@ def quantize_group_cols_dual(
         scales group-major.
 
     Raises:
-        ValueError: as :func:`quantize_group_cols_fused`, or ``g`` and ``x`` / ``index_x`` with different row counts.
+        ValueError: as :func:`quantize_group_cols_fused`, ``g`` and ``x`` with different row counts, or only one of
+            ``index_g`` / ``weight_g``.
     """
-    g_data, g_inv, x_data, x_inv = torch.ops.fp8kit.moe_rw_group_cols_dual_quant(g, x, offs, index_x)
+    g_data, g_inv, x_data, x_inv = torch.ops.fp8kit.moe_rw_group_cols_dual_quant(g, x, offs, index_x, index_g,
+                                                                                 weight_g)
     return g_data, g_inv, x_data.t(), x_inv
 
 

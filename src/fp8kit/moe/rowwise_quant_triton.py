@@ -13,14 +13,22 @@ Every kernel computes the bits of its reference in :mod:`fp8kit.moe.quantize`:
 Kernels (the wrappers below expect non-empty inputs; the ops run the reference on empty ones):
 
 - :func:`gather_quantize_rows`: one program per ``ROWS`` output rows, each read through ``index`` (one
-  read when the row fits one ``BLOCK_K`` chunk, else a second pass over the chunks, L1/L2-resident).
+  read when the row fits one ``BLOCK_K`` chunk, else a second pass over the chunks, L1/L2-resident). With
+  ``weight``: each row times its weight, rounded to the source dtype first (the combine's backward; optionally
+  written out too, ``keep_rows``).
 - :func:`swiglu_quantize_rows`: one program per ``ROWS`` rows of ``h``, the same way: ``a = silu(gate) * up`` with
   :func:`fp8kit.moe.token_quant_triton._sigmoid` (launched with ``enable_fp_fusion=False``, as token_quant).
+- :func:`swiglu_backward_quantize_rows`: the SwiGLU backward ``dh = (dgate | dup)`` from ``h`` and ``da``, written in
+  ``h``'s dtype, and its rowwise cast (one pass when a row's half fits one chunk, else the cast re-reads ``dh``);
+  the sigmoid is the hardware's (``tl.exp``, fast division, FMA contraction on), so ``dh`` is the reference's within
+  a bf16 ulp, and the cast is exactly ``quantize_rows`` of the ``dh`` written.
 - :func:`quantize_group_cols`: one program per (group ``0..E``, ``BC``-column block): pass 1 the column amax over
   the group's rows ``[offs[g-1], offs[g])`` (group ``E`` = the rows past ``offs[-1]``, the reference's
   dummy group), pass 2 re-reads them (mostly from HBM: a persistent launch that kept the strips in L2 was
-  slower) and writes the ``(C, P)`` row-major cast. The dual launch serves ``g`` and ``x`` from one grid (the
-  program's column block says which).
+  slower, and so was holding a whole strip in registers for one read: ``benchmarks/experiments/group_cols*``) and
+  writes the ``(C, P)`` row-major cast. The dual launch serves ``g`` and ``x`` from one grid (the program's column
+  block says which); ``g`` may be read through an index with per-row weights (the combine's backward), ``x``
+  through the dispatch index.
 - :func:`quantize_experts_dual`: two kernels. ``_experts_amax_kernel``, per (expert, ``BN`` rows of ``N``):
   walks ``K``, keeps the row amax (written with the fprop ``inv_scale``) and atomically maxes the column
   amax into an ``(E, K)`` buffer; ``_experts_cast_kernel``, per (expert, ``BN x BK`` tile): both casts of
@@ -79,10 +87,28 @@ def _cast(x, scale, FP8_MAX: tl.constexpr):
 # --------------------------------------------------------------------------- rows (fprop / dgrad left operand)
 
 @triton.jit
-def _gather_chunk(src_ptr, src_row, valid, c0, K, stride_src, BLOCK_K: tl.constexpr):
+def _weighted(x, w, dtype: tl.constexpr):
+    # routing.combine_rows_grad: (g.float() * w.float()).to(dtype), one float32 product rounded to the rows' dtype.
+    return (x * w[:, None]).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _gather_chunk(src_ptr, src_row, valid, w, c0, K, stride_src, HAS_W: tl.constexpr, BLOCK_K: tl.constexpr):
     cols = c0 + tl.arange(0, BLOCK_K)
     mask = valid[:, None] & (cols < K)[None, :]
-    return tl.load(src_ptr + src_row[:, None] * stride_src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(src_ptr + src_row[:, None] * stride_src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_W:
+        x = _weighted(x, w, src_ptr.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _store_plain(rows_ptr, x, rows, pmask, c0, K, STORE: tl.constexpr, BLOCK_K: tl.constexpr):
+    # the weighted rows themselves (the bf16 wgrad GEMM's operand), in the source's dtype (exact: already rounded)
+    if STORE:
+        cols = c0 + tl.arange(0, BLOCK_K)
+        tl.store(rows_ptr + rows[:, None] * K + cols[None, :], x.to(rows_ptr.dtype.element_ty),
+                 mask=pmask[:, None] & (cols < K)[None, :])
 
 
 @triton.jit
@@ -94,8 +120,8 @@ def _store_rows(q_ptr, x, scale, rows, pmask, c0, K, stride_q, FP8_MAX: tl.const
 
 @triton.jit
 def _gather_rows_kernel(
-    src_ptr, idx_ptr, q_ptr, inv_ptr, T, P, K, stride_src, stride_q, stride_inv,
-    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
+    src_ptr, idx_ptr, q_ptr, inv_ptr, T, P, K, stride_src, stride_q, stride_inv, w_ptr, rows_ptr,
+    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr, HAS_W: tl.constexpr, STORE_ROWS: tl.constexpr,
     EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     offs_p = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -103,18 +129,21 @@ def _gather_rows_kernel(
     rows = offs_p.to(tl.int64)
     src_row = tl.load(idx_ptr + offs_p, mask=pmask, other=0).to(tl.int64)
     valid = pmask & (src_row < T)  # index T: the zero row
+    w = tl.load(w_ptr + offs_p, mask=pmask, other=0.0).to(tl.float32) if HAS_W else 0.0
     if CHUNKS == 1:
-        x = _gather_chunk(src_ptr, src_row, valid, 0, K, stride_src, BLOCK_K)
+        x = _gather_chunk(src_ptr, src_row, valid, w, 0, K, stride_src, HAS_W, BLOCK_K)
+        _store_plain(rows_ptr, x, rows, pmask, 0, K, STORE_ROWS, BLOCK_K)
         scale = _pow2_scale(tl.max(tl.abs(x), axis=1), EPS, AMAX_MAX, FP8_MAX)
         _store_rows(q_ptr, x, scale, rows, pmask, 0, K, stride_q, FP8_MAX, BLOCK_K)
     else:
         amax = tl.zeros((ROWS,), tl.float32)
         for c in range(CHUNKS):
-            x = _gather_chunk(src_ptr, src_row, valid, c * BLOCK_K, K, stride_src, BLOCK_K)
+            x = _gather_chunk(src_ptr, src_row, valid, w, c * BLOCK_K, K, stride_src, HAS_W, BLOCK_K)
+            _store_plain(rows_ptr, x, rows, pmask, c * BLOCK_K, K, STORE_ROWS, BLOCK_K)
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
         scale = _pow2_scale(amax, EPS, AMAX_MAX, FP8_MAX)
         for c in range(CHUNKS):
-            x = _gather_chunk(src_ptr, src_row, valid, c * BLOCK_K, K, stride_src, BLOCK_K)
+            x = _gather_chunk(src_ptr, src_row, valid, w, c * BLOCK_K, K, stride_src, HAS_W, BLOCK_K)
             _store_rows(q_ptr, x, scale, rows, pmask, c * BLOCK_K, K, stride_q, FP8_MAX, BLOCK_K)
     tl.store(inv_ptr + rows * stride_inv, _inv(scale), mask=pmask)
 
@@ -168,6 +197,72 @@ def _swiglu_rows_kernel(
     tl.store(inv_ptr + offs_p, _inv(scale), mask=pmask)
 
 
+@triton.jit
+def _dswiglu_chunk(h_ptr, da_ptr, dh_ptr, rows, pmask, c0, INTER, stride_h, stride_da, BLOCK_K: tl.constexpr):
+    # columns [c0, c0 + BLOCK_K) of dgate = da * up * s * (1 + g (1 - s)) and dup = da * g * s, s = sigmoid(g) with
+    # the hardware's exp and division (as Inductor's sigmoid, which this replaces; an IEEE-exact sigmoid made the dense
+    # SwiGLU backward kernel compute-bound, fp8/kernels/swiglu_triton.py), each rounded to h's dtype, written to dh
+    # (gate half, up half) and returned in float32.
+    cols = c0 + tl.arange(0, BLOCK_K)
+    mask = pmask[:, None] & (cols < INTER)[None, :]
+    ptr = h_ptr + rows[:, None] * stride_h + cols[None, :]
+    g = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(ptr + INTER, mask=mask, other=0.0).to(tl.float32)
+    d = tl.load(da_ptr + rows[:, None] * stride_da + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = 1.0 / (1.0 + tl.exp(-g))
+    dt = dh_ptr.dtype.element_ty
+    dg = (d * u * s * (1.0 + g * (1.0 - s))).to(dt)
+    du = (d * g * s).to(dt)
+    out = dh_ptr + rows[:, None] * (2 * INTER) + cols[None, :]
+    tl.store(out, dg, mask=mask)
+    tl.store(out + INTER, du, mask=mask)
+    return dg.to(tl.float32), du.to(tl.float32)
+
+
+@triton.jit
+def _load_half(dh_ptr, rows, pmask, c0, off, INTER, BLOCK_K: tl.constexpr):
+    cols = c0 + tl.arange(0, BLOCK_K)
+    return tl.load(dh_ptr + rows[:, None] * (2 * INTER) + off + cols[None, :],
+                   mask=pmask[:, None] & (cols < INTER)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_half(q_ptr, x, scale, rows, pmask, c0, off, INTER, FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr):
+    cols = c0 + tl.arange(0, BLOCK_K)
+    tl.store(q_ptr + rows[:, None] * (2 * INTER) + off + cols[None, :], _cast(x, scale[:, None], FP8_MAX),
+             mask=pmask[:, None] & (cols < INTER)[None, :])
+
+
+@triton.jit
+def _swiglu_bwd_rows_kernel(
+    h_ptr, da_ptr, dh_ptr, q_ptr, inv_ptr, P, INTER, stride_h, stride_da,
+    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
+    EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    offs_p = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    pmask = offs_p < P
+    rows = offs_p.to(tl.int64)
+    if CHUNKS == 1:
+        dg, du = _dswiglu_chunk(h_ptr, da_ptr, dh_ptr, rows, pmask, 0, INTER, stride_h, stride_da, BLOCK_K)
+        scale = _pow2_scale(tl.maximum(tl.max(tl.abs(dg), axis=1), tl.max(tl.abs(du), axis=1)), EPS, AMAX_MAX,
+                            FP8_MAX)
+        _store_half(q_ptr, dg, scale, rows, pmask, 0, 0, INTER, FP8_MAX, BLOCK_K)
+        _store_half(q_ptr, du, scale, rows, pmask, 0, INTER, INTER, FP8_MAX, BLOCK_K)
+    else:  # pass 1 writes dh and takes the amax; pass 2 casts dh read back (L2-resident, the values just written)
+        amax = tl.zeros((ROWS,), tl.float32)
+        for c in range(CHUNKS):
+            dg, du = _dswiglu_chunk(h_ptr, da_ptr, dh_ptr, rows, pmask, c * BLOCK_K, INTER, stride_h, stride_da,
+                                    BLOCK_K)
+            amax = tl.maximum(amax, tl.maximum(tl.max(tl.abs(dg), axis=1), tl.max(tl.abs(du), axis=1)))
+        scale = _pow2_scale(amax, EPS, AMAX_MAX, FP8_MAX)
+        tl.debug_barrier()  # this program's dh stores before its loads of them
+        for c in range(CHUNKS):
+            for off in tl.static_range(2):
+                x = _load_half(dh_ptr, rows, pmask, c * BLOCK_K, off * INTER, INTER, BLOCK_K)
+                _store_half(q_ptr, x, scale, rows, pmask, c * BLOCK_K, off * INTER, INTER, FP8_MAX, BLOCK_K)
+    tl.store(inv_ptr + offs_p, _inv(scale), mask=pmask)
+
+
 def _row_blocks(k: int, max_block: int = _MAX_BLOCK_K) -> tuple[int, int, int, int]:
     """``(ROWS, BLOCK_K, CHUNKS, num_warps)`` for rows of ``k`` elements (about 2-16K elements per program, chunks of
     at most ``max_block``)."""
@@ -181,28 +276,36 @@ def _row_blocks(k: int, max_block: int = _MAX_BLOCK_K) -> tuple[int, int, int, i
     return rows, block_k, chunks, warps
 
 
-def gather_quantize_rows(src: torch.Tensor, index: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of :func:`fp8kit.moe.rowwise_quant.gather_quantize_rows_ref` (same bits).
+def gather_quantize_rows(src: torch.Tensor, index: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         weight: torch.Tensor | None = None, keep_rows: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`fp8kit.moe.rowwise_quant.gather_quantize_rows_ref` (same bits), and with ``weight``
+    of :func:`fp8kit.moe.rowwise_quant.gather_weighted_quantize_rows_ref`.
 
     Args:
         src: CUDA ``(T, K)`` float tensor, unit stride along K.
         index: CUDA ``(P,)`` contiguous int64 / int32, values in ``[0, T]`` (unchecked).
         out: ``(q (P, K) E4M3, inv (P,) float32)`` to write into, each row of ``q`` contiguous and any row strides
             (the rowwise dispatch payload: both are views of one uint8 buffer); default new contiguous tensors.
+        weight: optional CUDA ``(P,)`` contiguous float: each gathered row multiplied by its weight in float32 and
+            rounded to ``src``'s dtype before the cast (the combine's backward, ``routing.combine_rows_grad``).
+        keep_rows: with ``weight``, also return those rounded rows ``(P, K)`` in ``src``'s dtype (third output).
     """
     t, k = src.shape
     p = index.shape[0]
     if out is None:
         out = (torch.empty(p, k, dtype=FP8, device=src.device), torch.empty(p, dtype=torch.float32, device=src.device))
     q, inv = out
+    rows_out = torch.empty(p, k, dtype=src.dtype, device=src.device) if keep_rows else None
     if t == 0:  # every index is the zero row: give the kernel one real row to point at
         src = src.new_zeros(1, k)
     rows, block_k, chunks, warps = _row_blocks(k)
     _gather_rows_kernel[(triton.cdiv(p, rows),)](
         src, index, q, inv, t, p, k, src.stride(0), q.stride(0), inv.stride(0),
-        ROWS=rows, BLOCK_K=block_k, CHUNKS=chunks, num_warps=warps, **_KW)
-    return q, inv
+        inv if weight is None else weight, q if rows_out is None else rows_out,
+        ROWS=rows, BLOCK_K=block_k, CHUNKS=chunks, HAS_W=weight is not None, STORE_ROWS=keep_rows,
+        num_warps=warps, **_KW)
+    return (q, inv) if weight is None else (q, inv, rows_out)
 
 
 def swiglu_quantize_rows(h: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -224,24 +327,49 @@ def swiglu_quantize_rows(h: torch.Tensor, interleaved: bool) -> tuple[torch.Tens
     return a, q, inv
 
 
+def swiglu_backward_quantize_rows(h: torch.Tensor, da: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`fp8kit.moe.rowwise_quant.swiglu_backward_quantize_rows_ref`: ``(dh (P, 2I) h.dtype,
+    q (P, 2I) E4M3, inv (P,) float32)``; ``dh`` within a bf16 ulp of the reference's (the hardware's sigmoid),
+    ``(q, inv)`` exactly ``quantize_rows(dh)`` of the ``dh`` written.
+
+    Args:
+        h: CUDA ``(P, 2I)`` float tensor (gate half, up half), unit stride along the last dim.
+        da: CUDA ``(P, I)`` float tensor, unit stride along the last dim.
+    """
+    p, i = h.shape[0], h.shape[1] // 2
+    dh = torch.empty(p, 2 * i, dtype=h.dtype, device=h.device)
+    q = torch.empty(p, 2 * i, dtype=FP8, device=h.device)
+    inv = torch.empty(p, dtype=torch.float32, device=h.device)
+    rows, block_k, chunks, warps = _row_blocks(i)
+    _swiglu_bwd_rows_kernel[(triton.cdiv(p, rows),)](
+        h, da, dh, q, inv, p, i, h.stride(0), da.stride(0),
+        ROWS=rows, BLOCK_K=block_k, CHUNKS=chunks, num_warps=warps, **_KW)
+    return dh, q, inv
+
+
 # --------------------------------------------------------------------------- group columns (wgrad operands)
 
 @triton.jit
-def _group_rows(x_ptr, idx_ptr, offs_p, end, cols, cmask, T, stride_x, GATHER: tl.constexpr):
-    pmask = offs_p < end
+def _group_rows(x_ptr, idx_ptr, w_ptr, offs_p, end, cols, cmask, T, stride_x,
+                GATHER: tl.constexpr, HAS_W: tl.constexpr):
+    in_group = offs_p < end
+    pmask = in_group
     if GATHER:
         src_row = tl.load(idx_ptr + offs_p, mask=pmask, other=0).to(tl.int64)
         pmask = pmask & (src_row < T)
     else:
         src_row = offs_p.to(tl.int64)
-    return tl.load(x_ptr + src_row[:, None] * stride_x + cols[None, :], mask=pmask[:, None] & cmask[None, :],
-                   other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + src_row[:, None] * stride_x + cols[None, :], mask=pmask[:, None] & cmask[None, :],
+                other=0.0).to(tl.float32)
+    if HAS_W:
+        x = _weighted(x, tl.load(w_ptr + offs_p, mask=in_group, other=0.0).to(tl.float32), x_ptr.dtype.element_ty)
+    return x
 
 
 @triton.jit
 def _group_cols_block(
-    x_ptr, idx_ptr, offs_ptr, data_ptr, inv_ptr, pid_g, pid_c, T, P, C, E, stride_x,
-    GATHER: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    x_ptr, idx_ptr, w_ptr, offs_ptr, data_ptr, inv_ptr, pid_g, pid_c, T, P, C, E, stride_x,
+    GATHER: tl.constexpr, HAS_W: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
     EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     # Group pid_g's rows [start, end) (group E: the rows past offs[-1]), columns [pid_c * BC, + BC).
@@ -251,13 +379,13 @@ def _group_cols_block(
     cmask = cols < C
     amax = tl.zeros((BC,), tl.float32)
     for r in range(start, end, BR):
-        x = _group_rows(x_ptr, idx_ptr, r + tl.arange(0, BR), end, cols, cmask, T, stride_x, GATHER)
+        x = _group_rows(x_ptr, idx_ptr, w_ptr, r + tl.arange(0, BR), end, cols, cmask, T, stride_x, GATHER, HAS_W)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
     scale = _pow2_scale(amax, EPS, AMAX_MAX, FP8_MAX)
     tl.store(inv_ptr + pid_g * C + cols, _inv(scale), mask=cmask & (pid_g < E))
     for r in range(start, end, BR):
         offs_p = r + tl.arange(0, BR)
-        x = _group_rows(x_ptr, idx_ptr, offs_p, end, cols, cmask, T, stride_x, GATHER)
+        x = _group_rows(x_ptr, idx_ptr, w_ptr, offs_p, end, cols, cmask, T, stride_x, GATHER, HAS_W)
         q = tl.trans(_cast(x, scale[None, :], FP8_MAX))  # (BC, BR): data[c, p], p contiguous
         tl.store(data_ptr + cols[:, None] * P + offs_p[None, :], q, mask=cmask[:, None] & (offs_p < end)[None, :])
 
@@ -268,27 +396,27 @@ def _group_cols_kernel(
     GATHER: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
     EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
-    _group_cols_block(x_ptr, idx_ptr, offs_ptr, data_ptr, inv_ptr, tl.program_id(0), tl.program_id(1),
-                      T, P, C, E, stride_x, GATHER, BR, BC, EPS, AMAX_MAX, FP8_MAX)
+    _group_cols_block(x_ptr, idx_ptr, x_ptr, offs_ptr, data_ptr, inv_ptr, tl.program_id(0), tl.program_id(1),
+                      T, P, C, E, stride_x, GATHER, False, BR, BC, EPS, AMAX_MAX, FP8_MAX)
 
 
 @triton.jit
 def _group_cols_dual_kernel(
-    g_ptr, g_data_ptr, g_inv_ptr, N, stride_g,
+    g_ptr, g_idx_ptr, g_w_ptr, g_data_ptr, g_inv_ptr, N, stride_g, TG,
     x_ptr, idx_ptr, x_data_ptr, x_inv_ptr, K, stride_x, T,
     offs_ptr, P, E, NB_G,
-    GATHER: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    G_GATHER: tl.constexpr, GATHER: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
     EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
-    # Column blocks [0, NB_G) are g's, the rest x's.
+    # Column blocks [0, NB_G) are g's, the rest x's. G_GATHER: g's rows read through g_idx and weighted by g_w.
     pid_g = tl.program_id(0)
     pid_c = tl.program_id(1)
     if pid_c < NB_G:
-        _group_cols_block(g_ptr, idx_ptr, offs_ptr, g_data_ptr, g_inv_ptr, pid_g, pid_c, T, P, N, E, stride_g,
-                          False, BR, BC, EPS, AMAX_MAX, FP8_MAX)
+        _group_cols_block(g_ptr, g_idx_ptr, g_w_ptr, offs_ptr, g_data_ptr, g_inv_ptr, pid_g, pid_c, TG, P, N, E,
+                          stride_g, G_GATHER, G_GATHER, BR, BC, EPS, AMAX_MAX, FP8_MAX)
     else:
-        _group_cols_block(x_ptr, idx_ptr, offs_ptr, x_data_ptr, x_inv_ptr, pid_g, pid_c - NB_G, T, P, K, E, stride_x,
-                          GATHER, BR, BC, EPS, AMAX_MAX, FP8_MAX)
+        _group_cols_block(x_ptr, idx_ptr, x_ptr, offs_ptr, x_data_ptr, x_inv_ptr, pid_g, pid_c - NB_G, T, P, K, E,
+                          stride_x, GATHER, False, BR, BC, EPS, AMAX_MAX, FP8_MAX)
 
 
 #: 256-row slices of 64 columns, 4 warps: the fastest of 20 tile shapes and 9 persistent launches at the Qwen3-30B-A3B,
@@ -325,23 +453,27 @@ def quantize_group_cols(
 
 
 def quantize_group_cols_dual(
-    g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, index_x: torch.Tensor | None
+    g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, index_x: torch.Tensor | None,
+    index_g: torch.Tensor | None = None, weight_g: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Both wgrad operands in one launch: ``(g_data (N, P), g_inv (E*N,), x_data (K, P), x_inv (E*K,))``, row-major
-    ``(C, P)`` buffers as :func:`quantize_group_cols` returns them. ``g``: CUDA ``(P, N)``; ``x``: ``(P, K)``, or
-    ``(T, K)`` read through ``index_x``."""
-    p, n = g.shape
+    ``(C, P)`` buffers as :func:`quantize_group_cols` returns them. ``g``: CUDA ``(P, N)``, or ``(T_g, N)`` read
+    through ``index_g (P,)`` with each row multiplied by ``weight_g (P,)`` (float32 product rounded to ``g``'s dtype:
+    the combine's backward, never written); ``x``: ``(P, K)``, or ``(T, K)`` read through ``index_x``."""
+    n = g.shape[1]
+    p = g.shape[0] if index_g is None else index_g.shape[0]
     k = x.shape[1]
     e = offs.shape[0]
     g_data, g_inv = _group_out(g, p, n, e)
     x_data, x_inv = _group_out(x, p, k, e)
     nb_g, nb_x = triton.cdiv(n, _BC), triton.cdiv(k, _BC)
     x, t = _gather_source(x)
+    g, tg = _gather_source(g)
     _group_cols_dual_kernel[(e + 1, nb_g + nb_x)](
-        g, g_data, g_inv, n, g.stride(0),
+        g, g if index_g is None else index_g, g if weight_g is None else weight_g, g_data, g_inv, n, g.stride(0), tg,
         x, x if index_x is None else index_x, x_data, x_inv, k, x.stride(0), t,
         offs, p, e, nb_g,
-        GATHER=index_x is not None, BR=_BR, BC=_BC, num_warps=_GROUP_WARPS, **_KW)
+        G_GATHER=index_g is not None, GATHER=index_x is not None, BR=_BR, BC=_BC, num_warps=_GROUP_WARPS, **_KW)
     return g_data, g_inv, x_data, x_inv
 
 
