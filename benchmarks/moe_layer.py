@@ -15,7 +15,9 @@ All variants share the module code, the routing and the inputs; only the experts
 - ``rowwise-fused-accum``: the same with the expert-weight cache hit (the steady state of gradient accumulation:
   weights cast once per optimizer step, ``GroupedGemmConfig.cache_weights``);
 - ``rowwise-fused-gwbf16`` / ``-accum``: the fused path with its weight gradients a bf16 grouped GEMM
-  (``fp8.grouped_wgrad = "bf16"``: no per-(expert, column) casts of the wgrad operands);
+  (``fp8.grouped_wgrad = "bf16"``: no per-(expert, column) casts of the wgrad operands); ``rowwise-fused-gwfp8`` /
+  ``-accum``: every GEMM in FP8 at any expert width (``fp8.grouped_wgrad = "fp8"``; ``auto`` keeps the wgrad of
+  experts narrower than 1024 in bf16);
 - ``rowwise-fused-loop`` / ``-accum``: the fused path with its six GEMMs a loop of dense rowwise GEMMs, one per
   expert (``fp8.grouped_gemm = "loop"``, ``moe/rowwise_loop.py``; one device-to-host copy of the group sizes per
   layer, included); ``rowwise-fused-auto``: the defaults (``grouped_gemm`` and ``grouped_wgrad`` ``auto``);
@@ -76,6 +78,9 @@ VARIANTS = {
     # fprop and dgrad in FP8, wgrad a bf16 grouped GEMM (no per-(expert, column) casts; fp8.grouped_wgrad = "bf16")
     "rowwise-fused-gwbf16": GroupedGemmConfig(kernel="fused", cache_weights=False, wgrad="bf16", gemm="grouped"),
     "rowwise-fused-gwbf16-accum": GroupedGemmConfig(kernel="fused", cache_weights=True, wgrad="bf16", gemm="grouped"),
+    # every GEMM in FP8 whatever the expert width (fp8.grouped_wgrad = "fp8"; auto keeps narrow experts' wgrad bf16)
+    "rowwise-fused-gwfp8": GroupedGemmConfig(kernel="fused", cache_weights=False, wgrad="fp8"),
+    "rowwise-fused-gwfp8-accum": GroupedGemmConfig(kernel="fused", cache_weights=True, wgrad="fp8"),
     # the six GEMMs as a loop of dense rowwise GEMMs, one per expert (fp8.grouped_gemm = "loop"; moe/rowwise_loop.py)
     "rowwise-fused-loop": GroupedGemmConfig(kernel="fused", cache_weights=False, gemm="loop"),
     "rowwise-fused-loop-accum": GroupedGemmConfig(kernel="fused", cache_weights=True, gemm="loop"),
