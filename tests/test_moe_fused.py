@@ -117,6 +117,9 @@ def test_experts_module_fuses_the_combine_only_for_tokens_in_the_gemms_dtype():
         experts_mod.scaled_grouped_gemm = real_gemm
     assert seen == [True, False], f"combine fused into the MLP per call: {seen}"
     assert out.dtype == torch.float32 and out.shape == (16, 128)
+    x = torch.randn(16, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="received .* and top_k_weights cannot be given together"):
+        module.local_experts(x, routing.dispatch(idx, 8), received=x, top_k_weights=weights)
 
 
 def _hf_experts(e: int = 8, hdim: int = 128, inter: int = 64) -> Qwen3MoeExperts:

@@ -196,7 +196,10 @@ class Float8GroupedExperts(nn.Module):
         MLP takes the combine in, and its backward reads the combine's gradient through the pairs
         (``fused_rowwise_experts``), where ``x`` is in the GEMMs' output dtype (bf16 tokens on CUDA; float32 tokens
         under autocast combine outside, see ``fused_rowwise_experts``)."""
-        if self.runs_fused(x.device) and (received is None or top_k_weights is None):
+        if received is not None and top_k_weights is not None:
+            raise ValueError("Float8GroupedExperts.local_experts: received (expert parallelism) and top_k_weights "
+                             "cannot be given together: expert parallelism combines after its return all-to-all")
+        if self.runs_fused(x.device):
             w_up, w_down = local_weight(self.gate_up_proj), local_weight(self.down_proj)
             gemm, out_dtype = scaled_grouped_gemm(x.device)
             run = fused_rowwise_experts
@@ -207,9 +210,6 @@ class Float8GroupedExperts(nn.Module):
             y = run(x, w_up, w_down, d.gather_idx, d.pair_rows, d.offs, gemm, out_dtype, self.config.cache_weights,
                     self.config.wgrad, received=received, top_k_weights=inside)
             return y if top_k_weights is None or inside is not None else routing.combine(y, d, top_k_weights, x.dtype)
-        if received is not None and top_k_weights is not None:
-            raise ValueError("Float8GroupedExperts.local_experts: received (expert parallelism) and top_k_weights "
-                             "cannot be given together: expert parallelism combines after its return all-to-all")
         if received is not None:
             raise ValueError("Float8GroupedExperts.local_experts: a rowwise FP8 payload needs the fused FP8 experts "
                              f"({self.fused_problem(x.device)})")

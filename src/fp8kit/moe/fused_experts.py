@@ -118,11 +118,11 @@ class _FusedRowwiseMLP(torch.autograd.Function):
         x_dtype, up_dtype, down_dtype = ctx.dtypes
         (tokens, hdim), received = ctx.tokens, ctx.received
         # down_proj's output gradient dy: its dgrad copy, and what its wgrad cast reads
-        dy_weights = None
+        d_router = None
         if ctx.combine is not None:
             y, weights = ctx.combine
             ctx.combine = None
-            dy_weights = combine_weights_grad(y, pair_rows, grad, weights.shape[1], weights.dtype) \
+            d_router = combine_weights_grad(y, pair_rows, grad, weights.shape[1], weights.dtype) \
                 if ctx.needs_input_grad[3] else None
             rows = y.shape[0]
             del y
@@ -154,7 +154,7 @@ class _FusedRowwiseMLP(torch.autograd.Function):
             dw_up = wgrad_high_precision(dh, _expert_rows(x_src, gather_idx, hdim, dh.dtype, received), offs)
         # tokens: the sum of each token's top-k rows (rows past the last group are never picked)
         dhidden = sum_token_rows(dx_rows, pair_rows, tokens, x_dtype)
-        return (dhidden, dw_up.to(up_dtype), dw_down.to(down_dtype), dy_weights,
+        return (dhidden, dw_up.to(up_dtype), dw_down.to(down_dtype), d_router,
                 None, None, None, None, None, None, None, None)
 
 
