@@ -59,6 +59,10 @@ VARIANTS = {
     "fp8adamw-v-e4m3": [*FULL_FP8, "fp8.recipe=tensorwise", "optim.name=fp8_adamw",
                         "optim.v=e4m3"],
     "fp8adamw-block": [*FULL_FP8, "fp8.recipe=tensorwise", "optim.name=fp8_adamw", "optim.granularity=block"],
+    # fp8kit's default optimizer (FP8AdamW, bf16 working weights): bf16 tokens reach the experts, whose fused MLP then
+    # takes the combine in (moe/fused_experts.py); with an FP32 master (above) they arrive in float32 and it does not
+    "bf16-default-optim": ["train.mixed_precision=bf16"],
+    "tensorwise-default-optim": [*FULL_FP8, "fp8.recipe=tensorwise"],
 }
 STUDIES = {
     "recipes": ["bf16", "tensorwise", "blockwise", "delayed"],
@@ -121,7 +125,8 @@ def report(out: Path, study: str) -> str:
     # the study's variants, then any other variant run into the same folder (e.g. --variants with an extra one)
     extra = [n for n in VARIANTS if n not in STUDIES[study] and (out / n / "metrics.jsonl").exists()]
     runs = {n: read(out, n) for n in [*STUDIES[study], *extra]}
-    baseline = STUDIES[study][0]
+    # the study's baseline, or (a --variants run without it) the first variant that ran
+    baseline = next((n for n, recs in runs.items() if recs), STUDIES[study][0])
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     base_recs = runs.get(baseline) or []
     ref_val = next((r["val_loss"] for r in reversed(base_recs) if r.get("val_loss") is not None), None)
