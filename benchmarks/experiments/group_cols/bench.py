@@ -46,14 +46,16 @@ def _persistent_dual_kernel(
         pid_g = item // NB
         pid_c = item % NB
         if pid_c < NB_G:
-            rq._group_cols_block(g_ptr, idx_ptr, offs_ptr, g_data_ptr, g_inv_ptr, pid_g, pid_c, T, P, N, E, stride_g,
-                                 False, BR, BC, EPS, AMAX_MAX, FP8_MAX)
+            rq._group_cols_block(g_ptr, idx_ptr, g_ptr, offs_ptr, g_data_ptr, g_inv_ptr, pid_g, pid_c, T, P, N, E,
+                                 stride_g, False, False, BR, BC, EPS, AMAX_MAX, FP8_MAX)
         else:
-            rq._group_cols_block(x_ptr, idx_ptr, offs_ptr, x_data_ptr, x_inv_ptr, pid_g, pid_c - NB_G, T, P, K, E,
-                                 stride_x, GATHER, BR, BC, EPS, AMAX_MAX, FP8_MAX)
+            rq._group_cols_block(x_ptr, idx_ptr, x_ptr, offs_ptr, x_data_ptr, x_inv_ptr, pid_g, pid_c - NB_G, T, P, K,
+                                 E, stride_x, GATHER, False, BR, BC, EPS, AMAX_MAX, FP8_MAX)
 
 
-def launch(g, x, offs, index_x, br, bc, warps, per_sm):
+def dual_args(g, x, offs, index_x, bc):
+    """``(outputs, args, column blocks of g, of x)``: the committed dual launch's buffers and arguments up to ``NB_G``
+    (``g`` read plainly, as the down projection's wgrad operand)."""
     p, n = g.shape
     k = x.shape[1]
     e = offs.shape[0]
@@ -61,16 +63,24 @@ def launch(g, x, offs, index_x, br, bc, warps, per_sm):
     x_data, x_inv = rq._group_out(x, p, k, e)
     nb_g, nb_x = triton.cdiv(n, bc), triton.cdiv(k, bc)
     x, t = rq._gather_source(x)
-    common = (g, g_data, g_inv, n, g.stride(0), x, x if index_x is None else index_x, x_data, x_inv, k, x.stride(0), t,
-              offs, p, e, nb_g)
+    args = (g, g_data, g_inv, n, g.stride(0), x, x if index_x is None else index_x, x_data, x_inv, k, x.stride(0), t,
+            offs, p, e, nb_g)
+    return (g_data, g_inv, x_data, x_inv), args, nb_g, nb_x
+
+
+def launch(g, x, offs, index_x, br, bc, warps, per_sm):
+    out, args, nb_g, nb_x = dual_args(g, x, offs, index_x, bc)
+    e = offs.shape[0]
     if per_sm == 0:
-        rq._group_cols_dual_kernel[(e + 1, nb_g + nb_x)](*common, GATHER=index_x is not None, BR=br, BC=bc,
+        g_, g_data, g_inv, n, stride_g, *rest = args
+        rq._group_cols_dual_kernel[(e + 1, nb_g + nb_x)](g_, g_, g_, g_data, g_inv, n, stride_g, 0, *rest,
+                                                          G_GATHER=False, GATHER=index_x is not None, BR=br, BC=bc,
                                                           num_warps=warps, **rq._KW)
     else:
         nprog = min(per_sm * torch.cuda.get_device_properties(0).multi_processor_count, (e + 1) * (nb_g + nb_x))
-        _persistent_dual_kernel[(nprog,)](*common, nb_g + nb_x, nprog, GATHER=index_x is not None, BR=br, BC=bc,
+        _persistent_dual_kernel[(nprog,)](*args, nb_g + nb_x, nprog, GATHER=index_x is not None, BR=br, BC=bc,
                                           num_warps=warps, **rq._KW)
-    return g_data, g_inv, x_data, x_inv
+    return out
 
 
 def operands(name):

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from graph_timing import same_bits as same  # noqa: E402
 from graph_timing import timed  # noqa: E402
-from group_cols.bench import MODELS, operands  # noqa: E402
+from group_cols.bench import MODELS, dual_args, operands  # noqa: E402
 
 from fp8kit.moe import rowwise_quant_triton as rq  # noqa: E402
 
@@ -75,8 +75,8 @@ def _resident_block(
         if RB > 0:
             _store_cast(data_ptr, xb, scale, pb, end, cols, cmask, P, FP8_MAX)
     else:
-        rq._group_cols_block(x_ptr, idx_ptr, offs_ptr, data_ptr, inv_ptr, pid_g, pid_c, T, P, C, E, stride_x,
-                             GATHER, RA, BC, EPS, AMAX_MAX, FP8_MAX)
+        rq._group_cols_block(x_ptr, idx_ptr, x_ptr, offs_ptr, data_ptr, inv_ptr, pid_g, pid_c, T, P, C, E, stride_x,
+                             GATHER, False, RA, BC, EPS, AMAX_MAX, FP8_MAX)
 
 
 @triton.jit
@@ -98,17 +98,10 @@ def _resident_dual_kernel(
 
 
 def launch(g, x, offs, index_x, ra, rb, bc, warps):
-    p, n = g.shape
-    k = x.shape[1]
-    e = offs.shape[0]
-    g_data, g_inv = rq._group_out(g, p, n, e)
-    x_data, x_inv = rq._group_out(x, p, k, e)
-    nb_g, nb_x = triton.cdiv(n, bc), triton.cdiv(k, bc)
-    x, t = rq._gather_source(x)
-    _resident_dual_kernel[(e + 1, nb_g + nb_x)](
-        g, g_data, g_inv, n, g.stride(0), x, x if index_x is None else index_x, x_data, x_inv, k, x.stride(0), t,
-        offs, p, e, nb_g, GATHER=index_x is not None, RA=ra, RB=rb, BC=bc, num_warps=warps, **rq._KW)
-    return g_data, g_inv, x_data, x_inv
+    out, args, nb_g, nb_x = dual_args(g, x, offs, index_x, bc)
+    _resident_dual_kernel[(offs.shape[0] + 1, nb_g + nb_x)](*args, GATHER=index_x is not None, RA=ra, RB=rb, BC=bc,
+                                                            num_warps=warps, **rq._KW)
+    return out
 
 
 def main() -> None:

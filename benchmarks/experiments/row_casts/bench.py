@@ -37,8 +37,9 @@ def gather(src, index, rows, block, warps):
     p = index.shape[0]
     q, inv = torch.empty(p, k, dtype=FP8, device=src.device), torch.empty(p, dtype=torch.float32, device=src.device)
     rq._gather_rows_kernel[(triton.cdiv(p, rows),)](src, index, q, inv, t, p, k, src.stride(0), q.stride(0),
-                                                     inv.stride(0), ROWS=rows, BLOCK_K=block,
-                                                     CHUNKS=triton.cdiv(k, block), num_warps=warps, **rq._KW)
+                                                     inv.stride(0), inv, q, ROWS=rows, BLOCK_K=block,
+                                                     CHUNKS=triton.cdiv(k, block), HAS_W=False, STORE_ROWS=False,
+                                                     num_warps=warps, **rq._KW)
     return q, inv
 
 
