@@ -138,6 +138,7 @@ def main() -> int:
     each_config(tqt, "_swiglu_act_quant_kernel", moe_swiglu)
     print("moe token kernels: every config casts as the act kernel does", flush=True)
     moe_rowwise_fusions()
+    moe_expert_weights_hinted()
     return 0
 
 
@@ -185,6 +186,37 @@ def moe_rowwise_fusions() -> None:
         assert err <= 2.0**-7, f"moe swiglu backward I={i} block {max_block}: dh off by {err:.2e} (> a bf16 ulp)"
         same((q, inv), rqt.gather_quantize_rows(dh, torch.arange(7)), f"moe swiglu backward cast, block {max_block}")
     print("moe rowwise fusions: the same casts as on the materialized input", flush=True)
+
+
+def moe_expert_weights_hinted() -> None:
+    """The expert weights' one-pass cast with scale hints (``moe.rowwise_weights_triton``) against the two-kernel cast,
+    for exact, zero, partly wrong and NaN hints, and the count of rows and columns it recast."""
+    from fp8kit.moe import rowwise_quant_triton as rqt
+    from fp8kit.moe import rowwise_weights_triton as rwt
+
+    rqt._round_pow2 = _round_pow2
+    gen = torch.Generator().manual_seed(14)
+    w = rnd(3, 200, 136, seed=15) * torch.logspace(-3, 2, 200)[None, :, None].to(torch.bfloat16)
+    ref = rqt.quantize_experts_dual(w)
+    rows, cols = ref[1].clone(), ref[3].clone()
+    bad_r, bad_c = torch.rand(rows.shape, generator=gen) < 0.05, torch.rand(cols.shape, generator=gen) < 0.05
+    cases = {
+        "exact": (rows, cols, (0, 0)),
+        "zero": (torch.zeros_like(rows), torch.zeros_like(cols), (rows.numel(), cols.numel())),
+        "5% off": (torch.where(bad_r, rows * 2, rows), torch.where(bad_c, cols / 2, cols),
+                   (int(bad_r.sum()), int(bad_c.sum()))),
+        "nan": (torch.full_like(rows, float("nan")), cols, (rows.numel(), 0)),
+    }
+    seg = rwt._SEG
+    try:
+        for name, (rh, ch, want) in cases.items():
+            for tile, rwt._SEG in (((64, 128, 4), seg), ((64, 32, 4), 128)):  # the fix in one and in two segments
+                *got, fixed = rwt.quantize_experts_dual_hinted(w, rh, ch, tile=tile)
+                same(tuple(got), ref, f"moe expert weights, {name} hints, tile {tile}, segment {rwt._SEG}")
+                assert tuple(fixed.tolist()) == want, f"moe expert weights, {name} hints: recast {fixed.tolist()}"
+    finally:
+        rwt._SEG = seg
+    print("moe expert weights with scale hints: the two-kernel cast's bits for any hints", flush=True)
 
 
 if __name__ == "__main__":

@@ -231,6 +231,7 @@ def test_ep_with_tp_matches_one_process(reference, cache_dir, tmp_path):
     for r in layer:
         rel = dict(r["rel"])
         fmt, fwd_diff = rel.pop("format"), rel.pop("fwd_vs_bf16_dispatch", None)
+        assert rel.pop("scale_hints_wrong", 0.0) == 0.0, f"{r['case']} rank {r['rank']}: scale hints {r['rel']}"
         worst = max(rel.values())
         assert worst <= LAYER_RTOL, f"{r['case']} rank {r['rank']}: {r['rel']}"
         want = "bf16" if "fp8_dispatch=False" in r["case"] else "rowwise" if "fp8_experts=True" in r["case"] else "1x128"
@@ -330,6 +331,15 @@ def _layer_case(mesh, ep: int, fp8_dispatch: bool, fp8_experts: bool = False, wg
     if fp8_experts:
         other = ep_layer(False)(x[i], ids[i], w[i])
         out["fwd_vs_bf16_dispatch"] = (y.detach() - other.detach()).abs().max().item()
+        # the scale hints were re-made for this rank's experts and hold the scales of its last cast
+        from fp8kit.moe.expert_parallel import local_weight
+        from fp8kit.moe.rowwise_quant import quantize_experts_dual
+
+        up, down = (local_weight(getattr(mod, name)).detach() for name in WEIGHTS)
+        hints = mod.scale_hints(up, down)
+        want = [c[i] for c in (quantize_experts_dual(up), quantize_experts_dual(down)) for i in (1, 3)]
+        out["scale_hints_wrong"] = 1.0 if hints is None else float(sum(
+            not torch.equal(h.view(torch.float32), t) for h, t in zip(hints, want, strict=True)))
     out["format"] = dispatch_format(mod, x.device)
     return out
 

@@ -199,6 +199,42 @@ def test_fused_layer_compiled_equals_eager():
     assert torch.equal(eager, compiled), f"max |diff| {(eager.float() - compiled.float()).abs().max().item()}"
 
 
+def test_scale_hints_follow_the_weights_and_stay_out_of_the_state_dict():
+    """The fused experts keep their weights' last scales as int32 hint buffers: not in the state_dict, untouched by
+    ``.to(dtype)``, advanced by every forward (eager and compiled) to the scales of the weights it cast, and not used
+    with the weight cache (which keeps its own)."""
+    from fp8kit.moe.rowwise_quant import quantize_experts_dual
+
+    both = frozenset(("gate_up_proj", "down_proj"))
+    module = Float8GroupedExperts(_hf_experts(), both, GroupedGemmConfig(kernel="fused")).to(torch.bfloat16)
+    names = [f"_hint_{w}_{p}" for w in ("gate_up_proj", "down_proj") for p in ("rows", "cols")]
+    assert not any(n in module.state_dict() for n in names), list(module.state_dict())
+    hints = [getattr(module, n) for n in names]
+    assert [(h.dtype, tuple(h.shape)) for h in hints] == [(torch.int32, s) for s in ((8, 128), (8, 128), (8, 128),
+                                                                                      (8, 64))]
+    t = 64
+    torch.manual_seed(4)
+    hidden = torch.randn(t, 128, dtype=torch.bfloat16)
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(t)])
+    weights = torch.softmax(torch.randn(t, 2), dim=-1).to(torch.bfloat16)
+
+    def want() -> list[torch.Tensor]:
+        casts = quantize_experts_dual(module.gate_up_proj.detach()), quantize_experts_dual(module.down_proj.detach())
+        return [c[i] for c in casts for i in (1, 3)]
+
+    for run in (module, torch.compile(module, backend="aot_eager")):
+        for h in hints:
+            h.zero_()
+        run(hidden, idx, weights)
+        wrong = [n for n, h, w in zip(names, hints, want(), strict=True) if not torch.equal(h.view(torch.float32), w)]
+        assert not wrong, f"hints not advanced to the last cast's scales: {wrong}"
+        with torch.no_grad():
+            module.down_proj.mul_(2.0)
+    cached = Float8GroupedExperts(_hf_experts(), both, GroupedGemmConfig(kernel="fused", cache_weights=True))
+    cached(hidden, idx, weights)
+    assert all(getattr(cached, n).count_nonzero() == 0 for n in names), "the cached path touched the hints"
+
+
 def test_expert_weights_quantized_once_per_optimizer_step():
     """The fused path casts each expert weight once per weight version and optimizer step: the second micro-batch
     of a gradient-accumulation step hits the cache (outputs and accumulated gradients equal to the uncached run bit

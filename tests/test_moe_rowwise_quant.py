@@ -194,6 +194,31 @@ def test_quantize_experts_dual_equals_two_quantize_experts(e, n, k, dtype):
                  f"experts E={e} N={n} K={k}")
 
 
+def test_quantize_experts_dual_with_hints_equals_without():
+    """On the CPU the hints are checked and otherwise unused: any hints give the unhinted bits (the GPU test checks
+    the one-pass kernel, tests/test_moe_rowwise_quant_gpu.py)."""
+    w = _real(3, 96, 200, seed=5)
+    ref = rq.quantize_experts_dual(w)
+    for rows, cols in ((ref[1], ref[3]), (torch.zeros(3, 96), torch.full((3, 200), float("nan")))):
+        _assert_same(rq.quantize_experts_dual(w, hints=(rows, cols)), ref, "experts with hints")
+
+
+def test_weight_cache_recasts_a_new_version_from_the_outdated_entry():
+    """The expert-weight cache casts a changed weight with ``requantize`` (the previous scales as hints): the same bits
+    as a fresh cast, and counted as ``requantized``."""
+    w = _real(2, 64, 128, seed=6)
+    before = rq.experts_cache_stats()
+    first = rq.quantize_experts_dual(w, cache=True)
+    assert rq.quantize_experts_dual(w, cache=True)[0].data_ptr() == first[0].data_ptr()  # a hit
+    with torch.no_grad():
+        w.mul_(3.0)  # bumps _version: every scale moves by a factor of 2 or 4
+    again = rq.quantize_experts_dual(w, cache=True)
+    stats = rq.experts_cache_stats()
+    assert stats["requantized"] - before["requantized"] == 1, (before, stats)
+    assert stats["misses"] - before["misses"] == 2, (before, stats)
+    _assert_same(again, rq.quantize_experts_dual(w), "requantized cache entry vs a fresh cast")
+
+
 # ----------------------------------------------------------------------------- torch.compile
 
 def test_ops_compile_fullgraph_equal_eager():
@@ -209,7 +234,8 @@ def test_ops_compile_fullgraph_equal_eager():
                 *rq.quantize_group_cols_dual(g, src, offs, idx), *rq.quantize_experts_dual(w),
                 *rq.gather_weighted_quantize_rows(src, token, w_row, keep_rows=True),
                 *rq.quantize_group_cols_dual(src, src, offs, idx, index_g=token, weight_g=w_row),
-                *rq.swiglu_backward_quantize_rows(h, h[:, :128]))
+                *rq.swiglu_backward_quantize_rows(h, h[:, :128]),
+                *rq.quantize_experts_dual(w, hints=(torch.ones(4, 64), torch.ones(4, 128))))
 
     args = (src, d.gather_idx, d.offs, h, g, w, token, w_row)
     _assert_same(torch.compile(fn, fullgraph=True)(*args), fn(*args), "compiled vs eager")
@@ -237,6 +263,13 @@ def test_bad_input_raises_naming_the_op():
         rq.quantize_group_cols_dual(src[:3], src, offs, idx[:2])
     with pytest.raises(ValueError, match="moe_rw_experts_dual_quant: w must be a 3-D"):
         rq.quantize_experts_dual(src)
+    w3 = _real(2, 8, 16)
+    with pytest.raises(ValueError, match=r"moe_rw_experts_dual_quant_hinted: col_hint must be float32 \(2, 16\)"):
+        rq.quantize_experts_dual(w3, hints=(torch.ones(2, 8), torch.ones(2, 8)))
+    with pytest.raises(ValueError, match="moe_rw_experts_dual_quant_hinted: row_hint must be float32"):
+        rq.quantize_experts_dual(w3, hints=(torch.ones(2, 8, dtype=torch.int32), torch.ones(2, 16)))
+    with pytest.raises(ValueError, match="hints and cache=True cannot be combined"):
+        rq.quantize_experts_dual(w3, cache=True, hints=(torch.ones(2, 8), torch.ones(2, 16)))
     with pytest.raises(ValueError, match=r"moe_rw_gather_weighted_quant: weight must be a 1-D float tensor with one "
                                          r"weight per index entry \(3\)"):
         rq.gather_weighted_quantize_rows(src, idx, torch.ones(2))

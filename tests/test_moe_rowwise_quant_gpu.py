@@ -210,6 +210,34 @@ def test_quantize_experts_dual_matches_reference(e, n, k):
     _assert_same(got, (*quantize_experts(w, -1), *quantize_experts(w, -2)), f"experts E={e} N={n} K={k}")
 
 
+@pytest.mark.parametrize("e,n,k", [(128, 1536, 2048), (128, 2048, 768), (8, 4096, 7168), (3, 1000, 600)])
+def test_quantize_experts_dual_with_hints_matches_reference_for_any_hints(e, n, k):
+    """The one-pass cast with scale hints (``moe.rowwise_weights_triton``) gives the reference's bits whatever the
+    hints hold, and recasts exactly the rows and columns whose hint is not the new ``inv_scale``."""
+    from fp8kit.moe.rowwise_weights_triton import quantize_experts_dual_hinted
+
+    w = _real(e, n, k, scale=0.02, seed=n + k + 1)
+    ref = (*quantize_experts(w, -1), *quantize_experts(w, -2))
+    rows, cols = ref[1].clone(), ref[3].clone()
+    g = torch.Generator(device="cuda").manual_seed(e + n)
+    bad_r = torch.rand(rows.shape, generator=g, device="cuda") < 0.01
+    bad_c = torch.rand(cols.shape, generator=g, device="cuda") < 0.01
+    cases = {
+        "exact": (rows, cols, (0, 0)),
+        "zero": (torch.zeros_like(rows), torch.zeros_like(cols), (rows.numel(), cols.numel())),
+        "1% off": (torch.where(bad_r, rows * 2, rows), torch.where(bad_c, cols * 0.5, cols),
+                   (int(bad_r.sum()), int(bad_c.sum()))),
+        "nan rows": (torch.full_like(rows, float("nan")), cols, (rows.numel(), 0)),
+    }
+    for name, (rh, ch, want) in cases.items():
+        _poison_allocator(2 * w.numel())
+        fprop, fprop_inv, dgrad, dgrad_inv, fixed = quantize_experts_dual_hinted(w, rh, ch)
+        _assert_same((fprop.transpose(-2, -1), fprop_inv, dgrad.transpose(-2, -1), dgrad_inv), ref,
+                     f"experts E={e} N={n} K={k}, {name} hints")
+        assert tuple(fixed.tolist()) == want, f"{name} hints: recast (rows, cols) {fixed.tolist()}, want {want}"
+        _assert_same(rq.quantize_experts_dual(w, hints=(rh, ch)), ref, f"the op, {name} hints")
+
+
 def test_ops_compile_fullgraph_equal_eager():
     torch._dynamo.reset()
     d = _dispatch()
@@ -224,7 +252,9 @@ def test_ops_compile_fullgraph_equal_eager():
                 *rq.quantize_group_cols_dual(g, src, offs, idx), *rq.quantize_experts_dual(w),
                 *rq.gather_weighted_quantize_rows(src, token, w_row, keep_rows=True),
                 *rq.quantize_group_cols_dual(src, src, offs, idx, index_g=token, weight_g=w_row),
-                *rq.swiglu_backward_quantize_rows(h, g[:, :768]))
+                *rq.swiglu_backward_quantize_rows(h, g[:, :768]),
+                *rq.quantize_experts_dual(w, hints=(torch.ones(16, 1536, device="cuda"),
+                                                    torch.ones(16, 2048, device="cuda"))))
 
     args = (src, d.gather_idx, d.offs, h, g, w, token, w_row)
     _assert_same(torch.compile(fn, fullgraph=True)(*args), fn(*args), "compiled vs eager")

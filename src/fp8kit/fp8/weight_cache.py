@@ -17,7 +17,9 @@ quantization function ``quantize(w) -> tuple of tensors`` and reuses its result 
 An update that bypasses all three (``weight.data.copy_(...)`` outside an optimizer step, e.g. a hand-written EMA)
 is not seen: call :func:`clear_weight_caches` after it (``fp8kit train`` does after loading a checkpoint).
 Entries are keyed on (device, data pointer, shape, stride, dtype); an entry whose storage was freed is dropped
-at the next miss. Used by the blockwise linear (:mod:`fp8kit.fp8.kernels.ops`, 128x128 copies) and the fused
+at the next miss. A cache made with ``requantize`` computes a new version of a weight it holds an outdated entry of
+as ``requantize(w, outdated_result)`` (the MoE expert weights: cast with the previous step's scales as hints, one
+read instead of two; the same bits). Used by the blockwise linear (:mod:`fp8kit.fp8.kernels.ops`, 128x128 copies) and the fused
 rowwise MoE experts (:mod:`fp8kit.moe.fused_experts`, fprop + dgrad copies of the 3-D expert weights).
 Memory: an entry holds the FP8 copies (2 bytes per weight element for two layouts) from the forward through
 the optimizer step, where without the cache the dgrad copy lives from forward to backward only.
@@ -56,13 +58,18 @@ class WeightCache:
         quantize: ``w -> tuple of tensors`` (the FP8 copies and their scales); must not depend on anything but
             ``w``'s values.
         name: for :func:`weight_cache_stats`.
+        requantize: ``(w, outdated) -> quantize(w)``, given the outdated result for the same storage (for instance
+            to reuse its scales as hints); None: always ``quantize(w)``.
     """
 
-    def __init__(self, quantize: Callable[[torch.Tensor], tuple[torch.Tensor, ...]], name: str) -> None:
-        self.quantize, self.name = quantize, name
+    def __init__(self, quantize: Callable[[torch.Tensor], tuple[torch.Tensor, ...]], name: str,
+                 requantize: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]] | None = None
+                 ) -> None:
+        self.quantize, self.name, self.requantize = quantize, name, requantize
         self.entries: dict[tuple, _Entry] = {}
         self.hits = 0
         self.misses = 0
+        self.requantized = 0  # misses computed by requantize
         _REGISTRY.append(self)
 
     def get(self, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -77,7 +84,10 @@ class WeightCache:
             self.hits += 1
             return entry.out
         self.misses += 1
-        out = self.quantize(w)
+        outdated = entry is not None and entry.storage() is storage and self.requantize is not None
+        self.requantized += outdated
+        out = self.requantize(w, entry.out) if outdated else self.quantize(w)
+        del entry
         self.entries = {k: e for k, e in self.entries.items() if e.storage() is not None and k != key}
         self.entries[key] = _Entry(weakref.ref(storage), w._version, _GENERATION[0], out)
         return out
@@ -87,8 +97,10 @@ class WeightCache:
         self.entries.clear()
 
     def stats(self) -> dict[str, int]:
-        """``{"hits", "misses", "entries"}`` since the process started."""
-        return {"hits": self.hits, "misses": self.misses, "entries": len(self.entries)}
+        """``{"hits", "misses", "requantized", "entries"}`` since the process started (``requantized``: misses
+        computed from an outdated entry by ``requantize``)."""
+        return {"hits": self.hits, "misses": self.misses, "requantized": self.requantized,
+                "entries": len(self.entries)}
 
 
 def clear_weight_caches() -> None:

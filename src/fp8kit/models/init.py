@@ -101,17 +101,25 @@ def initialize_shards(model: nn.Module, program: InitProgram, device: torch.devi
         chunk_numel: elements per generated random chunk (the values depend on it; the default is
             :data:`CHUNK_NUMEL`).
 
+    Buffers that a module added after the build lists in its ``scratch_buffers`` attribute (names of buffers that
+    hold no model state, e.g. the fused MoE experts' scale hints) are zeroed instead.
+
     Raises:
         ConfigError: a parameter or buffer that the program does not know (added after the build), or tied
             weights that are no longer one parameter.
     """
     model.to_empty(device=device)
     _retie(model, program)
+    scratch = {id(getattr(m, name)) for m in model.modules() for name in getattr(m, "scratch_buffers", ())}
     seen: dict[str, int] = {}
     for kind, named in (("parameter", model.named_parameters(remove_duplicate=False)),
                         ("buffer", model.named_buffers(remove_duplicate=False))):
         done: set[int] = set()
         for raw, t in named:
+            if kind == "buffer" and id(t) in scratch:
+                with torch.no_grad():
+                    t.zero_()
+                continue
             name = _plain_name(raw)
             canonical = program.aliases.get(name)
             if canonical is None:

@@ -163,6 +163,7 @@ def shard_experts(module: nn.Module, group: EPGroup) -> None:
         new.register_hook(_scale_expert_grad(group))
         setattr(module, name, new)
     module.ep_group = group
+    module.reset_scale_hints()
 
 
 def local_weight(w: torch.Tensor) -> torch.Tensor:

@@ -126,6 +126,34 @@ class Float8GroupedExperts(nn.Module):
         self.ep_group = None  # set by moe/expert_parallel.shard_experts
         self.gate_problem = fused_gate_problem(source)  # None: the fused expert MLP computes this gate
         self.__dict__["source"] = source  # not a submodule: its weights are ours
+        self.reset_scale_hints()
+
+    #: Buffers that hold no model state (``models.init.initialize_shards`` zeroes them under meta init).
+    scratch_buffers = tuple(f"_hint_{name}_{part}" for name in WEIGHTS for part in ("rows", "cols"))
+
+    def reset_scale_hints(self) -> None:
+        """(Re)allocate the fused rowwise MLP's scale hints for the local expert weights' shapes: four int32 buffers
+        (not in the ``state_dict``; int32 so that ``module.to(dtype)`` leaves them alone) holding the float32 bits of
+        the last ``fprop_inv`` / ``dgrad_inv`` of each weight (``rowwise_quant.quantize_experts_dual(hints=)``: the
+        next step's casts read the weights once where the scales did not move; any value gives the same bits).
+        Zeros at first: the first cast recasts every row and column. Called by ``expert_parallel.shard_experts``
+        after the weights become this rank's shards."""
+        up, down = local_weight(self.gate_up_proj), local_weight(self.down_proj)
+        for name, w in (("gate_up_proj", up), ("down_proj", down)):
+            e, n, k = w.shape
+            self.register_buffer(f"_hint_{name}_rows", torch.zeros(e, n, dtype=torch.int32, device=w.device),
+                                 persistent=False)
+            self.register_buffer(f"_hint_{name}_cols", torch.zeros(e, k, dtype=torch.int32, device=w.device),
+                                 persistent=False)
+
+    def scale_hints(self, w_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """``(up_rows, up_cols, down_rows, down_cols)`` int32 hint buffers (:meth:`reset_scale_hints`) for the local
+        weights ``w_up`` (E, 2I, H) and ``w_down`` (E, H, I), or None where their shapes or device do not match."""
+        hints = tuple(getattr(self, name) for name in self.scratch_buffers)
+        want = [w_up.shape[:2], w_up.shape[::2], w_down.shape[:2], w_down.shape[::2]]
+        if any(h.shape != s or h.device != w_up.device for h, s in zip(hints, want, strict=True)):
+            return None
+        return hints
 
     def extra_repr(self) -> str:
         e, n, k = self.gate_up_proj.shape
@@ -208,7 +236,8 @@ class Float8GroupedExperts(nn.Module):
             out_dtype = out_dtype or x.dtype
             inside = top_k_weights if x.dtype == out_dtype else None
             y = run(x, w_up, w_down, d.gather_idx, d.pair_rows, d.offs, gemm, out_dtype, self.config.cache_weights,
-                    self.config.wgrad, received=received, top_k_weights=inside)
+                    self.config.wgrad, received=received, top_k_weights=inside,
+                    scale_hints=None if self.config.cache_weights else self.scale_hints(w_up, w_down))
             return y if top_k_weights is None or inside is not None else routing.combine(y, d, top_k_weights, x.dtype)
         if received is not None:
             raise ValueError("Float8GroupedExperts.local_experts: a rowwise FP8 payload needs the fused FP8 experts "
@@ -253,13 +282,13 @@ class Float8GroupedExperts(nn.Module):
 
 @torch.compiler.disable
 def _fused_loop_experts(x, w_up, w_down, gather_idx, pair_rows, offs, _gemm, out_dtype, cache_weights, wgrad,
-                        received=None, top_k_weights=None):
+                        received=None, top_k_weights=None, scale_hints=None):
     """``fused_rowwise_experts`` with the loop of dense GEMMs (``moe/rowwise_loop.py``), run eagerly inside a compiled
     block: the group bounds are read on the host here (one copy per layer, reused by the backward), and a traced
     list of bounds would make Dynamo recompile for every routing."""
     gemm = partial(loop_scaled_grouped_mm, bounds=group_bounds(offs))
     return fused_rowwise_experts(x, w_up, w_down, gather_idx, pair_rows, offs, gemm, out_dtype, cache_weights, wgrad,
-                                 received=received, top_k_weights=top_k_weights)
+                                 received=received, top_k_weights=top_k_weights, scale_hints=scale_hints)
 
 
 _GEMM_SAID: set[tuple] = set()  # (choice, asked, experts, hidden, width) already printed

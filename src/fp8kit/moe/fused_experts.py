@@ -12,7 +12,8 @@ step                          kernel                                            
 dispatch + x cast             ``gather_quantize_rows(hidden, gather_idx)``: FP8 x in       gather, cast
                               expert order, the bf16 permuted copy never exists
 weights, fprop + dgrad        ``quantize_experts_dual(W)`` once per weight version (cached  two casts
-                              across micro-batches); the dgrad copy serves the backward
+                              across micro-batches); the dgrad copy serves the backward;
+                              with the previous step's scales as hints, one read of ``W``
 SwiGLU + down's input cast    ``swiglu_quantize_rows(h)``: ``a`` (kept for the backward)   act, cast
                               and its FP8 copy from one read of ``h``
 SwiGLU backward + dh cast     ``swiglu_backward_quantize_rows(h, da)``: ``dh`` and its      act bwd, cast
@@ -186,6 +187,7 @@ def fused_rowwise_experts(
     hidden: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, gather_idx: torch.Tensor,
     pair_rows: torch.Tensor, offs: torch.Tensor, gemm: GemmFn, out_dtype: torch.dtype, cache_weights: bool = True,
     wgrad: str = "auto", received: torch.Tensor | None = None, top_k_weights: torch.Tensor | None = None,
+    scale_hints: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """The expert MLP of the dispatched tokens in rowwise FP8 with fused quantization (module docstring), and with
     ``top_k_weights`` the combine too.
@@ -213,6 +215,10 @@ def fused_rowwise_experts(
             under autocast combine outside: inside this Function, traced by torch.compile, their whole expert
             branch lost its gradients on the H100, torch 2.11, as ``routing._Combine`` did in session 13), and not
             with ``received`` (expert parallelism combines after its return all-to-all).
+        scale_hints: without ``cache_weights``, four int32 tensors ``(up_rows (E, 2I), up_cols (E, H), down_rows
+            (E, H), down_cols (E, I))`` holding the float32 bits of the weights' previous ``inv_scale`` s
+            (``Float8GroupedExperts.scale_hints``): the weights are cast with them as hints (one read where no scale
+            moved; the same bits for any values) and they are overwritten with this call's scales.
 
     Returns:
         (P, H) expert outputs in expert order, in ``out_dtype`` (rows past ``offs[-1]`` undefined on CUDA); with
@@ -237,9 +243,27 @@ def fused_rowwise_experts(
     if w_down.shape != (e, hdim, two_i // 2) or hidden.shape[1] != hdim:
         raise ValueError(f"fused_rowwise_experts: hidden {tuple(hidden.shape)}, gate_up_proj {tuple(w_up.shape)} and "
                          f"down_proj {tuple(w_down.shape)} are not (T, H), (E, 2I, H), (E, H, I)")
-    cached = _cached_weights(w_up, w_down) if cache_weights else None
+    if cache_weights:
+        cached = _cached_weights(w_up, w_down)
+    elif scale_hints is not None:
+        cached = _hinted_weights(w_up, w_down, scale_hints)
+    else:
+        cached = None
     return _FusedRowwiseMLP.apply(hidden, w_up, w_down, top_k_weights, gather_idx, pair_rows, offs, gemm, out_dtype,
                                   cached, wgrad == "fp8", received)
+
+
+def _hinted_weights(w_up: torch.Tensor, w_down: torch.Tensor, hints: tuple[torch.Tensor, ...]
+                    ) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """Both weights' FP8 copies cast with the scale hints, and the hints advanced to this cast's scales (an in-place
+    copy that torch.compile traces; the op itself is functional)."""
+    up_rows, up_cols, down_rows, down_cols = hints
+    with torch.no_grad():
+        up = rq.quantize_experts_dual(w_up, hints=(up_rows.view(torch.float32), up_cols.view(torch.float32)))
+        down = rq.quantize_experts_dual(w_down, hints=(down_rows.view(torch.float32), down_cols.view(torch.float32)))
+        for hint, inv in ((up_rows, up[1]), (up_cols, up[3]), (down_rows, down[1]), (down_cols, down[3])):
+            hint.copy_(inv.view(torch.int32))
+    return up, down
 
 
 @torch.compiler.disable

@@ -18,7 +18,8 @@ without the intermediate copies and separate amax passes:
 - :func:`quantize_group_cols_fused` / :func:`quantize_group_cols_dual`: the wgrad operands (one scale per
   (group, column)) without the scatter: groups are contiguous row ranges; ``x`` optionally read through
   the dispatch index, ``g`` through the combine's (token index and router weight per row).
-- :func:`quantize_experts_dual`: both right operands of the expert weights (fprop: over K; dgrad: over N).
+- :func:`quantize_experts_dual`: both right operands of the expert weights (fprop: over K; dgrad: over N); with
+  the previous step's scales as hints from one read of the weights (:mod:`fp8kit.moe.rowwise_weights_triton`).
 
 Each is a ``torch.library`` op (``torch.ops.fp8kit.moe_rw_*``): CUDA runs the Triton kernels of
 :mod:`fp8kit.moe.rowwise_quant_triton`, every other device (and empty inputs) the PyTorch reference below,
@@ -31,7 +32,8 @@ Bytes moved per element (bf16 input ``b = 2``; the reference's in parentheses, c
 gather ``b + 1`` (``3b + 1 + 2*4``: gather write/read, abs/amax, float32 product); SwiGLU ``2b`` read, ``b + 1``
 written; group columns ``2b`` read (the second pass mostly from L2) ``+ 1`` written (the reference: a
 float32 abs copy, a scatter, a gathered scale per element, the cast and a transposing copy); expert weights
-``2b`` read ``+ 2`` written (two ``quantize_experts`` calls: ``~4b + 4`` plus float32 temporaries).
+``2b`` read ``+ 2`` written, with hints ``b`` read ``+ 2`` written plus ``b + 1`` per element of a row or column
+whose scale moved (two ``quantize_experts`` calls: ``~4b + 4`` plus float32 temporaries).
 """
 
 from __future__ import annotations
@@ -134,6 +136,17 @@ def _check_dual(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, index_x: t
 
 def _check_w(w: torch.Tensor) -> None:
     _check_float(w, 3, "w", "fp8kit::moe_rw_experts_dual_quant")
+
+
+def _check_hints(w: torch.Tensor, row_hint: torch.Tensor, col_hint: torch.Tensor) -> None:
+    where = "fp8kit::moe_rw_experts_dual_quant_hinted"
+    _check_float(w, 3, "w", where)
+    e, n, k = w.shape
+    for name, hint, want in (("row_hint", row_hint, (e, n)), ("col_hint", col_hint, (e, k))):
+        if tuple(hint.shape) != want or hint.dtype != torch.float32 or hint.device != w.device:
+            raise ValueError(f"{where}: {name} must be float32 {want} on {w.device} for w {tuple(w.shape)} (the "
+                             f"previous {'fprop' if name == 'row_hint' else 'dgrad'} inv_scale), got "
+                             f"{hint.dtype} {tuple(hint.shape)} on {hint.device}")
 
 
 # --------------------------------------------------------------------------- reference
@@ -399,7 +412,32 @@ def _experts_fake(w):
 _experts_op.register_fake(_experts_fake)
 
 
-_EXPERTS_CACHE = WeightCache(lambda w: torch.ops.fp8kit.moe_rw_experts_dual_quant(w), "moe rowwise experts")
+@torch.library.custom_op("fp8kit::moe_rw_experts_dual_quant_hinted", mutates_args=())
+def _experts_hinted_op(w: torch.Tensor, row_hint: torch.Tensor, col_hint: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_hints(w, row_hint, col_hint)
+    return quantize_experts_dual_ref(w)
+
+
+@_experts_hinted_op.register_kernel("cuda")
+def _(w, row_hint, col_hint):
+    _check_hints(w, row_hint, col_hint)
+    kernels = triton_module("fp8kit.moe.rowwise_weights_triton", "MoE expert-weight quantization")
+    if kernels is None or w.numel() == 0:
+        return quantize_experts_dual_ref(w)
+    with torch.cuda.device(w.device):
+        return kernels.quantize_experts_dual_hinted(_rows_last(w), row_hint.contiguous(), col_hint.contiguous())[:4]
+
+
+@_experts_hinted_op.register_fake
+def _(w, row_hint, col_hint):
+    _check_hints(w, row_hint, col_hint)
+    return _experts_fake(w)
+
+
+_EXPERTS_CACHE = WeightCache(lambda w: torch.ops.fp8kit.moe_rw_experts_dual_quant(w), "moe rowwise experts",
+                             requantize=lambda w, old: torch.ops.fp8kit.moe_rw_experts_dual_quant_hinted(
+                                 w, old[1], old[3]))
 _CUDAGRAPH_UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)
 
 
@@ -565,17 +603,23 @@ def quantize_group_cols_dual(
     return g_data, g_inv, x_data.t(), x_inv
 
 
-def quantize_experts_dual(w: torch.Tensor, cache: bool = False
+def quantize_experts_dual(w: torch.Tensor, cache: bool = False,
+                          hints: tuple[torch.Tensor, torch.Tensor] | None = None,
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Both right operands of the expert weights ``w`` (E, N, K): ``quantize_experts(w, -1)`` and
     ``quantize_experts(w, -2)`` (:mod:`fp8kit.moe.quantize`), bit for bit.
 
     With ``cache`` the result is computed once per weight version and optimizer step and reused across
-    gradient-accumulation micro-batches (:class:`fp8kit.fp8.weight_cache.WeightCache`; the same bits).
+    gradient-accumulation micro-batches (:class:`fp8kit.fp8.weight_cache.WeightCache`; the same bits); a new
+    version is cast with the previous version's scales as hints.
 
-    On CUDA two kernels (one read of ``w`` could not know a column's scale before the whole column is seen):
-    the first reads ``w`` once for the row amax (fprop) and the column amax (dgrad, atomic max), the second
-    reads it again and writes both casts of each tile.
+    On CUDA without hints, two kernels (one read of ``w`` could not know a column's scale before the whole column
+    is seen): the first reads ``w`` once for the row amax (fprop) and the column amax (dgrad, atomic max), the
+    second reads it again and writes both casts of each tile. With ``hints`` (float32 ``(E, N)`` and ``(E, K)``: the
+    ``fprop_inv`` and ``dgrad_inv`` expected, normally those of the previous optimizer step) one kernel reads ``w``
+    once, casts with the hinted scales and gathers the amaxes, and a second recasts only the rows and columns whose
+    scale is not the hinted one (:mod:`fp8kit.moe.rowwise_weights_triton`): the same bits for any hints. On the CPU
+    hints are checked and otherwise unused.
 
     Returns:
         ``(fprop_data (E, K, N), fprop_inv (E, N), dgrad_data (E, N, K), dgrad_inv (E, K))``: ``fprop_data`` the
@@ -583,8 +627,15 @@ def quantize_experts_dual(w: torch.Tensor, cache: bool = False
         row-major buffer viewed transposed), exactly the layouts ``quantize_experts`` returns.
 
     Raises:
-        ValueError: ``w`` not a 3-D float tensor.
+        ValueError: ``w`` not a 3-D float tensor; hints not float32 ``(E, N)`` and ``(E, K)`` on ``w``'s device; hints
+            with ``cache`` (the cache keeps its own).
     """
-    op = torch.ops.fp8kit.moe_rw_experts_dual_quant_cached if cache else torch.ops.fp8kit.moe_rw_experts_dual_quant
-    fprop, fprop_inv, dgrad, dgrad_inv = op(w)
+    if hints is not None and cache:
+        raise ValueError("quantize_experts_dual: hints and cache=True cannot be combined (the weight cache casts a new "
+                         "weight version with the previous version's scales itself)")
+    if hints is not None:
+        fprop, fprop_inv, dgrad, dgrad_inv = torch.ops.fp8kit.moe_rw_experts_dual_quant_hinted(w, *hints)
+    else:
+        op = torch.ops.fp8kit.moe_rw_experts_dual_quant_cached if cache else torch.ops.fp8kit.moe_rw_experts_dual_quant
+        fprop, fprop_inv, dgrad, dgrad_inv = op(w)
     return fprop.transpose(-2, -1), fprop_inv, dgrad.transpose(-2, -1), dgrad_inv

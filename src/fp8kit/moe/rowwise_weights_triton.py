@@ -1,0 +1,178 @@
+"""Triton kernels of :func:`fp8kit.moe.rowwise_quant.quantize_experts_dual` with scale hints (CUDA): both rowwise E4M3
+copies of the expert weights from ONE read of the weights in the common case.
+
+The two-kernel cast (``rowwise_quant_triton.quantize_experts_dual``) reads the weights twice, because a column's
+scale is known only once the whole column has been seen. Between two optimizer steps a weight row's or column's
+amax moves by about the learning rate, so its power-of-two scale (``moe.quantize``: ``2^floor(log2(448 / amax))``)
+almost never changes. Given the previous scales as hints, the copies are written in one pass and then checked:
+
+1. ``_experts_hinted_cast_kernel``, one program per (expert, ``BN x BK`` tile), as the two-kernel cast's second
+   kernel: stores the tile's row and column amaxes (partial: ``(E, K / BK, N)`` and ``(E, N / BN, K)`` buffers, 2% of
+   the traffic; reduced by ``torch.amax``, exact in any order) and writes both casts of the tile with the HINTED
+   scales (``1 / hint``). The tile is transposed once, in the weights' dtype, and the dgrad cast and the column
+   amax both read the transposed tile along its rows (4% faster than a float32 column reduction plus a transpose of
+   the E4M3 tile). (Atomic maxes into ``(E, N)`` / ``(E, K)`` instead made it 2x slower than the two-kernel cast.)
+2. ``_experts_fix_kernel``: light programs, each for ``FB`` rows (or columns) and one ``SEG``-long segment of them.
+   Each derives its rows' (columns') scales from their amaxes exactly as the two-kernel cast does (the first
+   segment's program writes the ``inv_scale`` outputs) and recasts, in its segment, the rows (fprop copy) or columns
+   (dgrad copy, read as ``(columns, rows)`` tiles so that no transpose goes through shared memory) whose
+   ``inv_scale`` differs from the hint (``!=``, so a NaN or garbage hint is a change). A program with nothing to fix
+   reads only its scales. (Earlier versions, ``benchmarks/experiments/hinted_weight_cast/README.md``: whole rows and
+   columns per program left a changed column of a 28672-row weight to one program's serial loop, 0.45 ms; one
+   program per 128 x 128 tile, each with the shared memory of a transpose, spent 0.65 ms only checking scales.)
+
+The result is the two-kernel cast's, bit for bit, for ANY hints: where a hint equals the new ``inv_scale`` (a power
+of two), ``1 / hint`` is exactly the new scale (IEEE division), so the tile was cast with the right scale; every
+other row or column is recast. Hints only decide how much is read twice. Bytes per weight element: read 2, write 2
+(+ 2 per element of a changed row or column), against read 4, write 2 for the two-kernel cast.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp8kit.moe.rowwise_quant_triton import _KW, FP8, _cast, _inv, _pow2_scale
+
+
+@triton.jit
+def _experts_hinted_cast_kernel(
+    w_ptr, row_hint_ptr, col_hint_ptr, row_part_ptr, col_part_ptr, fprop_ptr, dgrad_ptr, N, K, stride_e, stride_n,
+    BN: tl.constexpr, BK: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    e = tl.program_id(0).to(tl.int64)
+    pid_n, pid_k = tl.program_id(1), tl.program_id(2)
+    offs_n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+    offs_k = (pid_k * BK + tl.arange(0, BK)).to(tl.int64)
+    nmask = offs_n < N
+    kmask = offs_k < K
+    mask = nmask[:, None] & kmask[None, :]
+    wn = tl.load(w_ptr + e * stride_e + offs_n[:, None] * stride_n + offs_k[None, :], mask=mask, other=0.0)
+    wt = tl.trans(wn)  # (BK, BN) in the weights' dtype: the dgrad cast and the column amax read it along rows
+    # the tile's partial amaxes (abs and max are exact in any dtype), plain stores: atomic maxes into (E, N) / (E, K)
+    # made this kernel 2x slower
+    tl.store(row_part_ptr + (e * tl.num_programs(2) + pid_k) * N + offs_n, tl.max(tl.abs(wn), axis=1).to(tl.float32),
+             mask=nmask)
+    tl.store(col_part_ptr + (e * tl.num_programs(1) + pid_n) * K + offs_k, tl.max(tl.abs(wt), axis=1).to(tl.float32),
+             mask=kmask)
+    row_scale = _inv(tl.load(row_hint_ptr + e * N + offs_n, mask=nmask, other=1.0))
+    col_scale = _inv(tl.load(col_hint_ptr + e * K + offs_k, mask=kmask, other=1.0))
+    out = e * N * K
+    tl.store(fprop_ptr + out + offs_n[:, None] * K + offs_k[None, :],
+             _cast(wn.to(tl.float32), row_scale[:, None], FP8_MAX), mask=mask)
+    tl.store(dgrad_ptr + out + offs_k[:, None] * N + offs_n[None, :],
+             _cast(wt.to(tl.float32), col_scale[:, None], FP8_MAX), mask=kmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _fix_rows(w_ptr, row_hint_ptr, row_amax_ptr, fprop_ptr, fprop_inv_ptr, fixed_ptr, e, pid, N, K, stride_e,
+              stride_n, FB: tl.constexpr, FC: tl.constexpr, SEG: tl.constexpr, EPS: tl.constexpr,
+              AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr):
+    # FB rows x the SEG-column segment s of K: the rows' new scales; the first segment's program writes fprop_inv
+    segs = tl.cdiv(K, SEG)
+    s = pid % segs
+    offs_n = ((pid // segs) * FB + tl.arange(0, FB)).to(tl.int64)
+    nmask = offs_n < N
+    scale = _pow2_scale(tl.load(row_amax_ptr + e * N + offs_n, mask=nmask, other=0.0), EPS, AMAX_MAX, FP8_MAX)
+    inv = _inv(scale)
+    redo = nmask & (inv != tl.load(row_hint_ptr + e * N + offs_n, mask=nmask, other=0.0))
+    n_redo = tl.sum(redo.to(tl.int32), axis=0)
+    if s == 0:
+        tl.store(fprop_inv_ptr + e * N + offs_n, inv, mask=nmask)
+        if n_redo > 0:
+            tl.atomic_add(fixed_ptr, n_redo)
+    if n_redo > 0:
+        base = w_ptr + e * stride_e + offs_n[:, None] * stride_n
+        out = fprop_ptr + e * N * K + offs_n[:, None] * K
+        for k0 in range(s * SEG, tl.minimum(K, (s + 1) * SEG), FC):
+            offs_k = k0 + tl.arange(0, FC).to(tl.int64)
+            mask = redo[:, None] & (offs_k < K)[None, :]
+            w = tl.load(base + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(out + offs_k[None, :], _cast(w, scale[:, None], FP8_MAX), mask=mask)
+
+
+@triton.jit
+def _fix_cols(w_ptr, col_hint_ptr, col_amax_ptr, dgrad_ptr, dgrad_inv_ptr, fixed_ptr, e, pid, N, K, stride_e,
+              stride_n, FB: tl.constexpr, FC: tl.constexpr, SEG: tl.constexpr, EPS: tl.constexpr,
+              AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr):
+    # FB columns x the SEG-row segment s of N, read as (columns, rows) tiles: only the changed columns' elements are
+    # loaded (strided anyway) and the dgrad rows are stored contiguous, without a transpose in shared memory
+    segs = tl.cdiv(N, SEG)
+    s = pid % segs
+    offs_k = ((pid // segs) * FB + tl.arange(0, FB)).to(tl.int64)
+    kmask = offs_k < K
+    scale = _pow2_scale(tl.load(col_amax_ptr + e * K + offs_k, mask=kmask, other=0.0), EPS, AMAX_MAX, FP8_MAX)
+    inv = _inv(scale)
+    redo = kmask & (inv != tl.load(col_hint_ptr + e * K + offs_k, mask=kmask, other=0.0))
+    n_redo = tl.sum(redo.to(tl.int32), axis=0)
+    if s == 0:
+        tl.store(dgrad_inv_ptr + e * K + offs_k, inv, mask=kmask)
+        if n_redo > 0:
+            tl.atomic_add(fixed_ptr + 1, n_redo)
+    if n_redo > 0:
+        base = w_ptr + e * stride_e + offs_k[:, None]
+        out = dgrad_ptr + e * N * K + offs_k[:, None] * N
+        for n0 in range(s * SEG, tl.minimum(N, (s + 1) * SEG), FC):
+            offs_n = n0 + tl.arange(0, FC).to(tl.int64)
+            mask = redo[:, None] & (offs_n < N)[None, :]
+            w = tl.load(base + offs_n[None, :] * stride_n, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out + offs_n[None, :], _cast(w, scale[:, None], FP8_MAX), mask=mask)
+
+
+@triton.jit
+def _experts_fix_kernel(
+    w_ptr, row_hint_ptr, col_hint_ptr, row_amax_ptr, col_amax_ptr, fprop_ptr, fprop_inv_ptr, dgrad_ptr,
+    dgrad_inv_ptr, fixed_ptr, N, K, stride_e, stride_n, ROW_PROGRAMS,
+    FB: tl.constexpr, FC: tl.constexpr, SEG: tl.constexpr, EPS: tl.constexpr, AMAX_MAX: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
+    e = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(1)
+    if pid < ROW_PROGRAMS:
+        _fix_rows(w_ptr, row_hint_ptr, row_amax_ptr, fprop_ptr, fprop_inv_ptr, fixed_ptr, e, pid, N, K, stride_e,
+                  stride_n, FB, FC, SEG, EPS, AMAX_MAX, FP8_MAX)
+    else:
+        _fix_cols(w_ptr, col_hint_ptr, col_amax_ptr, dgrad_ptr, dgrad_inv_ptr, fixed_ptr, e, pid - ROW_PROGRAMS, N,
+                  K, stride_e, stride_n, FB, FC, SEG, EPS, AMAX_MAX, FP8_MAX)
+
+
+#: The one-pass kernel's tile and warps, and the fix kernel's tile.
+#: Chosen on the H100 (``benchmarks/experiments/hinted_weight_cast/``; docs/benchmarks.md section 4, session 22).
+_BN, _BK, _WARPS = 64, 128, 4
+_FB, _FC, _SEG, _FIX_WARPS = 64, 128, 2048, 4
+
+
+def quantize_experts_dual_hinted(w: torch.Tensor, row_hint: torch.Tensor, col_hint: torch.Tensor,
+                                 tile: tuple[int, int, int] | None = None
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`fp8kit.moe.rowwise_quant.quantize_experts_dual_ref` reading ``w`` once where the
+    hints hold (module docstring): ``(fprop (E, N, K) row-major, fprop_inv (E, N), dgrad (E, K, N) row-major,
+    dgrad_inv (E, K), fixed)``, ``fixed`` an int32 ``(2,)`` count of the rows and columns recast.
+
+    Args:
+        w: CUDA ``(E, N, K)`` float tensor, unit stride along K.
+        row_hint, col_hint: float32 ``(E, N)`` and ``(E, K)``, contiguous: the expected ``fprop_inv`` and
+            ``dgrad_inv`` (any values: they change the time, not the result).
+        tile: ``(BN, BK, warps)`` of the one-pass kernel (measurements only; default ``_BN, _BK, _WARPS``).
+    """
+    e, n, k = w.shape
+    dev = w.device
+    bn, bk, warps = tile or (_BN, _BK, _WARPS)
+    fprop = torch.empty(e, n, k, dtype=FP8, device=dev)
+    dgrad = torch.empty(e, k, n, dtype=FP8, device=dev)
+    fprop_inv = torch.empty(e, n, dtype=torch.float32, device=dev)
+    dgrad_inv = torch.empty(e, k, dtype=torch.float32, device=dev)
+    nbn, nbk = triton.cdiv(n, bn), triton.cdiv(k, bk)
+    row_part = torch.empty(e, nbk, n, dtype=torch.float32, device=dev)
+    col_part = torch.empty(e, nbn, k, dtype=torch.float32, device=dev)
+    fixed = torch.zeros(2, dtype=torch.int32, device=dev)
+    _experts_hinted_cast_kernel[(e, nbn, nbk)](
+        w, row_hint, col_hint, row_part, col_part, fprop, dgrad, n, k, w.stride(0), w.stride(1),
+        BN=bn, BK=bk, num_warps=warps, FP8_MAX=_KW["FP8_MAX"])
+    row_amax, col_amax = row_part.amax(dim=1), col_part.amax(dim=1)  # max is exact: any order gives these bits
+    row_programs = triton.cdiv(n, _FB) * triton.cdiv(k, _SEG)
+    _experts_fix_kernel[(e, row_programs + triton.cdiv(k, _FB) * triton.cdiv(n, _SEG))](
+        w, row_hint, col_hint, row_amax, col_amax, fprop, fprop_inv, dgrad, dgrad_inv, fixed, n, k, w.stride(0),
+        w.stride(1), row_programs, FB=_FB, FC=_FC, SEG=_SEG, num_warps=_FIX_WARPS, **_KW)
+    return fprop, fprop_inv, dgrad, dgrad_inv, fixed
