@@ -233,6 +233,11 @@ def test_scale_hints_follow_the_weights_and_stay_out_of_the_state_dict():
     cached = Float8GroupedExperts(_hf_experts(), both, GroupedGemmConfig(kernel="fused", cache_weights=True))
     cached(hidden, idx, weights)
     assert all(getattr(cached, n).count_nonzero() == 0 for n in names), "the cached path touched the hints"
+    module.register_buffer(names[0], torch.zeros(4, 128, dtype=torch.int32), persistent=False)  # as if resharded
+    with pytest.warns(UserWarning, match=r"scale hints .* do not match the local weights"):
+        assert module.scale_hints(module.gate_up_proj, module.down_proj) is None
+    module.reset_scale_hints()
+    assert module.scale_hints(module.gate_up_proj, module.down_proj) is not None
 
 
 def test_expert_weights_quantized_once_per_optimizer_step():

@@ -2,7 +2,9 @@
 ``wgrad="bf16"`` against the all-FP8 fused path and against the float32 GEMM emulation; the routing helpers compiled
 on CUDA against eager; a compiled MoE block's gradients against eager (float32 weights under autocast).
 
-Run on the H100: ``pytest -m gpu tests/test_moe_fused_gpu.py``. Shape: 4096 tokens routed top-8 over 32 experts
+Run on the H100: ``pytest -m gpu tests/test_moe_fused_gpu.py``. The expert weights cast with scale hints (the
+module's, and the weight cache's recasts) across real optimizer steps equal the plain cast bit for bit. Shape: 4096
+tokens routed top-8 over 32 experts
 (4 never picked), hidden 2048, expert width 768 (Qwen3-30B-A3B's expert shape). Thresholds: output and dx equal
 to the all-FP8 fused run bit for bit (the bf16 wgrad touches neither); every output and gradient against the same
 layer with the float32 GEMM emulation >= 30 dB (the CUTLASS kernel accumulates in another order than the emulation,
@@ -257,3 +259,57 @@ def test_fused_layer_with_the_loop_matches_the_grouped_kernel():
             assert db >= 30.0, f"wgrad {wgrad}, {what}: loop vs grouped kernel {db:.1f} dB < 30"
         for i, what in ((2, "dw_up"), (3, "dw_down")):
             assert got[i][EXPERTS - UNUSED:].abs().max().item() == 0.0, f"{what}: experts without tokens"
+
+
+def test_weights_cast_with_hints_across_optimizer_steps_equal_the_plain_cast():
+    """Across real optimizer steps (AdamW, lr 3e-4) on the GPU, the module's casts with the previous step's scales as
+    hints (no cache), the weight cache's entries recast from their outdated versions (``cache_weights``) and the
+    two-kernel cast without hints give the same outputs and gradients bit for bit; the cache recasts from the
+    outdated entry at every step after the first, and the hints hold the scales of the weights last cast."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from fp8kit.moe.experts import Float8GroupedExperts
+    from fp8kit.moe.grouped_mm import GroupedGemmConfig
+    from fp8kit.moe.rowwise_quant import experts_cache_stats, quantize_experts_dual
+
+    cfg = Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=WIDTH, num_experts=EXPERTS, hidden_act="silu")
+    both = frozenset(("gate_up_proj", "down_proj"))
+
+    def module(cache: bool) -> Float8GroupedExperts:
+        torch.manual_seed(0)
+        src = Qwen3MoeExperts(cfg)
+        with torch.no_grad():
+            src.gate_up_proj.normal_(0, 0.02)
+            src.down_proj.normal_(0, 0.02)
+        return Float8GroupedExperts(src.to("cuda", torch.bfloat16), both,
+                                    GroupedGemmConfig(kernel="fused", cache_weights=cache))
+
+    hinted, cached, plain = module(False), module(True), module(False)
+    plain.scale_hints = lambda w_up, w_down: None  # the two-kernel cast every step
+    opts = [torch.optim.AdamW(m.parameters(), lr=3e-4) for m in (hinted, cached, plain)]
+    _, (h, _, _, _, g) = _case(5)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    top = torch.rand(TOKENS, EXPERTS, generator=gen, device="cuda").topk(TOPK, dim=-1)
+    weights = torch.softmax(top.values, dim=-1).to(torch.bfloat16)
+    for step in range(3):
+        before = experts_cache_stats()
+        runs = []
+        for m in (hinted, cached, plain):
+            x = h.clone().requires_grad_()
+            m(x, top.indices, weights).backward(g)
+            runs.append([x.grad, m.gate_up_proj.grad.clone(), m.down_proj.grad.clone()])
+        after = experts_cache_stats()
+        for name, run in (("hinted", runs[0]), ("cached", runs[1])):
+            for what, a, b in zip(("dx", "d gate_up_proj", "d down_proj"), run, runs[2], strict=True):
+                assert torch.equal(a, b), f"step {step}: {name} {what} differs from the plain cast by " \
+                                          f"{(a.float() - b.float()).abs().max().item()}"
+        want = 0 if step == 0 else 2
+        assert after["requantized"] - before["requantized"] == want, f"step {step}: cache {before} -> {after}"
+        scales = [c[i] for c in (quantize_experts_dual(hinted.gate_up_proj.detach()),
+                                 quantize_experts_dual(hinted.down_proj.detach())) for i in (1, 3)]
+        hints = hinted.scale_hints(hinted.gate_up_proj, hinted.down_proj)
+        assert all(torch.equal(a.view(torch.float32), b) for a, b in zip(hints, scales, strict=True)), f"step {step}"
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()

@@ -148,12 +148,23 @@ class Float8GroupedExperts(nn.Module):
 
     def scale_hints(self, w_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """``(up_rows, up_cols, down_rows, down_cols)`` int32 hint buffers (:meth:`reset_scale_hints`) for the local
-        weights ``w_up`` (E, 2I, H) and ``w_down`` (E, H, I), or None where their shapes or device do not match."""
+        weights ``w_up`` (E, 2I, H) and ``w_down`` (E, H, I), or None (with a warning, once) where their shapes or
+        device do not match: the weights were resharded or moved without :meth:`reset_scale_hints`, and each step
+        then reads them twice (the same bits)."""
         hints = tuple(getattr(self, name) for name in self.scratch_buffers)
         want = [w_up.shape[:2], w_up.shape[::2], w_down.shape[:2], w_down.shape[::2]]
         if any(h.shape != s or h.device != w_up.device for h, s in zip(hints, want, strict=True)):
+            self._warn_hints(tuple(w_up.shape), [tuple(h.shape) for h in hints])
             return None
         return hints
+
+    @torch.compiler.disable
+    def _warn_hints(self, up_shape: tuple[int, ...], hint_shapes: list[tuple[int, ...]]) -> None:
+        if not self.__dict__.get("_hints_warned"):
+            self.__dict__["_hints_warned"] = True
+            warnings.warn(f"FP8 MoE experts: the scale hints {hint_shapes} do not match the local weights (gate_up_proj "
+                          f"{up_shape}); call reset_scale_hints() after resharding. The weights are cast without "
+                          f"hints (two reads per step, the same bits).", stacklevel=3)
 
     def extra_repr(self) -> str:
         e, n, k = self.gate_up_proj.shape
