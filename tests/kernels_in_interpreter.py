@@ -10,7 +10,10 @@ What it checks, every autotune configuration launched in turn (the interpreter h
 - the MoE token kernels (``moe.token_quant_triton``) write the activation kernel's casts of their gathered / SwiGLU
   rows;
 - the rowwise MoE kernels' fusions (``moe.rowwise_quant_triton``: the combine's backward read through the pairs, the
-  SwiGLU backward + row cast) give the casts of the same kernels on the materialized input.
+  SwiGLU backward + row cast) give the casts of the same kernels on the materialized input;
+- the expert weights' one-pass cast with scale hints (``moe.rowwise_weights_triton``) gives the two-kernel cast's
+  bits for exact, zero, partly wrong and NaN hints, its fix in one and in several segments, and recasts exactly the
+  rows and columns whose hint was wrong.
 
 It does not compare E4M3 bits with PyTorch's: Triton 3.6's interpreter converts float32 to E4M3 differently from
 the GPU near powers of two (e.g. 124.6 -> 64 instead of 128), so bit equality with the PyTorch reference is the
