@@ -138,13 +138,17 @@ class Float8GroupedExperts(nn.Module):
         next step's casts read the weights once where the scales did not move; any value gives the same bits).
         Zeros at first: the first cast recasts every row and column. Called by ``expert_parallel.shard_experts``
         after the weights become this rank's shards."""
-        up, down = local_weight(self.gate_up_proj), local_weight(self.down_proj)
-        for name, w in (("gate_up_proj", up), ("down_proj", down)):
-            e, n, k = w.shape
-            self.register_buffer(f"_hint_{name}_rows", torch.zeros(e, n, dtype=torch.int32, device=w.device),
-                                 persistent=False)
-            self.register_buffer(f"_hint_{name}_cols", torch.zeros(e, k, dtype=torch.int32, device=w.device),
-                                 persistent=False)
+        for name, shape, device in zip(self.scratch_buffers, self._hint_shapes(), self._hint_devices(), strict=True):
+            self.register_buffer(name, torch.zeros(shape, dtype=torch.int32, device=device), persistent=False)
+
+    def _hint_shapes(self, w_up: torch.Tensor | None = None, w_down: torch.Tensor | None = None) -> list[torch.Size]:
+        """The hint buffers' shapes, in ``scratch_buffers`` order, for the local weights (rows (E, N), cols (E, K))."""
+        up = local_weight(self.gate_up_proj) if w_up is None else w_up
+        down = local_weight(self.down_proj) if w_down is None else w_down
+        return [up.shape[:2], up.shape[::2], down.shape[:2], down.shape[::2]]
+
+    def _hint_devices(self) -> list[torch.device]:
+        return [self.gate_up_proj.device] * 2 + [self.down_proj.device] * 2
 
     def scale_hints(self, w_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """``(up_rows, up_cols, down_rows, down_cols)`` int32 hint buffers (:meth:`reset_scale_hints`) for the local
@@ -152,7 +156,7 @@ class Float8GroupedExperts(nn.Module):
         device do not match: the weights were resharded or moved without :meth:`reset_scale_hints`, and each step
         then reads them twice (the same bits)."""
         hints = tuple(getattr(self, name) for name in self.scratch_buffers)
-        want = [w_up.shape[:2], w_up.shape[::2], w_down.shape[:2], w_down.shape[::2]]
+        want = self._hint_shapes(w_up, w_down)
         if any(h.shape != s or h.device != w_up.device for h, s in zip(hints, want, strict=True)):
             self._warn_hints(tuple(w_up.shape), [tuple(h.shape) for h in hints])
             return None
