@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from fp8kit.config import load_config  # noqa: E402
+from fp8kit.config.optim_choice import resolve_optimizer  # noqa: E402
 from fp8kit.models.build import build_model  # noqa: E402
 from fp8kit.optim import triton_step  # noqa: E402
 from fp8kit.train.setup import build_optimizer  # noqa: E402
@@ -41,6 +42,7 @@ def main() -> int:
     args = ap.parse_args()
     cfg = load_config(None, ["model.preset=llama3-8b", "model.num_layers=8", "data.vocab_size=32000",
                              "optim.name=fp8_adamw", *args.sets])
+    cfg, _ = resolve_optimizer(cfg)  # optim.granularity = auto -> block (one process), as fp8kit train resolves it
     dev = torch.device("cuda")
     model = build_model(cfg.model, cfg.data.vocab_size, device=dev, dtype=torch.bfloat16, seed=0)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -174,6 +174,8 @@ def moe_rowwise_fusions() -> None:
     err = ((rows.float() - dy.float()).abs() / dy.float().abs().clamp(min=1e-6)).max().item()
     assert err <= 2.0**-7, f"moe weighted gather: rows off by {err:.2e} (> a bf16 ulp)"
     same((q, inv), rqt.gather_quantize_rows(rows, torch.arange(d.rows)), "moe weighted gather")
+    kq, kinv, kept = rqt.gather_quantize_rows(x, d.gather_idx, keep_rows=True)  # the dispatch keeping bf16 rows
+    same((kq, kinv, kept), (*rqt.gather_quantize_rows(x, d.gather_idx), routing.gather(x, d)), "moe gather keep rows")
     same(rqt.quantize_group_cols_dual(grad, x, d.offs, d.gather_idx, index_g=token, weight_g=w_row),
          rqt.quantize_group_cols_dual(rows, x, d.offs, d.gather_idx), "moe group cols, g through the pairs")
     for i, max_block in ((150, 8192), (150, 64)):  # one chunk; three chunks of 64 (dh re-read)

@@ -325,6 +325,43 @@ def test_state_dict_round_trip_is_bit_exact(tmp_path):
         assert torch.equal(a, b), f"{n}: max diff {(a - b).abs().max().item():.2e} after 10 more steps"
 
 
+def test_per_block_states_recast_per_tensor_at_load_within_one_rounding():
+    """A one-process checkpoint (per-block scales, ``optim.granularity = auto``) resumed under FSDP2 (per tensor):
+    ``adapt_full_state`` recasts each scaled state with one scale per tensor, with a warning. Every loaded value is
+    the saved one rounded once to the state's format at the tensor's scale: ``|a - b| <= 2^-(mant+1) |b| +
+    2^(emin-mant-1) / scale`` (half an ulp, normal or subnormal)."""
+    x, y = _regression(0)
+    model = _mlp(0)
+    opt = FP8AdamW(_groups(model), **HP, precision=FP8AdamWPrecision(granularity="block", block_size=16))
+    _fit(model, opt, _warmup(opt), x, y, 10)
+    sd = opt.state_dict()
+    full = {"state": sd["state"], "param_groups": sd["param_groups"]}  # the per-parameter form a reshard loads
+    twin = _mlp(1)
+    twin.load_state_dict(model.state_dict())
+    per_tensor = FP8AdamW(_groups(twin), **HP)
+    with pytest.warns(UserWarning, match="recast with per-tensor scales once, at load"):
+        osd = per_tensor.adapt_full_state(sd["fp8adamw"]["precision"], full)
+    per_tensor.load_state_dict(osd)
+    fmt = {torch.float8_e4m3fn: (3, -6), torch.float16: (10, -14)}
+    loaded = per_tensor.state_dict()["state"]
+    for key, st in sd["state"].items():
+        for name in ("m", "v", "master"):
+            data, scale = st[name], st[f"{name}_scale"]
+            nb = -(-data.numel() // 16)
+            want = (torch.nn.functional.pad(data.float().reshape(-1), (0, nb * 16 - data.numel())).view(nb, 16)
+                    / scale[:nb, None]).reshape(-1)[: data.numel()]
+            got_data, got_scale = loaded[key][name], loaded[key][f"{name}_scale"]
+            assert got_scale.dim() == 0 and got_data.dtype == data.dtype, (key, name, got_scale.shape, got_data.dtype)
+            got = got_data.float().reshape(-1) / got_scale
+            mant, emin = fmt[data.dtype]
+            bound = 2.0 ** -(mant + 1) * want.abs() + 2.0 ** (emin - mant - 1) / got_scale + 1e-30
+            worst = ((got - want).abs() / bound).max().item()
+            assert worst <= 1.0 + 1e-6, f"param {key} {name}: error {worst:.3f} x half an ulp at the tensor's scale"
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="differing in v"):  # others still refused
+        FP8AdamW(_groups(_mlp(0)), **HP, precision=FP8AdamWPrecision(v="fp32")).adapt_full_state(
+            sd["fp8adamw"]["precision"], full)
+
+
 def test_load_state_dict_refuses_other_precision_and_torch_adamw():
     model = _mlp(0)
     opt = FP8AdamW(model.parameters(), lr=1e-3)

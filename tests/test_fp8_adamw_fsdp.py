@@ -4,8 +4,9 @@ One torchrun launch trains 10 steps with ``optim.name = "fp8_adamw"`` (dp_shard 
 DCP checkpoint at step 5) and resumes that checkpoint on the same 2 ranks for steps 6-10. Checked here:
 
 - the 2-rank losses track one process (same global batch, meta init) within 2e-3 per step (measured
-  6.4e-4, torch 2.13 CPU: the scales are reduced over the shards and stochastic rounding uses the
-  unsharded index, so only the gradient reduce-scatter's summation order and bf16 rounding differ);
+  6.4e-4 with per-tensor scales in both, torch 2.13 CPU: the scales are reduced over the shards and stochastic
+  rounding uses the unsharded index, so only the gradient reduce-scatter's summation order and bf16 rounding
+  differ; the one-process run now keeps its default per-block scales, ``optim.granularity = auto``);
 - the resume at dp_shard = 2 equals the uninterrupted run bit for bit (loss per step, ``==``);
 - the DCP checkpoint resumes in one process (dp_shard = 1, resharded) within 2e-3 (measured 7.2e-4);
 - bad input: resuming it into AdamW, or with another optim precision, or into another model shape, and
@@ -80,13 +81,18 @@ def test_resume_on_one_process_reshards(runs, cache_dir, tmp_path):
 def test_single_process_checkpoint_resumes_on_two_ranks(runs, cache_dir, tmp_path):
     """1 process (safetensors + train_state.pt) -> torchrun 2 ranks (FSDP2): the full FP8AdamW states are
     scattered to the shards (``set_state_dict(full_state_dict=True)``; the E4M3 states as their bytes: gloo
-    refused float8 with "Invalid scalar type"), and the losses track the uninterrupted single-process run."""
+    refused float8 with "Invalid scalar type"), and the losses track the uninterrupted single-process run. The
+    one-process run kept per-block scales (``optim.granularity = auto``); the 2 ranks recast them per tensor at
+    load, and say so."""
     out, ref = runs
     ck = out / "ref" / "checkpoints" / "step_000005"
     assert (ck / "model.safetensors").is_file()
+    state = torch.load(ck / "train_state.pt", weights_only=True)
+    assert state["optimizer"]["fp8adamw"]["precision"]["granularity"] == "block"
     resumed = tmp_path / "resumed"
     sets = small_run_overrides(cache_dir) + BASE + FP8ADAMW + ["train.micro_batch_size=2"]
-    _torchrun(2, ["-m", "fp8kit", "train", "--resume", str(ck), "--out", str(resumed), *_sets(sets)])
+    proc = _torchrun(2, ["-m", "fp8kit", "train", "--resume", str(ck), "--out", str(resumed), *_sets(sets)])
+    assert "recast with per-tensor scales once, at load" in proc.stdout + proc.stderr, proc.stderr[-3000:]
     _close(_losses(resumed), ref[5:], TOL, "1 process -> resume on 2 ranks vs the uninterrupted run")
 
 

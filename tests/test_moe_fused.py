@@ -326,15 +326,18 @@ def test_bf16_wgrad_matches_float64_reference_and_leaves_fprop_dgrad_alone(token
         leaves, weights, g, ref_leaves, ref = layer_case(idx, e, hdim, inter)
         d = routing.dispatch(idx, e)
         runs = {}
-        for wgrad in ("fp8", "bf16"):
+        for wgrad, keep_rows in (("fp8", False), ("bf16", False), ("bf16", True)):
             xs = [t.detach().clone().requires_grad_() for t in leaves]
             y = fused_rowwise_experts(xs[0], xs[1], xs[2], d.gather_idx, d.pair_rows, d.offs,
-                                      emulated_scaled_grouped_mm, torch.bfloat16, wgrad=wgrad)
+                                      emulated_scaled_grouped_mm, torch.bfloat16, wgrad=wgrad, keep_rows=keep_rows)
             out = routing.combine(y, d, weights, torch.float32)
             out.backward(g)
-            runs[wgrad] = (out.detach(), xs)
-        (out8, x8), (out16, x16) = runs["fp8"], runs["bf16"]
+            runs[wgrad, keep_rows] = (out.detach(), xs)
+        (out8, x8), (out16, x16), (out_kept, x_kept) = runs["fp8", False], runs["bf16", False], runs["bf16", True]
         where = f"{name}, {tokens} tokens"
+        # the tokens' rows saved by the forward (fp8.grouped_wgrad_input = saved) or gathered again: the same bits
+        assert torch.equal(out_kept, out16) and all(torch.equal(a.grad, b.grad) for a, b in zip(x_kept, x16, strict=True)), \
+            f"{where}: saving the expert-order rows changed an output or gradient"
         assert torch.equal(out8, out16), f"{where}: output differs by {(out8 - out16).abs().max().item()}"
         assert torch.equal(x8[0].grad, x16[0].grad), f"{where}: dx differs"
         check_layer(where + ", bf16 wgrad", idx, e, x16, ref_leaves, ref, out16)
@@ -343,6 +346,65 @@ def test_bf16_wgrad_matches_float64_reference_and_leaves_fprop_dgrad_alone(token
             db16 = sqnr(ref_leaves[i].grad[used], x16[i].grad[used].float())
             db8 = sqnr(ref_leaves[i].grad[used], x8[i].grad[used].float())
             assert db16 >= db8 - 0.5, f"{where}: {wname} bf16 wgrad {db16:.1f} dB < fp8 wgrad {db8:.1f} dB - 0.5"
+
+
+def test_wgrad_input_saved_under_activation_checkpointing_only():
+    """``fp8.grouped_wgrad_input = auto`` keeps the expert-order token rows from forward to backward only under
+    activation checkpointing (one layer's saved tensors at a time); ``saved`` / ``gathered`` are taken as given; the
+    prepared experts carry the choice; an unknown value is refused by the config and by the resolver."""
+    from fp8kit.config import load_config
+    from fp8kit.config.prepare_options import prepare_options
+    from fp8kit.moe.grouped_mm import resolve_wgrad_input
+    from fp8kit.parallel.prepare import prepare_model
+    from fp8kit.selective.decide import decide
+    from fp8kit.selective.sites import find_sites
+
+    assert [resolve_wgrad_input("auto", ac) for ac in (False, True)] == ["gathered", "saved"]
+    assert [resolve_wgrad_input(v, False) for v in ("saved", "gathered")] == ["saved", "gathered"]
+    with pytest.raises(ValueError, match="wgrad_input = 'kept'"):
+        resolve_wgrad_input("kept", True)
+    with pytest.raises(Exception, match="grouped_wgrad_input"):
+        load_config(None, ["fp8.grouped_wgrad_input=kept"])
+    from fp8kit.config.options import options_from_config
+    from fp8kit.models.build import build_hf_config, build_model
+
+    for sets, want in (([], "gathered"), (["train.activation_checkpointing=true"], "saved"),
+                       (["fp8.grouped_wgrad_input=saved"], "saved"),
+                       (["train.activation_checkpointing=true", "fp8.grouped_wgrad_input=gathered"], "gathered")):
+        cfg = load_config(None, ["model.preset=tiny-moe", "data.vocab_size=1024", "train.mixed_precision=fp8",
+                                 "fp8.emulate=true", *sets])
+        model = build_model(cfg.model, cfg.data.vocab_size, device="cpu", dtype=torch.bfloat16, seed=0)
+        hf_cfg = build_hf_config(cfg.model, cfg.data.vocab_size)
+        decisions = decide(find_sites(model), options_from_config(cfg, hf_cfg, "cpu"))
+        done = prepare_model(model, decisions, prepare_options(cfg, fp8_now=True, emulate=True), None, hf_cfg=hf_cfg)
+        assert done.conversion.grouped.wgrad_input == want, (sets, done.conversion.grouped.wgrad_input)
+        experts = [m for m in model.modules() if isinstance(m, Float8GroupedExperts)]
+        assert experts and all(m.config.wgrad_input == want for m in experts), sets
+
+
+def test_saved_rows_under_activation_checkpointing_give_the_same_gradients():
+    """The experts with ``wgrad_input = "saved"`` (what ``auto`` picks under activation checkpointing) inside
+    ``torch.utils.checkpoint`` (non-reentrant: the forward runs again in the backward and its saved rows are the
+    ones the wgrad reads) give the same output and gradients, bit for bit, as ``gathered`` without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(3)
+    t = 48
+    hidden = torch.randn(t, 128, dtype=torch.bfloat16)
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(t)])
+    weights = torch.softmax(torch.randn(t, 2), dim=-1).to(torch.bfloat16)
+    g = torch.randn(t, 128, dtype=torch.bfloat16)
+    both = frozenset(("gate_up_proj", "down_proj"))
+    results = []
+    for wgrad_input, ac in (("gathered", False), ("saved", True)):
+        torch.manual_seed(0)
+        module = Float8GroupedExperts(_hf_experts(), both, GroupedGemmConfig(wgrad="bf16", wgrad_input=wgrad_input))
+        x = hidden.clone().requires_grad_()
+        out = checkpoint(module, x, idx, weights, use_reentrant=False) if ac else module(x, idx, weights)
+        out.backward(g)
+        results.append([out.detach(), x.grad, module.gate_up_proj.grad, module.down_proj.grad])
+    for what, a, b in zip(("output", "dx", "dw_up", "dw_down"), *results, strict=True):
+        assert torch.equal(a, b), f"{what}: saved rows under checkpointing differ by {(a - b).abs().max().item()}"
 
 
 def test_wgrad_high_precision_is_the_per_expert_product():

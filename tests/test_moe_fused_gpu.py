@@ -34,11 +34,11 @@ pytestmark = [
 TOKENS, TOPK, EXPERTS, UNUSED, HIDDEN, WIDTH = 4096, 8, 32, 4, 2048, 768
 
 
-def _layer(gemm, out_dtype, wgrad, inputs, d):
+def _layer(gemm, out_dtype, wgrad, inputs, d, keep_rows=False):
     h, w_up, w_down, weights, g = inputs
     leaves = [t.detach().clone().requires_grad_() for t in (h, w_up, w_down)]
     y = fused_rowwise_experts(leaves[0], leaves[1], leaves[2], d.gather_idx, d.pair_rows, d.offs, gemm, out_dtype,
-                              cache_weights=False, wgrad=wgrad)
+                              cache_weights=False, wgrad=wgrad, keep_rows=keep_rows)
     out = routing.combine(y, d, weights, torch.bfloat16)
     out.backward(g)
     torch.cuda.synchronize()
@@ -70,6 +70,10 @@ def test_bf16_wgrad_on_cuda_matches_fp8_wgrad_path_and_emulation():
     for i, what in ((0, "output"), (1, "dx")):
         diff = (fp8[i].float() - bf16[i].float()).abs().max().item()
         assert torch.equal(fp8[i], bf16[i]), f"{what}: bf16 wgrad changed it (max |diff| {diff})"
+    # fp8.grouped_wgrad_input = saved: the dispatch's own bf16 rows (gather_quantize_keep_rows) give the same bits
+    kept = _layer(gemm, out_dtype, "bf16", inputs, d, keep_rows=True)
+    for what, a, b in zip(("output", "dx", "dw_up", "dw_down"), kept, bf16, strict=True):
+        assert torch.equal(a, b), f"{what}: saved rows vs gathered again: max |diff| {(a - b).abs().max().item()}"
     for what, a, b in zip(("output", "dx", "dw_up", "dw_down"), emul, bf16, strict=True):
         db = sqnr(a.float(), b.float())
         assert db >= 30.0, f"{what}: CUDA vs emulation {db:.1f} dB < 30"
@@ -164,7 +168,8 @@ class _MoEBlock(torch.nn.Module):
         return x + self.experts(y, idx, (w / w.sum(-1, keepdim=True)).to(y.dtype))
 
 
-def compiled_block_gradients(wgrad: str, dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+def compiled_block_gradients(wgrad: str, dtype: torch.dtype = torch.float32, wgrad_input: str = "gathered"
+                             ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """``(name, eager gradient, compiled gradient)`` of the input and every parameter of :class:`_MoEBlock`
     (16 experts x 256, hidden 1024, top-4, 2048 tokens), eager vs Inductor: float32 weights under bf16 autocast
     (the experts combine outside the fused MLP), or bf16 weights and tokens (the combine fused into it)."""
@@ -180,7 +185,8 @@ def compiled_block_gradients(wgrad: str, dtype: torch.dtype = torch.float32) -> 
     with torch.no_grad():
         src.gate_up_proj.copy_(torch.randn_like(src.gate_up_proj) / h ** 0.5)
         src.down_proj.copy_(torch.randn_like(src.down_proj) / i ** 0.5)
-    experts = Float8GroupedExperts(src.to("cuda"), frozenset(("gate_up_proj", "down_proj")), GroupedGemmConfig(wgrad=wgrad))
+    config = GroupedGemmConfig(wgrad=wgrad, wgrad_input=wgrad_input)
+    experts = Float8GroupedExperts(src.to("cuda"), frozenset(("gate_up_proj", "down_proj")), config)
     block = _MoEBlock(experts, e, k, h).to(dtype)
     x0 = torch.randn(t, h, device="cuda", dtype=dtype)
     g = torch.randn(t, h, device="cuda")
@@ -205,9 +211,9 @@ def test_compiled_block_gradients_equal_eager():
     same for float32 inputs (all expert-branch gradients zero, x at 7.5 dB), so only bf16 tokens take it: the bf16
     block here runs it compiled."""
     for dtype in (torch.float32, torch.bfloat16):
-        for wgrad in ("fp8", "bf16"):
-            for name, a, b in compiled_block_gradients(wgrad, dtype):
-                where = f"{dtype}, wgrad={wgrad}"
+        for wgrad, wgrad_input in (("fp8", "gathered"), ("bf16", "gathered"), ("bf16", "saved")):
+            for name, a, b in compiled_block_gradients(wgrad, dtype, wgrad_input):
+                where = f"{dtype}, wgrad={wgrad}, wgrad_input={wgrad_input}"
                 assert b is not None and b.abs().max().item() > 0, f"{where}: compiled {name} gradient is zero or missing"
                 db = sqnr(a.float(), b.float())
                 assert db >= 25.0, f"{where}: compiled vs eager {name} {db:.1f} dB < 25"

@@ -62,6 +62,10 @@ def test_gather_quantize_rows_equals_quantize_rows_of_gathered(t, k, p, dtype):
     _assert_same(rq.gather_quantize_rows(src, index.int()), ref, f"gather int32 index T={t} K={k} P={p}")
     zero = index == t
     assert (ref[1][zero] == ZERO_ROW_INV).all() and (ref[0][zero].float() == 0).all()
+    q, inv, rows = rq.gather_quantize_keep_rows(src, index)
+    _assert_same((q, inv), ref, f"gather keeping rows T={t} K={k} P={p}")
+    assert rows.dtype == dtype and torch.equal(rows, _gathered(src, index)), \
+        f"gather keeping rows T={t} K={k} P={p}: the kept rows are not the gathered source rows"
 
 
 # ----------------------------------------------------------------------------- swiglu + rows

@@ -84,6 +84,9 @@ def test_gather_quantize_rows_matches_reference(k):
     _poison_allocator(4 * d.rows * k)
     got = rq.gather_quantize_rows(src, d.gather_idx)
     _assert_same(got, quantize_rows(routing.gather(src, d)), f"gather K={k}")
+    _poison_allocator(4 * d.rows * k)
+    q, inv, rows = rq.gather_quantize_keep_rows(src, d.gather_idx)
+    _assert_same((q, inv, rows), (*got, routing.gather(src, d)), f"gather keeping rows K={k}")
 
 
 def test_fp32_scales_next_to_a_power_of_two_match_torch_log2():
@@ -247,7 +250,8 @@ def test_ops_compile_fullgraph_equal_eager():
     _, _, _, token, w_row = _combine_grad(d, TOKENS, TOPK, 2048, seed=11)
 
     def fn(src, idx, offs, h, g, w, token, w_row):
-        return (*rq.gather_quantize_rows(src, idx), *rq.swiglu_quantize_rows(h),
+        return (*rq.gather_quantize_rows(src, idx), *rq.gather_quantize_keep_rows(src, idx),
+                *rq.swiglu_quantize_rows(h),
                 *rq.quantize_group_cols_fused(src, offs, transposed=False, index=idx),
                 *rq.quantize_group_cols_dual(g, src, offs, idx), *rq.quantize_experts_dual(w),
                 *rq.gather_weighted_quantize_rows(src, token, w_row, keep_rows=True),

@@ -48,3 +48,26 @@ def test_auto_keeps_the_optimizer_of_the_checkpoint_being_resumed():
     assert out.optim.name == "adamw"
     explicit, _ = resolve_optimizer(load_config(None, ["optim.name=fp8_adamw"]), saved="adamw")
     assert explicit.optim.name == "fp8_adamw", "an explicit choice is never overridden (the resume refuses instead)"
+
+
+@pytest.mark.parametrize("sets, kw, want, why", [
+    ([], {}, "block", "optim.granularity = auto -> block (one process"),
+    ([], {"distributed": True}, "tensor", "auto -> tensor (FSDP2 / HSDP shards"),
+    ([], {"saved": "fp8_adamw", "saved_granularity": "tensor"}, "tensor", "the FP8AdamW states being resumed"),
+    # under torchrun the per-block states of a one-process checkpoint are recast at load (FP8AdamW.adapt_full_state)
+    ([], {"saved": "fp8_adamw", "saved_granularity": "block", "distributed": True}, "tensor", "FSDP2 / HSDP"),
+    (["optim.granularity=tensor"], {}, "tensor", None),  # an explicit choice is kept
+    (["optim.granularity=block"], {"saved": "fp8_adamw", "saved_granularity": "tensor"}, "block", None),
+    (["optim.name=adamw"], {}, "block", None),  # resolved, but AdamW has no scales: nothing said about it
+])
+def test_granularity_auto_is_per_block_in_one_process_and_per_tensor_under_torchrun(sets, kw, want, why):
+    """FP8AdamW's scales: one pass per block where no shard boundary can cut a block; a checkpoint resumed in one
+    process keeps its own."""
+    out, note = resolve_optimizer(load_config(None, sets), **kw)
+    assert out.optim.granularity == want, (out.optim.granularity, note)
+    if why is None:
+        assert "granularity" not in note, note
+    else:
+        assert why in note, note
+    again, _ = resolve_optimizer(out, **kw)
+    assert again is out, "resolving twice must change nothing"

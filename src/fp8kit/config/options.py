@@ -33,7 +33,7 @@ def grouped_for_fp8(fp8: FP8Config):
 
     return GroupedGemmConfig.for_fp8_recipe(fp8.recipe, emulate=fp8.emulate, kernel=fp8.grouped_kernel,
                                             wgrad=fp8.grouped_wgrad, gemm=fp8.grouped_gemm,
-                                            wgrad_x=fp8.blockwise_wgrad_x)
+                                            wgrad_x=fp8.blockwise_wgrad_x, wgrad_input=fp8.grouped_wgrad_input)
 
 
 def conversion_options_for(fp8: FP8Config):

@@ -95,6 +95,15 @@ class FP8Config(ConfigModel):
         "Qwen3-30B-A3B's 768: 1.18x vs 1.03x bf16 per layer on the H100; fp8 for wider ones, e.g. DeepSeek-V3, "
         "Mixtral; docs/benchmarks.md section 4). bf16 is refused with recipe = blockwise or another grouped_kernel.",
     )
+    grouped_wgrad_input: Literal["auto", "saved", "gathered"] = Field(
+        "auto",
+        description="MoE experts on the fused kernel with a bf16 wgrad (grouped_wgrad): how gate_up_proj's wgrad gets "
+        "the tokens in expert order. saved (the dispatch writes their bf16 rows beside the FP8 copy in one read and "
+        "keeps them: (routed rows x hidden) bf16 more per MoE layer until its backward, 0.5 GiB per layer at "
+        "Qwen3-30B-A3B with 16K tokens), gathered (gathered again in the backward: 0.14 ms more per layer there on "
+        "the H100) or auto (saved under train.activation_checkpointing, which holds one layer's saved tensors at a "
+        "time; gathered otherwise). The same numerics either way.",
+    )
     grouped_gemm: Literal["auto", "grouped", "loop"] = Field(
         "auto",
         description="MoE experts on the fused kernel: how its six GEMMs run. grouped (one "
@@ -329,11 +338,13 @@ class OptimConfig(ConfigModel):
         description="fp8_adamw dynamic range expansion of the first moment: none, or coat (COAT, "
         "arXiv:2410.19313: x -> sign(x)|x|^k per scale group; torch.compile path, not the Triton kernel).",
     )
-    granularity: Literal["tensor", "block"] = Field(
-        "tensor", description="fp8_adamw scales: one per tensor (FP8-LM's 6 bytes/param; the default, and the "
-        "only choice under FSDP2) or one per block (+0.12 bytes/param, one pass instead of two: on the H100 the "
-        "step of 2.0B parameters takes 13.3 instead of 20.8 ms, an 8B-layers training step 7-8 ms less, and "
-        "llama-125m converged as well; docs/benchmarks.md section 6).",
+    granularity: Literal["auto", "tensor", "block"] = Field(
+        "auto", description="fp8_adamw scales: auto (default): block in one process, tensor under a torchrun "
+        "launch of more than one process (FSDP2 / HSDP), or what a resumed checkpoint was saved with "
+        "(fp8kit.config.optim_choice). tensor: one per tensor (FP8-LM's layout; the only choice under FSDP2, "
+        "two passes over the states). block: one per block_size elements (about 0.1 bytes/param of scales, one pass: on the "
+        "H100 the step of 2.0B parameters takes 13.3 instead of 20.8 ms, and llama-125m converged as well; "
+        "docs/benchmarks.md section 6).",
     )
     block_size: int = Field(128, description="fp8_adamw elements per scale when granularity = block (multiple of 16).")
 

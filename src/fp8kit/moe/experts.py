@@ -34,6 +34,7 @@ from fp8kit.moe.grouped_mm import (
     grouped_fp8_support,
     resolve_grouped_gemm,
     resolve_grouped_kernel,
+    resolve_wgrad_input,
     scaled_grouped_gemm,
     tune_once_for_all_row_counts,
 )
@@ -252,7 +253,8 @@ class Float8GroupedExperts(nn.Module):
             inside = top_k_weights if x.dtype == out_dtype else None
             y = run(x, w_up, w_down, d.gather_idx, d.pair_rows, d.offs, gemm, out_dtype, self.config.cache_weights,
                     self.config.wgrad, received=received, top_k_weights=inside,
-                    scale_hints=None if self.config.cache_weights else self.scale_hints(w_up, w_down))
+                    scale_hints=None if self.config.cache_weights else self.scale_hints(w_up, w_down),
+                    keep_rows=resolve_wgrad_input(self.config.wgrad_input, False) == "saved")
             return y if top_k_weights is None or inside is not None else routing.combine(y, d, top_k_weights, x.dtype)
         if received is not None:
             raise ValueError("Float8GroupedExperts.local_experts: a rowwise FP8 payload needs the fused FP8 experts "
@@ -297,13 +299,14 @@ class Float8GroupedExperts(nn.Module):
 
 @torch.compiler.disable
 def _fused_loop_experts(x, w_up, w_down, gather_idx, pair_rows, offs, _gemm, out_dtype, cache_weights, wgrad,
-                        received=None, top_k_weights=None, scale_hints=None):
+                        received=None, top_k_weights=None, scale_hints=None, keep_rows=False):
     """``fused_rowwise_experts`` with the loop of dense GEMMs (``moe/rowwise_loop.py``), run eagerly inside a compiled
     block: the group bounds are read on the host here (one copy per layer, reused by the backward), and a traced
     list of bounds would make Dynamo recompile for every routing."""
     gemm = partial(loop_scaled_grouped_mm, bounds=group_bounds(offs))
     return fused_rowwise_experts(x, w_up, w_down, gather_idx, pair_rows, offs, gemm, out_dtype, cache_weights, wgrad,
-                                 received=received, top_k_weights=top_k_weights, scale_hints=scale_hints)
+                                 received=received, top_k_weights=top_k_weights, scale_hints=scale_hints,
+                                 keep_rows=keep_rows)
 
 
 _GEMM_SAID: set[tuple] = set()  # (choice, asked, experts, hidden, width) already printed

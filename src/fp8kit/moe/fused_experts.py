@@ -40,8 +40,11 @@ dequantized (exact in bf16: power-of-two scales).
 
 With ``wgrad="bf16"`` (torchao's ``rowwise_with_gw_hp`` recipe: fprop and dgrad in FP8, wgrad in high precision)
 both weight gradients are ``torch._grouped_mm`` on the bf16 operands instead: no per-(expert, column) casts of
-``dy, a, dh, x`` (the two ``quantize_group_cols_dual`` launches) for a bf16 wgrad GEMM, the tokens gathered once
-more in expert order for ``gate_up_proj``'s wgrad. Where the experts are small (Qwen3-30B-A3B: 768 wide) those casts
+``dy, a, dh, x`` (the two ``quantize_group_cols_dual`` launches) for a bf16 wgrad GEMM. ``gate_up_proj``'s wgrad reads the tokens in
+expert order: gathered once more in the backward, or (``keep_rows``, ``fp8.grouped_wgrad_input``) written by the
+dispatch's read beside their FP8 copy (``gather_quantize_keep_rows``) and saved: ``(P, H)`` bf16 more per layer
+(0.5 GiB at Qwen3-30B-A3B with 16K tokens) for 0.14 ms per layer on the H100. Under expert-parallel FP8 dispatch
+the received rows are dequantized in the backward instead. Where the experts are small (Qwen3-30B-A3B: 768 wide) those casts
 cost more than the FP8 wgrad GEMM saves (``benchmarks/moe_layer.py``, docs/benchmarks.md section 4).
 The SwiGLU backward and the rowwise cast of its output are one kernel (``swiglu_backward_quantize_rows``).
 
@@ -84,8 +87,13 @@ def _rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class _FusedRowwiseMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, w_up, w_down, top_k_weights, gather_idx, pair_rows, offs, gemm, out_dtype, cached,
-                wgrad_fp8, received):
-        if received is None:
+                wgrad_fp8, received, keep_rows):
+        # a bf16 wgrad reads the tokens in expert order: written beside their FP8 copy by the same read and saved
+        # (keep_rows), instead of gathered again in the backward
+        keep_x = keep_rows and not wgrad_fp8 and received is None
+        if keep_x:
+            xq, xs, x_src = rq.gather_quantize_keep_rows(hidden, gather_idx)
+        elif received is None:
             xq, xs = rq.gather_quantize_rows(hidden, gather_idx)
             x_src = hidden
         else:  # expert-parallel FP8 dispatch: already cast on the sending rank (hidden is its carrier)
@@ -109,7 +117,7 @@ class _FusedRowwiseMLP(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         ctx.gemm, ctx.out_dtype, ctx.wgrad_fp8 = gemm, out_dtype, wgrad_fp8
         ctx.dtypes = (hidden.dtype, w_up.dtype, w_down.dtype)
-        ctx.tokens, ctx.received = hidden.shape, received is not None
+        ctx.tokens, ctx.received, ctx.x_in_expert_order = hidden.shape, received is not None, keep_x
         return y
 
     @staticmethod
@@ -152,11 +160,12 @@ class _FusedRowwiseMLP(torch.autograd.Function):
             ht, hts, xc, xcs = rq.quantize_group_cols_dual(dh, x, offs, index_x=gather_idx)
             dw_up = gemm(ht, xc, hts, xcs, offs, out_dtype)
         else:
-            dw_up = wgrad_high_precision(dh, _expert_rows(x_src, gather_idx, hdim, dh.dtype, received), offs)
+            x = x_src if ctx.x_in_expert_order else _expert_rows(x_src, gather_idx, hdim, dh.dtype, received)
+            dw_up = wgrad_high_precision(dh, x, offs)
         # tokens: the sum of each token's top-k rows (rows past the last group are never picked)
         dhidden = sum_token_rows(dx_rows, pair_rows, tokens, x_dtype)
         return (dhidden, dw_up.to(up_dtype), dw_down.to(down_dtype), d_router,
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None)
 
 
 def _expert_rows(x_src: torch.Tensor, gather_idx: torch.Tensor, hdim: int, dtype: torch.dtype,
@@ -187,7 +196,7 @@ def fused_rowwise_experts(
     hidden: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, gather_idx: torch.Tensor,
     pair_rows: torch.Tensor, offs: torch.Tensor, gemm: GemmFn, out_dtype: torch.dtype, cache_weights: bool = True,
     wgrad: str = "auto", received: torch.Tensor | None = None, top_k_weights: torch.Tensor | None = None,
-    scale_hints: tuple[torch.Tensor, ...] | None = None,
+    scale_hints: tuple[torch.Tensor, ...] | None = None, keep_rows: bool = False,
 ) -> torch.Tensor:
     """The expert MLP of the dispatched tokens in rowwise FP8 with fused quantization (module docstring), and with
     ``top_k_weights`` the combine too.
@@ -219,6 +228,9 @@ def fused_rowwise_experts(
             (E, H), down_cols (E, I))`` holding the float32 bits of the weights' previous ``inv_scale`` s
             (``Float8GroupedExperts.scale_hints``): the weights are cast with them as hints (one read where no scale
             moved; the same bits for any values) and they are overwritten with this call's scales.
+        keep_rows: with a bf16 wgrad (and not ``received``), write the tokens' bf16 rows in expert order beside
+            their FP8 copy in the forward and save them for ``gate_up_proj``'s wgrad (``(P, H)`` more saved), instead
+            of gathering them again in the backward (``GroupedGemmConfig.wgrad_input``). The same bits either way.
 
     Returns:
         (P, H) expert outputs in expert order, in ``out_dtype`` (rows past ``offs[-1]`` undefined on CUDA); with
@@ -250,7 +262,7 @@ def fused_rowwise_experts(
     else:
         cached = None
     return _FusedRowwiseMLP.apply(hidden, w_up, w_down, top_k_weights, gather_idx, pair_rows, offs, gemm, out_dtype,
-                                  cached, wgrad == "fp8", received)
+                                  cached, wgrad == "fp8", received, keep_rows)
 
 
 def _hinted_weights(w_up: torch.Tensor, w_down: torch.Tensor, hints: tuple[torch.Tensor, ...]

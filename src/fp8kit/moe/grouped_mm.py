@@ -61,6 +61,8 @@ GROUPED_KERNELS = ("auto", "scaled_grouped_mm", "torchao", "emulated", "blockwis
 GROUPED_RECIPES = ("rowwise", "blockwise")
 #: Precisions of the fused kernel's weight-gradient GEMMs (``GroupedGemmConfig.wgrad``; ``auto``: :func:`resolve_wgrad`).
 WGRAD_PRECISIONS = ("auto", "fp8", "bf16")
+#: How a bf16 wgrad of ``gate_up_proj`` gets the tokens in expert order (``GroupedGemmConfig.wgrad_input``).
+WGRAD_INPUTS = ("auto", "saved", "gathered")
 #: ``auto`` runs the wgrad GEMMs in bf16 for experts narrower than this (the expert MLP's intermediate width).
 #: Measured on the H100 (``benchmarks/moe_layer.py``, docs/benchmarks.md section 4, 2026-11-25): at Qwen3-30B-A3B's
 #: 768-wide experts the FP8 grouped wgrad GEMM is no faster than bf16's (1.95 vs 1.96 ms) and its operands' casts
@@ -113,6 +115,11 @@ class GroupedGemmConfig:
             the loop for large experts). Other kernels ignore it.
         blockwise_wgrad_x: ``blockwise_loop`` only: the blocks of each expert's wgrad copy of its input, ``"128x1"``
             or ``"128x128"`` (``fp8.blockwise_wgrad_x``; :mod:`fp8kit.fp8.blockwise`).
+        wgrad_input: the ``fused`` kernel with a bf16 wgrad: ``saved`` (the dispatch writes the tokens' bf16 rows in
+            expert order beside their FP8 copy and keeps them for ``gate_up_proj``'s wgrad: ``(P, H)`` bf16 more per
+            layer from forward to backward), ``gathered`` (gathered again in the backward) or ``auto``
+            (:func:`resolve_wgrad_input`: ``saved`` under activation checkpointing, which holds one layer's saved
+            tensors at a time).
     """
 
     kernel: str = "auto"
@@ -122,19 +129,22 @@ class GroupedGemmConfig:
     cache_weights: bool = False
     keep_weight_copies: bool = True
     wgrad: str = "auto"
+    wgrad_input: str = "auto"
     gemm: str = "auto"
     blockwise_wgrad_x: str = "128x1"
 
     @classmethod
     def for_fp8_recipe(cls, recipe: str, emulate: bool = False, kernel: str = "auto",
-                       wgrad: str = "auto", gemm: str = "auto", wgrad_x: str = "128x1") -> GroupedGemmConfig:
+                       wgrad: str = "auto", gemm: str = "auto", wgrad_x: str = "128x1",
+                       wgrad_input: str = "auto") -> GroupedGemmConfig:
         """The experts' config for a run's ``fp8.recipe``, ``fp8.grouped_kernel`` and ``fp8.grouped_wgrad``:
         ``blockwise`` -> blockwise experts (``blockwise_loop``, whatever ``kernel`` says; ``wgrad`` ``auto`` or
         ``fp8``), every other recipe -> rowwise grouped GEMMs (Hopper's only grouped FP8 kernel has rowwise
-        scales) on ``kernel``; ``wgrad_x``: ``fp8.blockwise_wgrad_x`` (blockwise experts)."""
+        scales) on ``kernel``; ``wgrad_x``: ``fp8.blockwise_wgrad_x`` (blockwise experts); ``wgrad_input``:
+        ``fp8.grouped_wgrad_input`` (the fused kernel)."""
         if recipe == "blockwise":
             return cls(emulate=emulate, recipe="blockwise", wgrad=wgrad, gemm=gemm, blockwise_wgrad_x=wgrad_x)
-        return cls(kernel=kernel, emulate=emulate, recipe="rowwise", wgrad=wgrad, gemm=gemm)
+        return cls(kernel=kernel, emulate=emulate, recipe="rowwise", wgrad=wgrad, gemm=gemm, wgrad_input=wgrad_input)
 
 
 def resolve_wgrad(wgrad: str, expert_width: int) -> str:
@@ -149,6 +159,23 @@ def resolve_wgrad(wgrad: str, expert_width: int) -> str:
     if wgrad == "auto":
         return "bf16" if expert_width < WGRAD_BF16_BELOW_WIDTH else "fp8"
     return wgrad
+
+
+def resolve_wgrad_input(wgrad_input: str, activation_checkpointing: bool) -> str:
+    """``saved`` or ``gathered`` for ``GroupedGemmConfig.wgrad_input``: ``auto`` -> ``saved`` under activation
+    checkpointing (each block's saved tensors live only through its own recompute and backward, so the rows cost one
+    layer's ``(P, H)`` bf16), else ``gathered`` (saved, they would add ``(P, H)`` bf16 per MoE layer to the peak:
+    0.5 GiB per layer at Qwen3-30B-A3B with 16K tokens, for 0.14 ms per layer on the H100; docs/benchmarks.md
+    section 4).
+
+    Raises:
+        ValueError: a value not in :data:`WGRAD_INPUTS`.
+    """
+    if wgrad_input not in WGRAD_INPUTS:
+        raise ValueError(f"FP8 MoE experts: wgrad_input = {wgrad_input!r}; choose one of {', '.join(WGRAD_INPUTS)}")
+    if wgrad_input == "auto":
+        return "saved" if activation_checkpointing else "gathered"
+    return wgrad_input
 
 
 def resolve_grouped_gemm(gemm: str, experts: int, rows: int, hidden: int, width: int, fp8_kernel: bool) -> str:

@@ -8,6 +8,7 @@ without the intermediate copies and separate amax passes:
 - :func:`gather_quantize_rows`: the dispatch gather (``routing.Dispatch.gather_idx``) + ``quantize_rows``;
   the gathered BF16 copy is never written. ``moe/rowwise_payload.py`` has its kernel write the same bits into
   one uint8 row per token: the FP8 token dispatch of expert parallelism.
+- :func:`gather_quantize_keep_rows`: the same, also writing the gathered rows (the operand of a bf16 wgrad).
 - :func:`gather_weighted_quantize_rows`: the combine's backward (``routing.combine_rows_grad``: each expert row's
   gradient is its token's gradient times the router weight) + ``quantize_rows``: the output gradient's dgrad
   copy straight from the ``(T, H)`` gradient, the ``(P, H)`` product never written unless asked for.
@@ -164,6 +165,15 @@ def gather_quantize_rows_ref(src: torch.Tensor, index: torch.Tensor) -> tuple[to
     return quantize_rows(_gathered(src, index))
 
 
+def gather_quantize_keep_rows_ref(src: torch.Tensor, index: torch.Tensor
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PyTorch reference of :func:`gather_quantize_keep_rows`: ``rows = cat([src, zeros(1, K)])[index]``, then
+    ``(*quantize_rows(rows), rows)``."""
+    _check_gather(src, index)
+    rows = _gathered(src, index)
+    return (*quantize_rows(rows), rows)
+
+
 def gather_weighted_quantize_rows_ref(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, keep_rows: bool
                                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PyTorch reference of :func:`gather_weighted_quantize_rows`: ``rows = (cat([src, zeros(1, K)])[index].float() *
@@ -264,6 +274,28 @@ def _(src, index):
 def _(src, index):
     _check_gather(src, index)
     return src.new_empty(index.shape[0], src.shape[1], dtype=FP8), _f32(src, index.shape[0])
+
+
+@torch.library.custom_op("fp8kit::moe_rw_gather_quant_keep", mutates_args=())
+def _gather_keep_op(src: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return gather_quantize_keep_rows_ref(src, index)
+
+
+@_gather_keep_op.register_kernel("cuda")
+def _(src, index):
+    _check_gather(src, index)
+    kernels = _triton_kernels()
+    if kernels is None or index.numel() == 0 or src.shape[1] == 0:
+        return gather_quantize_keep_rows_ref(src, index)
+    with torch.cuda.device(src.device):
+        return kernels.gather_quantize_rows(_rows_last(src), index.contiguous(), keep_rows=True)
+
+
+@_gather_keep_op.register_fake
+def _(src, index):
+    _check_gather(src, index)
+    p, k = index.shape[0], src.shape[1]
+    return src.new_empty(p, k, dtype=FP8), _f32(src, p), src.new_empty(p, k)
 
 
 @torch.library.custom_op("fp8kit::moe_rw_gather_weighted_quant", mutates_args=())
@@ -479,6 +511,26 @@ def gather_quantize_rows(src: torch.Tensor, index: torch.Tensor) -> tuple[torch.
         ValueError: ``src`` not a 2-D float tensor; ``index`` not a 1-D integer tensor on ``src``'s device.
     """
     return torch.ops.fp8kit.moe_rw_gather_quant(src, index)
+
+
+def gather_quantize_keep_rows(src: torch.Tensor, index: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`gather_quantize_rows` that also returns the gathered rows: one read of each source row writes the
+    rowwise E4M3 copy and the bf16 (``src``'s dtype) copy in expert order, for a high-precision wgrad that would
+    otherwise gather the tokens again in the backward.
+
+    Equal bit for bit to ``(*quantize_rows(rows), rows)`` with ``rows = cat([src, zeros(1, K)])[index]``.
+
+    Args:
+        src, index: as :func:`gather_quantize_rows`.
+
+    Returns:
+        ``(q (P, K) E4M3 row-major, inv_scale (P,) float32, rows (P, K) in src's dtype)``.
+
+    Raises:
+        ValueError: as :func:`gather_quantize_rows`.
+    """
+    return torch.ops.fp8kit.moe_rw_gather_quant_keep(src, index)
 
 
 def gather_weighted_quantize_rows(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, keep_rows: bool = False

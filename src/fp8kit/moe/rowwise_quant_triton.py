@@ -289,7 +289,8 @@ def gather_quantize_rows(src: torch.Tensor, index: torch.Tensor, out: tuple[torc
             (the rowwise dispatch payload: both are views of one uint8 buffer); default new contiguous tensors.
         weight: optional CUDA ``(P,)`` contiguous float: each gathered row multiplied by its weight in float32 and
             rounded to ``src``'s dtype before the cast (the combine's backward, ``routing.combine_rows_grad``).
-        keep_rows: with ``weight``, also return those rounded rows ``(P, K)`` in ``src``'s dtype (third output).
+        keep_rows: also return the gathered rows ``(P, K)`` in ``src``'s dtype as a third output (with ``weight``
+            those rounded rows; without, the plain gather: zeros where ``index == T``).
     """
     t, k = src.shape
     p = index.shape[0]
@@ -305,7 +306,7 @@ def gather_quantize_rows(src: torch.Tensor, index: torch.Tensor, out: tuple[torc
         inv if weight is None else weight, q if rows_out is None else rows_out,
         ROWS=rows, BLOCK_K=block_k, CHUNKS=chunks, HAS_W=weight is not None, STORE_ROWS=keep_rows,
         num_warps=warps, **_KW)
-    return (q, inv) if weight is None else (q, inv, rows_out)
+    return (q, inv) if weight is None and not keep_rows else (q, inv, rows_out)
 
 
 def swiglu_quantize_rows(h: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -31,6 +31,7 @@ math eagerly on CPU, and ``torch.compile`` of it for layouts the kernels don't c
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from typing import Any
 
@@ -301,6 +302,25 @@ class FP8AdamW(torch.optim.Optimizer):
             fg.trust_master = True
         super().load_state_dict({"state": {}, "param_groups": groups})
         self._refresh_state()
+
+    def adapt_full_state(self, saved: dict, osd: dict) -> dict:
+        """The full per-parameter state dict ``osd`` saved with precision ``saved``, in this optimizer's scales:
+        states saved per block (a one-process run's default) recast per tensor when this optimizer keeps one
+        scale per tensor (FSDP2), with a warning (one extra rounding of each state,
+        :func:`fp8kit.optim.state_io.block_to_tensor_scales`); then :meth:`check_saved_precision`.
+
+        Raises:
+            ValueError: as :meth:`check_saved_precision`, for any other difference.
+        """
+        if saved.get("granularity") == "block" and self.precision.granularity == "tensor":
+            warnings.warn(
+                "FP8AdamW: the checkpoint's optimizer states have per-block scales (optim.granularity = block); this "
+                "run keeps one scale per tensor (FSDP2), so m, v and the master weights are recast with per-tensor "
+                "scales once, at load (one extra rounding)", stacklevel=2)
+            osd = state_io.block_to_tensor_scales(osd, int(saved["block_size"]), self.precision.amax_eps)
+            saved = {**saved, "granularity": "tensor", "block_size": self.precision.block_size}
+        self.check_saved_precision(saved)
+        return osd
 
     def check_saved_precision(self, saved: dict) -> None:
         """Refuse states saved with other state precisions (``state_dict()["fp8adamw"]["precision"]``; the

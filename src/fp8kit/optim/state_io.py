@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from fp8kit.fp8.scaling import DTYPE_MAX, scale_from_amax
 from fp8kit.optim.flat_group import FlatGroup
 
 #: per-parameter state names, in order (those whose buffer exists)
@@ -49,6 +50,50 @@ def float8_as_bytes(osd: dict) -> dict:
               for name, t in st.items()} if isinstance(st, dict) else st
         for key, st in (osd.get("state") or {}).items()
     }
+    return {**osd, "state": state}
+
+
+def block_to_tensor_scales(osd: dict, block: int, eps: float) -> dict:
+    """``osd`` (a full, per-parameter state dict, any keys) with every state saved with per-block scales recast
+    with one scale per tensor: what a run with ``granularity = "tensor"`` (FSDP2) loads from a one-process
+    checkpoint written with ``"block"``.
+
+    Each scaled state (``m``, ``v``, ``master`` beside its ``*_scale``) is dequantized with its block scales (value
+    ``data * (1 / scale)`` per block of ``block`` elements, ``numerics.load``'s formula) and cast again with
+    ``scale = dtype_max / amax`` of the whole tensor (``fp8.scaling.scale_from_amax``; round to nearest, saturating):
+    one rounding per element, as one optimizer step of the per-tensor recipe stores. Entries without block scales
+    (per-tensor ones, unscaled states) are kept as they are.
+
+    Raises:
+        ValueError: a state with COAT's ``m_k`` (its expansion is not undone here), or fewer block scales than
+            the tensor has blocks.
+    """
+    state = {}
+    for key, st in (osd.get("state") or {}).items():
+        if not isinstance(st, dict):
+            state[key] = st
+            continue
+        new = dict(st)
+        for name in DATA_NAMES:
+            scale = st.get(f"{name}_scale")
+            if scale is None or name not in st or scale.dim() == 0:
+                continue
+            if "m_k" in st:
+                raise ValueError(f"FP8AdamW: parameter {key!r}: states with COAT's m_k cannot change granularity")
+            data = st[name]
+            x = data.float().reshape(-1)
+            nb = -(-x.numel() // block)
+            if scale.dim() != 1 or scale.numel() < nb:
+                raise ValueError(f"FP8AdamW: parameter {key!r} state {name!r}: {scale.numel()} block scales for "
+                                 f"{x.numel()} elements in blocks of {block}")
+            # the last tensor of a group is padded by whole blocks (FlatLayout): its extra scales cover no element
+            x = (torch.nn.functional.pad(x, (0, nb * block - x.numel())).view(nb, block)
+                 * (1 / scale[:nb].float())[:, None]).reshape(-1)[: data.numel()]
+            s = scale_from_amax(x.abs().amax(), data.dtype, eps)
+            mx = DTYPE_MAX[data.dtype]
+            new[name] = (x * s).clamp(-mx, mx).to(data.dtype).view(data.shape)
+            new[f"{name}_scale"] = s.reshape(())
+        state[key] = new
     return {**osd, "state": state}
 
 

@@ -31,7 +31,7 @@ from fp8kit.base.errors import ConfigError
 from fp8kit.comm import AutoScaleState, apply_fp8_reduce_scatter
 from fp8kit.comm.fsdp_reduce_scatter import fsdp_custom_reduce_scatter_support
 from fp8kit.fp8.delayed import DelayedScaling, DelayedScalingState
-from fp8kit.moe.grouped_mm import GroupedGemmConfig
+from fp8kit.moe.grouped_mm import GroupedGemmConfig, resolve_wgrad_input
 from fp8kit.parallel.convert import ConversionOptions, apply_fp8, fused_mlp_notes
 from fp8kit.parallel.parallelize import (
     Parallelized,
@@ -151,7 +151,8 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     # FSDP2 re-gathers weights for the backward: blockwise linears and experts quantize them again there
     grouped = replace(options.grouped, cache_weights=cache,
                       keep_weight_copies=not (fsdp or options.blockwise_recompute),
-                      blockwise_wgrad_x=options.blockwise_wgrad_x)
+                      blockwise_wgrad_x=options.blockwise_wgrad_x,
+                      wgrad_input=resolve_wgrad_input(options.grouped.wgrad_input, options.activation_checkpointing))
     conversion = ConversionOptions(
         emulate=options.emulate,
         fsdp_float8_all_gather=fp8_all_gather_choice(options.fp8_all_gather, options.recipe, fsdp),

@@ -215,6 +215,22 @@ def saved_optimizer(ckpt: Path, state: dict) -> str | None:
     return None
 
 
+def saved_granularity(ckpt: Path, state: dict) -> str | None:
+    """``"tensor"`` or ``"block"``: the scales of the FP8AdamW states the checkpoint holds (None: unknown).
+
+    Read from the train state's ``optim_granularity`` (written since the default became ``auto``), else from the
+    optimizer state's saved precision (one process); a DCP checkpoint without the key was written with the old
+    default, ``"tensor"`` (FSDP2 allows nothing else).
+    """
+    gran = state.get("optim_granularity")
+    if gran is None:
+        osd = state.get("optimizer") or {}
+        gran = ((osd.get("fp8adamw") or {}).get("precision") or {}).get("granularity")
+    if gran is None and is_dcp(ckpt):
+        gran = "tensor"
+    return gran
+
+
 def check_optimizer(ckpt: Path, state: dict, optim_name: str) -> None:
     """Refuse to resume optimizer states of another optimizer (FP8AdamW <-> AdamW): no silent re-init.
 
@@ -389,10 +405,11 @@ def load_into(ckpt: Path, model: nn.Module, optimizer, state: dict, *, param_ord
             return
         # set_state_dict scatters each full state to its shards: gloo has no float8, so FP8AdamW's E4M3
         # states go as their bytes (the optimizer reads them back as E4M3)
-        osd = float8_as_bytes(_optimizer_state_by_fqn(state["optimizer"], param_order or []))
-        check_saved_precision = getattr(optimizer, "check_saved_precision", None)
-        if check_saved_precision is not None and "fp8adamw" in state["optimizer"]:
-            check_saved_precision(state["optimizer"]["fp8adamw"]["precision"])
+        osd = _optimizer_state_by_fqn(state["optimizer"], param_order or [])
+        adapt = getattr(optimizer, "adapt_full_state", None)  # FP8AdamW: same precision, or block -> tensor scales
+        if adapt is not None and "fp8adamw" in state["optimizer"]:
+            osd = adapt(state["optimizer"]["fp8adamw"]["precision"], osd)
+        osd = float8_as_bytes(osd)
         set_state_dict(model, optimizer, model_state_dict=full, optim_state_dict=osd, options=opts)
     except CheckpointError:
         raise

@@ -210,9 +210,11 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
     resume_ckpt = ckpt.find_checkpoint(resume) if resume is not None else None
     resume_state = ckpt.load_train_state(resume_ckpt) if resume_ckpt is not None else None
     saved = ckpt.saved_optimizer(resume_ckpt, resume_state) if resume_ckpt is not None else None
-    cfg, optim_choice = resolve_optimizer(cfg, saved)  # optim.name / train.param_dtype = auto -> concrete
+    saved_gran = ckpt.saved_granularity(resume_ckpt, resume_state) if saved == "fp8_adamw" else None
     d = cfg.distributed
     dims = resolve_dims(d.dp_shard, d.dp_replicate, d.tp, d.ep, launched_world_size())
+    # optim.name / train.param_dtype / optim.granularity = auto -> concrete
+    cfg, optim_choice = resolve_optimizer(cfg, saved, distributed=dims.distributed, saved_granularity=saved_gran)
     if dims.distributed:
         check_distributed_config(cfg)
     device = resolve_device(cfg.train.device)

@@ -92,6 +92,7 @@ def train(
 
     with console.status("setting up") as status:
         setup = build_setup(cfg, resume=resume_path, status=lambda m: status.update(m))
+    asked_granularity = cfg.optim.granularity
     cfg = setup.cfg  # resolved (model.pretrained sets data.vocab_size / data.tokenizer)
     main = True
     if setup.distributed:
@@ -105,7 +106,11 @@ def train(
 
     if main:
         create_run_dir(out_dir)
-        save_config(cfg, out_dir / "resolved_config.toml")
+        # optim.granularity = auto stays auto in the record (the run prints and summarises what it chose): a resume
+        # reads this file, and auto resumes with the checkpoint's scales in one process and per tensor under torchrun
+        recorded = cfg if asked_granularity != "auto" else cfg.model_copy(
+            update={"optim": cfg.optim.model_copy(update={"granularity": "auto"})})
+        save_config(recorded, out_dir / "resolved_config.toml")
         (out_dir / "run_info.json").write_text(json.dumps(setup.info, indent=1) + "\n", encoding="utf-8")
         save_run_files(setup, out_dir)  # tokenizer/ (HF layout) + model_config.json, for `fp8kit export`
     if not main:
