@@ -260,14 +260,19 @@ def _gather_op(src: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, to
     return gather_quantize_rows_ref(src, index)
 
 
-@_gather_op.register_kernel("cuda")
-def _(src, index):
+def _gather_cuda(src: torch.Tensor, index: torch.Tensor, keep_rows: bool):
+    """The CUDA kernel of both gather ops (the reference for empty inputs or without Triton)."""
     _check_gather(src, index)
     kernels = _triton_kernels()
     if kernels is None or index.numel() == 0 or src.shape[1] == 0:
-        return gather_quantize_rows_ref(src, index)
+        return gather_quantize_keep_rows_ref(src, index) if keep_rows else gather_quantize_rows_ref(src, index)
     with torch.cuda.device(src.device):
-        return kernels.gather_quantize_rows(_rows_last(src), index.contiguous())
+        return kernels.gather_quantize_rows(_rows_last(src), index.contiguous(), keep_rows=keep_rows)
+
+
+@_gather_op.register_kernel("cuda")
+def _(src, index):
+    return _gather_cuda(src, index, keep_rows=False)
 
 
 @_gather_op.register_fake
@@ -283,12 +288,7 @@ def _gather_keep_op(src: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tenso
 
 @_gather_keep_op.register_kernel("cuda")
 def _(src, index):
-    _check_gather(src, index)
-    kernels = _triton_kernels()
-    if kernels is None or index.numel() == 0 or src.shape[1] == 0:
-        return gather_quantize_keep_rows_ref(src, index)
-    with torch.cuda.device(src.device):
-        return kernels.gather_quantize_rows(_rows_last(src), index.contiguous(), keep_rows=True)
+    return _gather_cuda(src, index, keep_rows=True)
 
 
 @_gather_keep_op.register_fake
