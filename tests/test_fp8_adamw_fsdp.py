@@ -96,6 +96,24 @@ def test_single_process_checkpoint_resumes_on_two_ranks(runs, cache_dir, tmp_pat
     _close(_losses(resumed), ref[5:], TOL, "1 process -> resume on 2 ranks vs the uninterrupted run")
 
 
+def test_single_process_async_checkpoint_resumes_on_two_ranks(runs, cache_dir, tmp_path):
+    """1 process with ``train.async_checkpoint`` (DCP files, FP8AdamW per block) -> torchrun 2 ranks (per tensor):
+    the optimizer states are read whole on every rank, recast per tensor and scattered
+    (``checkpoint._load_dcp_recast``), with the warning; the losses track the uninterrupted single-process run."""
+    out, ref = runs
+    sets = small_run_overrides(cache_dir) + BASE + FP8ADAMW
+    train(load_config(None, sets + ["distributed.meta_init=true", "train.checkpoint_every=5",
+                                    "train.async_checkpoint=true"]), tmp_path / "async")
+    ck = tmp_path / "async" / "checkpoints" / "step_000005"
+    assert (ck / "dcp" / ".metadata").is_file()
+    assert torch.load(ck / "train_state.pt", weights_only=True)["fp8adamw_precision"]["granularity"] == "block"
+    resumed = tmp_path / "resumed"
+    proc = _torchrun(2, ["-m", "fp8kit", "train", "--resume", str(ck), "--out", str(resumed),
+                         *_sets(sets + ["train.micro_batch_size=2"])])
+    assert "recast with per-tensor scales once, at load" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    _close(_losses(resumed), ref[5:], TOL, "1 process (async DCP) -> resume on 2 ranks vs the uninterrupted run")
+
+
 @pytest.mark.parametrize("sets, match", [
     (["optim.name=adamw"], r"holds FP8AdamW optimizer states, this run's optimizer is AdamW .*optim.name = "
                            r"\"fp8_adamw\", or switch optimizers explicitly: `fp8kit export`"),

@@ -59,6 +59,7 @@ def test_auto_keeps_the_optimizer_of_the_checkpoint_being_resumed():
     (["optim.granularity=tensor"], {}, "tensor", None),  # an explicit choice is kept
     (["optim.granularity=block"], {"saved": "fp8_adamw", "saved_granularity": "tensor"}, "block", None),
     (["optim.name=adamw"], {}, "block", None),  # resolved, but AdamW has no scales: nothing said about it
+    (["optim.m_expand=coat"], {}, "tensor", "COAT's m expansion"),  # its exponents could not be recast for FSDP2
 ])
 def test_granularity_auto_is_per_block_in_one_process_and_per_tensor_under_torchrun(sets, kw, want, why):
     """FP8AdamW's scales: one pass per block where no shard boundary can cut a block; a checkpoint resumed in one

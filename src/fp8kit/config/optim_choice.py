@@ -24,8 +24,10 @@ two (on the H100 the step of 2.0B parameters takes 13.3 instead of 20.8 ms; Qwen
 less) for about 0.1 bytes/param of scales (three float32 scales per 128 elements), and llama-125m converged as well as with per-tensor scales (validation loss
 2.6226 vs 2.6335, FP32 AdamW 2.6241; docs/benchmarks.md section 6). Under FSDP2 / HSDP a block could straddle two
 ranks' shards, so there the step keeps FP8-LM's per-tensor scales, reduced over the shards (a one-process
-checkpoint's per-block states are recast per tensor when it is resumed there, with a warning). A resumed FP8AdamW
-checkpoint in one process keeps the granularity its states were saved with.
+checkpoint's per-block states, safetensors or asynchronous DCP, are recast per tensor when it is resumed there, with
+a warning). A resumed FP8AdamW checkpoint in one process keeps the granularity its states were saved with. COAT's
+``m`` expansion (``optim.m_expand = "coat"``) keeps per-tensor scales (its exponents are not recast). The library's
+``FP8AdamWPrecision`` keeps ``granularity = "tensor"`` as its default (FP8-LM's layout); ``auto`` is the trainer's.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def resolve_optimizer(cfg: RunConfig, saved: str | None = None, *, distributed: 
         return cfg, why
     if distributed:  # a one-process checkpoint's per-block states are recast at load (FP8AdamW.adapt_full_state)
         gran, reason = "tensor", "FSDP2 / HSDP shards: per-tensor scales reduced over the shards"
+    elif o.m_expand == "coat":  # COAT's per-scale exponents cannot be recast: keep the layout FSDP2 can load
+        gran, reason = "tensor", "COAT's m expansion: its states could not move to FSDP2 per block"
     elif saved == "fp8_adamw" and saved_granularity in ("tensor", "block"):
         gran, reason = saved_granularity, "the FP8AdamW states being resumed"
     else:
@@ -81,7 +85,7 @@ def _resolve_name_dtype(cfg: RunConfig, saved: str | None) -> tuple[RunConfig, s
             blockers.append("train.param_dtype = \"fp32\" asks for FP32 parameters")
         name = "adamw" if blockers else "fp8_adamw"
         if not blockers:
-            why = ("optim.name = auto -> fp8_adamw (scaled FP16 master, 7 bytes/param"
+            why = ("optim.name = auto -> fp8_adamw (scaled FP16 master, 7 bytes/param and scales"
                    + ("; the checkpoint being resumed holds FP8AdamW states)" if saved == "fp8_adamw" else ")"))
         elif dtype == "bf16":
             why = f"optim.name = auto -> adamw with bf16 weights updated in place ({'; '.join(blockers)}; " \

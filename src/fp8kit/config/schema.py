@@ -98,9 +98,9 @@ class FP8Config(ConfigModel):
     grouped_wgrad_input: Literal["auto", "saved", "gathered"] = Field(
         "auto",
         description="MoE experts on the fused kernel with a bf16 wgrad (grouped_wgrad): how gate_up_proj's wgrad gets "
-        "the tokens in expert order. saved (the dispatch writes their bf16 rows beside the FP8 copy in one read and "
-        "keeps them: (routed rows x hidden) bf16 more per MoE layer until its backward, 0.5 GiB per layer at "
-        "Qwen3-30B-A3B with 16K tokens), gathered (gathered again in the backward: 0.14 ms more per layer there on "
+        "the tokens in expert order. saved (the dispatch writes their rows, in the tokens' dtype, beside the FP8 copy "
+        "in one read and keeps them: (routed rows x hidden) more per MoE layer until its backward, 0.5 GiB per "
+        "layer at Qwen3-30B-A3B with 16K bf16 tokens), gathered (gathered again in the backward: 0.14 ms more per layer there on "
         "the H100) or auto (saved under train.activation_checkpointing, which holds one layer's saved tensors at a "
         "time; gathered otherwise). The same numerics either way.",
     )

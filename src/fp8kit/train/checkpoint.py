@@ -215,20 +215,31 @@ def saved_optimizer(ckpt: Path, state: dict) -> str | None:
     return None
 
 
-def saved_granularity(ckpt: Path, state: dict) -> str | None:
-    """``"tensor"`` or ``"block"``: the scales of the FP8AdamW states the checkpoint holds (None: unknown).
+def saved_fp8adamw_precision(ckpt: Path, state: dict) -> dict | None:
+    """The ``FP8AdamWPrecision.as_dict()`` of the FP8AdamW states the checkpoint holds (None: unknown or none).
 
-    Read from the train state's ``optim_granularity`` (written since the default became ``auto``), else from the
-    optimizer state's saved precision (one process); a DCP checkpoint without the key was written with the old
-    default, ``"tensor"`` (FSDP2 allows nothing else).
+    Read from the train state's ``fp8adamw_precision`` (written since ``optim.granularity`` became ``auto``), else
+    from the optimizer state (one process). An older DCP checkpoint says only how its scales are laid out: its
+    ``m`` / ``v`` scales are 0-dim per tensor and 1-D per block (``{"granularity": ...}`` alone).
     """
-    gran = state.get("optim_granularity")
-    if gran is None:
-        osd = state.get("optimizer") or {}
-        gran = ((osd.get("fp8adamw") or {}).get("precision") or {}).get("granularity")
-    if gran is None and is_dcp(ckpt):
-        gran = "tensor"
-    return gran
+    saved = state.get("fp8adamw_precision")
+    if saved is None:
+        saved = ((state.get("optimizer") or {}).get("fp8adamw") or {}).get("precision")
+    if saved is None and is_dcp(ckpt):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        meta = dcp.FileSystemReader(str(Path(ckpt) / DCP_DIR)).read_metadata().state_dict_metadata
+        for key, value in meta.items():
+            if key.startswith("optim.state.") and key.endswith("_scale") and isinstance(value, TensorStorageMetadata):
+                return {"granularity": "tensor" if len(value.size) == 0 else "block"}
+    return saved
+
+
+def saved_granularity(ckpt: Path, state: dict) -> str | None:
+    """``"tensor"`` or ``"block"``: the scales of the FP8AdamW states the checkpoint holds (None: unknown);
+    :func:`saved_fp8adamw_precision`'s."""
+    return (saved_fp8adamw_precision(ckpt, state) or {}).get("granularity")
 
 
 def check_optimizer(ckpt: Path, state: dict, optim_name: str) -> None:
@@ -391,6 +402,11 @@ def load_into(ckpt: Path, model: nn.Module, optimizer, state: dict, *, param_ord
                 set_model_state_dict(model, msd)
                 return
             msd, osd = get_state_dict(model, optimizer, options=dcp_options())
+            saved = saved_fp8adamw_precision(ckpt, state)
+            if (saved or {}).get("granularity") == "block" and hasattr(optimizer, "adapt_full_state") \
+                    and optimizer.precision.granularity == "tensor":
+                _load_dcp_recast(ckpt, model, optimizer, msd, saved)
+                return
             check_dcp_optimizer_state(ckpt, osd)
             dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(ckpt / DCP_DIR))
             set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd, options=dcp_options())
@@ -416,6 +432,41 @@ def load_into(ckpt: Path, model: nn.Module, optimizer, state: dict, *, param_ord
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {str(ckpt)!r}: cannot load it into this run's model: {first}") from None
+
+
+def _load_dcp_recast(ckpt: Path, model: nn.Module, optimizer, msd: dict, saved: dict) -> None:
+    """A DCP checkpoint whose FP8AdamW states have per-block scales (a one-process run with
+    ``train.async_checkpoint``) into an optimizer with per-tensor ones (FSDP2): the model resharded as usual, the
+    optimizer states read whole on every rank, recast (``FP8AdamW.adapt_full_state``) and scattered to the shards
+    (``set_optimizer_state_dict(full_state_dict=True)``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    dcp.load({"model": msd}, checkpoint_id=str(ckpt / DCP_DIR))
+    set_model_state_dict(model, msd, options=dcp_options())
+    meta = dcp.FileSystemReader(str(ckpt / DCP_DIR)).read_metadata().state_dict_metadata
+    flat = _load_state_dict_from_keys({k for k in meta if k.startswith("optim.")},
+                                      checkpoint_id=str(ckpt / DCP_DIR))["optim"]
+    per_param: dict[str, dict] = {}
+    for key, value in flat.items():  # "state.<fqn>.<name>" (dcp_options flattens the optimizer state)
+        if key.startswith("state."):
+            fqn, name = key[len("state."):].rsplit(".", 1)
+            per_param.setdefault(fqn, {})[name] = value
+    block = {"block_size": optimizer.precision.block_size, **saved, "granularity": "block"}
+    adapted = optimizer.adapt_full_state({**optimizer.precision.as_dict(), **block}, {"state": per_param})
+    # the torch layout keyed by FQN (as the one-process path loads): this run's groups, the saved hyperparameters
+    groups = get_optimizer_state_dict(model, optimizer, options=StateDictOptions())["param_groups"]
+    for g in groups:
+        saved_hp = {hp: flat.get(f"param_groups.{g['params'][0]}.{hp}") for hp in g if hp != "params"}
+        g.update({hp: v for hp, v in saved_hp.items() if v is not None})
+    osd = float8_as_bytes({"state": adapted["state"], "param_groups": groups})
+    set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=True))
 
 
 def _optimizer_state_by_fqn(osd: dict, param_order: list[str]) -> dict:

@@ -207,8 +207,8 @@ def _save(setup: Setup, out_dir: Path, step: int, phase: str, saver: AsyncCheckp
         "data": setup.data.packed.state_dict(),
         "rng": ckpt.rng_state(setup.device),
         "recipe": setup.cfg.fp8.recipe if setup.cfg.train.mixed_precision == "fp8" else None,
-        # FP8AdamW's scales (optim.granularity = auto resumes with them; the DCP files do not say)
-        "optim_granularity": setup.cfg.optim.granularity if setup.cfg.optim.name == "fp8_adamw" else None,
+        # FP8AdamW's state precision (optim.granularity = auto resumes with its scales; the DCP files do not say)
+        "fp8adamw_precision": setup.optimizer.precision.as_dict() if setup.cfg.optim.name == "fp8_adamw" else None,
         "fp8_delayed": setup.prepared.conversion.delayed.state_dict(),  # amax histories (recipe delayed)
         # distributed.fp8_reduce_scatter: the gradient all-reduce's auto-scale factors (plain numbers)
         "grad_comm": setup.prepared.grad_comm.state_dict() if setup.prepared.grad_comm is not None else None,
