@@ -21,11 +21,13 @@ bf16 weights updated in place by AdamW only when asked: ``optim.name = "adamw"``
 ``optim.granularity = "auto"`` (the default; FP8AdamW's scales): ``block`` in one process, ``tensor`` under a
 ``torchrun`` launch of more than one process. Per-block scales make the step one pass over the states instead of
 two (on the H100 the step of 2.0B parameters takes 13.3 instead of 20.8 ms; Qwen3-30B-A3B's 4-layer step 10 ms
-less) for about 0.1 bytes/param of scales (three float32 scales per 128 elements), and llama-125m converged as well as with per-tensor scales (validation loss
-2.6226 vs 2.6335, FP32 AdamW 2.6241; docs/benchmarks.md section 6). Under FSDP2 / HSDP a block could straddle two
-ranks' shards, so there the step keeps FP8-LM's per-tensor scales, reduced over the shards (a one-process
-checkpoint's per-block states, safetensors or asynchronous DCP, are recast per tensor when it is resumed there, with
-a warning). A resumed FP8AdamW checkpoint in one process keeps the granularity its states were saved with. COAT's
+less) for about 0.1 bytes/param of scales (three float32 scales per 128 elements), and llama-125m converged as
+well as with per-tensor scales (validation loss 2.6226 vs 2.6335, FP32 AdamW 2.6241; docs/benchmarks.md
+section 6). Under FSDP2 / HSDP a block could straddle two ranks' shards, so there the step keeps FP8-LM's
+per-tensor scales, reduced over the shards (a one-process checkpoint's per-block states, safetensors or
+asynchronous DCP, are recast per tensor when it is resumed there, with a warning). A resumed FP8AdamW checkpoint in
+one process keeps the granularity its states were saved with; ``resolved_config.toml`` records ``auto`` (the run
+prints and summarises the choice), so that a resume under torchrun resolves again. COAT's
 ``m`` expansion (``optim.m_expand = "coat"``) keeps per-tensor scales (its exponents are not recast). The library's
 ``FP8AdamWPrecision`` keeps ``granularity = "tensor"`` as its default (FP8-LM's layout); ``auto`` is the trainer's.
 """

@@ -340,11 +340,11 @@ class OptimConfig(ConfigModel):
     )
     granularity: Literal["auto", "tensor", "block"] = Field(
         "auto", description="fp8_adamw scales: auto (default): block in one process, tensor under a torchrun "
-        "launch of more than one process (FSDP2 / HSDP), or what a resumed checkpoint was saved with "
-        "(fp8kit.config.optim_choice). tensor: one per tensor (FP8-LM's layout; the only choice under FSDP2, "
-        "two passes over the states). block: one per block_size elements (about 0.1 bytes/param of scales, one pass: on the "
-        "H100 the step of 2.0B parameters takes 13.3 instead of 20.8 ms, and llama-125m converged as well; "
-        "docs/benchmarks.md section 6).",
+        "launch of more than one process (FSDP2 / HSDP) or with m_expand = coat, or in one process what a resumed "
+        "checkpoint was saved with (fp8kit.config.optim_choice). tensor: one per tensor (FP8-LM's layout; the "
+        "only choice under FSDP2, two passes over the states). block: one per block_size elements (about 0.1 "
+        "bytes/param of scales, one pass: on the H100 the step of 2.0B parameters takes 13.3 instead of 20.8 ms, "
+        "and llama-125m converged as well; docs/benchmarks.md section 6).",
     )
     block_size: int = Field(128, description="fp8_adamw elements per scale when granularity = block (multiple of 16).")
 
