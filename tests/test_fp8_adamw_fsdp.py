@@ -16,6 +16,7 @@ DCP checkpoint at step 5) and resumes that checkpoint on the same 2 ranks for st
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -92,7 +93,11 @@ def test_single_process_checkpoint_resumes_on_two_ranks(runs, cache_dir, tmp_pat
     resumed = tmp_path / "resumed"
     sets = small_run_overrides(cache_dir) + BASE + FP8ADAMW + ["train.micro_batch_size=2"]
     proc = _torchrun(2, ["-m", "fp8kit", "train", "--resume", str(ck), "--out", str(resumed), *_sets(sets)])
-    assert "recast with per-tensor scales once, at load" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    said = " ".join((proc.stdout + proc.stderr).split())  # the console wraps long lines
+    assert "warning: FP8AdamW: the checkpoint's optimizer states have per-block scales" in said, said[-3000:]
+    assert "recast with per-tensor scales once, at load" in said, said[-3000:]
+    warned = json.loads((resumed / "run_info.json").read_text())["warnings"]
+    assert any("recast with per-tensor scales" in w for w in warned), warned
     _close(_losses(resumed), ref[5:], TOL, "1 process -> resume on 2 ranks vs the uninterrupted run")
 
 
@@ -110,7 +115,11 @@ def test_single_process_async_checkpoint_resumes_on_two_ranks(runs, cache_dir, t
     resumed = tmp_path / "resumed"
     proc = _torchrun(2, ["-m", "fp8kit", "train", "--resume", str(ck), "--out", str(resumed),
                          *_sets(sets + ["train.micro_batch_size=2"])])
-    assert "recast with per-tensor scales once, at load" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    said = " ".join((proc.stdout + proc.stderr).split())  # the console wraps long lines
+    assert "warning: FP8AdamW: the checkpoint's optimizer states have per-block scales" in said, said[-3000:]
+    assert "recast with per-tensor scales once, at load" in said, said[-3000:]
+    warned = json.loads((resumed / "run_info.json").read_text())["warnings"]
+    assert any("recast with per-tensor scales" in w for w in warned), warned
     _close(_losses(resumed), ref[5:], TOL, "1 process (async DCP) -> resume on 2 ranks vs the uninterrupted run")
 
 

@@ -17,6 +17,7 @@ cache is the only thing written, and it is atomic).
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -436,8 +437,16 @@ def restore(setup: Setup) -> None:
         return
     state = setup.resume_state
     if setup.distributed or ckpt.is_dcp(setup.resume_from):
-        # Any layout -> this layout (DCP reshards; a single-process checkpoint loads as full state dicts).
-        ckpt.load_into(setup.resume_from, setup.model, setup.optimizer, state, param_order=setup.param_order)
+        # Any layout -> this layout (DCP reshards; a single-process checkpoint loads as full state dicts). FP8AdamW's
+        # warning (per-block states recast per tensor) joins the run's warnings: printed once, kept in run_info.json
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ckpt.load_into(setup.resume_from, setup.model, setup.optimizer, state, param_order=setup.param_order)
+        for w in caught:
+            if str(w.message).startswith("FP8AdamW:"):
+                setup.warnings.append(str(w.message))
+            else:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     else:
         ckpt.load_model_weights(setup.resume_from, setup.model)
         setup.optimizer.load_state_dict(state["optimizer"])
