@@ -90,15 +90,21 @@ def test_single_process_checkpoint_resumes_on_two_ranks(runs, cache_dir, tmp_pat
     assert (ck / "model.safetensors").is_file()
     state = torch.load(ck / "train_state.pt", weights_only=True)
     assert state["optimizer"]["fp8adamw"]["precision"]["granularity"] == "block"
-    resumed = tmp_path / "resumed"
-    sets = small_run_overrides(cache_dir) + BASE + FP8ADAMW + ["train.micro_batch_size=2"]
-    proc = _torchrun(2, ["-m", "fp8kit", "train", "--resume", str(ck), "--out", str(resumed), *_sets(sets)])
+    _resume_on_two_ranks_recast(ck, small_run_overrides(cache_dir) + BASE + FP8ADAMW, tmp_path / "resumed", ref,
+                                "1 process -> resume on 2 ranks vs the uninterrupted run")
+
+
+def _resume_on_two_ranks_recast(ck, sets: list[str], resumed, ref: list[float], where: str) -> None:
+    """``--resume ck`` on 2 gloo ranks: the per-block states are recast with the warning (printed by rank 0, kept in
+    run_info.json), and the losses track the uninterrupted single-process run ``ref``."""
+    proc = _torchrun(2, ["-m", "fp8kit", "train", "--resume", str(ck), "--out", str(resumed),
+                         *_sets(sets + ["train.micro_batch_size=2"])])
     said = " ".join((proc.stdout + proc.stderr).split())  # the console wraps long lines
     assert "warning: FP8AdamW: the checkpoint's optimizer states have per-block scales" in said, said[-3000:]
     assert "recast with per-tensor scales once, at load" in said, said[-3000:]
     warned = json.loads((resumed / "run_info.json").read_text())["warnings"]
     assert any("recast with per-tensor scales" in w for w in warned), warned
-    _close(_losses(resumed), ref[5:], TOL, "1 process -> resume on 2 ranks vs the uninterrupted run")
+    _close(_losses(resumed), ref[5:], TOL, where)
 
 
 def test_single_process_async_checkpoint_resumes_on_two_ranks(runs, cache_dir, tmp_path):
@@ -112,15 +118,8 @@ def test_single_process_async_checkpoint_resumes_on_two_ranks(runs, cache_dir, t
     ck = tmp_path / "async" / "checkpoints" / "step_000005"
     assert (ck / "dcp" / ".metadata").is_file()
     assert torch.load(ck / "train_state.pt", weights_only=True)["fp8adamw_precision"]["granularity"] == "block"
-    resumed = tmp_path / "resumed"
-    proc = _torchrun(2, ["-m", "fp8kit", "train", "--resume", str(ck), "--out", str(resumed),
-                         *_sets(sets + ["train.micro_batch_size=2"])])
-    said = " ".join((proc.stdout + proc.stderr).split())  # the console wraps long lines
-    assert "warning: FP8AdamW: the checkpoint's optimizer states have per-block scales" in said, said[-3000:]
-    assert "recast with per-tensor scales once, at load" in said, said[-3000:]
-    warned = json.loads((resumed / "run_info.json").read_text())["warnings"]
-    assert any("recast with per-tensor scales" in w for w in warned), warned
-    _close(_losses(resumed), ref[5:], TOL, "1 process (async DCP) -> resume on 2 ranks vs the uninterrupted run")
+    _resume_on_two_ranks_recast(ck, sets, tmp_path / "resumed", ref,
+                                "1 process (async DCP) -> resume on 2 ranks vs the uninterrupted run")
 
 
 @pytest.mark.parametrize("sets, match", [

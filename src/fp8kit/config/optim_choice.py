@@ -50,7 +50,7 @@ def resolve_optimizer(cfg: RunConfig, saved: str | None = None, *, distributed: 
             FP8AdamW where it cannot run falls through to the rules (and the resume refuses the mismatch).
         distributed: a launch of more than one process (FP8AdamW then steps FSDP2 / HSDP shards).
         saved_granularity: ``"tensor"`` / ``"block"``: the scales of the FP8AdamW states being resumed
-            (``train.checkpoint.saved_granularity``); ``auto`` keeps them.
+            (``train.checkpoint.saved_fp8adamw_precision``); ``auto`` keeps them.
 
     Returns:
         ``(config, note)``; ``config`` is ``cfg`` itself when nothing was ``auto``.

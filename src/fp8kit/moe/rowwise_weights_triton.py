@@ -66,6 +66,22 @@ def _experts_hinted_cast_kernel(
 
 
 @triton.jit
+def _new_scales(amax_ptr, hint_ptr, inv_ptr, count_ptr, base, offs, mask, first, EPS: tl.constexpr,
+                AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr):
+    # the lanes' (rows' or columns') new scales from their amaxes, and which differ from their hints (to recast); the
+    # program of a lane block's first segment stores the inverse scales and adds the recast lanes to the counter
+    scale = _pow2_scale(tl.load(amax_ptr + base + offs, mask=mask, other=0.0), EPS, AMAX_MAX, FP8_MAX)
+    inv = _inv(scale)
+    redo = mask & (inv != tl.load(hint_ptr + base + offs, mask=mask, other=0.0))
+    n_redo = tl.sum(redo.to(tl.int32), axis=0)
+    if first:
+        tl.store(inv_ptr + base + offs, inv, mask=mask)
+        if n_redo > 0:
+            tl.atomic_add(count_ptr, n_redo)
+    return scale, redo, n_redo
+
+
+@triton.jit
 def _fix_rows(w_ptr, row_hint_ptr, row_amax_ptr, fprop_ptr, fprop_inv_ptr, fixed_ptr, e, pid, N, K, stride_e,
               stride_n, FB: tl.constexpr, FC: tl.constexpr, SEG: tl.constexpr, EPS: tl.constexpr,
               AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr):
@@ -73,15 +89,8 @@ def _fix_rows(w_ptr, row_hint_ptr, row_amax_ptr, fprop_ptr, fprop_inv_ptr, fixed
     segs = tl.cdiv(K, SEG)
     s = pid % segs
     offs_n = ((pid // segs) * FB + tl.arange(0, FB)).to(tl.int64)
-    nmask = offs_n < N
-    scale = _pow2_scale(tl.load(row_amax_ptr + e * N + offs_n, mask=nmask, other=0.0), EPS, AMAX_MAX, FP8_MAX)
-    inv = _inv(scale)
-    redo = nmask & (inv != tl.load(row_hint_ptr + e * N + offs_n, mask=nmask, other=0.0))
-    n_redo = tl.sum(redo.to(tl.int32), axis=0)
-    if s == 0:
-        tl.store(fprop_inv_ptr + e * N + offs_n, inv, mask=nmask)
-        if n_redo > 0:
-            tl.atomic_add(fixed_ptr, n_redo)
+    scale, redo, n_redo = _new_scales(row_amax_ptr, row_hint_ptr, fprop_inv_ptr, fixed_ptr, e * N, offs_n,
+                                      offs_n < N, s == 0, EPS, AMAX_MAX, FP8_MAX)
     if n_redo > 0:
         base = w_ptr + e * stride_e + offs_n[:, None] * stride_n
         out = fprop_ptr + e * N * K + offs_n[:, None] * K
@@ -101,15 +110,8 @@ def _fix_cols(w_ptr, col_hint_ptr, col_amax_ptr, dgrad_ptr, dgrad_inv_ptr, fixed
     segs = tl.cdiv(N, SEG)
     s = pid % segs
     offs_k = ((pid // segs) * FB + tl.arange(0, FB)).to(tl.int64)
-    kmask = offs_k < K
-    scale = _pow2_scale(tl.load(col_amax_ptr + e * K + offs_k, mask=kmask, other=0.0), EPS, AMAX_MAX, FP8_MAX)
-    inv = _inv(scale)
-    redo = kmask & (inv != tl.load(col_hint_ptr + e * K + offs_k, mask=kmask, other=0.0))
-    n_redo = tl.sum(redo.to(tl.int32), axis=0)
-    if s == 0:
-        tl.store(dgrad_inv_ptr + e * K + offs_k, inv, mask=kmask)
-        if n_redo > 0:
-            tl.atomic_add(fixed_ptr + 1, n_redo)
+    scale, redo, n_redo = _new_scales(col_amax_ptr, col_hint_ptr, dgrad_inv_ptr, fixed_ptr + 1, e * K, offs_k,
+                                      offs_k < K, s == 0, EPS, AMAX_MAX, FP8_MAX)
     if n_redo > 0:
         base = w_ptr + e * stride_e + offs_k[:, None]
         out = dgrad_ptr + e * N * K + offs_k[:, None] * N

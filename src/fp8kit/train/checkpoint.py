@@ -236,12 +236,6 @@ def saved_fp8adamw_precision(ckpt: Path, state: dict) -> dict | None:
     return saved
 
 
-def saved_granularity(ckpt: Path, state: dict) -> str | None:
-    """``"tensor"`` or ``"block"``: the scales of the FP8AdamW states the checkpoint holds (None: unknown);
-    :func:`saved_fp8adamw_precision`'s."""
-    return (saved_fp8adamw_precision(ckpt, state) or {}).get("granularity")
-
-
 def check_optimizer(ckpt: Path, state: dict, optim_name: str) -> None:
     """Refuse to resume optimizer states of another optimizer (FP8AdamW <-> AdamW): no silent re-init.
 

@@ -211,7 +211,8 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
     resume_ckpt = ckpt.find_checkpoint(resume) if resume is not None else None
     resume_state = ckpt.load_train_state(resume_ckpt) if resume_ckpt is not None else None
     saved = ckpt.saved_optimizer(resume_ckpt, resume_state) if resume_ckpt is not None else None
-    saved_gran = ckpt.saved_granularity(resume_ckpt, resume_state) if saved == "fp8_adamw" else None
+    saved_gran = (ckpt.saved_fp8adamw_precision(resume_ckpt, resume_state) or {}).get("granularity") \
+        if saved == "fp8_adamw" else None
     d = cfg.distributed
     dims = resolve_dims(d.dp_shard, d.dp_replicate, d.tp, d.ep, launched_world_size())
     # optim.name / train.param_dtype / optim.granularity = auto -> concrete
