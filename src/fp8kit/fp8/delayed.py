@@ -21,7 +21,10 @@ Numerics (Transformer Engine ``recipe.DelayedScaling``; Micikevicius et al. 2022
   but not in a model, where it stops that fusion, so the default leaves every cast to ``torch.compile``.
 - The three GEMMs of ``y = x @ w.T`` through ``torch._scaled_mm`` (tensorwise): fprop ``x8 @ w8.T``
   (E4M3 x E4M3), dgrad ``dy8 @ w8`` (E5M2 x E4M3), wgrad ``dy8.T @ x8`` (E5M2 x E4M3). The FP8 copies
-  ``x8`` and ``w8`` made in forward serve the backward, saved in the column-major layout its GEMMs take.
+  ``x8`` and ``w8`` made in forward serve the backward, saved in the column-major layout its GEMMs take;
+  under ``torch.compile`` the input is saved in bf16 instead and cast again in the backward (the same bits,
+  as torchao's ``Float8Linear`` does), so a compiled model saves for the backward exactly what a bf16 one
+  does (the FP8 copies would come on top of the bf16 tensors the RMSNorm / SwiGLU backward keeps anyway).
 - Saturation: values above the delayed scale's range clamp to the format's maximum. On a sudden jump of
   an operand's range (e.g. a 100x larger activation), that step saturates; the jump enters the history
   and the next step's scale covers it. This is the trade-off of delayed scaling in TE too: one pass per
@@ -131,12 +134,18 @@ class _DelayedLinearFn(torch.autograd.Function):
         warm = group if history is not None else None
         dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # x8 [M, K] for fprop and, for wgrad, x8 column-major; w8 [N, K] and, for dgrad, w8 column-major.
-        x8, x8_cm, sx, ax = _cast_both(x, sx, E4M3, warm, wgrad, "input" in fused)
+        # Under torch.compile (without the fused op) the wgrad copy of x is cast again in the backward from
+        # the bf16 input, as torchao's Float8Linear does: the partitioner would otherwise save the FP8 copy
+        # beside the bf16 tensor it keeps anyway (+1 byte per input element of q/k/v and gate/up).
+        recast_x = wgrad and "input" not in fused and torch.compiler.is_compiling()
+        x8, x8_cm, sx, ax = _cast_both(x, sx, E4M3, warm, wgrad and not recast_x, "input" in fused)
         w8, w8_cm, sw, aw = _cast_both(weight, sw, E4M3, warm, dgrad, "weight" in fused)
         # fprop: [M, K] @ [K, N] -> [M, N]
         y = torch._scaled_mm(x8, w8.t(), scale_a=sx.reciprocal(), scale_b=sw.reciprocal(), out_dtype=x.dtype)
-        # The layouts the backward's GEMMs take were made with the casts (the row-major x8 dies after fprop).
-        ctx.save_for_backward(x8_cm, w8_cm, sx, sw, sg, ax, aw)
+        # The layouts the backward's GEMMs take were made with the casts (the row-major x8 dies after fprop),
+        # or, with recast_x, x itself is kept for the backward's cast.
+        ctx.save_for_backward(x if recast_x else x8_cm, w8_cm, sx, sw, sg, ax, aw)
+        ctx.recast_x = recast_x
         # The entry's tensors are state the backward writes, not saved values (autograd's version check
         # would refuse a second call's backward after the first one's write).
         ctx.entry = (history, steps, uid, group)
@@ -147,6 +156,9 @@ class _DelayedLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x8_cm, w8_cm, sx, sw, sg, ax, aw = ctx.saved_tensors
+        if ctx.recast_x:  # the same bits as the forward's cast (the same scale and float32 math), cast from
+            # x.T: the forward's identical cast of x would be merged with it by CSE and its output saved after all
+            x8_cm = _cast_impl(x8_cm.t(), sx, E4M3)[0].contiguous().t()
         x_dtype, w_dtype = ctx.dtypes
         history, steps, uid, group = ctx.entry
         dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
