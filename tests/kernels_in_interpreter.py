@@ -176,6 +176,11 @@ def moe_rowwise_fusions() -> None:
     same((q, inv), rqt.gather_quantize_rows(rows, torch.arange(d.rows)), "moe weighted gather")
     kq, kinv, kept = rqt.gather_quantize_rows(x, d.gather_idx, keep_rows=True)  # the dispatch keeping bf16 rows
     same((kq, kinv, kept), (*rqt.gather_quantize_rows(x, d.gather_idx), routing.gather(x, d)), "moe gather keep rows")
+    # the scatter kernel (each token read once, stored at its top-k rows; padding zeroed) against the gather kernel
+    same(rqt.scatter_quantize_rows(x, d.gather_idx, d.pair_rows, keep_rows=True),
+         (kq, kinv, kept), "moe scatter keep rows")
+    same(rqt.scatter_quantize_rows(grad, d.gather_idx, d.pair_rows, weight=weights.reshape(-1), keep_rows=True),
+         (q, inv, rows), "moe weighted scatter")
     same(rqt.quantize_group_cols_dual(grad, x, d.offs, d.gather_idx, index_g=token, weight_g=w_row),
          rqt.quantize_group_cols_dual(rows, x, d.offs, d.gather_idx), "moe group cols, g through the pairs")
     for i, max_block in ((150, 8192), (150, 64)):  # one chunk; three chunks of 64 (dh re-read)

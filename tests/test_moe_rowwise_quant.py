@@ -176,6 +176,28 @@ def test_gather_weighted_quantize_rows_equals_the_cast_of_the_combines_backward(
     assert (rows[pad] == 0).all() and (inv[pad] == ZERO_ROW_INV).all(), "padding rows must be zero"
 
 
+@pytest.mark.parametrize("tokens,topk,h", [(45, 2, 136), (9, 5, 64), (1, 1, 256), (30, 6, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dispatch_quantize_rows_equals_the_gathers(tokens, topk, h, dtype):
+    """The dispatch cast knowing the layout from both sides (``gather_idx`` and ``pair_rows``: the CUDA scatter
+    kernel's inputs from top-4) gives the gathers' bits: the plain gather, the gather keeping the rows, and with the
+    router weights per pair the cast of ``routing.combine_rows_grad``'s rows (padding rows zero)."""
+    d, grad, weights, token, w_row, dy = _combine_case(tokens, topk, h, dtype, seed=tokens + topk)
+    where = f"dispatch T={tokens} topk={topk} H={h} {dtype}"
+    q, inv, rows = rq.dispatch_quantize_rows(grad, d.gather_idx, d.pair_rows)
+    assert rows is None
+    _assert_same((q, inv), rq.gather_quantize_rows(grad, d.gather_idx), where)
+    _assert_same(rq.dispatch_quantize_rows(grad, d.gather_idx.int(), d.pair_rows, keep_rows=True),
+                 rq.gather_quantize_keep_rows(grad, d.gather_idx), f"{where}, rows kept")
+    q, inv, rows = rq.dispatch_quantize_rows(grad, d.gather_idx, d.pair_rows, weight=weights.reshape(-1),
+                                             keep_rows=True)
+    _assert_same((q, inv, rows), (*quantize_rows(dy), dy), f"{where}, weighted")
+    assert torch.equal(token, d.gather_idx), "the combine's token index is the dispatch index"
+    compiled = torch.compile(lambda *a: rq.dispatch_quantize_rows(*a, keep_rows=True), fullgraph=True)
+    _assert_same(compiled(grad, d.gather_idx, d.pair_rows, weights.reshape(-1)), (*quantize_rows(dy), dy),
+                 f"{where}, compiled")
+
+
 def test_quantize_group_cols_dual_reads_the_gradient_through_the_pairs():
     """``g`` read through the combine's token index and router weights equals ``g`` materialized by
     ``routing.combine_rows_grad``, bit for bit, with ``x`` plain or read through the dispatch index."""
@@ -255,6 +277,11 @@ def test_bad_input_raises_naming_the_op():
         rq.gather_quantize_rows(src, idx.float())
     with pytest.raises(ValueError, match="moe_rw_gather_quant: index must be a 1-D"):
         rq.gather_quantize_rows(src, idx[None])
+    with pytest.raises(ValueError, match="moe_rw_dispatch_quant: pair_rows must hold topk rows per token"):
+        rq.dispatch_quantize_rows(torch.randn(4, 16), torch.zeros(12, dtype=torch.long), torch.arange(6))
+    with pytest.raises(ValueError, match="moe_rw_dispatch_quant: weight must be a 1-D float tensor with one weight"):
+        rq.dispatch_quantize_rows(torch.randn(4, 16), torch.zeros(12, dtype=torch.long), torch.arange(8),
+                                  weight=torch.ones(4))
     with pytest.raises(ValueError, match="moe_rw_swiglu_quant: h must be .* even last dim"):
         rq.swiglu_quantize_rows(_real(4, 129))
     with pytest.raises(ValueError, match="moe_rw_swiglu_quant: h must be a 2-D"):

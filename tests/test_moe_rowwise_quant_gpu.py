@@ -192,6 +192,38 @@ def test_gather_weighted_quantize_rows_matches_the_combines_backward(h):
                  f"weighted gather, rows kept, H={h}")
 
 
+@pytest.mark.parametrize("case", ["qwen3", "deepseek", "odd-k", "top2", "top1", "long-rows", "one-token"])
+def test_dispatch_quantize_rows_matches_the_gathers(case):
+    """``dispatch_quantize_rows``: from top-4 the scatter kernel (each token read once, stored at its top-k rows,
+    padding rows zeroed by its tail programs), below it or for rows longer than one chunk the gather kernel: the
+    gathers' bits for the plain cast, the kept rows and the weighted cast of the combine's backward (outputs from
+    a NaN-poisoned allocator, so a row left unwritten fails)."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    tokens, topk, h, experts = {"qwen3": (TOKENS, TOPK, 2048, EXPERTS), "deepseek": (TOKENS, TOPK, 7168, EXPERTS),
+                                "odd-k": (3001, 6, 1000, 64), "top2": (4099, 2, 4096, 8), "top1": (777, 1, 2048, 16),
+                                "long-rows": (513, 8, 16384, 32), "one-token": (1, 8, 2048, 128)}[case]
+    if case in ("qwen3", "deepseek"):
+        d = _dispatch()
+    else:
+        d = routing.dispatch(torch.rand(tokens, experts, generator=gen, device="cuda").topk(topk, dim=-1).indices,
+                             experts)
+    grad, weights, row_pair, token, w_row = _combine_grad(d, tokens, topk, h, seed=h + topk)
+    dy = routing.combine_rows_grad(grad, weights, row_pair, torch.bfloat16)
+    plain = routing.gather(grad, d)
+    wp = weights.reshape(-1)
+    for keep in (False, True):
+        _poison_allocator(4 * d.rows * h)
+        q, inv, rows = rq.dispatch_quantize_rows(grad, d.gather_idx, d.pair_rows, keep_rows=keep)
+        _assert_same((q, inv, *((rows,) if keep else ())), (*quantize_rows(plain), *((plain,) if keep else ())),
+                     f"dispatch {case} keep_rows={keep}")
+        _poison_allocator(4 * d.rows * h)
+        q, inv, rows = rq.dispatch_quantize_rows(grad, d.gather_idx, d.pair_rows, weight=wp, keep_rows=keep)
+        _assert_same((q, inv, *((rows,) if keep else ())), (*quantize_rows(dy), *((dy,) if keep else ())),
+                     f"dispatch {case} weighted keep_rows={keep}")
+    compiled = torch.compile(lambda *a: rq.dispatch_quantize_rows(*a, keep_rows=True), fullgraph=True)
+    _assert_same(compiled(grad, d.gather_idx, d.pair_rows, wp), (*quantize_rows(dy), dy), f"dispatch {case} compiled")
+
+
 @pytest.mark.parametrize("h", [2048, 7168])
 def test_quantize_group_cols_dual_through_the_pairs_matches_reference(h):
     """``g`` read through the combine's pairs and router weights equals the dual cast of the materialized ``dy``."""

@@ -9,8 +9,9 @@ of the tokens (``routing.Dispatch``), with every GEMM a ``torch._scaled_grouped_
 ============================  ===========================================================  ============
 step                          kernel                                                       replaces
 ============================  ===========================================================  ============
-dispatch + x cast             ``gather_quantize_rows(hidden, gather_idx)``: FP8 x in       gather, cast
-                              expert order, the bf16 permuted copy never exists
+dispatch + x cast             ``dispatch_quantize_rows(hidden, gather_idx, pair_rows)``:   gather, cast
+                              FP8 x in expert order, the bf16 permuted copy never exists;
+                              from top-4 each token is read once and stored at its rows
 weights, fprop + dgrad        ``quantize_experts_dual(W)`` once per weight version (cached  two casts
                               across micro-batches); the dgrad copy serves the backward;
                               with the previous step's scales as hints, one read of ``W``
@@ -26,7 +27,7 @@ token gradient                ``dx[pair_rows]`` summed over the top-k (a gather)
 combine + its backward        with ``top_k_weights``: the combine in the forward, and the  gather-mul
                               output gradient's dgrad and wgrad casts read the ``(T, H)``  write + read
                               gradient through the pairs, each row times its router
-                              weight (``gather_weighted_quantize_rows``, the ``g`` of
+                              weight (``dispatch_quantize_rows(weight=)``, the ``g`` of
                               ``quantize_group_cols_dual``): ``dy (P, H)`` never exists
 ============================  ===========================================================  ============
 
@@ -91,11 +92,9 @@ class _FusedRowwiseMLP(torch.autograd.Function):
         # a bf16 wgrad reads the tokens in expert order: written beside their FP8 copy by the same read and saved
         # (keep_rows), instead of gathered again in the backward
         keep_x = keep_rows and not wgrad_fp8 and received is None
-        if keep_x:
-            xq, xs, x_src = rq.gather_quantize_keep_rows(hidden, gather_idx)
-        elif received is None:
-            xq, xs = rq.gather_quantize_rows(hidden, gather_idx)
-            x_src = hidden
+        if received is None:
+            xq, xs, kept = rq.dispatch_quantize_rows(hidden, gather_idx, pair_rows, keep_rows=keep_x)
+            x_src = kept if keep_x else hidden
         else:  # expert-parallel FP8 dispatch: already cast on the sending rank (hidden is its carrier)
             xq, xs = payload_rows(received, gather_idx, hidden.shape[1])
             x_src = received
@@ -136,10 +135,13 @@ class _FusedRowwiseMLP(torch.autograd.Function):
             rows = y.shape[0]
             del y
             # dy = grad[token] * weight (routing.combine_rows_grad), never written unless the wgrad is bf16
-            token, w_row = combine_row_weights(row_pairs(pair_rows, rows), weights)
             grad = grad.contiguous()
-            dyq, dys, dy = rq.gather_weighted_quantize_rows(grad, token, w_row, keep_rows=not wgrad_fp8)
-            dy_src = dict(g=grad, index_g=token, weight_g=w_row)
+            dyq, dys, dy = rq.dispatch_quantize_rows(grad, gather_idx, pair_rows, weight=weights.reshape(-1),
+                                                     keep_rows=not wgrad_fp8)
+            dy_src = None
+            if wgrad_fp8:  # the wgrad cast reads the gradient through the pairs too
+                token, w_row = combine_row_weights(row_pairs(pair_rows, rows), weights)
+                dy_src = dict(g=grad, index_g=token, weight_g=w_row)
         else:
             dy = grad.to(a.dtype).contiguous()
             dyq, dys = _rows(dy)

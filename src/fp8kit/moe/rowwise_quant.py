@@ -9,6 +9,9 @@ without the intermediate copies and separate amax passes:
   the gathered BF16 copy is never written. ``moe/rowwise_payload.py`` has its kernel write the same bits into
   one uint8 row per token: the FP8 token dispatch of expert parallelism.
 - :func:`gather_quantize_keep_rows`: the same, also writing the gathered rows (the operand of a bf16 wgrad).
+- :func:`dispatch_quantize_rows`: either of the two above and the weighted one below, from ``routing.dispatch``'s
+  layout seen from both sides (``gather_idx`` and ``pair_rows``): on CUDA with top-k >= ``SCATTER_MIN_TOPK`` each
+  token row is read once and stored at its top-k rows, instead of every row read through the gather index.
 - :func:`gather_weighted_quantize_rows`: the combine's backward (``routing.combine_rows_grad``: each expert row's
   gradient is its token's gradient times the router weight) + ``quantize_rows``: the output gradient's dgrad
   copy straight from the ``(T, H)`` gradient, the ``(P, H)`` product never written unless asked for.
@@ -44,6 +47,7 @@ import torch
 from fp8kit.base.triton_lib import triton_module
 from fp8kit.fp8.weight_cache import WeightCache
 from fp8kit.moe.quantize import group_ids, quantize_experts, quantize_group_cols, quantize_rows
+from fp8kit.moe.routing import row_pairs
 from fp8kit.moe.token_quant import swiglu_ref
 
 FP8 = torch.float8_e4m3fn
@@ -74,6 +78,22 @@ def _check_gather(src: torch.Tensor, index: torch.Tensor) -> None:
     where = "fp8kit::moe_rw_gather_quant"
     _check_float(src, 2, "src", where)
     _check_index(index, src.device, "index", where)
+
+
+def _check_dispatch(src: torch.Tensor, index: torch.Tensor, pair_rows: torch.Tensor,
+                    weight: torch.Tensor | None) -> int:
+    """``topk`` of the dispatch layout, after checking the arguments of ``fp8kit::moe_rw_dispatch_quant``."""
+    where = "fp8kit::moe_rw_dispatch_quant"
+    _check_float(src, 2, "src", where)
+    _check_index(index, src.device, "index", where)
+    _check_index(pair_rows, src.device, "pair_rows", where)
+    t, s = src.shape[0], pair_rows.shape[0]
+    if (t == 0 and s) or (t and s % t) or s > index.shape[0]:
+        raise ValueError(f"{where}: pair_rows must hold topk rows per token of src ({t} tokens) and no more than "
+                         f"index's {index.shape[0]} rows, got {s}")
+    if weight is not None:
+        _check_weight(weight, pair_rows, "weight", where)
+    return s // t if t else 0
 
 
 def _check_h(h: torch.Tensor) -> int:
@@ -172,6 +192,20 @@ def gather_quantize_keep_rows_ref(src: torch.Tensor, index: torch.Tensor
     _check_gather(src, index)
     rows = _gathered(src, index)
     return (*quantize_rows(rows), rows)
+
+
+def dispatch_quantize_rows_ref(src: torch.Tensor, index: torch.Tensor, pair_rows: torch.Tensor,
+                               weight: torch.Tensor | None, keep_rows: bool
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PyTorch reference of :func:`dispatch_quantize_rows`: the gather of ``index`` (:func:`gather_quantize_rows_ref`,
+    or with ``weight`` :func:`gather_weighted_quantize_rows_ref` with each row's pair weight, 0 for padding);
+    ``(q, inv, rows if keep_rows else (0, K))``."""
+    _check_dispatch(src, index, pair_rows, weight)
+    w_row = None
+    if weight is not None:
+        w_row = torch.cat([weight.reshape(-1), weight.new_zeros(1)])[row_pairs(pair_rows, index.shape[0])]
+    rows = _gathered(src, index, w_row)
+    return (*quantize_rows(rows), rows if keep_rows else rows[:0])
 
 
 def gather_weighted_quantize_rows_ref(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, keep_rows: bool
@@ -319,6 +353,47 @@ def _(src, index, weight, keep_rows):
 @_weighted_op.register_fake
 def _(src, index, weight, keep_rows):
     _check_weighted(src, index, weight)
+    p, k = index.shape[0], src.shape[1]
+    return src.new_empty(p, k, dtype=FP8), _f32(src, p), src.new_empty(p if keep_rows else 0, k)
+
+
+#: Top-k from which the dispatch casts run from the tokens' side (each token read once, stored at its top-k rows)
+#: instead of gathering each row: 1.7-2.3x faster at top-8 (Qwen3-30B-A3B, DeepSeek-V3), 0.8-0.96x at top-2
+#: (Mixtral) on the H100 (``benchmarks/experiments/scatter_rows/``; docs/benchmarks.md section 4, session 24).
+SCATTER_MIN_TOPK = 4
+
+
+@torch.library.custom_op("fp8kit::moe_rw_dispatch_quant", mutates_args=())
+def _dispatch_op(src: torch.Tensor, index: torch.Tensor, pair_rows: torch.Tensor, weight: torch.Tensor | None,
+                 keep_rows: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return dispatch_quantize_rows_ref(src, index, pair_rows, weight, keep_rows)
+
+
+@_dispatch_op.register_kernel("cuda")
+def _(src, index, pair_rows, weight, keep_rows):
+    topk = _check_dispatch(src, index, pair_rows, weight)
+    kernels = _triton_kernels()
+    if kernels is None or index.numel() == 0 or src.shape[1] == 0 or src.shape[0] == 0:
+        return dispatch_quantize_rows_ref(src, index, pair_rows, weight, keep_rows)
+    empty = src.new_empty(0, src.shape[1])
+    src = _rows_last(src)
+    with torch.cuda.device(src.device):
+        if topk >= SCATTER_MIN_TOPK:
+            out = kernels.scatter_quantize_rows(src, index.contiguous(), pair_rows.contiguous(),
+                                                None if weight is None else weight.contiguous(), keep_rows)
+            if out is not None:
+                q, inv, rows = out
+                return q, inv, empty if rows is None else rows
+        w_row = None  # the gather kernel: each row's weight through its pair
+        if weight is not None:
+            w_row = torch.cat([weight, weight.new_zeros(1)])[row_pairs(pair_rows, index.shape[0])]
+        q, inv, *rows = kernels.gather_quantize_rows(src, index.contiguous(), weight=w_row, keep_rows=keep_rows)
+    return q, inv, rows[0] if rows and rows[0] is not None else empty
+
+
+@_dispatch_op.register_fake
+def _(src, index, pair_rows, weight, keep_rows):
+    _check_dispatch(src, index, pair_rows, weight)
     p, k = index.shape[0], src.shape[1]
     return src.new_empty(p, k, dtype=FP8), _f32(src, p), src.new_empty(p if keep_rows else 0, k)
 
@@ -558,6 +633,38 @@ def gather_weighted_quantize_rows(src: torch.Tensor, index: torch.Tensor, weight
             ``weight`` not a 1-D float tensor of ``index``'s length on that device.
     """
     q, inv, rows = torch.ops.fp8kit.moe_rw_gather_weighted_quant(src, index, weight, keep_rows)
+    return q, inv, rows if keep_rows else None
+
+
+def dispatch_quantize_rows(src: torch.Tensor, index: torch.Tensor, pair_rows: torch.Tensor,
+                           weight: torch.Tensor | None = None, keep_rows: bool = False
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The rowwise E4M3 copy of the tokens in expert order (the dispatch), knowing the layout from both sides.
+
+    Equal bit for bit to :func:`gather_quantize_rows` ``(src, index)`` (with ``keep_rows``:
+    :func:`gather_quantize_keep_rows`), and with ``weight`` to :func:`gather_weighted_quantize_rows` whose row
+    weights are each row's pair weight (0 for padding): the combine's backward when ``src`` is the combined
+    output's gradient. On CUDA, from ``SCATTER_MIN_TOPK`` experts per token, one Triton kernel reads each token
+    row once and stores it at its top-k rows (reads ``topk`` times fewer bytes than the gather); below it, or
+    for rows longer than 8192, the gather kernel.
+
+    Args:
+        src: ``(T, K)`` bf16 / fp16 / fp32 tokens (or the combined output's gradient).
+        index: ``(P,)`` int64 / int32 source token of each row, ``T`` for padding (``routing.Dispatch.gather_idx``).
+        pair_rows: ``(T * topk,)`` int64 / int32 row of each (token, slot) pair, pairs in token-major order
+            (``routing.Dispatch.pair_rows``). The two must describe the same layout (``index[pair_rows[i]] ==
+            i // topk``, ``index == T`` on the other rows): the CUDA kernels do not check it.
+        weight: optional ``(T * topk,)`` float weight per pair, same order (``top_k_weights.reshape(-1)``).
+        keep_rows: also return the ``(P, K)`` rows in ``src``'s dtype (weighted and rounded with ``weight``).
+
+    Returns:
+        ``(q (P, K) E4M3 row-major, inv_scale (P,) float32, rows (P, K) or None)``.
+
+    Raises:
+        ValueError: ``src`` not a 2-D float tensor; ``index`` / ``pair_rows`` not 1-D integer tensors on its
+            device; ``pair_rows`` not a whole number of rows per token; ``weight`` not one float per pair.
+    """
+    q, inv, rows = torch.ops.fp8kit.moe_rw_dispatch_quant(src, index, pair_rows, weight, keep_rows)
     return q, inv, rows if keep_rows else None
 
 
