@@ -5,7 +5,7 @@ the gather index (every token read top-k times). Padding rows are zeroed by the 
 Prints device ms (CUDA graphs, ``graph_timing.timed``) of the current gather kernel and the scatter kernel at
 Qwen3-30B-A3B / DeepSeek-V3 / Mixtral token shapes, and whether they give the same bits.
 
-    python benchmarks/experiments/scatter_rows/bench.py
+    python benchmarks/experiments/scatter_rows/bench.py [model prefixes, comma-separated]
 """
 
 from __future__ import annotations
@@ -110,10 +110,13 @@ def _zero_inv():
 def main() -> int:
     torch.manual_seed(0)
     shapes = {"qwen3-30b-a3b": (16384, 2048, 128, 8), "deepseek-v3": (16384, 7168, 128, 8),
-              "mixtral-8x7b": (16384, 4096, 8, 2)}
+              "mixtral-8x7b": (16384, 4096, 8, 2), "qwen1.5-moe-a2.7b (top-4)": (16384, 2048, 60, 4)}
+    only = sys.argv[1].split(",") if len(sys.argv) > 1 else None
     print("| model | op | gather ms | scatter ms | ratio | same bits |")
     print("|---|---|---|---|---|---|")
     for name, (t, h, e, topk) in shapes.items():
+        if only and not any(name.startswith(o) for o in only):
+            continue
         src = torch.randn(t, h, device="cuda", dtype=torch.bfloat16) * torch.rand(t, 1, device="cuda") * 4
         logits = torch.randn(t, e, device="cuda")
         w, ids = logits.softmax(-1).topk(topk, dim=-1)

@@ -358,8 +358,9 @@ def _(src, index, weight, keep_rows):
 
 
 #: Top-k from which the dispatch casts run from the tokens' side (each token read once, stored at its top-k rows)
-#: instead of gathering each row: 1.7-2.3x faster at top-8 (Qwen3-30B-A3B, DeepSeek-V3), 0.8-0.96x at top-2
-#: (Mixtral) on the H100 (``benchmarks/experiments/scatter_rows/``; docs/benchmarks.md section 4, session 24).
+#: instead of gathering each row. Alone on the H100: 1.35-2.3x faster at top-8 (Qwen3-30B-A3B, DeepSeek-V3),
+#: 1.1-1.7x at top-4, 0.8-0.96x (slower) at top-2 (Mixtral); inside the expert layer the gain is 9-19% of these casts
+#: (``benchmarks/experiments/scatter_rows/``; docs/benchmarks.md section 4, session 24).
 SCATTER_MIN_TOPK = 4
 
 
