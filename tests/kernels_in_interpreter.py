@@ -179,6 +179,7 @@ def moe_rowwise_fusions() -> None:
     # the scatter kernel (each token read once, stored at its top-k rows; padding zeroed) against the gather kernel
     same(rqt.scatter_quantize_rows(x, d.gather_idx, d.pair_rows, keep_rows=True),
          (kq, kinv, kept), "moe scatter keep rows")
+    same(rqt.scatter_quantize_rows(x, d.gather_idx, d.pair_rows, cast=False)[2:], (kept,), "moe scatter rows only")
     same(rqt.scatter_quantize_rows(grad, d.gather_idx, d.pair_rows, weight=weights.reshape(-1), keep_rows=True),
          (q, inv, rows), "moe weighted scatter")
     same(rqt.quantize_group_cols_dual(grad, x, d.offs, d.gather_idx, index_g=token, weight_g=w_row),

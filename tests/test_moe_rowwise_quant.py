@@ -193,6 +193,8 @@ def test_dispatch_quantize_rows_equals_the_gathers(tokens, topk, h, dtype):
                                              keep_rows=True)
     _assert_same((q, inv, rows), (*quantize_rows(dy), dy), f"{where}, weighted")
     assert torch.equal(token, d.gather_idx), "the combine's token index is the dispatch index"
+    _assert_same((rq.dispatch_rows(grad, d.gather_idx, d.pair_rows),), (routing.gather_rows(grad, d.gather_idx),),
+                 f"{where}, rows only")
     compiled = torch.compile(lambda *a: rq.dispatch_quantize_rows(*a, keep_rows=True), fullgraph=True)
     _assert_same(compiled(grad, d.gather_idx, d.pair_rows, weights.reshape(-1)), (*quantize_rows(dy), dy),
                  f"{where}, compiled")

@@ -194,7 +194,7 @@ def test_gather_weighted_quantize_rows_matches_the_combines_backward(h):
 
 @pytest.mark.parametrize("case", ["qwen3", "deepseek", "odd-k", "top2", "top1", "long-rows", "one-token"])
 def test_dispatch_quantize_rows_matches_the_gathers(case):
-    """``dispatch_quantize_rows``: from top-4 the scatter kernel (each token read once, stored at its top-k rows,
+    """``dispatch_quantize_rows`` and ``dispatch_rows`` (no cast): from top-4 the scatter kernel (each token read once, stored at its top-k rows,
     padding rows zeroed by its tail programs), below it or for rows longer than one chunk the gather kernel: the
     gathers' bits for the plain cast, the kept rows and the weighted cast of the combine's backward (outputs from
     a NaN-poisoned allocator, so a row left unwritten fails)."""
@@ -220,6 +220,8 @@ def test_dispatch_quantize_rows_matches_the_gathers(case):
         q, inv, rows = rq.dispatch_quantize_rows(grad, d.gather_idx, d.pair_rows, weight=wp, keep_rows=keep)
         _assert_same((q, inv, *((rows,) if keep else ())), (*quantize_rows(dy), *((dy,) if keep else ())),
                      f"dispatch {case} weighted keep_rows={keep}")
+    _poison_allocator(4 * d.rows * h)
+    _assert_same((rq.dispatch_rows(grad, d.gather_idx, d.pair_rows),), (plain,), f"dispatch {case} rows only")
     compiled = torch.compile(lambda *a: rq.dispatch_quantize_rows(*a, keep_rows=True), fullgraph=True)
     _assert_same(compiled(grad, d.gather_idx, d.pair_rows, wp), (*quantize_rows(dy), dy), f"dispatch {case} compiled")
 

@@ -42,7 +42,7 @@ dequantized (exact in bf16: power-of-two scales).
 With ``wgrad="bf16"`` (torchao's ``rowwise_with_gw_hp`` recipe: fprop and dgrad in FP8, wgrad in high precision)
 both weight gradients are ``torch._grouped_mm`` on the bf16 operands instead: no per-(expert, column) casts of
 ``dy, a, dh, x`` (the two ``quantize_group_cols_dual`` launches) for a bf16 wgrad GEMM. ``gate_up_proj``'s wgrad reads the tokens in
-expert order: gathered once more in the backward, or (``keep_rows``, ``fp8.grouped_wgrad_input``) written by the
+expert order: gathered once more in the backward (``dispatch_rows``: from top-4 each token read once), or (``keep_rows``, ``fp8.grouped_wgrad_input``) written by the
 dispatch's read beside their FP8 copy (``gather_quantize_keep_rows``) and saved: ``(P, H)`` bf16 more per layer
 (0.5 GiB at Qwen3-30B-A3B with 16K tokens) for 0.14 ms per layer on the H100. Under expert-parallel FP8 dispatch
 the received rows are dequantized in the backward instead. Where the experts are small (Qwen3-30B-A3B: 768 wide) those casts
@@ -71,7 +71,6 @@ from fp8kit.moe.routing import (
     combine_row_weights,
     combine_rows,
     combine_weights_grad,
-    gather_rows,
     row_pairs,
     sum_token_rows,
 )
@@ -162,7 +161,8 @@ class _FusedRowwiseMLP(torch.autograd.Function):
             ht, hts, xc, xcs = rq.quantize_group_cols_dual(dh, x, offs, index_x=gather_idx)
             dw_up = gemm(ht, xc, hts, xcs, offs, out_dtype)
         else:
-            x = x_src if ctx.x_in_expert_order else _expert_rows(x_src, gather_idx, hdim, dh.dtype, received)
+            x = x_src if ctx.x_in_expert_order else _expert_rows(x_src, gather_idx, pair_rows, hdim, dh.dtype,
+                                                                 received)
             dw_up = wgrad_high_precision(dh, x, offs)
         # tokens: the sum of each token's top-k rows (rows past the last group are never picked)
         dhidden = sum_token_rows(dx_rows, pair_rows, tokens, x_dtype)
@@ -170,14 +170,14 @@ class _FusedRowwiseMLP(torch.autograd.Function):
                 None, None, None, None, None, None, None, None, None)
 
 
-def _expert_rows(x_src: torch.Tensor, gather_idx: torch.Tensor, hdim: int, dtype: torch.dtype,
-                 received: bool) -> torch.Tensor:
+def _expert_rows(x_src: torch.Tensor, gather_idx: torch.Tensor, pair_rows: torch.Tensor, hdim: int,
+                 dtype: torch.dtype, received: bool) -> torch.Tensor:
     """The ``gate_up_proj`` input in expert order, ``(P, H)`` of ``dtype``, for the high-precision wgrad: the tokens
-    ``x_src (T, H)`` gathered through the dispatch index, or (expert-parallel FP8 dispatch) the received payload rows
-    ``x_src`` dequantized through it."""
+    ``x_src (T, H)`` in the dispatch's layout (``rowwise_quant.dispatch_rows``: from top-4 each token read once), or
+    (expert-parallel FP8 dispatch) the received payload rows ``x_src`` dequantized through the dispatch index."""
     if received:
         return dequantize_payload(x_src, hdim, dtype, index=gather_idx)
-    return gather_rows(x_src.to(dtype), gather_idx)
+    return rq.dispatch_rows(x_src.to(dtype), gather_idx, pair_rows)
 
 
 def wgrad_high_precision(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

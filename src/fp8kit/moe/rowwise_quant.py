@@ -12,6 +12,7 @@ without the intermediate copies and separate amax passes:
 - :func:`dispatch_quantize_rows`: either of the two above and the weighted one below, from ``routing.dispatch``'s
   layout seen from both sides (``gather_idx`` and ``pair_rows``): on CUDA with top-k >= ``SCATTER_MIN_TOPK`` each
   token row is read once and stored at its top-k rows, instead of every row read through the gather index.
+- :func:`dispatch_rows`: the same layout's plain gather without a cast (a bf16 weight gradient's input).
 - :func:`gather_weighted_quantize_rows`: the combine's backward (``routing.combine_rows_grad``: each expert row's
   gradient is its token's gradient times the router weight) + ``quantize_rows``: the output gradient's dgrad
   copy straight from the ``(T, H)`` gradient, the ``(P, H)`` product never written unless asked for.
@@ -399,6 +400,30 @@ def _(src, index, pair_rows, weight, keep_rows):
     return src.new_empty(p, k, dtype=FP8), _f32(src, p), src.new_empty(p if keep_rows else 0, k)
 
 
+@torch.library.custom_op("fp8kit::moe_dispatch_rows", mutates_args=())
+def _rows_op(src: torch.Tensor, index: torch.Tensor, pair_rows: torch.Tensor) -> torch.Tensor:
+    _check_dispatch(src, index, pair_rows, None)
+    return _gathered(src, index)
+
+
+@_rows_op.register_kernel("cuda")
+def _(src, index, pair_rows):
+    topk = _check_dispatch(src, index, pair_rows, None)
+    kernels = _triton_kernels()
+    if kernels is not None and topk >= SCATTER_MIN_TOPK and index.numel() and src.shape[1]:
+        with torch.cuda.device(src.device):
+            out = kernels.scatter_quantize_rows(_rows_last(src), index.contiguous(), pair_rows.contiguous(), cast=False)
+        if out is not None:
+            return out[2]
+    return _gathered(src, index)
+
+
+@_rows_op.register_fake
+def _(src, index, pair_rows):
+    _check_dispatch(src, index, pair_rows, None)
+    return src.new_empty(index.shape[0], src.shape[1])
+
+
 @torch.library.custom_op("fp8kit::moe_rw_swiglu_quant", mutates_args=())
 def _swiglu_op(h: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return swiglu_quantize_rows_ref(h, interleaved)
@@ -667,6 +692,23 @@ def dispatch_quantize_rows(src: torch.Tensor, index: torch.Tensor, pair_rows: to
     """
     q, inv, rows = torch.ops.fp8kit.moe_rw_dispatch_quant(src, index, pair_rows, weight, keep_rows)
     return q, inv, rows if keep_rows else None
+
+
+def dispatch_rows(src: torch.Tensor, index: torch.Tensor, pair_rows: torch.Tensor) -> torch.Tensor:
+    """The tokens in expert order, ``cat([src, zeros(1, K)])[index]`` (``routing.gather_rows``), knowing the layout
+    from both sides: on CUDA from ``SCATTER_MIN_TOPK`` experts per token the scatter kernel of
+    :func:`dispatch_quantize_rows` without its cast (each token row read once); below it a gather.
+
+    Args:
+        src, index, pair_rows: as :func:`dispatch_quantize_rows`.
+
+    Returns:
+        ``(P, K)`` in ``src``'s dtype; padding rows zero.
+
+    Raises:
+        ValueError: as :func:`dispatch_quantize_rows`.
+    """
+    return torch.ops.fp8kit.moe_dispatch_rows(src, index, pair_rows)
 
 
 def swiglu_quantize_rows(h: torch.Tensor, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -157,10 +157,12 @@ def _gather_rows_kernel(
 def _scatter_rows_kernel(
     src_ptr, pair_rows_ptr, idx_ptr, q_ptr, inv_ptr, rows_ptr, w_ptr, T, P, K, stride_src, stride_q, stride_inv,
     TOKEN_PROGRAMS, TOPK: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, PAD_ROWS: tl.constexpr,
-    HAS_W: tl.constexpr, STORE_ROWS: tl.constexpr, EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
+    HAS_W: tl.constexpr, STORE_ROWS: tl.constexpr, CAST: tl.constexpr, EPS: tl.constexpr, AMAX_MAX: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     # The gather kernel's rows written from the tokens' side: programs [0, TOKEN_PROGRAMS) read ROWS token rows once
     # and store each at its TOPK padded rows (pair_rows, pair order); the others zero the padding rows (index T).
+    # CAST False: only the rows (the plain gather, for a bf16 wgrad's input).
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_K)
     cmask = cols < K
@@ -182,8 +184,9 @@ def _scatter_rows_kernel(
                 q = _cast(xj, scale[:, None], FP8_MAX)
             if STORE_ROWS:
                 tl.store(rows_ptr + p[:, None] * K + cols[None, :], xj.to(rows_ptr.dtype.element_ty), mask=mask)
-            tl.store(q_ptr + p[:, None] * stride_q + cols[None, :], q, mask=mask)
-            tl.store(inv_ptr + p * stride_inv, _inv(scale), mask=tmask)
+            if CAST:
+                tl.store(q_ptr + p[:, None] * stride_q + cols[None, :], q, mask=mask)
+                tl.store(inv_ptr + p * stride_inv, _inv(scale), mask=tmask)
     else:
         offs_p = (pid - TOKEN_PROGRAMS) * PAD_ROWS + tl.arange(0, PAD_ROWS)
         pm = offs_p < P
@@ -193,12 +196,14 @@ def _scatter_rows_kernel(
         for c in range(0, K, BLOCK_K):
             cc = c + cols
             m = pad[:, None] & (cc < K)[None, :]
-            tl.store(q_ptr + prow[:, None] * stride_q + cc[None, :], zero.to(tl.float8e4nv), mask=m)
+            if CAST:
+                tl.store(q_ptr + prow[:, None] * stride_q + cc[None, :], zero.to(tl.float8e4nv), mask=m)
             if STORE_ROWS:
                 tl.store(rows_ptr + prow[:, None] * K + cc[None, :], zero.to(rows_ptr.dtype.element_ty), mask=m)
         # the inv_scale of an all-zero row, by the same math as the gather kernel's (amax floored at EPS)
-        zero_scale = _pow2_scale(tl.zeros((PAD_ROWS,), tl.float32), EPS, AMAX_MAX, FP8_MAX)
-        tl.store(inv_ptr + prow * stride_inv, _inv(zero_scale), mask=pad)
+        if CAST:
+            zero_scale = _pow2_scale(tl.zeros((PAD_ROWS,), tl.float32), EPS, AMAX_MAX, FP8_MAX)
+            tl.store(inv_ptr + prow * stride_inv, _inv(zero_scale), mask=pad)
 
 
 @triton.jit
@@ -363,8 +368,8 @@ def gather_quantize_rows(src: torch.Tensor, index: torch.Tensor, out: tuple[torc
 
 
 def scatter_quantize_rows(src: torch.Tensor, index: torch.Tensor, pair_rows: torch.Tensor,
-                          weight: torch.Tensor | None = None, keep_rows: bool = False
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+                          weight: torch.Tensor | None = None, keep_rows: bool = False, cast: bool = True
+                          ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None:
     """:func:`gather_quantize_rows` of ``index`` computed from the tokens' side: each row of ``src`` read once and
     stored at its ``topk`` rows ``pair_rows``, padding rows (``index == T``) zeroed by the same launch; with
     ``weight`` (one per pair) each stored row times its pair's weight (the combine's backward). The same bits as
@@ -377,22 +382,25 @@ def scatter_quantize_rows(src: torch.Tensor, index: torch.Tensor, pair_rows: tor
         pair_rows: CUDA ``(T * topk,)`` contiguous int64 / int32 (``routing.Dispatch.pair_rows``).
         weight: optional CUDA ``(T * topk,)`` contiguous float, pair order (``top_k_weights.reshape(-1)``).
         keep_rows: also return the ``(P, K)`` rows in ``src``'s dtype (weighted and rounded with ``weight``).
+        cast: False: only the rows (``keep_rows`` implied; ``(None, None, rows)``): the plain gather from the
+            tokens' side.
     """
+    keep_rows = keep_rows or not cast
     t, k = src.shape
     p = index.shape[0]
     rows, block_k, chunks, warps = _row_blocks(k)
     if chunks > 1:
         return None
-    q = torch.empty(p, k, dtype=FP8, device=src.device)
-    inv = torch.empty(p, dtype=torch.float32, device=src.device)
+    q = torch.empty(p if cast else 0, k, dtype=FP8, device=src.device)
+    inv = torch.empty(p if cast else 0, dtype=torch.float32, device=src.device)
     rows_out = torch.empty(p, k, dtype=src.dtype, device=src.device) if keep_rows else None
     token_programs, pad_rows = triton.cdiv(t, rows), 64
     _scatter_rows_kernel[(token_programs + triton.cdiv(p, pad_rows),)](
         src, pair_rows, index, q, inv, q if rows_out is None else rows_out, inv if weight is None else weight,
-        t, p, k, src.stride(0), q.stride(0), inv.stride(0), token_programs,
+        t, p, k, src.stride(0), q.stride(0), 1, token_programs,
         TOPK=pair_rows.shape[0] // t, ROWS=rows, BLOCK_K=block_k, PAD_ROWS=pad_rows, HAS_W=weight is not None,
-        STORE_ROWS=keep_rows, num_warps=warps, **_KW)
-    return q, inv, rows_out
+        STORE_ROWS=keep_rows, CAST=cast, num_warps=warps, **_KW)
+    return (q, inv, rows_out) if cast else (None, None, rows_out)
 
 
 def swiglu_quantize_rows(h: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
