@@ -22,9 +22,11 @@ Numerics (Transformer Engine ``recipe.DelayedScaling``; Micikevicius et al. 2022
 - The three GEMMs of ``y = x @ w.T`` through ``torch._scaled_mm`` (tensorwise): fprop ``x8 @ w8.T``
   (E4M3 x E4M3), dgrad ``dy8 @ w8`` (E5M2 x E4M3), wgrad ``dy8.T @ x8`` (E5M2 x E4M3). The FP8 copies
   ``x8`` and ``w8`` made in forward serve the backward, saved in the column-major layout its GEMMs take;
-  under ``torch.compile`` the input is saved in bf16 instead and cast again in the backward (the same bits,
-  as torchao's ``Float8Linear`` does), so a compiled model saves for the backward exactly what a bf16 one
-  does (the FP8 copies would come on top of the bf16 tensors the RMSNorm / SwiGLU backward keeps anyway).
+  under ``torch.compile`` the input is saved in bf16 instead and cast again in the backward with the same
+  scale, as torchao's ``Float8Linear`` does, so a compiled model saves for the backward exactly what a bf16
+  one does (the FP8 copies would come on top of the bf16 tensors the RMSNorm / SwiGLU backward keeps anyway).
+  Where Inductor recomputes that input itself (an RMSNorm output) it may keep it in float32, without the bf16
+  rounding, so the wgrad copy can differ from the fprop copy in the last E4M3 place.
 - Saturation: values above the delayed scale's range clamp to the format's maximum. On a sudden jump of
   an operand's range (e.g. a 100x larger activation), that step saturates; the jump enters the history
   and the next step's scale covers it. This is the trade-off of delayed scaling in TE too: one pass per
@@ -156,8 +158,8 @@ class _DelayedLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x8_cm, w8_cm, sx, sw, sg, ax, aw = ctx.saved_tensors
-        if ctx.recast_x:  # the same bits as the forward's cast (the same scale and float32 math), cast from
-            # x.T: the forward's identical cast of x would be merged with it by CSE and its output saved after all
+        if ctx.recast_x:  # the forward's cast (same scale, same float32 math), taken from x.T: an identical
+            # cast of x would be merged with the forward's by CSE and its output saved after all
             x8_cm = _cast_impl(x8_cm.t(), sx, E4M3)[0].contiguous().t()
         x_dtype, w_dtype = ctx.dtypes
         history, steps, uid, group = ctx.entry
