@@ -70,7 +70,7 @@ def test_bf16_wgrad_on_cuda_matches_fp8_wgrad_path_and_emulation():
     for i, what in ((0, "output"), (1, "dx")):
         diff = (fp8[i].float() - bf16[i].float()).abs().max().item()
         assert torch.equal(fp8[i], bf16[i]), f"{what}: bf16 wgrad changed it (max |diff| {diff})"
-    # fp8.grouped_wgrad_input = saved: the dispatch's own bf16 rows (gather_quantize_keep_rows) give the same bits
+    # fp8.grouped_wgrad_input = saved: the dispatch's own bf16 rows (dispatch_quantize_rows keep_rows) give the same bits
     kept = _layer(gemm, out_dtype, "bf16", inputs, d, keep_rows=True)
     for what, a, b in zip(("output", "dx", "dw_up", "dw_down"), kept, bf16, strict=True):
         assert torch.equal(a, b), f"{what}: saved rows vs gathered again: max |diff| {(a - b).abs().max().item()}"
@@ -87,7 +87,7 @@ def test_bf16_wgrad_on_cuda_matches_fp8_wgrad_path_and_emulation():
 @pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
 def test_combine_fused_into_the_mlp_equals_the_mlp_then_the_combine(wgrad):
     """With ``top_k_weights`` the fused MLP combines its rows and casts the output gradient read through the pairs
-    (Triton: ``gather_weighted_quantize_rows`` and the weighted ``g`` of ``quantize_group_cols_dual``): output and
+    (Triton: ``dispatch_quantize_rows`` with the router weights and the weighted ``g`` of ``quantize_group_cols_dual``): output and
     the gradients of tokens, weights and router weights equal the MLP followed by ``routing.combine`` bit for bit."""
     d, (h, w_up, w_down, weights, g) = _case(3)
     gemm, out_dtype = scaled_grouped_gemm(torch.device("cuda"))

@@ -62,10 +62,6 @@ def test_gather_quantize_rows_equals_quantize_rows_of_gathered(t, k, p, dtype):
     _assert_same(rq.gather_quantize_rows(src, index.int()), ref, f"gather int32 index T={t} K={k} P={p}")
     zero = index == t
     assert (ref[1][zero] == ZERO_ROW_INV).all() and (ref[0][zero].float() == 0).all()
-    q, inv, rows = rq.gather_quantize_keep_rows(src, index)
-    _assert_same((q, inv), ref, f"gather keeping rows T={t} K={k} P={p}")
-    assert rows.dtype == dtype and torch.equal(rows, _gathered(src, index)), \
-        f"gather keeping rows T={t} K={k} P={p}: the kept rows are not the gathered source rows"
 
 
 # ----------------------------------------------------------------------------- swiglu + rows
@@ -159,39 +155,29 @@ def _combine_case(tokens: int, topk: int, h: int, dtype=torch.bfloat16, seed: in
     return d, grad, weights, token, w_row, dy
 
 
-@pytest.mark.parametrize("tokens,topk,h", [(45, 2, 136), (9, 3, 64), (1, 1, 256)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gather_weighted_quantize_rows_equals_the_cast_of_the_combines_backward(tokens, topk, h, dtype):
-    """The output gradient's dgrad copy read through the pairs equals ``quantize_rows`` of
-    ``routing.combine_rows_grad``'s rows bit for bit; ``keep_rows`` returns exactly those rows; padding rows are zero."""
-    d, grad, weights, token, w_row, dy = _combine_case(tokens, topk, h, dtype, seed=tokens + h)
-    assert d.offs[-1] < d.rows or tokens == 1, "the case needs padding rows"
-    ref = quantize_rows(dy)
-    q, inv, rows = rq.gather_weighted_quantize_rows(grad, token, w_row)
-    assert rows is None
-    _assert_same((q, inv), ref, f"weighted gather T={tokens} topk={topk} H={h} {dtype}")
-    q, inv, rows = rq.gather_weighted_quantize_rows(grad, token.int(), w_row, keep_rows=True)
-    _assert_same((q, inv, rows), (*ref, dy), f"weighted gather, rows kept, T={tokens} topk={topk} H={h} {dtype}")
-    pad = token == tokens
-    assert (rows[pad] == 0).all() and (inv[pad] == ZERO_ROW_INV).all(), "padding rows must be zero"
-
-
 @pytest.mark.parametrize("tokens,topk,h", [(45, 2, 136), (9, 5, 64), (1, 1, 256), (30, 6, 128)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_dispatch_quantize_rows_equals_the_gathers(tokens, topk, h, dtype):
     """The dispatch cast knowing the layout from both sides (``gather_idx`` and ``pair_rows``: the CUDA scatter
-    kernel's inputs from top-4) gives the gathers' bits: the plain gather, the gather keeping the rows, and with the
-    router weights per pair the cast of ``routing.combine_rows_grad``'s rows (padding rows zero)."""
+    kernel's inputs from top-4) gives the gather's bits, with the gathered rows kept if asked; with the router
+    weights per pair, the cast of ``routing.combine_rows_grad``'s rows (the output gradient's dgrad copy read through
+    the pairs), which ``keep_rows`` returns exactly; padding rows zero. Int32 indices too."""
     d, grad, weights, token, w_row, dy = _combine_case(tokens, topk, h, dtype, seed=tokens + topk)
     where = f"dispatch T={tokens} topk={topk} H={h} {dtype}"
     q, inv, rows = rq.dispatch_quantize_rows(grad, d.gather_idx, d.pair_rows)
     assert rows is None
     _assert_same((q, inv), rq.gather_quantize_rows(grad, d.gather_idx), where)
     _assert_same(rq.dispatch_quantize_rows(grad, d.gather_idx.int(), d.pair_rows, keep_rows=True),
-                 rq.gather_quantize_keep_rows(grad, d.gather_idx), f"{where}, rows kept")
+                 (*rq.gather_quantize_rows(grad, d.gather_idx), routing.gather_rows(grad, d.gather_idx)),
+                 f"{where}, rows kept")
+    q, inv, rows = rq.dispatch_quantize_rows(grad, d.gather_idx, d.pair_rows.int(), weight=weights.reshape(-1))
+    assert rows is None
+    _assert_same((q, inv), quantize_rows(dy), f"{where}, weighted")
     q, inv, rows = rq.dispatch_quantize_rows(grad, d.gather_idx, d.pair_rows, weight=weights.reshape(-1),
                                              keep_rows=True)
-    _assert_same((q, inv, rows), (*quantize_rows(dy), dy), f"{where}, weighted")
+    _assert_same((q, inv, rows), (*quantize_rows(dy), dy), f"{where}, weighted, rows kept")
+    pad = d.gather_idx == tokens
+    assert (rows[pad] == 0).all() and (inv[pad] == ZERO_ROW_INV).all(), "padding rows must be zero"
     assert torch.equal(token, d.gather_idx), "the combine's token index is the dispatch index"
     _assert_same((rq.dispatch_rows(grad, d.gather_idx, d.pair_rows),), (routing.gather_rows(grad, d.gather_idx),),
                  f"{where}, rows only")
@@ -254,13 +240,15 @@ def test_ops_compile_fullgraph_equal_eager():
     d = routing.dispatch(torch.tensor([[0, 2], [2, 3], [0, 3], [3, 0], [2, 0]]), 4)  # expert 1 empty
     src, h, g, w = _real(5, 128, seed=1), _real(d.rows, 256, seed=2), _real(d.rows, 96, seed=3), _real(4, 64, 128, seed=4)
 
-    token, w_row = routing.combine_row_weights(routing.row_pairs(d.pair_rows, d.rows), torch.rand(5, 2))
+    weights = torch.rand(5, 2)
+    token, w_row = routing.combine_row_weights(routing.row_pairs(d.pair_rows, d.rows), weights)
 
     def fn(src, idx, offs, h, g, w, token, w_row):
         return (*rq.gather_quantize_rows(src, idx), *rq.swiglu_quantize_rows(h),
                 *rq.quantize_group_cols_fused(src, offs, transposed=False, index=idx),
                 *rq.quantize_group_cols_dual(g, src, offs, idx), *rq.quantize_experts_dual(w),
-                *rq.gather_weighted_quantize_rows(src, token, w_row, keep_rows=True),
+                *rq.dispatch_quantize_rows(src, idx, d.pair_rows, weight=weights.reshape(-1), keep_rows=True),
+                rq.dispatch_rows(src, idx, d.pair_rows),
                 *rq.quantize_group_cols_dual(src, src, offs, idx, index_g=token, weight_g=w_row),
                 *rq.swiglu_backward_quantize_rows(h, h[:, :128]),
                 *rq.quantize_experts_dual(w, hints=(torch.ones(4, 64), torch.ones(4, 128))))
@@ -303,11 +291,11 @@ def test_bad_input_raises_naming_the_op():
         rq.quantize_experts_dual(w3, hints=(torch.ones(2, 8, dtype=torch.int32), torch.ones(2, 16)))
     with pytest.raises(ValueError, match="hints and cache=True cannot be combined"):
         rq.quantize_experts_dual(w3, cache=True, hints=(torch.ones(2, 8), torch.ones(2, 16)))
-    with pytest.raises(ValueError, match=r"moe_rw_gather_weighted_quant: weight must be a 1-D float tensor with one "
-                                         r"weight per index entry \(3\)"):
-        rq.gather_weighted_quantize_rows(src, idx, torch.ones(2))
-    with pytest.raises(ValueError, match="moe_rw_gather_weighted_quant: weight must be"):
-        rq.gather_weighted_quantize_rows(src, idx, torch.ones(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="moe_rw_dispatch_quant: weight must be"):
+        rq.dispatch_quantize_rows(torch.randn(4, 16), torch.zeros(12, dtype=torch.long), torch.arange(8),
+                                  weight=torch.ones(8, dtype=torch.int64))
+    with pytest.raises(ValueError, match="moe_rw_dispatch_quant: pair_rows must be a 1-D int64"):
+        rq.dispatch_rows(torch.randn(4, 16), torch.zeros(12, dtype=torch.long), torch.arange(8.0))
     with pytest.raises(ValueError, match=r"moe_rw_swiglu_bwd_quant: da must be \(8, 64\)"):
         rq.swiglu_backward_quantize_rows(src, src[:, :32])
     with pytest.raises(ValueError, match="moe_rw_group_cols_dual_quant: index_g and weight_g come together"):

@@ -84,9 +84,6 @@ def test_gather_quantize_rows_matches_reference(k):
     _poison_allocator(4 * d.rows * k)
     got = rq.gather_quantize_rows(src, d.gather_idx)
     _assert_same(got, quantize_rows(routing.gather(src, d)), f"gather K={k}")
-    _poison_allocator(4 * d.rows * k)
-    q, inv, rows = rq.gather_quantize_keep_rows(src, d.gather_idx)
-    _assert_same((q, inv, rows), (*got, routing.gather(src, d)), f"gather keeping rows K={k}")
 
 
 def test_fp32_scales_next_to_a_power_of_two_match_torch_log2():
@@ -171,10 +168,11 @@ def _combine_grad(d: routing.Dispatch, tokens: int, topk: int, h: int, seed: int
 
 
 @pytest.mark.parametrize("h", [2048, 7168, 14336])
-def test_gather_weighted_quantize_rows_matches_the_combines_backward(h):
-    """The output gradient's dgrad copy read through the pairs (one and two chunks per row; Mixtral's 14336 on a
-    top-2 routing of 4099 tokens) equals ``quantize_rows(routing.combine_rows_grad(...))`` bit for bit, and the
-    kept rows equal ``combine_rows_grad``'s (compiled on CUDA: a gather and one float32 product, exact)."""
+def test_weighted_dispatch_cast_matches_the_combines_backward(h):
+    """The output gradient's dgrad copy read through the pairs (the scatter kernel at top-8; Mixtral's 14336 on a
+    top-2 routing of 4099 tokens: the gather kernel, one and two chunks per row) equals
+    ``quantize_rows(routing.combine_rows_grad(...))`` bit for bit, and the kept rows equal ``combine_rows_grad``'s
+    (compiled on CUDA: a gather and one float32 product, exact)."""
     if h <= 7168:
         d, tokens, topk = _dispatch(), TOKENS, TOPK
     else:
@@ -184,12 +182,12 @@ def test_gather_weighted_quantize_rows_matches_the_combines_backward(h):
     grad, weights, row_pair, token, w_row = _combine_grad(d, tokens, topk, h, seed=h)
     dy = routing.combine_rows_grad(grad, weights, row_pair, torch.bfloat16)
     _poison_allocator(4 * d.rows * h)
-    got = rq.gather_weighted_quantize_rows(grad, token, w_row)
+    got = rq.dispatch_quantize_rows(grad, d.gather_idx, d.pair_rows, weight=weights.reshape(-1))
     assert got[2] is None
-    _assert_same(got[:2], quantize_rows(dy), f"weighted gather H={h}")
+    _assert_same(got[:2], quantize_rows(dy), f"weighted dispatch H={h}")
     _poison_allocator(4 * d.rows * h)
-    _assert_same(rq.gather_weighted_quantize_rows(grad, token, w_row, keep_rows=True), (*quantize_rows(dy), dy),
-                 f"weighted gather, rows kept, H={h}")
+    _assert_same(rq.dispatch_quantize_rows(grad, d.gather_idx, d.pair_rows, weight=weights.reshape(-1), keep_rows=True),
+                 (*quantize_rows(dy), dy), f"weighted dispatch, rows kept, H={h}")
 
 
 @pytest.mark.parametrize("case", ["qwen3", "deepseek", "odd-k", "top2", "top1", "long-rows", "one-token"])
@@ -281,14 +279,15 @@ def test_ops_compile_fullgraph_equal_eager():
     src, h, g, w = _real(TOKENS, 2048, seed=7), _real(d.rows, 1536, seed=8), _real(d.rows, 2048, seed=9), \
         _real(16, 1536, 2048, seed=10)
 
-    _, _, _, token, w_row = _combine_grad(d, TOKENS, TOPK, 2048, seed=11)
+    _, weights, _, token, w_row = _combine_grad(d, TOKENS, TOPK, 2048, seed=11)
 
     def fn(src, idx, offs, h, g, w, token, w_row):
-        return (*rq.gather_quantize_rows(src, idx), *rq.gather_quantize_keep_rows(src, idx),
+        return (*rq.gather_quantize_rows(src, idx), *rq.dispatch_quantize_rows(src, idx, d.pair_rows, keep_rows=True),
                 *rq.swiglu_quantize_rows(h),
                 *rq.quantize_group_cols_fused(src, offs, transposed=False, index=idx),
                 *rq.quantize_group_cols_dual(g, src, offs, idx), *rq.quantize_experts_dual(w),
-                *rq.gather_weighted_quantize_rows(src, token, w_row, keep_rows=True),
+                *rq.dispatch_quantize_rows(src, idx, d.pair_rows, weight=weights.reshape(-1), keep_rows=True),
+                rq.dispatch_rows(src, idx, d.pair_rows),
                 *rq.quantize_group_cols_dual(src, src, offs, idx, index_g=token, weight_g=w_row),
                 *rq.swiglu_backward_quantize_rows(h, g[:, :768]),
                 *rq.quantize_experts_dual(w, hints=(torch.ones(16, 1536, device="cuda"),

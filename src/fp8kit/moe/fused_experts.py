@@ -43,7 +43,7 @@ With ``wgrad="bf16"`` (torchao's ``rowwise_with_gw_hp`` recipe: fprop and dgrad 
 both weight gradients are ``torch._grouped_mm`` on the bf16 operands instead: no per-(expert, column) casts of
 ``dy, a, dh, x`` (the two ``quantize_group_cols_dual`` launches) for a bf16 wgrad GEMM. ``gate_up_proj``'s wgrad reads the tokens in
 expert order: gathered once more in the backward (``dispatch_rows``: from top-4 each token read once), or (``keep_rows``, ``fp8.grouped_wgrad_input``) written by the
-dispatch's read beside their FP8 copy (``gather_quantize_keep_rows``) and saved: ``(P, H)`` bf16 more per layer
+dispatch's read beside their FP8 copy (``dispatch_quantize_rows(keep_rows=True)``) and saved: ``(P, H)`` bf16 more per layer
 (0.5 GiB at Qwen3-30B-A3B with 16K tokens) for 0.14 ms per layer on the H100. Under expert-parallel FP8 dispatch
 the received rows are dequantized in the backward instead. Where the experts are small (Qwen3-30B-A3B: 768 wide) those casts
 cost more than the FP8 wgrad GEMM saves (``benchmarks/moe_layer.py``, docs/benchmarks.md section 4).

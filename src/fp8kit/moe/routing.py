@@ -194,7 +194,7 @@ def combine_row_weights(row_pair: torch.Tensor, top_k_weights: torch.Tensor) -> 
     weight (P,) in top_k_weights' dtype)``, ``token = row_pair // topk`` (``T`` for padding rows: the zero row of a
     gather) and ``weight = w[t, k]`` of the row's pair (0 for padding). ``row_pair`` from :func:`row_pairs`,
     ``top_k_weights`` (T, topk). ``drows[r] = (grad[token[r]].float() * weight[r].float()).to(dtype)`` is then
-    :func:`combine_rows_grad` (``rowwise_quant.gather_weighted_quantize_rows`` computes it inside its cast)."""
+    :func:`combine_rows_grad` (``rowwise_quant.dispatch_quantize_rows`` with the router weights computes it inside its cast)."""
     topk = top_k_weights.shape[1]
     w = torch.cat([top_k_weights.reshape(-1), top_k_weights.new_zeros(1)])
     return torch.div(row_pair, topk, rounding_mode="floor"), w[row_pair]

@@ -148,7 +148,10 @@ def payload_rows(received: torch.Tensor, index: torch.Tensor, hidden: int) -> tu
     """
     payload_views(received, hidden)  # checks the layout
     q, inv = _gather_words(received.view(torch.int32), index, hidden // 4, _zero_row_inv_bits())
-    return q.view(FP8), inv.view(torch.float32)
+    # Compiled, the two outputs are written as their own buffers; eagerly (the CPU, or Dynamo's recompile limit
+    # reached) they are strided views of the gathered rows, which torch._scaled_grouped_mm refuses
+    # ("scale must be contiguous"): a copy then, a no-op otherwise.
+    return q.contiguous().view(FP8), inv.contiguous().view(torch.float32)
 
 
 @compiled_on_cuda

@@ -8,14 +8,12 @@ without the intermediate copies and separate amax passes:
 - :func:`gather_quantize_rows`: the dispatch gather (``routing.Dispatch.gather_idx``) + ``quantize_rows``;
   the gathered BF16 copy is never written. ``moe/rowwise_payload.py`` has its kernel write the same bits into
   one uint8 row per token: the FP8 token dispatch of expert parallelism.
-- :func:`gather_quantize_keep_rows`: the same, also writing the gathered rows (the operand of a bf16 wgrad).
-- :func:`dispatch_quantize_rows`: either of the two above and the weighted one below, from ``routing.dispatch``'s
-  layout seen from both sides (``gather_idx`` and ``pair_rows``): on CUDA with top-k >= ``SCATTER_MIN_TOPK`` each
-  token row is read once and stored at its top-k rows, instead of every row read through the gather index.
+- :func:`dispatch_quantize_rows`: the same from ``routing.dispatch``'s layout seen from both sides (``gather_idx``
+  and ``pair_rows``), optionally keeping the bf16 rows (a bf16 wgrad's operand) and, with the router weights, as
+  the combine's backward (``routing.combine_rows_grad``: each expert row's gradient is its token's gradient times
+  the router weight; the ``(P, H)`` product never written unless kept). On CUDA with top-k >= ``SCATTER_MIN_TOPK``
+  each token row is read once and stored at its top-k rows, instead of every row read through the gather index.
 - :func:`dispatch_rows`: the same layout's plain gather without a cast (a bf16 weight gradient's input).
-- :func:`gather_weighted_quantize_rows`: the combine's backward (``routing.combine_rows_grad``: each expert row's
-  gradient is its token's gradient times the router weight) + ``quantize_rows``: the output gradient's dgrad
-  copy straight from the ``(T, H)`` gradient, the ``(P, H)`` product never written unless asked for.
 - :func:`swiglu_quantize_rows`: ``a = silu(gate) * up`` (:func:`fp8kit.moe.token_quant.swiglu_ref`, bit for
   bit) + ``quantize_rows(a)``, from one read of ``h``.
 - :func:`swiglu_backward_quantize_rows`: the SwiGLU backward ``dh`` (:func:`swiglu_backward_ref`; on CUDA within a
@@ -133,13 +131,6 @@ def _check_weight(weight: torch.Tensor, index: torch.Tensor, name: str, where: s
                          f"{weight.device}")
 
 
-def _check_weighted(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> None:
-    where = "fp8kit::moe_rw_gather_weighted_quant"
-    _check_float(src, 2, "src", where)
-    _check_index(index, src.device, "index", where)
-    _check_weight(weight, index, "weight", where)
-
-
 def _check_dual(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, index_x: torch.Tensor | None,
                 index_g: torch.Tensor | None = None, weight_g: torch.Tensor | None = None) -> None:
     where = "fp8kit::moe_rw_group_cols_dual_quant"
@@ -186,35 +177,17 @@ def gather_quantize_rows_ref(src: torch.Tensor, index: torch.Tensor) -> tuple[to
     return quantize_rows(_gathered(src, index))
 
 
-def gather_quantize_keep_rows_ref(src: torch.Tensor, index: torch.Tensor
-                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PyTorch reference of :func:`gather_quantize_keep_rows`: ``rows = cat([src, zeros(1, K)])[index]``, then
-    ``(*quantize_rows(rows), rows)``."""
-    _check_gather(src, index)
-    rows = _gathered(src, index)
-    return (*quantize_rows(rows), rows)
-
-
 def dispatch_quantize_rows_ref(src: torch.Tensor, index: torch.Tensor, pair_rows: torch.Tensor,
                                weight: torch.Tensor | None, keep_rows: bool
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PyTorch reference of :func:`dispatch_quantize_rows`: the gather of ``index`` (:func:`gather_quantize_rows_ref`,
-    or with ``weight`` :func:`gather_weighted_quantize_rows_ref` with each row's pair weight, 0 for padding);
-    ``(q, inv, rows if keep_rows else (0, K))``."""
+    """PyTorch reference of :func:`dispatch_quantize_rows`: ``rows = cat([src, zeros(1, K)])[index]`` (with ``weight``
+    each row times its pair's weight in float32, 0 for padding, rounded to ``src``'s dtype:
+    ``routing.combine_rows_grad``), then ``quantize_rows(rows)``; ``(q, inv, rows if keep_rows else (0, K))``."""
     _check_dispatch(src, index, pair_rows, weight)
     w_row = None
     if weight is not None:
         w_row = torch.cat([weight.reshape(-1), weight.new_zeros(1)])[row_pairs(pair_rows, index.shape[0])]
     rows = _gathered(src, index, w_row)
-    return (*quantize_rows(rows), rows if keep_rows else rows[:0])
-
-
-def gather_weighted_quantize_rows_ref(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, keep_rows: bool
-                                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PyTorch reference of :func:`gather_weighted_quantize_rows`: ``rows = (cat([src, zeros(1, K)])[index].float() *
-    weight[:, None]).to(src.dtype)``, then ``quantize_rows(rows)``; ``(q, inv, rows if keep_rows else (0, K))``."""
-    _check_weighted(src, index, weight)
-    rows = _gathered(src, index, weight)
     return (*quantize_rows(rows), rows if keep_rows else rows[:0])
 
 
@@ -295,67 +268,20 @@ def _gather_op(src: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, to
     return gather_quantize_rows_ref(src, index)
 
 
-def _gather_cuda(src: torch.Tensor, index: torch.Tensor, keep_rows: bool):
-    """The CUDA kernel of both gather ops (the reference for empty inputs or without Triton)."""
+@_gather_op.register_kernel("cuda")
+def _(src, index):
     _check_gather(src, index)
     kernels = _triton_kernels()
     if kernels is None or index.numel() == 0 or src.shape[1] == 0:
-        return gather_quantize_keep_rows_ref(src, index) if keep_rows else gather_quantize_rows_ref(src, index)
+        return gather_quantize_rows_ref(src, index)
     with torch.cuda.device(src.device):
-        return kernels.gather_quantize_rows(_rows_last(src), index.contiguous(), keep_rows=keep_rows)
-
-
-@_gather_op.register_kernel("cuda")
-def _(src, index):
-    return _gather_cuda(src, index, keep_rows=False)
+        return kernels.gather_quantize_rows(_rows_last(src), index.contiguous())
 
 
 @_gather_op.register_fake
 def _(src, index):
     _check_gather(src, index)
     return src.new_empty(index.shape[0], src.shape[1], dtype=FP8), _f32(src, index.shape[0])
-
-
-@torch.library.custom_op("fp8kit::moe_rw_gather_quant_keep", mutates_args=())
-def _gather_keep_op(src: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return gather_quantize_keep_rows_ref(src, index)
-
-
-@_gather_keep_op.register_kernel("cuda")
-def _(src, index):
-    return _gather_cuda(src, index, keep_rows=True)
-
-
-@_gather_keep_op.register_fake
-def _(src, index):
-    _check_gather(src, index)
-    p, k = index.shape[0], src.shape[1]
-    return src.new_empty(p, k, dtype=FP8), _f32(src, p), src.new_empty(p, k)
-
-
-@torch.library.custom_op("fp8kit::moe_rw_gather_weighted_quant", mutates_args=())
-def _weighted_op(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, keep_rows: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return gather_weighted_quantize_rows_ref(src, index, weight, keep_rows)
-
-
-@_weighted_op.register_kernel("cuda")
-def _(src, index, weight, keep_rows):
-    _check_weighted(src, index, weight)
-    kernels = _triton_kernels()
-    if kernels is None or index.numel() == 0 or src.shape[1] == 0:
-        return gather_weighted_quantize_rows_ref(src, index, weight, keep_rows)
-    with torch.cuda.device(src.device):
-        q, inv, rows = kernels.gather_quantize_rows(_rows_last(src), index.contiguous(), weight=weight.contiguous(),
-                                                    keep_rows=keep_rows)
-    return q, inv, src.new_empty(0, src.shape[1]) if rows is None else rows
-
-
-@_weighted_op.register_fake
-def _(src, index, weight, keep_rows):
-    _check_weighted(src, index, weight)
-    p, k = index.shape[0], src.shape[1]
-    return src.new_empty(p, k, dtype=FP8), _f32(src, p), src.new_empty(p if keep_rows else 0, k)
 
 
 #: Top-k from which the dispatch casts run from the tokens' side (each token read once, stored at its top-k rows)
@@ -614,63 +540,16 @@ def gather_quantize_rows(src: torch.Tensor, index: torch.Tensor) -> tuple[torch.
     return torch.ops.fp8kit.moe_rw_gather_quant(src, index)
 
 
-def gather_quantize_keep_rows(src: torch.Tensor, index: torch.Tensor
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`gather_quantize_rows` that also returns the gathered rows: one read of each source row writes the
-    rowwise E4M3 copy and the bf16 (``src``'s dtype) copy in expert order, for a high-precision wgrad that would
-    otherwise gather the tokens again in the backward.
-
-    Equal bit for bit to ``(*quantize_rows(rows), rows)`` with ``rows = cat([src, zeros(1, K)])[index]``.
-
-    Args:
-        src, index: as :func:`gather_quantize_rows`.
-
-    Returns:
-        ``(q (P, K) E4M3 row-major, inv_scale (P,) float32, rows (P, K) in src's dtype)``.
-
-    Raises:
-        ValueError: as :func:`gather_quantize_rows`.
-    """
-    return torch.ops.fp8kit.moe_rw_gather_quant_keep(src, index)
-
-
-def gather_weighted_quantize_rows(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, keep_rows: bool = False
-                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The combine's backward and the rowwise E4M3 cast in one read: row ``r`` is ``src[index[r]] * weight[r]``.
-
-    Equal bit for bit to ``quantize_rows(rows)`` with ``rows = (cat([src, zeros(1, K)])[index].float() *
-    weight.float()[:, None]).to(src.dtype)``: exactly ``routing.combine_rows_grad``'s rows when ``src`` is the
-    combine's output gradient, ``index = row_pairs // topk`` and ``weight`` the router weight of each row's pair
-    (0 for padding). On CUDA one Triton kernel reads each token row through ``index`` and never writes the
-    ``(P, K)`` product unless ``keep_rows``.
-
-    Args:
-        src: ``(T, K)`` bf16 / fp16 / fp32 (the gradient of the combined ``(T, H)`` output).
-        index: ``(P,)`` int64 / int32 source row per output row, values in ``[0, T]`` (``T``: a zero row); the
-            CUDA kernel does not check the range (as :func:`gather_quantize_rows`).
-        weight: ``(P,)`` float weight per output row, on ``src``'s device.
-        keep_rows: also return the rounded ``(P, K)`` rows in ``src``'s dtype (a high-precision wgrad's operand).
-
-    Returns:
-        ``(q (P, K) E4M3 row-major, inv_scale (P,) float32, rows (P, K) or None)``.
-
-    Raises:
-        ValueError: ``src`` not a 2-D float tensor; ``index`` not a 1-D integer tensor on ``src``'s device;
-            ``weight`` not a 1-D float tensor of ``index``'s length on that device.
-    """
-    q, inv, rows = torch.ops.fp8kit.moe_rw_gather_weighted_quant(src, index, weight, keep_rows)
-    return q, inv, rows if keep_rows else None
-
-
 def dispatch_quantize_rows(src: torch.Tensor, index: torch.Tensor, pair_rows: torch.Tensor,
                            weight: torch.Tensor | None = None, keep_rows: bool = False
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The rowwise E4M3 copy of the tokens in expert order (the dispatch), knowing the layout from both sides.
 
-    Equal bit for bit to :func:`gather_quantize_rows` ``(src, index)`` (with ``keep_rows``:
-    :func:`gather_quantize_keep_rows`), and with ``weight`` to :func:`gather_weighted_quantize_rows` whose row
-    weights are each row's pair weight (0 for padding): the combine's backward when ``src`` is the combined
-    output's gradient. On CUDA, from ``SCATTER_MIN_TOPK`` experts per token, one Triton kernel reads each token
+    Equal bit for bit to :func:`gather_quantize_rows` ``(src, index)`` (``rows = cat([src, zeros(1, K)])[index]``,
+    then ``quantize_rows(rows)``; with ``keep_rows`` also those rows). With ``weight`` each row is first multiplied
+    by its pair's weight in float32 (0 for padding) and rounded to ``src``'s dtype: exactly
+    ``routing.combine_rows_grad``'s rows when ``src`` is the combined output's gradient (the combine's backward),
+    whose ``(P, K)`` product is never written unless ``keep_rows``. On CUDA, from ``SCATTER_MIN_TOPK`` experts per token, one Triton kernel reads each token
     row once and stores it at its top-k rows (reads ``topk`` times fewer bytes than the gather); below it, or
     for rows longer than 8192, the gather kernel.
 
@@ -788,7 +667,7 @@ def quantize_group_cols_dual(
 
     Args:
         g: ``(P, N)`` output gradients, or ``(T, N)`` read through ``index_g (P,)`` with each row times
-            ``weight_g (P,)`` (as :func:`gather_weighted_quantize_rows`: the combine's backward, fused);
+            ``weight_g (P,)`` (as :func:`dispatch_quantize_rows` with ``weight``: the combine's backward, fused);
         x: ``(P, K)`` activations, or ``(T, K)`` with ``index_x (P,)``;
         offs: ``(E,)`` cumulative group ends.
 

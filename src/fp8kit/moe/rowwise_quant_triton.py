@@ -338,7 +338,8 @@ def gather_quantize_rows(src: torch.Tensor, index: torch.Tensor, out: tuple[torc
                          weight: torch.Tensor | None = None, keep_rows: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`fp8kit.moe.rowwise_quant.gather_quantize_rows_ref` (same bits), and with ``weight``
-    of :func:`fp8kit.moe.rowwise_quant.gather_weighted_quantize_rows_ref`.
+    (one per row) and ``keep_rows`` of :func:`fp8kit.moe.rowwise_quant.dispatch_quantize_rows_ref` (whose weights are
+    per pair: the caller maps them to rows).
 
     Args:
         src: CUDA ``(T, K)`` float tensor, unit stride along K.
