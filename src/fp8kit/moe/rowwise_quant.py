@@ -186,7 +186,7 @@ def dispatch_quantize_rows_ref(src: torch.Tensor, index: torch.Tensor, pair_rows
     _check_dispatch(src, index, pair_rows, weight)
     w_row = None
     if weight is not None:
-        w_row = torch.cat([weight.reshape(-1), weight.new_zeros(1)])[row_pairs(pair_rows, index.shape[0])]
+        w_row = torch.cat([weight.reshape(-1), weight.new_zeros(1)])[row_pairs(pair_rows.long(), index.shape[0])]
     rows = _gathered(src, index, w_row)
     return (*quantize_rows(rows), rows if keep_rows else rows[:0])
 
@@ -314,7 +314,7 @@ def _(src, index, pair_rows, weight, keep_rows):
                 return q, inv, empty if rows is None else rows
         w_row = None  # the gather kernel: each row's weight through its pair
         if weight is not None:
-            w_row = torch.cat([weight, weight.new_zeros(1)])[row_pairs(pair_rows, index.shape[0])]
+            w_row = torch.cat([weight, weight.new_zeros(1)])[row_pairs(pair_rows.long(), index.shape[0])]
         q, inv, *rows = kernels.gather_quantize_rows(src, index.contiguous(), weight=w_row, keep_rows=keep_rows)
     return q, inv, rows[0] if rows and rows[0] is not None else empty
 
