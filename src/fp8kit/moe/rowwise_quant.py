@@ -46,7 +46,7 @@ import torch
 from fp8kit.base.triton_lib import triton_module
 from fp8kit.fp8.weight_cache import WeightCache
 from fp8kit.moe.quantize import group_ids, quantize_experts, quantize_group_cols, quantize_rows
-from fp8kit.moe.routing import row_pairs
+from fp8kit.moe.routing import combine_row_weights, gather_rows, row_pairs
 from fp8kit.moe.token_quant import swiglu_ref
 
 FP8 = torch.float8_e4m3fn
@@ -177,6 +177,12 @@ def gather_quantize_rows_ref(src: torch.Tensor, index: torch.Tensor) -> tuple[to
     return quantize_rows(_gathered(src, index))
 
 
+def _row_weights(weight: torch.Tensor, pair_rows: torch.Tensor, rows: int) -> torch.Tensor:
+    """``(rows,)``: each padded row's pair weight (0 for padding), from ``weight`` in pair order
+    (``routing.combine_row_weights``; its token index is not needed here, so the weights go in as one column)."""
+    return combine_row_weights(row_pairs(pair_rows.long(), rows), weight.reshape(-1, 1))[1]
+
+
 def dispatch_quantize_rows_ref(src: torch.Tensor, index: torch.Tensor, pair_rows: torch.Tensor,
                                weight: torch.Tensor | None, keep_rows: bool
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -184,10 +190,7 @@ def dispatch_quantize_rows_ref(src: torch.Tensor, index: torch.Tensor, pair_rows
     each row times its pair's weight in float32, 0 for padding, rounded to ``src``'s dtype:
     ``routing.combine_rows_grad``), then ``quantize_rows(rows)``; ``(q, inv, rows if keep_rows else (0, K))``."""
     _check_dispatch(src, index, pair_rows, weight)
-    w_row = None
-    if weight is not None:
-        w_row = torch.cat([weight.reshape(-1), weight.new_zeros(1)])[row_pairs(pair_rows.long(), index.shape[0])]
-    rows = _gathered(src, index, w_row)
+    rows = _gathered(src, index, None if weight is None else _row_weights(weight, pair_rows, index.shape[0]))
     return (*quantize_rows(rows), rows if keep_rows else rows[:0])
 
 
@@ -312,9 +315,7 @@ def _(src, index, pair_rows, weight, keep_rows):
             if out is not None:
                 q, inv, rows = out
                 return q, inv, empty if rows is None else rows
-        w_row = None  # the gather kernel: each row's weight through its pair
-        if weight is not None:
-            w_row = torch.cat([weight, weight.new_zeros(1)])[row_pairs(pair_rows.long(), index.shape[0])]
+        w_row = None if weight is None else _row_weights(weight, pair_rows, index.shape[0])  # the gather kernel's
         q, inv, *rows = kernels.gather_quantize_rows(src, index.contiguous(), weight=w_row, keep_rows=keep_rows)
     return q, inv, rows[0] if rows and rows[0] is not None else empty
 
@@ -341,7 +342,7 @@ def _(src, index, pair_rows):
             out = kernels.scatter_quantize_rows(_rows_last(src), index.contiguous(), pair_rows.contiguous(), cast=False)
         if out is not None:
             return out[2]
-    return _gathered(src, index)
+    return gather_rows(src, index)  # one compiled kernel on CUDA, as before this op
 
 
 @_rows_op.register_fake
