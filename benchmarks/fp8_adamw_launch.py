@@ -1,4 +1,5 @@
-"""Launch setting of the FP8AdamW Triton step: time ``opt.step()`` per ``num_warps`` (run on a GPU).
+"""Launch settings of the FP8AdamW Triton step: time ``opt.step()`` per ``num_warps`` and gradient load width
+(run on a GPU).
 
 The optimizer is the one ``fp8kit train`` builds (``train.setup.build_optimizer``, ``optim.name = "fp8_adamw"``
 with the ``[optim]`` defaults) on the real parameters of a preset (default: Llama-3-8B layer shapes x 8 and
@@ -7,8 +8,15 @@ For each value of ``--num-warps`` (``fp8kit.optim.triton_step.NUM_WARPS``, a lau
 the same bits for any value; ``tests/test_fp8_adamw_gpu.py`` checks the kernel against the reference) it
 times ``--iters`` back-to-back steps with CUDA events after ``--warmup``, interleaving the settings over
 ``--repeats`` rounds, and reports the median, the bytes per parameter the kernels move and the bandwidth.
+``--grad-vec`` also varies how ``param.grad`` is read: ``auto`` (16-byte vector loads, what the optimizer does:
+``FlatGroup.update_grad_table`` pads the gradients that are not whole aligned vectors) or ``1`` (element loads, as
+the kernel read them before session 25). The copy
+reference is ``Tensor.copy_`` (up to 4 GiB, scaled to the step's bytes: the bandwidth a streaming kernel can reach), and
+every setting's states after one step from the same start are compared bit for bit with the first setting's.
 
     python benchmarks/fp8_adamw_launch.py --num-warps 1,2,4,8 --out /tmp/fp8_adamw_launch.json
+    python benchmarks/fp8_adamw_launch.py --num-warps 4 --grad-vec 1,auto \
+        --set model.preset=qwen3-30b-a3b --set model.num_layers=4 --set data.vocab_size=151936
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from fp8kit.config import load_config  # noqa: E402
 from fp8kit.config.optim_choice import resolve_optimizer  # noqa: E402
 from fp8kit.models.build import build_model  # noqa: E402
 from fp8kit.optim import triton_step  # noqa: E402
+from fp8kit.optim.flat_group import FlatGroup  # noqa: E402
 from fp8kit.train.setup import build_optimizer  # noqa: E402
 
 
@@ -35,6 +44,7 @@ def main() -> int:
     ap.add_argument("--num-warps", default="1,2,4,8")
     ap.add_argument("--set", dest="sets", action="append", default=[],
                     help="config override (default model: llama3-8b, 8 layers, vocab 32000)")
+    ap.add_argument("--grad-vec", default="auto", help="comma-separated: auto (vector loads where aligned), 1")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
@@ -54,36 +64,84 @@ def main() -> int:
     # bytes per parameter of the kernels (optim/triton_step.py): per tensor two passes, per block one
     bpp = 21.0 if granularity == "tensor" else 14.0
 
+    fg = opt._flat[0]
+
     def step() -> None:
         for p, gr in zip(params, grads, strict=True):
             p.grad = gr
         opt.step()
 
-    settings = [int(w) for w in args.num_warps.split(",")]
-    times: dict[int, list[float]] = {w: [] for w in settings}
+    def use(w: int, vec: str) -> None:
+        """Set the launch setting (the gradient table is rebuilt, with the width asked for)."""
+        triton_step.NUM_WARPS = w
+        for p, gr in zip(params, grads, strict=True):
+            p.grad = gr
+        fg._table_host = None
+        fg.__dict__.pop("update_grad_table", None)  # "auto": what the optimizer does
+        if vec != "auto":  # the optimizer sets its width at every step: force it after the table is built
+            def forced(grads):
+                FlatGroup.update_grad_table(fg, grads)
+                fg.grad_vec = int(vec)
+            fg.update_grad_table = forced
+
+    def timed(fn) -> float:
+        for _ in range(args.warmup):
+            fn()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(args.iters):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b) / args.iters
+
+    settings = [(int(w), v) for w in args.num_warps.split(",") for v in args.grad_vec.split(",")]
+    # the copy reference: up to 4 GiB each way (its bandwidth does not depend on the size there), scaled to the bytes
+    copy_bytes = min(int(n * bpp / 2), 4 << 30)
+    copy_src = torch.empty(copy_bytes, dtype=torch.uint8, device=dev).random_()
+    copy_dst = torch.empty_like(copy_src)
+    times: dict = {s: [] for s in settings}
+    copy_ms = []
     for _ in range(args.repeats):
-        for w in settings:
-            triton_step.NUM_WARPS = w
-            for _ in range(args.warmup):
-                step()
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(args.iters):
-                step()
-            b.record()
-            torch.cuda.synchronize()
-            times[w].append(a.elapsed_time(b) / args.iters)
+        copy_ms.append(timed(lambda: copy_dst.copy_(copy_src)))
+        for st in settings:
+            use(*st)
+            times[st].append(timed(step))
+    copy_src = copy_dst = None
+    # bit-for-bit: every setting's states after one step from the same start
+    names = ("m", "m_scale", "v", "v_scale", "master", "master_scale", "work")
+    # host memory (large models), as raw bytes (torch.equal has no CPU FP8 kernel)
+    start = {k: getattr(fg, k).view(torch.uint8).cpu() for k in names if getattr(fg, k) is not None}
+    first, same, step0 = None, {}, opt._step_count
+    for st in settings:
+        for k, t in start.items():
+            getattr(fg, k).view(torch.uint8).copy_(t)
+        opt._step_count = step0  # the stochastic rounding's noise depends on the step
+        use(*st)
+        opt.step()
+        out = {k: getattr(fg, k).view(torch.uint8).cpu() for k in start}
+        first = first or out
+        same[st] = all(torch.equal(out[k], first[k]) for k in start)
+    use(4, "auto")
+    auto_vec = fg.grad_vec
     rows = []
+    copy = statistics.median(copy_ms) * (n * bpp / 2) / copy_bytes  # ms for the step's bytes at the copy's rate
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {n / 1e9:.2f}B parameters, "
-          f"granularity {granularity}, ~{bpp:.0f} B/param; step_impl {getattr(opt, 'step_impl', '?')}")
-    for w in settings:
-        ms = statistics.median(times[w])
-        rows.append({"num_warps": w, "step_ms": ms, "runs_ms": times[w], "tb_s": n * bpp / ms / 1e9})
-        print(f"num_warps {w}: {ms:.2f} ms ({', '.join(f'{t:.2f}' for t in times[w])}), {rows[-1]['tb_s']:.2f} TB/s")
+          f"granularity {granularity}, ~{bpp:.0f} B/param; step_impl {getattr(opt, 'step_impl', '?')}; "
+          f"gradient vector width (auto) {auto_vec}")
+    print(f"copy of the same bytes: {copy:.2f} ms, {n * bpp / copy / 1e9:.2f} TB/s")
+    for st in settings:
+        w, v = st
+        ms = statistics.median(times[st])
+        rows.append({"num_warps": w, "grad_vec": v, "step_ms": ms, "runs_ms": times[st],
+                     "tb_s": n * bpp / ms / 1e9, "same_bits_as_first": same[st]})
+        print(f"num_warps {w}, grad_vec {v}: {ms:.2f} ms ({', '.join(f'{t:.2f}' for t in times[st])}), "
+              f"{rows[-1]['tb_s']:.2f} TB/s, {copy / ms:.0%} of copy; same bits as the first: {same[st]}")
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                              "params": n, "granularity": granularity, "rows": rows}, indent=1))
+                                              "params": n, "granularity": granularity, "copy_ms": copy,
+                                              "copy_runs_ms": copy_ms, "copy_bytes": copy_bytes, "rows": rows}, indent=1))
     return 0
 
 

@@ -264,3 +264,39 @@ def test_bytes_per_param_charge_padding():
     # master, m, v (5 bytes) are padded; the gradient is autograd's own (2 bytes x 300, fp32 here: 4)
     want = (5 * total + 4 * 300) / 300
     assert total >= 384 and abs(b["state"] - want) < 0.1, f"padding not charged: {total}, {b}, want {want:.3f}"
+
+
+def test_gradient_table_load_width():
+    """The Triton step reads ``param.grad`` with 16-byte vector loads, so every entry of its gradient table must
+    start on 16 bytes and hold whole vectors (``FlatGroup.update_grad_table``): aligned gradients are read in
+    place; any other one goes through a zero-padded buffer of its own, refreshed each step and reused. The table
+    is plain host bookkeeping, so this runs on the CPU."""
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 7)).to(torch.bfloat16)  # the last bias: 7 elements
+    fg = FP8AdamW(model.parameters(), lr=1e-3)._flat[0]
+    params = list(model.parameters())
+    assert fg.grad_vec == 8
+    grads = [torch.randn(p.shape).to(torch.bfloat16) for p in params]
+    base = torch.zeros(params[0].numel() + 1, dtype=torch.bfloat16)
+    grads[0] = base[1:].view(params[0].shape)  # starts 2 bytes past an aligned address
+    grads[0].copy_(torch.randn(params[0].shape))
+    assert grads[0].data_ptr() % 16 == 2
+    fg.update_grad_table(grads)
+    table = fg.grad_table.tolist()
+    assert sorted(fg.grad_pad) == [0, 3], sorted(fg.grad_pad)  # the shifted weight and the 7-element bias
+    for i, g in enumerate(grads):
+        addr, count = table[0][i], table[1][i]
+        assert addr % 16 == 0 and count % 8 == 0, (i, addr, count)
+        if i in fg.grad_pad:
+            pad = fg.grad_pad[i]
+            assert addr == pad.data_ptr() and count == pad.numel() == -(-g.numel() // 8) * 8
+            assert torch.equal(pad[: g.numel()], g.reshape(-1)) and not pad[g.numel():].any()
+        else:
+            assert (addr, count) == (g.data_ptr(), g.numel())
+    # the next step's values go through the same buffers (same addresses: the device table is not rewritten)
+    pads = {i: t.data_ptr() for i, t in fg.grad_pad.items()}
+    grads[3] = torch.randn(7).to(torch.bfloat16)
+    fg.update_grad_table(grads)
+    assert {i: t.data_ptr() for i, t in fg.grad_pad.items()} == pads
+    assert torch.equal(fg.grad_pad[3][:7], grads[3])
+    fg.update_grad_table([None, *grads[1:]])  # a missing gradient: address and count 0
+    assert fg.grad_table[:, 0].tolist() == [0, 0]

@@ -26,6 +26,8 @@ pytestmark = [
 ]
 
 NUMELS = [300, 1000, 5000, 7, 4096 * 3, 128]
+#: every count a multiple of 8 bf16 elements (16 bytes): the table's gradients are read with 16-byte vector loads
+NUMELS_VEC = [304, 1000, 5000, 8, 4096 * 3, 128]
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
@@ -33,10 +35,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
-def _run(impl: str, spec: N.StateSpec, pdtype: torch.dtype, table: bool, steps: int = 4):
-    """``steps`` steps of one flat group with ``impl`` ("reference" or "triton"); returns the buffers."""
+def _run(impl: str, spec: N.StateSpec, pdtype: torch.dtype, table: bool, steps: int = 4, vec: int = 1):
+    """``steps`` steps of one flat group with ``impl`` ("reference" or "triton"); returns the buffers. ``vec``:
+    the Triton step's gradient load width (> 1: the ``NUMELS_VEC`` counts, whose fresh gradients are aligned)."""
     from fp8kit.optim import triton_step  # Triton: CUDA machines only
 
+    NUMELS = NUMELS_VEC if vec > 1 else globals()["NUMELS"]  # noqa: N806
     dev = torch.device("cuda")
     L = FlatLayout.build(NUMELS, spec.block, dev)
     n_scales = len(NUMELS) if spec.granularity == "tensor" else L.num_blocks
@@ -76,6 +80,9 @@ def _run(impl: str, spec: N.StateSpec, pdtype: torch.dtype, table: bool, steps: 
             N.store(flat.float().view(-1, spec.block), g8, gs, L.block_owner, spec)
             gargs, kw = (g8, gs), {}
         if impl == "triton":
+            if vec > 1:
+                assert all(gr is None or gr.data_ptr() % 16 == 0 for gr in grads)
+                kw["grad_vec"] = vec
             triton_step.adamw_update_triton(*gargs, *args, **kw)
         else:
             N.adamw_update(*((flat, None) if table else gargs), *args)
@@ -93,6 +100,10 @@ CASES = {
     "fp16 m stochastic": (dict(m=torch.float16), torch.bfloat16, True),
     "fp32 m, fp32 master": (dict(m=torch.float32, master=torch.float32), torch.bfloat16, True),
     "block 64, e4m3 v": (dict(block=64, v=E4M3, granularity="block"), torch.bfloat16, True),
+    # the table's gradients read with 16-byte vector loads (optim/triton_step.py, ``grad_vec``)
+    "defaults bf16 per block, vector grad loads": (dict(granularity="block"), torch.bfloat16, True, 8),
+    "defaults bf16 per tensor, vector grad loads": (dict(), torch.bfloat16, True, 8),
+    "fp32 params, vector grad loads": (dict(), torch.float32, True, 4),
 }
 
 
@@ -100,13 +111,14 @@ CASES = {
 def test_triton_step_equals_reference_bit_for_bit(case):
     from fp8kit.optim import triton_step
 
-    over, pdtype, table = CASES[case]
+    over, pdtype, table, *width = CASES[case]
+    vec = width[0] if width else 1
     base = N.StateSpec(block=128, num_tensors=len(NUMELS), granularity="tensor", grad=pdtype, m=E4M3,
                        v=torch.float16, master=torch.float16, stochastic_rounding=False, m_rounding="stochastic")
     spec = dataclasses.replace(base, **over)
     assert triton_step.supported(spec, torch.empty(0)), spec
-    ref = _run("reference", spec, pdtype, table)
-    tri = _run("triton", spec, pdtype, table)
+    ref = _run("reference", spec, pdtype, table, vec=vec)
+    tri = _run("triton", spec, pdtype, table, vec=vec)
     diffs = {}
     for name, a in ref.items():
         if a is None:
@@ -121,8 +133,8 @@ def test_triton_step_equals_reference_bit_for_bit(case):
 
 def _model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Embedding(1000, 256), nn.Linear(256, 768), nn.LayerNorm(768), nn.Linear(768, 256)).to(
-        device="cuda", dtype=torch.bfloat16)
+    return nn.Sequential(nn.Embedding(1000, 256), nn.Linear(256, 768), nn.LayerNorm(768), nn.Linear(768, 256),
+                         nn.Linear(256, 7)).to(device="cuda", dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("prec", [FP8AdamWPrecision(), FP8AdamWPrecision(granularity="block")], ids=["tensor", "block"])
@@ -147,6 +159,10 @@ def test_optimizer_triton_equals_eager_on_cuda(prec):
             opt.clip_grad_norm_(0.5 if step % 2 else 0.0)
             opt.step()
     torch.cuda.synchronize()
+    # vector loads throughout; the 7-element bias (the only gradient that is not whole 16-byte vectors) went
+    # through its padded buffer
+    assert [fg.grad_vec for fg in opts[0]._flat] == [8, 8], [fg.grad_vec for fg in opts[0]._flat]
+    assert [sorted(fg.grad_pad) for fg in opts[0]._flat] == [[], [4]], [sorted(fg.grad_pad) for fg in opts[0]._flat]
     for gi, (fa, fb) in enumerate(zip(opts[0]._flat, opts[1]._flat, strict=True)):
         for name, a in {**fa.buffers(), "work": fa.work}.items():
             b = {**fb.buffers(), "work": fb.work}[name]

@@ -150,6 +150,10 @@ class FlatGroup:
         self.grad_table = torch.zeros(2, T, device=device, dtype=torch.int64)
         self.seg_start = torch.tensor(L.offsets, device=device, dtype=torch.int64)
         self._table_host: list[int] | None = None
+        #: elements per gradient load of the Triton step: 16 bytes (``update_grad_table`` makes every entry fit)
+        self.grad_vec = 16 // pdtype.itemsize
+        #: zero-padded copies of the gradients that are not whole aligned 16-byte vectors, by parameter index
+        self.grad_pad: dict[int, torch.Tensor] = {}
         self.work_version = self.param_versions()
         self.trust_master = False  # set by FP8AdamW.load_state_dict: keep the restored master at the next step
 
@@ -276,17 +280,34 @@ class FlatGroup:
 
     def update_grad_table(self, grads: list[torch.Tensor | None]) -> None:
         """Point the Triton step at the gradients (copied to the device only when an address changed).
-        A non-contiguous gradient is made contiguous in place of ``param.grad`` first."""
+
+        The step reads them with 16-byte vector loads (``grad_vec`` elements), which needs every table entry to
+        start on 16 bytes and hold whole vectors. Autograd's gradients do (fresh allocations, and LLM shapes are
+        multiples of 8); a gradient that does not (an odd element count, a view at an odd offset) is copied into
+        a zero-padded buffer of its own, kept for the next steps (``grad_pad``), and the table points there, so
+        the kernel never reads past a tensor. A non-contiguous gradient is made contiguous in place of
+        ``param.grad`` first."""
         for i, g in enumerate(grads):
             if g is not None and not g.is_contiguous():
                 if self.shard is not None:
                     raise ValueError(f"FP8AdamW: parameter {i}'s local gradient shard is not contiguous")
                 self.params[i].grad = grads[i] = g.contiguous()
-        host = [g.data_ptr() if g is not None else 0 for g in grads]
-        host += [n if g is not None else 0 for g, n in zip(grads, self.layout.numels, strict=True)]
+        vec = 16 // self.params[0].dtype.itemsize
+        addrs, counts = [], []
+        for i, g in enumerate(grads):
+            if g is not None and (g.data_ptr() % 16 or g.numel() % vec):
+                pad = self.grad_pad.get(i)
+                if pad is None:
+                    pad = self.grad_pad[i] = torch.zeros(-(-g.numel() // vec) * vec, device=g.device, dtype=g.dtype)
+                pad[: g.numel()].copy_(g.reshape(-1))
+                g = pad
+            addrs.append(g.data_ptr() if g is not None else 0)
+            counts.append(g.numel() if g is not None else 0)
+        host = addrs + counts
         if host != self._table_host:
             self.grad_table.copy_(torch.tensor(host, dtype=torch.int64).view(2, -1), non_blocking=True)
             self._table_host = host
+        self.grad_vec = vec
 
     # -- weights ---------------------------------------------------------------------------------------
     def sync_master_if_weights_changed(self) -> None:
@@ -333,6 +354,7 @@ class FlatGroup:
         local = [self.local(p) for p in self.params]
         if not self.fp8_grad:  # the framework's gradients, between backward and step
             grad = sum(p.numel() * p.element_size() for p in local)
+        grad += nb(*self.grad_pad.values())
         working = nb(self.work) if self.shard is None else sum(p.numel() * p.element_size() for p in local)
         return {
             "master": nb(self.master, self.master_scale), "grad": grad, "m": nb(self.m, self.m_scale, self.m_k),

@@ -215,7 +215,8 @@ class FP8AdamW(torch.optim.Optimizer):
                 fg.step_fn(fg.grad, fg.grad_scale, *states)
             elif fg.step_impl == "triton":
                 fg.update_grad_table(fg.param_grads())
-                fg.step_fn(None, None, *states, grad_table=fg.grad_table, seg_start=fg.seg_start, **kw)
+                fg.step_fn(None, None, *states, grad_table=fg.grad_table, seg_start=fg.seg_start,
+                           grad_vec=fg.grad_vec, **kw)
             else:
                 fg.step_fn(fg.gather_grads(fg.param_grads()), None, *states, **kw)
             fg.write_back(work)

@@ -14,7 +14,11 @@ Gradients: the flat FP8 buffer of the hooks (``grad="e5m2"/"e4m3"``, scaled), or
 autograd's ``param.grad`` tensors read in place through a table of addresses (``grad_table``, (2, T)
 int64: address and element count per tensor, count 0 for a missing gradient): each row of blocks belongs
 to one tensor (the flat layout pads tensors to whole blocks), so a row reads ``address + (offset - start)``
-masked to the tensor's elements. Bytes moved per parameter (bf16 parameters and gradients, per tensor):
+masked to the tensor's elements. With ``grad_vec`` > 1 those reads are 16-byte vector loads, which needs
+every entry to start on 16 bytes and hold whole vectors (``FlatGroup.update_grad_table`` pads the gradients
+that do not); element loads cost 8% of the step at Llama-3-8B and Qwen3-30B-A3B shapes (docs/benchmarks.md,
+"FP8AdamW: vector gradient loads"). Each program advances its pointers to its first element once (int64) and
+indexes within with int32 offsets. Bytes moved per parameter (bf16 parameters and gradients, per tensor):
 pass 1 reads 2 + 1 + 2 + 2, pass 2 reads as much and writes 1 + 2 + 2 + 2: 21, against 28 for
 ``torch.optim.AdamW(fused=True)`` on fp32 master weights.
 
@@ -78,10 +82,11 @@ def _round_stochastic(y, offs, hp, MANT: tl.constexpr, EMIN: tl.constexpr):
     seed = _hash32((step << 8) ^ salt)
     u = (_hash32(offs.to(tl.uint32) ^ seed) >> 8).to(tl.float32) * 5.9604644775390625e-08
     a = tl.abs(y)
-    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    e = tl.maximum(e, EMIN)
-    ulp = ((e - MANT + 127) << 23).to(tl.float32, bitcast=True)
-    inv_ulp = ((MANT - e + 127) << 23).to(tl.float32, bitcast=True)
+    # the reference's e = max(biased exponent - 127, EMIN), kept as the exponent field max(E, EMIN + 127) << 23:
+    # ulp = 2^(e - MANT) and 1 / ulp = 2^(MANT - e) are that field minus / subtracted from a constant (uint32, wraps)
+    eb = tl.maximum(a.to(tl.uint32, bitcast=True) & 0x7F800000, (EMIN + 127) << 23)
+    ulp = (eb - (MANT << 23)).to(tl.float32, bitcast=True)
+    inv_ulp = (((254 + MANT) << 23) - eb).to(tl.float32, bitcast=True)
     r = tl.floor(a * inv_ulp + u) * ulp
     return tl.where((y < 0) & (r > 0), -r, r)  # a zero result is +0, as numerics.round_stochastic
 
@@ -95,8 +100,10 @@ def _load_scaled(ptr, sptr, offs, srow, SCALED: tl.constexpr):
 
 
 @triton.jit
-def _update(grad, gs, gtab, seg_start, m, ms, v, vs, w, ws, work, hp, offs, srow, owner_r,
-            GRAD_TABLE: tl.constexpr, NUM_T: tl.constexpr, M_SCALED: tl.constexpr, W_SCALED: tl.constexpr):
+def _update(grad, gs, gtab, seg_start, m, ms, v, vs, w, ws, work, hp, p0, loc, srow, owner_r,
+            GRAD_TABLE: tl.constexpr, GRAD_VEC: tl.constexpr, NUM_T: tl.constexpr, M_SCALED: tl.constexpr,
+            W_SCALED: tl.constexpr, SPAN: tl.constexpr):
+    # the pointers are advanced to the program's first element p0 (int64); loc: int32 offsets within the program
     lr = tl.load(hp + 0)
     beta1 = tl.load(hp + 1)
     beta2 = tl.load(hp + 2)
@@ -108,15 +115,19 @@ def _update(grad, gs, gtab, seg_start, m, ms, v, vs, w, ws, work, hp, offs, srow
     if GRAD_TABLE:  # autograd's gradients, in the working weights' dtype, read in place
         addr = tl.load(gtab + owner_r)
         count = tl.load(gtab + NUM_T + owner_r)
-        local = offs - tl.load(seg_start + owner_r)[:, None]
-        gptr = addr.to(tl.pointer_type(work.dtype.element_ty))
-        g = tl.load(gptr[:, None] + local, mask=local < count[:, None], other=0.0).to(tl.float32)
+        roff = p0 - tl.load(seg_start + owner_r)  # each row's offset into its tensor, less its row * BLOCK
+        gptr = addr.to(tl.pointer_type(work.dtype.element_ty)) + roff
+        lim = tl.minimum(tl.maximum(count - roff, 0), SPAN).to(tl.int32)  # loc < lim: inside the tensor
+        if GRAD_VEC > 1:  # every gradient 16-byte aligned, its length a multiple of 16 bytes: vector loads
+            gptr = tl.multiple_of(gptr, 16)
+            lim = tl.multiple_of(lim, GRAD_VEC)
+        g = tl.load(gptr[:, None] + loc, mask=loc < lim[:, None], other=0.0).to(tl.float32)
     else:
-        g = _load_scaled(grad, gs, offs, srow, True)
+        g = _load_scaled(grad, gs, loc, srow, True)
     g = g * clip
-    mm = beta1 * _load_scaled(m, ms, offs, srow, M_SCALED) + (1 - beta1) * g
-    vv = beta2 * _load_scaled(v, vs, offs, srow, True) + (1 - beta2) * g * g
-    ww = _load_scaled(w, ws, offs, srow, W_SCALED)
+    mm = beta1 * _load_scaled(m, ms, loc, srow, M_SCALED) + (1 - beta1) * g
+    vv = beta2 * _load_scaled(v, vs, loc, srow, True) + (1 - beta2) * g * g
+    ww = _load_scaled(w, ws, loc, srow, W_SCALED)
     ww = ww * (1 - lr * wd) - tl.div_rn(step_size * mm, tl.sqrt_rn(vv * inv_bc2) + eps)
     return mm, vv, ww
 
@@ -142,19 +153,27 @@ def _fp8_adamw_kernel(
     M_MAX: tl.constexpr, V_MAX: tl.constexpr, W_MAX: tl.constexpr, AMAX_EPS: tl.constexpr,
     M_SCALED: tl.constexpr, W_SCALED: tl.constexpr, GRAD_TABLE: tl.constexpr, NUM_T: tl.constexpr,
     M_SR: tl.constexpr, M_MANT: tl.constexpr, M_EMIN: tl.constexpr, NOISE_DELTA: tl.constexpr,
+    GRAD_VEC: tl.constexpr = 1,
 ):
     """PASS 1: atomic-max the new m/v/master amax into out_* (``(num_tensors,)``). PASS 2: store the states;
     out_* are the new scales (written per block, or read per tensor). ms/vs/ws are the old scales."""
     pid = tl.program_id(0).to(tl.int64)
+    p0 = pid * (ROWS_ * BLOCK)  # the program's first element: pointers advance by it, offsets below are int32
     rows = pid * ROWS_ + tl.arange(0, ROWS_)
-    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    loc = tl.arange(0, ROWS_)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     owner_r = tl.load(owner + rows)
     if PER_TENSOR:
         srow = owner_r
     else:
         srow = rows
-    mm, vv, ww = _update(grad, gs, gtab, seg_start, m, ms, v, vs, w, ws, work, hp, offs, srow, owner_r,
-                         GRAD_TABLE, NUM_T, M_SCALED, W_SCALED)
+    if not GRAD_TABLE:
+        grad += p0
+    m += p0
+    v += p0
+    w += p0
+    work += p0
+    mm, vv, ww = _update(grad, gs, gtab, seg_start, m, ms, v, vs, w, ws, work, hp, p0, loc, srow, owner_r,
+                         GRAD_TABLE, GRAD_VEC, NUM_T, M_SCALED, W_SCALED, ROWS_ * BLOCK)
     if PASS == 1:  # per-tensor amax: one atomic per program when its rows share a tensor (the usual case)
         am = tl.max(tl.abs(mm), axis=1)
         av = tl.max(tl.abs(vv), axis=1)
@@ -170,27 +189,30 @@ def _fp8_adamw_kernel(
             tl.atomic_max(out_v + srow, av)
             tl.atomic_max(out_w + srow, aw)
     else:
+        # the stochastic rounding's element index, as uint32 (numerics.uniform_noise keeps its low 32 bits; the
+        # uint32 sum wraps as the int64 one truncates)
         if NOISE_DELTA:  # FSDP2 shards: the element's index in the unsharded layout (numerics.uniform_noise)
-            noffs = offs + tl.load(noise_delta + owner_r)[:, None]
+            nbase = (p0 + tl.load(noise_delta + owner_r)).to(tl.uint32)[:, None]
         else:
-            noffs = offs
+            nbase = p0.to(tl.uint32)
+        noffs = nbase + loc.to(tl.uint32)
         if M_SCALED:
-            _store_scaled(mm, m, out_m, offs, noffs, srow, hp, M_MAX, AMAX_EPS, not PER_TENSOR, M_SR, M_MANT,
+            _store_scaled(mm, m, out_m, loc, noffs, srow, hp, M_MAX, AMAX_EPS, not PER_TENSOR, M_SR, M_MANT,
                           M_EMIN)
         else:
-            tl.store(m + offs, mm.to(m.dtype.element_ty))
-        _store_scaled(vv, v, out_v, offs, offs, srow, hp, V_MAX, AMAX_EPS, not PER_TENSOR, False, 0, 0)
+            tl.store(m + loc, mm.to(m.dtype.element_ty))
+        _store_scaled(vv, v, out_v, loc, loc, srow, hp, V_MAX, AMAX_EPS, not PER_TENSOR, False, 0, 0)
         if W_SCALED:
-            _store_scaled(ww, w, out_w, offs, offs, srow, hp, W_MAX, AMAX_EPS, not PER_TENSOR, False, 0, 0)
+            _store_scaled(ww, w, out_w, loc, loc, srow, hp, W_MAX, AMAX_EPS, not PER_TENSOR, False, 0, 0)
         else:
-            tl.store(w + offs, ww.to(w.dtype.element_ty))
-        tl.store(work + offs, ww.to(work.dtype.element_ty))
+            tl.store(w + loc, ww.to(w.dtype.element_ty))
+        tl.store(work + loc, ww.to(work.dtype.element_ty))
 
 
 def adamw_update_triton(
     grad, grad_scale, m, m_scale, m_k, v, v_scale, master, master_scale, work, hp, owner, spec: StateSpec,
     grad_table: torch.Tensor | None = None, seg_start: torch.Tensor | None = None, reduce_amax=None,
-    noise_delta: torch.Tensor | None = None,
+    noise_delta: torch.Tensor | None = None, grad_vec: int = 1,
 ) -> None:
     """Same contract as :func:`fp8kit.optim.numerics.adamw_update` (in place), on CUDA tensors.
 
@@ -201,6 +223,9 @@ def adamw_update_triton(
         reduce_amax, noise_delta: FSDP2 shards, as ``numerics.adamw_update``: pass 1's ``(3, T)`` amaxes are
             MAX-reduced over the shards before the scales are taken; the stochastic-rounding index of an
             element is its flat offset plus ``noise_delta[tensor]``.
+        grad_vec: with ``grad_table``, the elements of one 16-byte vector load when EVERY gradient's address is a
+            multiple of 16 bytes and its element count a multiple of ``grad_vec`` (``FlatGroup.update_grad_table``
+            checks); 1 otherwise (element loads). A launch setting: the same bits either way.
 
     Raises:
         ValueError: when the flat length is not a multiple of ``ROWS`` blocks (``FlatLayout`` aligns it),
@@ -220,6 +245,7 @@ def adamw_update_triton(
         W_SCALED=w_scaled, M_MAX=DTYPE_MAX.get(m.dtype, 1.0), V_MAX=DTYPE_MAX[v.dtype],
         W_MAX=DTYPE_MAX.get(master.dtype, 1.0), GRAD_TABLE=grad_table is not None, NUM_T=spec.num_tensors,
         M_SR=m_sr, M_MANT=mant, M_EMIN=emin, NOISE_DELTA=noise_delta is not None, enable_fp_fusion=False,
+        GRAD_VEC=grad_vec if grad_table is not None else 1,
         num_warps=NUM_WARPS,
     )
     ms = m_scale if m_scaled else hp  # hp: a placeholder for pointers a configuration never touches
