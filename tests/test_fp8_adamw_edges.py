@@ -269,20 +269,27 @@ def test_bytes_per_param_charge_padding():
 def test_gradient_table_load_width():
     """The Triton step reads ``param.grad`` with 16-byte vector loads, so every entry of its gradient table must
     start on 16 bytes and hold whole vectors (``FlatGroup.update_grad_table``): aligned gradients are read in
-    place; any other one goes through a zero-padded buffer of its own, refreshed each step and reused. The table
-    is plain host bookkeeping, so this runs on the CPU."""
+    place; any other one goes through a zero-padded buffer of its own, refreshed each step and reused; when such
+    gradients are most of the group, every gradient is read in place with element loads instead. The table is
+    plain host bookkeeping, so this runs on the CPU."""
     model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 7)).to(torch.bfloat16)  # the last bias: 7 elements
     fg = FP8AdamW(model.parameters(), lr=1e-3)._flat[0]
-    params = list(model.parameters())
+    params = list(model.parameters())  # 2048, 64, 448 and 7 elements
     assert fg.grad_vec == 8
+
+    def shifted(p: torch.Tensor) -> torch.Tensor:  # a gradient starting 2 bytes past an aligned address
+        base = torch.zeros(p.numel() + 1, dtype=torch.bfloat16)
+        g = base[1:].view(p.shape)
+        g.copy_(torch.randn(p.shape))
+        assert g.data_ptr() % 16 == 2
+        return g
+
     grads = [torch.randn(p.shape).to(torch.bfloat16) for p in params]
-    base = torch.zeros(params[0].numel() + 1, dtype=torch.bfloat16)
-    grads[0] = base[1:].view(params[0].shape)  # starts 2 bytes past an aligned address
-    grads[0].copy_(torch.randn(params[0].shape))
-    assert grads[0].data_ptr() % 16 == 2
+    grads[1] = shifted(params[1])
     fg.update_grad_table(grads)
+    assert fg.grad_vec == 8
     table = fg.grad_table.tolist()
-    assert sorted(fg.grad_pad) == [0, 3], sorted(fg.grad_pad)  # the shifted weight and the 7-element bias
+    assert sorted(fg.grad_pad) == [1, 3], sorted(fg.grad_pad)  # the shifted bias and the 7-element bias
     for i, g in enumerate(grads):
         addr, count = table[0][i], table[1][i]
         assert addr % 16 == 0 and count % 8 == 0, (i, addr, count)
@@ -300,3 +307,9 @@ def test_gradient_table_load_width():
     assert torch.equal(fg.grad_pad[3][:7], grads[3])
     fg.update_grad_table([None, *grads[1:]])  # a missing gradient: address and count 0
     assert fg.grad_table[:, 0].tolist() == [0, 0]
+    # most of the group misaligned (2048 + 64 + 7 of 2567 elements): copies would cost more than element loads
+    fg.grad_pad.clear()
+    grads[0] = shifted(params[0])
+    fg.update_grad_table(grads)
+    assert fg.grad_vec == 1 and fg.grad_pad == {}, (fg.grad_vec, sorted(fg.grad_pad))
+    assert fg.grad_table[:, 0].tolist() == [grads[0].data_ptr(), grads[0].numel()]

@@ -150,7 +150,8 @@ class FlatGroup:
         self.grad_table = torch.zeros(2, T, device=device, dtype=torch.int64)
         self.seg_start = torch.tensor(L.offsets, device=device, dtype=torch.int64)
         self._table_host: list[int] | None = None
-        #: elements per gradient load of the Triton step: 16 bytes (``update_grad_table`` makes every entry fit)
+        #: elements per gradient load of the Triton step: 16 bytes (``update_grad_table`` makes every entry fit),
+        #: or 1 where most gradients are misaligned
         self.grad_vec = 16 // pdtype.itemsize
         #: zero-padded copies of the gradients that are not whole aligned 16-byte vectors, by parameter index
         self.grad_pad: dict[int, torch.Tensor] = {}
@@ -285,17 +286,24 @@ class FlatGroup:
         start on 16 bytes and hold whole vectors. Autograd's gradients do (fresh allocations, and LLM shapes are
         multiples of 8); a gradient that does not (an odd element count, a view at an odd offset) is copied into
         a zero-padded buffer of its own, kept for the next steps (``grad_pad``), and the table points there, so
-        the kernel never reads past a tensor. A non-contiguous gradient is made contiguous in place of
-        ``param.grad`` first."""
+        the kernel never reads past a tensor. If such gradients hold more than half the group's elements, the
+        copies would cost more than they save: the step then reads every gradient in place with element loads
+        (``grad_vec = 1``; 15% slower, docs/benchmarks.md "FP8AdamW: vector gradient loads"). A non-contiguous
+        gradient is made contiguous in place of ``param.grad`` first."""
         for i, g in enumerate(grads):
             if g is not None and not g.is_contiguous():
                 if self.shard is not None:
                     raise ValueError(f"FP8AdamW: parameter {i}'s local gradient shard is not contiguous")
                 self.params[i].grad = grads[i] = g.contiguous()
         vec = 16 // self.params[0].dtype.itemsize
+        odd = [g is not None and bool(g.data_ptr() % 16 or g.numel() % vec) for g in grads]
+        odd_numel = sum(g.numel() for g, o in zip(grads, odd, strict=True) if o)
+        if 2 * odd_numel > sum(self.layout.numels):
+            # copying them (4 bytes per element) would cost more than element loads of every gradient (~2)
+            vec, odd = 1, [False] * len(grads)
         addrs, counts = [], []
         for i, g in enumerate(grads):
-            if g is not None and (g.data_ptr() % 16 or g.numel() % vec):
+            if odd[i]:
                 pad = self.grad_pad.get(i)
                 if pad is None:
                     pad = self.grad_pad[i] = torch.zeros(-(-g.numel() // vec) * vec, device=g.device, dtype=g.dtype)
