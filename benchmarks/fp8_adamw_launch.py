@@ -9,8 +9,8 @@ the same bits for any value; ``tests/test_fp8_adamw_gpu.py`` checks the kernel a
 times ``--iters`` back-to-back steps with CUDA events after ``--warmup``, interleaving the settings over
 ``--repeats`` rounds, and reports the median, the bytes per parameter the kernels move and the bandwidth.
 ``--grad-vec`` also varies how ``param.grad`` is read: ``auto`` (16-byte vector loads, what the optimizer does:
-``FlatGroup.update_grad_table`` pads the gradients that are not whole aligned vectors) or ``1`` (element loads, as
-the kernel read them before session 25). The copy
+``FlatGroup.update_grad_table`` pads the gradients that are not whole aligned vectors) or ``1`` (element loads in
+every group, forced after the table is built; the kernel before session 25 also read by element). The copy
 reference is ``Tensor.copy_`` (up to 4 GiB, scaled to the step's bytes: the bandwidth a streaming kernel can reach), and
 every setting's states after one step from the same start are compared bit for bit with the first setting's.
 
@@ -64,7 +64,7 @@ def main() -> int:
     # bytes per parameter of the kernels (optim/triton_step.py): per tensor two passes, per block one
     bpp = 21.0 if granularity == "tensor" else 14.0
 
-    fg = opt._flat[0]
+    groups = opt._flat  # the decay and no-decay groups
 
     def step() -> None:
         for p, gr in zip(params, grads, strict=True):
@@ -72,17 +72,17 @@ def main() -> int:
         opt.step()
 
     def use(w: int, vec: str) -> None:
-        """Set the launch setting (the gradient table is rebuilt, with the width asked for)."""
+        """Set the launch setting: every group's gradient table is rebuilt at the next step, with the width asked
+        for ("auto": what the optimizer chooses; "1": element loads forced after the optimizer built its table)."""
         triton_step.NUM_WARPS = w
-        for p, gr in zip(params, grads, strict=True):
-            p.grad = gr
-        fg._table_host = None
-        fg.__dict__.pop("update_grad_table", None)  # "auto": what the optimizer does
-        if vec != "auto":  # the optimizer sets its width at every step: force it after the table is built
-            def forced(grads):
-                FlatGroup.update_grad_table(fg, grads)
-                fg.grad_vec = int(vec)
-            fg.update_grad_table = forced
+        for fg in groups:
+            fg._table_host = None
+            fg.__dict__.pop("update_grad_table", None)
+            if vec != "auto":
+                def forced(grads, fg=fg):
+                    FlatGroup.update_grad_table(fg, grads)
+                    fg.grad_vec = 1
+                fg.update_grad_table = forced
 
     def timed(fn) -> float:
         for _ in range(args.warmup):
@@ -97,6 +97,8 @@ def main() -> int:
         return a.elapsed_time(b) / args.iters
 
     settings = [(int(w), v) for w in args.num_warps.split(",") for v in args.grad_vec.split(",")]
+    if any(v not in ("auto", "1") for _, v in settings):
+        raise SystemExit(f"--grad-vec: auto or 1, got {args.grad_vec!r}")
     # the copy reference: up to 4 GiB each way (its bandwidth does not depend on the size there), scaled to the bytes
     copy_bytes = min(int(n * bpp / 2), 4 << 30)
     copy_src = torch.empty(copy_bytes, dtype=torch.uint8, device=dev).random_()
@@ -112,24 +114,27 @@ def main() -> int:
     # bit-for-bit: every setting's states after one step from the same start
     names = ("m", "m_scale", "v", "v_scale", "master", "master_scale", "work")
     # host memory (large models), as raw bytes (torch.equal has no CPU FP8 kernel)
-    start = {k: getattr(fg, k).view(torch.uint8).cpu() for k in names if getattr(fg, k) is not None}
+    start = {(i, k): getattr(fg, k).view(torch.uint8).cpu()
+             for i, fg in enumerate(groups) for k in names if getattr(fg, k) is not None}
     first, same, step0 = None, {}, opt._step_count
     for st in settings:
-        for k, t in start.items():
-            getattr(fg, k).view(torch.uint8).copy_(t)
+        for (i, k), t in start.items():
+            getattr(groups[i], k).view(torch.uint8).copy_(t)
         opt._step_count = step0  # the stochastic rounding's noise depends on the step
         use(*st)
-        opt.step()
-        out = {k: getattr(fg, k).view(torch.uint8).cpu() for k in start}
+        step()
+        out = {(i, k): getattr(groups[i], k).view(torch.uint8).cpu() for i, k in start}
         first = first or out
-        same[st] = all(torch.equal(out[k], first[k]) for k in start)
+        same[st] = all(torch.equal(out[key], first[key]) for key in start)
     use(4, "auto")
-    auto_vec = fg.grad_vec
+    for fg in groups:
+        fg.update_grad_table(fg.param_grads())
+    auto_vec = [fg.grad_vec for fg in groups]
     rows = []
     copy = statistics.median(copy_ms) * (n * bpp / 2) / copy_bytes  # ms for the step's bytes at the copy's rate
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {n / 1e9:.2f}B parameters, "
           f"granularity {granularity}, ~{bpp:.0f} B/param; step_impl {getattr(opt, 'step_impl', '?')}; "
-          f"gradient vector width (auto) {auto_vec}")
+          f"gradient vector width per group (auto) {auto_vec}")
     print(f"copy of the same bytes: {copy:.2f} ms, {n * bpp / copy / 1e9:.2f} TB/s")
     for st in settings:
         w, v = st

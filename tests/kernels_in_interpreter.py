@@ -13,7 +13,12 @@ What it checks, every autotune configuration launched in turn (the interpreter h
   SwiGLU backward + row cast) give the casts of the same kernels on the materialized input;
 - the expert weights' one-pass cast with scale hints (``moe.rowwise_weights_triton``) gives the two-kernel cast's
   bits for exact, zero, partly wrong and NaN hints, its fix in one and in several segments, and recasts exactly the
-  rows and columns whose hint was wrong.
+  rows and columns whose hint was wrong;
+- the FP8AdamW step (``optim.triton_step``, per block and per tensor, stochastic rounding of ``m``) equals the
+  reference ``optim.numerics.adamw_update`` bit for bit in ``m``, ``v``, the master and their scales, with the FP8
+  gradient buffer and with ``param.grad`` read through the address table by element and by 16-byte vector loads
+  (the interpreter's float32 -> bf16 conversion is not the GPU's, so the bf16 working weights are compared
+  within one bf16 ulp there, and bit for bit between the two load widths).
 
 It does not compare E4M3 bits with PyTorch's: Triton 3.6's interpreter converts float32 to E4M3 differently from
 the GPU near powers of two (e.g. 124.6 -> 64 instead of 128), so bit equality with the PyTorch reference is the
@@ -142,6 +147,7 @@ def main() -> int:
     print("moe token kernels: every config casts as the act kernel does", flush=True)
     moe_rowwise_fusions()
     moe_expert_weights_hinted()
+    fp8_adamw_step()
     return 0
 
 
@@ -228,6 +234,79 @@ def moe_expert_weights_hinted() -> None:
     finally:
         rwt._SEG = seg
     print("moe expert weights with scale hints: the two-kernel cast's bits for any hints", flush=True)
+
+
+def fp8_adamw_step() -> None:
+    """The FP8AdamW Triton step against the reference (module docstring), 3 steps of one flat group."""
+    import dataclasses
+
+    from fp8kit.optim import numerics as N
+    from fp8kit.optim import triton_step
+    from fp8kit.optim.layout import FlatLayout
+
+    numels = [304, 1000, 5000, 8, 4096, 128]  # whole 16-byte vectors of bf16: every load width applies
+
+    def raw(t: torch.Tensor) -> torch.Tensor:  # the stored bits (-0 and +0 differ, as the GPU tests compare)
+        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+    def run(impl: str, spec, grad_vec: int = 0) -> dict:  # grad_vec 0: the FP8 gradient buffer
+        lay = FlatLayout.build(numels, spec.block, torch.device("cpu"))
+        n_scales = len(numels) if spec.granularity == "tensor" else lay.num_blocks
+        gen = torch.Generator().manual_seed(0)
+        bufs = {}
+        for name, dt, mag in (("m", spec.m, 1e-3), ("v", spec.v, 1e-6), ("w", spec.master, 1.0)):
+            x = torch.randn(lay.total, generator=gen) * mag
+            x = x.abs() if name == "v" else x
+            for i in range(len(numels)):
+                lay.padded_segment(x, i)[numels[i]:] = 0
+            data = torch.zeros(lay.total, dtype=dt)
+            scale = torch.ones(n_scales)
+            N.store(x.view(-1, spec.block), data, scale, lay.block_owner, spec)
+            bufs[name], bufs[name + "_scale"] = data, scale
+        work = N.load(bufs["w"], bufs["w_scale"], lay.block_owner, spec).view(-1).to(torch.bfloat16)
+        for step in range(1, 4):
+            grads = [torch.randn(n, generator=gen).to(torch.bfloat16) * 10.0 ** (-2 - i % 3)
+                     for i, n in enumerate(numels)]
+            hp = N.make_hp(1e-3, 0.9, 0.95, 1e-8, 0.1, step, 1)
+            hp[N.HP_CLIP] = 0.6
+            flat = torch.zeros(lay.total, dtype=torch.bfloat16)
+            for i, gr in enumerate(grads):
+                lay.segment(flat, i).copy_(gr)
+            args = (bufs["m"], bufs["m_scale"], None, bufs["v"], bufs["v_scale"], bufs["w"], bufs["w_scale"], work,
+                    hp, lay.block_owner, spec)
+            if grad_vec:
+                table = torch.tensor([[gr.data_ptr() for gr in grads], numels], dtype=torch.int64)
+                assert all(gr.data_ptr() % 16 == 0 for gr in grads)
+                kw = dict(grad_table=table, seg_start=torch.tensor(lay.offsets, dtype=torch.int64))
+                if impl == "triton":
+                    triton_step.adamw_update_triton(None, None, *args, grad_vec=grad_vec, **kw)
+                else:
+                    N.adamw_update(flat, None, *args)
+            else:
+                g8, gs = torch.zeros(lay.total, dtype=e5m2), torch.ones(n_scales)
+                N.store(flat.float().view(-1, spec.block), g8, gs, lay.block_owner, spec)
+                (triton_step.adamw_update_triton if impl == "triton" else N.adamw_update)(g8, gs, *args)
+        return {**bufs, "work": work}
+
+    base = N.StateSpec(block=128, num_tensors=len(numels), granularity="tensor", grad=e5m2, m=e4m3, v=torch.float16,
+                       master=torch.float16, stochastic_rounding=False, m_rounding="stochastic")
+    for over in (dict(granularity="block"), dict()):
+        spec = dataclasses.replace(base, **over)
+        for grad_vec in (0, 1, 8):
+            if grad_vec:
+                spec = dataclasses.replace(spec, grad=torch.bfloat16)
+            ref, got = run("reference", spec, grad_vec), run("triton", spec, grad_vec)
+            where = f"fp8 adamw {over or 'per tensor'}, {'fp8 grads' if not grad_vec else f'grad_vec {grad_vec}'}"
+            states = ("m", "m_scale", "v", "v_scale", "w", "w_scale")
+            same([raw(got[k]) for k in states], [raw(ref[k]) for k in states], where)
+            off = (got["work"].float() - ref["work"].float()).abs() > 2**-7 * ref["work"].float().abs()
+            assert not off.any(), f"{where}: {int(off.sum())} working weights off by more than a bf16 ulp"
+            if grad_vec == 1:
+                by_element = got
+            elif grad_vec == 8:
+                same([raw(t) for t in got.values()], [raw(t) for t in by_element.values()], f"{where} vs element loads")
+    print("fp8 adamw step: the reference's states, vector and element gradient loads the same bits", flush=True)
 
 
 if __name__ == "__main__":

@@ -300,15 +300,19 @@ def test_gradient_table_load_width():
         else:
             assert (addr, count) == (g.data_ptr(), g.numel())
     # the next step's values go through the same buffers (same addresses: the device table is not rewritten)
-    pads = {i: t.data_ptr() for i, t in fg.grad_pad.items()}
+    pads, table_host = {i: t.data_ptr() for i, t in fg.grad_pad.items()}, fg._table_host
     grads[3] = torch.randn(7).to(torch.bfloat16)
     fg.update_grad_table(grads)
-    assert {i: t.data_ptr() for i, t in fg.grad_pad.items()} == pads
+    assert {i: t.data_ptr() for i, t in fg.grad_pad.items()} == pads and fg._table_host is table_host
     assert torch.equal(fg.grad_pad[3][:7], grads[3])
+    grads[1] = torch.randn(64).to(torch.bfloat16)  # aligned again: its buffer is released
+    fg.update_grad_table(grads)
+    assert sorted(fg.grad_pad) == [3], sorted(fg.grad_pad)
+    grads[1] = shifted(params[1])
     fg.update_grad_table([None, *grads[1:]])  # a missing gradient: address and count 0
     assert fg.grad_table[:, 0].tolist() == [0, 0]
-    # most of the group misaligned (2048 + 64 + 7 of 2567 elements): copies would cost more than element loads
-    fg.grad_pad.clear()
+    # most of the group misaligned (2048 + 64 + 7 of 2567 elements): copies would cost more than element loads,
+    # and the buffers are released
     grads[0] = shifted(params[0])
     fg.update_grad_table(grads)
     assert fg.grad_vec == 1 and fg.grad_pad == {}, (fg.grad_vec, sorted(fg.grad_pad))

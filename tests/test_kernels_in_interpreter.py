@@ -24,3 +24,4 @@ def test_kernels_agree_in_the_triton_interpreter():
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "moe token kernels" in proc.stdout and "moe rowwise fusions" in proc.stdout, proc.stdout
+    assert "fp8 adamw step" in proc.stdout, proc.stdout

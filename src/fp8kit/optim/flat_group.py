@@ -285,7 +285,7 @@ class FlatGroup:
         The step reads them with 16-byte vector loads (``grad_vec`` elements), which needs every table entry to
         start on 16 bytes and hold whole vectors. Autograd's gradients do (fresh allocations, and LLM shapes are
         multiples of 8); a gradient that does not (an odd element count, a view at an odd offset) is copied into
-        a zero-padded buffer of its own, kept for the next steps (``grad_pad``), and the table points there, so
+        a zero-padded buffer of its own, kept while it is needed (``grad_pad``), and the table points there, so
         the kernel never reads past a tensor. If such gradients hold more than half the group's elements, the
         copies would cost more than they save: the step then reads every gradient in place with element loads
         (``grad_vec = 1``; 15% slower, docs/benchmarks.md "FP8AdamW: vector gradient loads"). A non-contiguous
@@ -301,6 +301,7 @@ class FlatGroup:
         if 2 * odd_numel > sum(self.layout.numels):
             # copying them (4 bytes per element) would cost more than element loads of every gradient (~2)
             vec, odd = 1, [False] * len(grads)
+        self.grad_pad = {i: pad for i, pad in self.grad_pad.items() if odd[i]}  # only the buffers this step uses
         addrs, counts = [], []
         for i, g in enumerate(grads):
             if odd[i]:

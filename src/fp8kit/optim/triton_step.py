@@ -16,7 +16,7 @@ int64: address and element count per tensor, count 0 for a missing gradient): ea
 to one tensor (the flat layout pads tensors to whole blocks), so a row reads ``address + (offset - start)``
 masked to the tensor's elements. With ``grad_vec`` > 1 those reads are 16-byte vector loads, which needs
 every entry to start on 16 bytes and hold whole vectors (``FlatGroup.update_grad_table`` pads the gradients
-that do not); element loads cost 8% of the step at Llama-3-8B and Qwen3-30B-A3B shapes (docs/benchmarks.md,
+that do not); with element loads this kernel is 15% slower at Llama-3-8B shapes (docs/benchmarks.md,
 "FP8AdamW: vector gradient loads"). Each program advances its pointers to its first element once (int64) and
 indexes within with int32 offsets. Bytes moved per parameter (bf16 parameters and gradients, per tensor):
 pass 1 reads 2 + 1 + 2 + 2, pass 2 reads as much and writes 1 + 2 + 2 + 2: 21, against 28 for
@@ -229,9 +229,12 @@ def adamw_update_triton(
 
     Raises:
         ValueError: when the flat length is not a multiple of ``ROWS`` blocks (``FlatLayout`` aligns it),
-            with COAT's ``m_k``, or with neither a gradient nor a table.
+            with COAT's ``m_k``, with neither a gradient nor a table, or a ``grad_vec`` other than 1 or 16 bytes.
     """
     nb = work.numel() // spec.block
+    if grad_vec not in (1, 16 // work.element_size()):
+        raise ValueError(f"FP8AdamW Triton step: grad_vec = {grad_vec}; 1 or {16 // work.element_size()} "
+                         f"(16 bytes of {work.dtype})")
     if nb % ROWS:
         raise ValueError(f"FP8AdamW Triton step: {nb} blocks is not a multiple of {ROWS}")
     if m_k is not None or (grad is None) == (grad_table is None):
