@@ -49,6 +49,17 @@ def _experts_hinted_cast_kernel(
     kmask = offs_k < K
     mask = nmask[:, None] & kmask[None, :]
     wn = tl.load(w_ptr + e * stride_e + offs_n[:, None] * stride_n + offs_k[None, :], mask=mask, other=0.0)
+    hinted_tile_cast(wn, e, pid_n, pid_k, offs_n, offs_k, nmask, kmask, N, K, row_hint_ptr, col_hint_ptr,
+                     row_part_ptr, col_part_ptr, fprop_ptr, dgrad_ptr, FP8_MAX)
+
+
+@triton.jit
+def hinted_tile_cast(wn, e, pid_n, pid_k, offs_n, offs_k, nmask, kmask, N, K, row_hint_ptr, col_hint_ptr,
+                     row_part_ptr, col_part_ptr, fprop_ptr, dgrad_ptr, FP8_MAX: tl.constexpr):
+    """The one-pass kernel's work on one ``(BN, BK)`` tile ``wn`` of expert ``e`` (in the weights' dtype, zeros
+    outside ``nmask`` x ``kmask``), on a ``(E, N / BN, K / BK)`` grid: its partial amaxes and both hinted casts.
+    Shared with any kernel that has the tile in registers already."""
+    mask = nmask[:, None] & kmask[None, :]
     wt = tl.trans(wn)  # (BK, BN) in the weights' dtype: the dgrad cast and the column amax read it along rows
     # the tile's partial amaxes (abs and max are exact in any dtype), plain stores: atomic maxes into (E, N) / (E, K)
     # made this kernel 2x slower
@@ -159,19 +170,34 @@ def quantize_experts_dual_hinted(w: torch.Tensor, row_hint: torch.Tensor, col_hi
         tile: ``(BN, BK, warps)`` of the one-pass kernel (measurements only; default ``_BN, _BK, _WARPS``).
     """
     e, n, k = w.shape
-    dev = w.device
     bn, bk, warps = tile or (_BN, _BK, _WARPS)
-    fprop = torch.empty(e, n, k, dtype=FP8, device=dev)
-    dgrad = torch.empty(e, k, n, dtype=FP8, device=dev)
-    fprop_inv = torch.empty(e, n, dtype=torch.float32, device=dev)
-    dgrad_inv = torch.empty(e, k, dtype=torch.float32, device=dev)
-    nbn, nbk = triton.cdiv(n, bn), triton.cdiv(k, bk)
-    row_part = torch.empty(e, nbk, n, dtype=torch.float32, device=dev)
-    col_part = torch.empty(e, nbn, k, dtype=torch.float32, device=dev)
-    fixed = torch.zeros(2, dtype=torch.int32, device=dev)
-    _experts_hinted_cast_kernel[(e, nbn, nbk)](
+    fprop, dgrad, row_part, col_part = hinted_cast_buffers(w, bn, bk)
+    _experts_hinted_cast_kernel[(e, triton.cdiv(n, bn), triton.cdiv(k, bk))](
         w, row_hint, col_hint, row_part, col_part, fprop, dgrad, n, k, w.stride(0), w.stride(1),
         BN=bn, BK=bk, num_warps=warps, FP8_MAX=_KW["FP8_MAX"])
+    return finish_hinted_cast(w, row_hint, col_hint, fprop, dgrad, row_part, col_part)
+
+
+def hinted_cast_buffers(w: torch.Tensor, bn: int, bk: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The outputs a ``(E, N / bn, K / bk)`` grid of :func:`hinted_tile_cast` writes for ``(E, N, K)`` weights ``w``:
+    ``fprop (E, N, K)``, ``dgrad (E, K, N)`` (E4M3), and the partial amaxes ``(E, K / bk, N)``, ``(E, N / bn, K)``."""
+    e, n, k = w.shape
+    dev = w.device
+    return (torch.empty(e, n, k, dtype=FP8, device=dev), torch.empty(e, k, n, dtype=FP8, device=dev),
+            torch.empty(e, triton.cdiv(k, bk), n, dtype=torch.float32, device=dev),
+            torch.empty(e, triton.cdiv(n, bn), k, dtype=torch.float32, device=dev))
+
+
+def finish_hinted_cast(w, row_hint, col_hint, fprop, dgrad, row_part, col_part):
+    """After a grid of :func:`hinted_tile_cast` over ``w``: reduce the partial amaxes, derive the scales and recast
+    the rows and columns whose hint was wrong (``_experts_fix_kernel``). Returns
+    :func:`quantize_experts_dual_hinted`'s ``(fprop, fprop_inv, dgrad, dgrad_inv, fixed)``."""
+    e, n, k = w.shape
+    dev = w.device
+    fprop_inv = torch.empty(e, n, dtype=torch.float32, device=dev)
+    dgrad_inv = torch.empty(e, k, dtype=torch.float32, device=dev)
+    fixed = torch.zeros(2, dtype=torch.int32, device=dev)
     row_amax, col_amax = row_part.amax(dim=1), col_part.amax(dim=1)  # max is exact: any order gives these bits
     row_programs = triton.cdiv(n, _FB) * triton.cdiv(k, _SEG)
     _experts_fix_kernel[(e, row_programs + triton.cdiv(k, _FB) * triton.cdiv(n, _SEG))](
