@@ -27,8 +27,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: optimizer_step.time_it
 
 from kernel import adamw_step_with_expert_casts  # noqa: E402
+from optimizer_step import time_it  # noqa: E402
 
 from fp8kit.moe import rowwise_weights_triton as rwt  # noqa: E402
 from fp8kit.moe.rowwise_quant import quantize_experts_dual  # noqa: E402
@@ -95,15 +97,7 @@ def bench_shape(name: str, shape: tuple[int, int, int], iters: int, repeats: int
     times = {"unfused": [], "fused": []}
     for _ in range(repeats):
         for label, fn in (("unfused", unfused), ("fused", fused)):
-            fn()
-            torch.cuda.synchronize()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(iters):
-                fn()
-            e1.record()
-            torch.cuda.synchronize()
-            times[label].append(e0.elapsed_time(e1) / iters)
+            times[label].append(time_it(fn, iters, warmup=1))
     u, f = statistics.median(times["unfused"]), statistics.median(times["fused"])
     return {"weight": name, "shape": shape, "unfused_ms": u, "fused_ms": f, "runs": times,
             "unfused_tb_s": n_el * 18 / u / 1e9, "fused_tb_s": n_el * 16 / f / 1e9, "same_bits": same}
