@@ -13,7 +13,8 @@ stochastically, fp16 v and master, bf16 weights and gradients) after 3 warm-up s
 - fused: ``kernel.adamw_step_with_expert_casts``.
 
 Each is timed over ``--iters`` consecutive steps with CUDA events (the states keep training: the hints stay the
-previous step's, as in a run), interleaved over ``--repeats`` rounds; bytes per element: 18 unfused, 16 fused.
+previous step's, as in a run), interleaved over ``--repeats`` rounds; bytes per element: 18 unfused, 16 fused. The
+fused kernel runs at each ``--tiles`` setting (rows x warps; README: registers and spills per tile).
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ from fp8kit.optim.layout import FlatLayout  # noqa: E402
 SHAPES = {"qwen3 gate_up": (128, 1536, 2048), "qwen3 down": (128, 2048, 768), "mixtral down": (8, 4096, 14336)}
 
 
-def bench_shape(name: str, shape: tuple[int, int, int], iters: int, repeats: int, dev: torch.device) -> dict:
-    """Both paths on one expert weight (module docstring): the median ms, bandwidth and whether the bits agree."""
+def bench_shape(name: str, shape: tuple[int, int, int], iters: int, repeats: int, dev: torch.device,
+                tiles: list[tuple[int, int]]) -> dict:
+    """Both paths on one expert weight (module docstring), the fused one per ``(rows, warps)`` tile: the median ms,
+    bandwidth and whether the bits agree with the unfused path."""
     n_el = shape[0] * shape[1] * shape[2]
     spec = N.StateSpec(block=128, num_tensors=1, granularity="block", grad=torch.bfloat16, m=torch.float8_e4m3fn,
                        v=torch.float16, master=torch.float16, stochastic_rounding=False, m_rounding="stochastic")
@@ -75,9 +78,10 @@ def bench_shape(name: str, shape: tuple[int, int, int], iters: int, repeats: int
         state["hints"] = (out[1], out[3])
         return out
 
-    def fused():
+    def fused(bn: int = 16, warps: int = 4):
         out = adamw_step_with_expert_casts(0, shape, bufs["m"], bufs["m_scale"], bufs["v"], bufs["v_scale"], bufs["w"],
-                                           bufs["w_scale"], bufs["work"], hp(), spec, table, seg, 0, *state["hints"])
+                                           bufs["w_scale"], bufs["work"], hp(), spec, table, seg, 0, *state["hints"],
+                                           bn=bn, warps=warps)
         state["hints"] = (out[1], out[3])
         return out
 
@@ -87,20 +91,26 @@ def bench_shape(name: str, shape: tuple[int, int, int], iters: int, repeats: int
     snap, snap_state = {k: t.clone() for k, t in bufs.items()}, dict(state)
     a = [t.clone() for t in unfused()]
     a_states = {k: t.clone() for k, t in bufs.items()}
-    for k, t in snap.items():
-        bufs[k].copy_(t)
-    state.update(snap_state)
-    b = fused()
-    same = all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a[:4], b[:4], strict=True))
-    same = same and all(torch.equal(a_states[k].view(torch.uint8), t.view(torch.uint8)) for k, t in bufs.items())
+    same = {}
+    for bn, warps in tiles:
+        for k, t in snap.items():
+            bufs[k].copy_(t)
+        state.update(snap_state)
+        b = fused(bn, warps)
+        ok = all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a[:4], b[:4], strict=True))
+        same[f"{bn}x{warps}"] = ok and all(torch.equal(a_states[k].view(torch.uint8), t.view(torch.uint8))
+                                           for k, t in bufs.items())
     del snap, a, a_states, b
-    times = {"unfused": [], "fused": []}
+    variants = {"unfused": unfused} | {f"{bn}x{warps}": (lambda bn=bn, warps=warps: fused(bn, warps))
+                                       for bn, warps in tiles}
+    times = {label: [] for label in variants}
     for _ in range(repeats):
-        for label, fn in (("unfused", unfused), ("fused", fused)):
+        for label, fn in variants.items():
             times[label].append(time_it(fn, iters, warmup=1))
-    u, f = statistics.median(times["unfused"]), statistics.median(times["fused"])
-    return {"weight": name, "shape": shape, "unfused_ms": u, "fused_ms": f, "runs": times,
-            "unfused_tb_s": n_el * 18 / u / 1e9, "fused_tb_s": n_el * 16 / f / 1e9, "same_bits": same}
+    med = {label: statistics.median(t) for label, t in times.items()}
+    return {"weight": name, "shape": shape, "ms": med, "runs": times, "same_bits": same,
+            "unfused_tb_s": n_el * 18 / med["unfused"] / 1e9,
+            "fused_tb_s": {t: n_el * 16 / med[t] / 1e9 for t in same}}
 
 
 def main() -> int:
@@ -108,15 +118,19 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tiles", default="16x4,8x4,32x8",
+                    help="fused kernel tiles to time, rows x warps (comma-separated; README: registers per tile)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
+    tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",")]
     for name in args.shapes.split(","):
-        r = bench_shape(name, SHAPES[name], args.iters, args.repeats, torch.device("cuda"))
+        r = bench_shape(name, SHAPES[name], args.iters, args.repeats, torch.device("cuda"), tiles)
         rows.append(r)
-        print(f"{name} {r['shape']}: unfused {r['unfused_ms']:.3f} ms ({r['unfused_tb_s']:.2f} TB/s at 18 B), fused "
-              f"{r['fused_ms']:.3f} ms ({r['fused_tb_s']:.2f} TB/s at 16 B), {r['unfused_ms'] / r['fused_ms']:.3f}x; "
-              f"same bits: {r['same_bits']}", flush=True)
+        print(f"{name} {r['shape']}: unfused {r['ms']['unfused']:.3f} ms ({r['unfused_tb_s']:.2f} TB/s at 18 B)", flush=True)
+        for t, ok in r["same_bits"].items():
+            print(f"  fused {t}: {r['ms'][t]:.3f} ms ({r['fused_tb_s'][t]:.2f} TB/s at 16 B), "
+                  f"{r['ms']['unfused'] / r['ms'][t]:.3f}x; same bits: {ok}", flush=True)
         torch.cuda.empty_cache()
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
