@@ -118,7 +118,7 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--tiles", default="16x4,8x4,32x8",
+    ap.add_argument("--tiles", default="16x4,8x4,32x4,32x8,64x8",
                     help="fused kernel tiles to time, rows x warps (comma-separated; README: registers per tile)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

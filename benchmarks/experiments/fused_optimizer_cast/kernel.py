@@ -69,8 +69,8 @@ def adamw_step_with_expert_casts(i, shape, m, m_scale, v, v_scale, master, maste
     quantize_experts_dual_hinted(new weights, row_hint, col_hint)`` does: ``(fprop, fprop_inv, dgrad, dgrad_inv,
     fixed)``. The other parameters of the group are left to ``adamw_update_triton`` (a caller runs it on the rest).
 
-    ``bn``, ``warps``: the tile's rows and the program's warps. Compiled for sm_90 on the CPU (README): 16 x 4 is the
-    largest tile without register spills (251 registers); 64 x 4, the one-pass cast's tile, spills 2.6 KB per thread."""
+    ``bn``, ``warps``: the tile's rows and the program's warps. Compiled for sm_90 on the CPU (README): 16 x 4 takes
+    155 registers, 8 x 4 89; 64 x 4, the one-pass cast's tile, spills."""
     e, n, k = shape
     if spec.block != 128 or spec.granularity != "block" or k % 128 or n % bn:
         raise ValueError(f"fused step: needs per-block scales of 128, K % 128 == 0 and N % {bn} == 0; got {spec}, "
