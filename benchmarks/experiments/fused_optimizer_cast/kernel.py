@@ -24,7 +24,7 @@ from fp8kit.fp8.scaling import DTYPE_MAX
 from fp8kit.moe.rowwise_quant_triton import _KW
 from fp8kit.moe.rowwise_weights_triton import finish_hinted_cast, hinted_cast_buffers, hinted_tile_cast
 from fp8kit.optim.numerics import SR_FORMATS
-from fp8kit.optim.triton_step import _store_scaled, _update
+from fp8kit.optim.triton_step import _store_scaled, _update, advance_states
 
 
 @triton.jit
@@ -44,10 +44,7 @@ def _adamw_expert_cast_kernel(
     loc = r[:, None] * K + c[None, :]  # int32 within the tile
     srow = p0 // BLOCK + r * (K // BLOCK)
     owner_r = tl.full((BN,), owner_idx, tl.int64)
-    m += p0
-    v += p0
-    w += p0
-    work += p0
+    m, v, w, work = advance_states(m, v, w, work, p0)
     mm, vv, ww = _update(work, hp, gtab, seg_start, m, ms, v, vs, w, ws, work, hp, p0, loc, srow, owner_r,
                          True, GRAD_VEC, NUM_T, True, True, BN * K)
     noffs = p0.to(tl.uint32) + loc.to(tl.uint32)

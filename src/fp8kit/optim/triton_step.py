@@ -133,6 +133,12 @@ def _update(grad, gs, gtab, seg_start, m, ms, v, vs, w, ws, work, hp, p0, loc, s
 
 
 @triton.jit
+def advance_states(m, v, w, work, p0):
+    """The flat state pointers moved to element ``p0`` (int64), for int32 offsets from there."""
+    return m + p0, v + p0, w + p0, work + p0
+
+
+@triton.jit
 def _store_scaled(x, ptr, out_s, offs, noffs, srow, hp, MAX: tl.constexpr, AMAX_EPS: tl.constexpr,
                   OWN_SCALE: tl.constexpr, SR: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
     if OWN_SCALE:  # per block: this row's amax gives its new scale
@@ -168,10 +174,7 @@ def _fp8_adamw_kernel(
         srow = rows
     if not GRAD_TABLE:
         grad += p0
-    m += p0
-    v += p0
-    w += p0
-    work += p0
+    m, v, w, work = advance_states(m, v, w, work, p0)
     mm, vv, ww = _update(grad, gs, gtab, seg_start, m, ms, v, vs, w, ws, work, hp, p0, loc, srow, owner_r,
                          GRAD_TABLE, GRAD_VEC, NUM_T, M_SCALED, W_SCALED, ROWS_ * BLOCK)
     if PASS == 1:  # per-tensor amax: one atomic per program when its rows share a tensor (the usual case)
