@@ -7,6 +7,8 @@ import torch
 from torch import nn
 
 from fp8kit.optim import FP8AdamW, FP8AdamWPrecision
+from fp8kit.optim import numerics as N
+from fp8kit.optim.layout import FlatLayout
 from fp8kit.optim.numerics import load, load_m
 
 FP32 = FP8AdamWPrecision(master="fp32", grad="param", m="fp32", v="fp32")
@@ -78,3 +80,25 @@ def state(opt: FP8AdamW, name: str, gi: int = 0) -> torch.Tensor:
     if name == "m":
         return load_m(fg.m, fg.m_scale, fg.m_k, fg.layout.block_owner, fg.spec).reshape(-1)
     return load(getattr(fg, name), getattr(fg, f"{name}_scale"), fg.layout.block_owner, fg.spec).reshape(-1)
+
+
+def flat_states(numels: list[int], spec: N.StateSpec, device: torch.device, gen: torch.Generator,
+                pdtype: torch.dtype = torch.bfloat16) -> tuple[FlatLayout, dict, torch.Tensor]:
+    """Random FP8AdamW states of one flat group, for driving the step functions directly: ``(layout, buffers,
+    working weights)``; ``buffers`` holds ``m``, ``v``, ``w`` (the master) stored in ``spec``'s dtypes and their
+    scales (``None`` for float32), from m ~ 1e-3, v ~ 1e-6 (positive) and w ~ 1 normals, zero in the padding
+    as the optimizer keeps it; the working weights are the master loaded in ``pdtype``."""
+    lay = FlatLayout.build(numels, spec.block, device)
+    n_scales = len(numels) if spec.granularity == "tensor" else lay.num_blocks
+    bufs = {}
+    for name, dt, mag in (("m", spec.m, 1e-3), ("v", spec.v, 1e-6), ("w", spec.master, 1.0)):
+        x = torch.randn(lay.total, generator=gen, device=device) * mag
+        x = x.abs() if name == "v" else x
+        for i in range(len(numels)):
+            lay.padded_segment(x, i)[numels[i]:] = 0
+        data = torch.zeros(lay.total, device=device, dtype=dt)
+        scale = torch.ones(n_scales, device=device) if dt != torch.float32 else None
+        N.store(x.view(-1, spec.block), data, scale, lay.block_owner, spec)
+        bufs[name], bufs[name + "_scale"] = data, scale
+    work = N.load(bufs["w"], bufs["w_scale"], lay.block_owner, spec).view(-1).to(pdtype)
+    return lay, bufs, work

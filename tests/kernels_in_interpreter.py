@@ -242,7 +242,7 @@ def fp8_adamw_step() -> None:
 
     from fp8kit.optim import numerics as N
     from fp8kit.optim import triton_step
-    from fp8kit.optim.layout import FlatLayout
+    from tests.fp8_adamw_util import flat_states
 
     numels = [304, 1000, 5000, 8, 4096, 128]  # whole 16-byte vectors of bf16: every load width applies
 
@@ -251,20 +251,9 @@ def fp8_adamw_step() -> None:
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
 
     def run(impl: str, spec, grad_vec: int = 0) -> dict:  # grad_vec 0: the FP8 gradient buffer
-        lay = FlatLayout.build(numels, spec.block, torch.device("cpu"))
-        n_scales = len(numels) if spec.granularity == "tensor" else lay.num_blocks
         gen = torch.Generator().manual_seed(0)
-        bufs = {}
-        for name, dt, mag in (("m", spec.m, 1e-3), ("v", spec.v, 1e-6), ("w", spec.master, 1.0)):
-            x = torch.randn(lay.total, generator=gen) * mag
-            x = x.abs() if name == "v" else x
-            for i in range(len(numels)):
-                lay.padded_segment(x, i)[numels[i]:] = 0
-            data = torch.zeros(lay.total, dtype=dt)
-            scale = torch.ones(n_scales)
-            N.store(x.view(-1, spec.block), data, scale, lay.block_owner, spec)
-            bufs[name], bufs[name + "_scale"] = data, scale
-        work = N.load(bufs["w"], bufs["w_scale"], lay.block_owner, spec).view(-1).to(torch.bfloat16)
+        lay, bufs, work = flat_states(numels, spec, torch.device("cpu"), gen)
+        n_scales = len(numels) if spec.granularity == "tensor" else lay.num_blocks
         for step in range(1, 4):
             grads = [torch.randn(n, generator=gen).to(torch.bfloat16) * 10.0 ** (-2 - i % 3)
                      for i, n in enumerate(numels)]

@@ -18,7 +18,7 @@ from torch import nn
 
 from fp8kit.optim import FP8AdamW, FP8AdamWPrecision
 from fp8kit.optim import numerics as N
-from fp8kit.optim.layout import FlatLayout
+from tests.fp8_adamw_util import flat_states
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,20 +42,9 @@ def _run(impl: str, spec: N.StateSpec, pdtype: torch.dtype, table: bool, steps: 
 
     NUMELS = NUMELS_VEC if vec > 1 else globals()["NUMELS"]  # noqa: N806
     dev = torch.device("cuda")
-    L = FlatLayout.build(NUMELS, spec.block, dev)
-    n_scales = len(NUMELS) if spec.granularity == "tensor" else L.num_blocks
     g = torch.Generator(device=dev).manual_seed(0)
-    bufs = {}
-    for name, dt, mag in (("m", spec.m, 1e-3), ("v", spec.v, 1e-6), ("w", spec.master, 1.0)):
-        x = torch.randn(L.total, generator=g, device=dev) * mag
-        x = x.abs() if name == "v" else x
-        for i in range(len(NUMELS)):  # the optimizer keeps the padding zero
-            L.padded_segment(x, i)[NUMELS[i]:] = 0
-        data = torch.zeros(L.total, device=dev, dtype=dt)
-        scale = torch.ones(n_scales, device=dev) if dt != torch.float32 else None
-        N.store(x.view(-1, spec.block), data, scale, L.block_owner, spec)
-        bufs[name], bufs[name + "_scale"] = data, scale
-    work = N.load(bufs["w"], bufs["w_scale"], L.block_owner, spec).view(-1).to(pdtype)
+    L, bufs, work = flat_states(NUMELS, spec, dev, g, pdtype)
+    n_scales = len(NUMELS) if spec.granularity == "tensor" else L.num_blocks
     for step in range(1, steps + 1):
         grads = [torch.randn(n, generator=g, device=dev).to(pdtype) * 10.0 ** (-2 - i % 3)
                  for i, n in enumerate(NUMELS)]
