@@ -27,6 +27,7 @@ GPU tests' job (``pytest -m gpu``); here every kernel is compared with the same 
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 
@@ -225,11 +226,14 @@ def moe_expert_weights_hinted() -> None:
         "nan": (torch.full_like(rows, float("nan")), cols, (rows.numel(), 0)),
     }
     seg = rwt._SEG
+    # the default tile and session 22's, the fix in one segment; a narrow tile, the fix in two segments
+    tiles = (((rwt._BN, rwt._BK, rwt._WARPS), seg), ((64, 128, 4), seg), ((64, 32, 4), 128))
     try:
         for name, (rh, ch, want) in cases.items():
-            for tile, rwt._SEG in (((64, 128, 4), seg), ((64, 32, 4), 128)):  # the fix in one and in two segments
-                *got, fixed = rwt.quantize_experts_dual_hinted(w, rh, ch, tile=tile)
-                same(tuple(got), ref, f"moe expert weights, {name} hints, tile {tile}, segment {rwt._SEG}")
+            for (tile, rwt._SEG), kf in itertools.product(tiles, (True, False)):  # both program orders
+                *got, fixed = rwt.quantize_experts_dual_hinted(w, rh, ch, tile=tile, k_fastest=kf)
+                same(tuple(got), ref, f"moe expert weights, {name} hints, tile {tile}, segment {rwt._SEG}, "
+                                      f"k_fastest {kf}")
                 assert tuple(fixed.tolist()) == want, f"moe expert weights, {name} hints: recast {fixed.tolist()}"
     finally:
         rwt._SEG = seg

@@ -35,9 +35,16 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
-def _run(impl: str, spec: N.StateSpec, pdtype: torch.dtype, table: bool, steps: int = 4, vec: int = 1):
+#: FSDP2 shards' stochastic-rounding offsets (``optim/sharded.py``): per tensor, including negative ones and one
+#: that carries the index past 2^32 (the kernel's uint32 sum must wrap as the reference's int64 sum truncates)
+NOISE_DELTA = [0, 1_000_003, -300, 2**32 - 2000, 5 * 10**9 + 17, 12_345_678]
+
+
+def _run(impl: str, spec: N.StateSpec, pdtype: torch.dtype, table: bool, steps: int = 4, vec: int = 1,
+         noise_delta: bool = False):
     """``steps`` steps of one flat group with ``impl`` ("reference" or "triton"); returns the buffers. ``vec``:
-    the Triton step's gradient load width (> 1: the ``NUMELS_VEC`` counts, whose fresh gradients are aligned)."""
+    the Triton step's gradient load width (> 1: the ``NUMELS_VEC`` counts, whose fresh gradients are aligned);
+    ``noise_delta``: pass ``NOISE_DELTA`` as FSDP2 shards do."""
     from fp8kit.optim import triton_step  # Triton: CUDA machines only
 
     NUMELS = NUMELS_VEC if vec > 1 else globals()["NUMELS"]  # noqa: N806
@@ -58,6 +65,7 @@ def _run(impl: str, spec: N.StateSpec, pdtype: torch.dtype, table: bool, steps: 
                 L.segment(flat, i).copy_(gr)
         args = (bufs["m"], bufs["m_scale"], None, bufs["v"], bufs["v_scale"], bufs["w"], bufs["w_scale"], work, hp,
                 L.block_owner, spec)
+        nd = torch.tensor(NOISE_DELTA, device=dev, dtype=torch.int64) if noise_delta else None
         if table:
             gargs, kw = (None, None), dict(
                 grad_table=torch.tensor([[gr.data_ptr() if gr is not None else 0 for gr in grads],
@@ -72,9 +80,9 @@ def _run(impl: str, spec: N.StateSpec, pdtype: torch.dtype, table: bool, steps: 
             if vec > 1:
                 assert all(gr is None or gr.data_ptr() % 16 == 0 for gr in grads)
                 kw["grad_vec"] = vec
-            triton_step.adamw_update_triton(*gargs, *args, **kw)
+            triton_step.adamw_update_triton(*gargs, *args, noise_delta=nd, **kw)
         else:
-            N.adamw_update(*((flat, None) if table else gargs), *args)
+            N.adamw_update(*((flat, None) if table else gargs), *args, noise_delta=nd)
     torch.cuda.synchronize()
     return {**bufs, "work": work}
 
@@ -93,6 +101,9 @@ CASES = {
     "defaults bf16 per block, vector grad loads": (dict(granularity="block"), torch.bfloat16, True, 8),
     "defaults bf16 per tensor, vector grad loads": (dict(), torch.bfloat16, True, 8),
     "fp32 params, vector grad loads": (dict(), torch.float32, True, 4),
+    # FSDP2 shards' noise offsets (the stochastic rounding of m, per tensor and per block)
+    "noise delta per tensor": (dict(), torch.bfloat16, True, 1, True),
+    "noise delta per block, vector grad loads": (dict(granularity="block"), torch.bfloat16, True, 8, True),
 }
 
 
@@ -100,14 +111,15 @@ CASES = {
 def test_triton_step_equals_reference_bit_for_bit(case):
     from fp8kit.optim import triton_step
 
-    over, pdtype, table, *width = CASES[case]
-    vec = width[0] if width else 1
+    over, pdtype, table, *extra = CASES[case]
+    vec = extra[0] if extra else 1
+    noise_delta = extra[1] if len(extra) > 1 else False
     base = N.StateSpec(block=128, num_tensors=len(NUMELS), granularity="tensor", grad=pdtype, m=E4M3,
                        v=torch.float16, master=torch.float16, stochastic_rounding=False, m_rounding="stochastic")
     spec = dataclasses.replace(base, **over)
     assert triton_step.supported(spec, torch.empty(0)), spec
-    ref = _run("reference", spec, pdtype, table, vec=vec)
-    tri = _run("triton", spec, pdtype, table, vec=vec)
+    ref = _run("reference", spec, pdtype, table, vec=vec, noise_delta=noise_delta)
+    tri = _run("triton", spec, pdtype, table, vec=vec, noise_delta=noise_delta)
     diffs = {}
     for name, a in ref.items():
         if a is None:

@@ -265,11 +265,12 @@ def test_quantize_experts_dual_with_hints_matches_reference_for_any_hints(e, n, 
         "nan rows": (torch.full_like(rows, float("nan")), cols, (rows.numel(), 0)),
     }
     for name, (rh, ch, want) in cases.items():
-        _poison_allocator(2 * w.numel())
-        fprop, fprop_inv, dgrad, dgrad_inv, fixed = quantize_experts_dual_hinted(w, rh, ch)
-        _assert_same((fprop.transpose(-2, -1), fprop_inv, dgrad.transpose(-2, -1), dgrad_inv), ref,
-                     f"experts E={e} N={n} K={k}, {name} hints")
-        assert tuple(fixed.tolist()) == want, f"{name} hints: recast (rows, cols) {fixed.tolist()}, want {want}"
+        for k_fastest in (True, False):  # the one-pass kernel's two program orders
+            _poison_allocator(2 * w.numel())
+            fprop, fprop_inv, dgrad, dgrad_inv, fixed = quantize_experts_dual_hinted(w, rh, ch, k_fastest=k_fastest)
+            _assert_same((fprop.transpose(-2, -1), fprop_inv, dgrad.transpose(-2, -1), dgrad_inv), ref,
+                         f"experts E={e} N={n} K={k}, {name} hints, k_fastest {k_fastest}")
+            assert tuple(fixed.tolist()) == want, f"{name} hints: recast (rows, cols) {fixed.tolist()}, want {want}"
         _assert_same(rq.quantize_experts_dual(w, hints=(rh, ch)), ref, f"the op, {name} hints")
 
 

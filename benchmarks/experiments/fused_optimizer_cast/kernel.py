@@ -1,4 +1,4 @@
-"""Prototype (session 25, not measured on a GPU yet): the FP8AdamW step of one 3-D expert weight that also writes the
+"""Prototype (session 25; measured slower than the unfused path in session 26, README): the FP8AdamW step of one 3-D expert weight that also writes the
 weight's two rowwise E4M3 copies (fprop, dgrad) for the fused MoE experts, from the registers that hold the new
 weights, instead of the fused experts reading the bf16 weights back at the next forward.
 
@@ -12,7 +12,7 @@ The kernel is the per-block step (``optim.triton_step._update`` / ``_store_scale
 (``K % 128 == 0``, per-block scales of 128), followed by the hinted cast of the new bf16 tile
 (``rowwise_weights_triton.hinted_tile_cast``, the one-pass kernel's body) and the same fix pass
 (``finish_hinted_cast``). So its outputs are the unfused path's bits: ``check_interpreter.py`` compares them in
-Triton's interpreter; ``bench.py`` times both on a GPU (not run yet).
+Triton's interpreter; ``bench.py`` times both on a GPU.
 """
 
 from __future__ import annotations
@@ -33,10 +33,13 @@ def _adamw_expert_cast_kernel(
     fprop, dgrad, N, K,
     BN: tl.constexpr, BLOCK: tl.constexpr, GRAD_VEC: tl.constexpr, NUM_T: tl.constexpr, M_MAX: tl.constexpr,
     V_MAX: tl.constexpr, W_MAX: tl.constexpr, AMAX_EPS: tl.constexpr, M_SR: tl.constexpr, M_MANT: tl.constexpr,
-    M_EMIN: tl.constexpr, FP8_MAX: tl.constexpr,
+    M_EMIN: tl.constexpr, FP8_MAX: tl.constexpr, K_FASTEST: tl.constexpr,
 ):
-    e = tl.program_id(0).to(tl.int64)
-    pid_n, pid_k = tl.program_id(1), tl.program_id(2)
+    if K_FASTEST:  # grid (K / 128, N / BN, E)
+        pid_k, pid_n, e = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    else:  # grid (E, N / BN, K / 128)
+        e = tl.program_id(0).to(tl.int64)
+        pid_n, pid_k = tl.program_id(1), tl.program_id(2)
     r = tl.arange(0, BN)
     c = tl.arange(0, BLOCK)
     # the tile's first element in the flat layout, and each row's FP8AdamW block
@@ -55,12 +58,12 @@ def _adamw_expert_cast_kernel(
     tl.store(work + loc, wn)
     offs_n = (pid_n * BN + r).to(tl.int64)
     offs_k = (pid_k * BLOCK + c).to(tl.int64)
-    hinted_tile_cast(wn, e, pid_n, pid_k, offs_n, offs_k, offs_n < N, offs_k < K, N, K, row_hint, col_hint, row_part,
-                     col_part, fprop, dgrad, FP8_MAX)
+    hinted_tile_cast(wn, e, pid_n, pid_k, N // BN, K // BLOCK, offs_n, offs_k, offs_n < N, offs_k < K, N, K,
+                     row_hint, col_hint, row_part, col_part, fprop, dgrad, FP8_MAX)
 
 
 def adamw_step_with_expert_casts(i, shape, m, m_scale, v, v_scale, master, master_scale, work, hp, spec, grad_table,
-                                 seg_start, offset, row_hint, col_hint, bn=16, warps=4):
+                                 seg_start, offset, row_hint, col_hint, bn=16, warps=4, k_fastest=False):
     """Step parameter ``i`` of a flat FP8AdamW group (per-block scales, ``spec.block == 128``), an ``(E, N, K)`` expert
     weight starting at flat ``offset``, and return its two copies as ``rowwise_weights_triton.
     quantize_experts_dual_hinted(new weights, row_hint, col_hint)`` does: ``(fprop, fprop_inv, dgrad, dgrad_inv,
@@ -75,11 +78,11 @@ def adamw_step_with_expert_casts(i, shape, m, m_scale, v, v_scale, master, maste
     w3 = work[offset:offset + e * n * k].view(e, n, k)
     fprop, dgrad, row_part, col_part = hinted_cast_buffers(w3, bn, 128)
     mant, emin = SR_FORMATS.get(m.dtype, (0, 0))
-    _adamw_expert_cast_kernel[(e, n // bn, k // 128)](
+    _adamw_expert_cast_kernel[(k // 128, n // bn, e) if k_fastest else (e, n // bn, k // 128)](
         grad_table, seg_start, m, m_scale, v, v_scale, master, master_scale, work, hp, i, offset, row_hint, col_hint,
         row_part, col_part, fprop, dgrad, n, k,
         BN=bn, BLOCK=128, GRAD_VEC=16 // work.element_size(), NUM_T=spec.num_tensors, M_MAX=DTYPE_MAX[m.dtype],
         V_MAX=DTYPE_MAX[v.dtype], W_MAX=DTYPE_MAX[master.dtype], AMAX_EPS=spec.eps,
-        M_SR=spec.m_rounding == "stochastic", M_MANT=mant, M_EMIN=emin, FP8_MAX=_KW["FP8_MAX"],
+        M_SR=spec.m_rounding == "stochastic", M_MANT=mant, M_EMIN=emin, FP8_MAX=_KW["FP8_MAX"], K_FASTEST=k_fastest,
         num_warps=warps, enable_fp_fusion=False)
     return finish_hinted_cast(w3, row_hint, col_hint, fprop, dgrad, row_part, col_part)

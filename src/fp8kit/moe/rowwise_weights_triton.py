@@ -39,33 +39,36 @@ from fp8kit.moe.rowwise_quant_triton import _KW, FP8, _cast, _inv, _pow2_scale
 @triton.jit
 def _experts_hinted_cast_kernel(
     w_ptr, row_hint_ptr, col_hint_ptr, row_part_ptr, col_part_ptr, fprop_ptr, dgrad_ptr, N, K, stride_e, stride_n,
-    BN: tl.constexpr, BK: tl.constexpr, FP8_MAX: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, FP8_MAX: tl.constexpr, K_FASTEST: tl.constexpr = False,
 ):
-    e = tl.program_id(0).to(tl.int64)
-    pid_n, pid_k = tl.program_id(1), tl.program_id(2)
+    if K_FASTEST:  # grid (K / BK, N / BN, E): consecutive programs read consecutive pieces of the same rows
+        pid_k, pid_n, e = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    else:  # grid (E, N / BN, K / BK)
+        e = tl.program_id(0).to(tl.int64)
+        pid_n, pid_k = tl.program_id(1), tl.program_id(2)
     offs_n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     offs_k = (pid_k * BK + tl.arange(0, BK)).to(tl.int64)
     nmask = offs_n < N
     kmask = offs_k < K
     mask = nmask[:, None] & kmask[None, :]
     wn = tl.load(w_ptr + e * stride_e + offs_n[:, None] * stride_n + offs_k[None, :], mask=mask, other=0.0)
-    hinted_tile_cast(wn, e, pid_n, pid_k, offs_n, offs_k, nmask, kmask, N, K, row_hint_ptr, col_hint_ptr,
-                     row_part_ptr, col_part_ptr, fprop_ptr, dgrad_ptr, FP8_MAX)
+    hinted_tile_cast(wn, e, pid_n, pid_k, tl.cdiv(N, BN), tl.cdiv(K, BK), offs_n, offs_k, nmask, kmask, N, K,
+                     row_hint_ptr, col_hint_ptr, row_part_ptr, col_part_ptr, fprop_ptr, dgrad_ptr, FP8_MAX)
 
 
 @triton.jit
-def hinted_tile_cast(wn, e, pid_n, pid_k, offs_n, offs_k, nmask, kmask, N, K, row_hint_ptr, col_hint_ptr,
-                     row_part_ptr, col_part_ptr, fprop_ptr, dgrad_ptr, FP8_MAX: tl.constexpr):
+def hinted_tile_cast(wn, e, pid_n, pid_k, n_tiles, k_tiles, offs_n, offs_k, nmask, kmask, N, K, row_hint_ptr,
+                     col_hint_ptr, row_part_ptr, col_part_ptr, fprop_ptr, dgrad_ptr, FP8_MAX: tl.constexpr):
     """The one-pass kernel's work on one ``(BN, BK)`` tile ``wn`` of expert ``e`` (in the weights' dtype, zeros
-    outside ``nmask`` x ``kmask``), on a ``(E, N / BN, K / BK)`` grid: its partial amaxes and both hinted casts.
-    Shared with any kernel that has the tile in registers already."""
+    outside ``nmask`` x ``kmask``), tile ``(pid_n, pid_k)`` of ``(n_tiles, k_tiles) = (N / BN, K / BK)``: its partial
+    amaxes and both hinted casts. Shared with any kernel that has the tile in registers already."""
     mask = nmask[:, None] & kmask[None, :]
     wt = tl.trans(wn)  # (BK, BN) in the weights' dtype: the dgrad cast and the column amax read it along rows
     # the tile's partial amaxes (abs and max are exact in any dtype), plain stores: atomic maxes into (E, N) / (E, K)
     # made this kernel 2x slower
-    tl.store(row_part_ptr + (e * tl.num_programs(2) + pid_k) * N + offs_n, tl.max(tl.abs(wn), axis=1).to(tl.float32),
+    tl.store(row_part_ptr + (e * k_tiles + pid_k) * N + offs_n, tl.max(tl.abs(wn), axis=1).to(tl.float32),
              mask=nmask)
-    tl.store(col_part_ptr + (e * tl.num_programs(1) + pid_n) * K + offs_k, tl.max(tl.abs(wt), axis=1).to(tl.float32),
+    tl.store(col_part_ptr + (e * n_tiles + pid_n) * K + offs_k, tl.max(tl.abs(wt), axis=1).to(tl.float32),
              mask=kmask)
     row_scale = _inv(tl.load(row_hint_ptr + e * N + offs_n, mask=nmask, other=1.0))
     col_scale = _inv(tl.load(col_hint_ptr + e * K + offs_k, mask=kmask, other=1.0))
@@ -150,14 +153,20 @@ def _experts_fix_kernel(
                   K, stride_e, stride_n, FB, FC, SEG, EPS, AMAX_MAX, FP8_MAX)
 
 
-#: The one-pass kernel's tile and warps, and the fix kernel's tile.
-#: Chosen on the H100 (``benchmarks/experiments/hinted_weight_cast/``; docs/benchmarks.md section 4, session 22).
-_BN, _BK, _WARPS = 64, 128, 4
+#: The one-pass kernel's tile and warps, and the fix kernel's tile. Chosen on the H100
+#: (``benchmarks/experiments/hinted_weight_cast/``; docs/benchmarks.md section 4, sessions 22 and 26): with tiles along
+#: K first, 64 x 64 was 2-3% faster than session 22's 64 x 128 at all six expert weights (128 x 64 ties).
+_BN, _BK, _WARPS = 64, 64, 4
+#: The one-pass kernel's program order: True, tiles along K first (grid ``(K / BK, N / BN, E)``: consecutive programs
+#: read consecutive pieces of the same rows); False, experts first (grid ``(E, N / BN, K / BK)``). Tiles along K first
+#: were 3-7% faster at every Qwen3, DeepSeek-V3 and Mixtral expert shape, the same bits (H100,
+#: ``benchmarks/experiments/grid_order/``; docs/benchmarks.md section 4, session 26).
+_K_FASTEST = True
 _FB, _FC, _SEG, _FIX_WARPS = 64, 128, 2048, 4
 
 
 def quantize_experts_dual_hinted(w: torch.Tensor, row_hint: torch.Tensor, col_hint: torch.Tensor,
-                                 tile: tuple[int, int, int] | None = None
+                                 tile: tuple[int, int, int] | None = None, k_fastest: bool | None = None
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`fp8kit.moe.rowwise_quant.quantize_experts_dual_ref` reading ``w`` once where the
     hints hold (module docstring): ``(fprop (E, N, K) row-major, fprop_inv (E, N), dgrad (E, K, N) row-major,
@@ -168,13 +177,16 @@ def quantize_experts_dual_hinted(w: torch.Tensor, row_hint: torch.Tensor, col_hi
         row_hint, col_hint: float32 ``(E, N)`` and ``(E, K)``, contiguous: the expected ``fprop_inv`` and
             ``dgrad_inv`` (any values: they change the time, not the result).
         tile: ``(BN, BK, warps)`` of the one-pass kernel (measurements only; default ``_BN, _BK, _WARPS``).
+        k_fastest: the one-pass kernel's program order (measurements only; default ``_K_FASTEST``).
     """
     e, n, k = w.shape
     bn, bk, warps = tile or (_BN, _BK, _WARPS)
+    k_fastest = _K_FASTEST if k_fastest is None else k_fastest
     fprop, dgrad, row_part, col_part = hinted_cast_buffers(w, bn, bk)
-    _experts_hinted_cast_kernel[(e, triton.cdiv(n, bn), triton.cdiv(k, bk))](
+    tiles = (e, triton.cdiv(n, bn), triton.cdiv(k, bk))
+    _experts_hinted_cast_kernel[tiles[::-1] if k_fastest else tiles](
         w, row_hint, col_hint, row_part, col_part, fprop, dgrad, n, k, w.stride(0), w.stride(1),
-        BN=bn, BK=bk, num_warps=warps, FP8_MAX=_KW["FP8_MAX"])
+        BN=bn, BK=bk, num_warps=warps, FP8_MAX=_KW["FP8_MAX"], K_FASTEST=k_fastest)
     return finish_hinted_cast(w, row_hint, col_hint, fprop, dgrad, row_part, col_part)
 
 
