@@ -105,6 +105,21 @@ def main() -> int:
     w = rnd(256, 384, scale=0.02, seed=2)
     each_config(bt, "_weight_quant_kernel", lambda cfg: bt.quantize_weight(w))
     print("weight kernel: every config the same bits", flush=True)
+    # the two program orders (tiles along K first, or rows first) give the same bits
+    flags = bt._ACT_K_FIRST, bt._WEIGHT_K_FIRST
+    try:
+        outs = []
+        for bt._ACT_K_FIRST, bt._WEIGHT_K_FIRST in ((True, True), (False, False)):
+            tuner = bt._weight_quant_kernel
+            bt._weight_quant_kernel = Fixed(tuner, tuner.configs[0])
+            try:
+                outs.append((*act(x), *act(x, "128x128"), *bt.quantize_weight(w)))
+            finally:
+                bt._weight_quant_kernel = tuner
+        same(outs[0], outs[1], "act and weight kernels, tiles along K first vs rows first")
+    finally:
+        bt._ACT_K_FIRST, bt._WEIGHT_K_FIRST = flags
+    print("act and weight kernels: both program orders the same bits", flush=True)
 
     g, u, da = rnd(200, 256, scale=2.0, seed=3), rnd(200, 256, seed=4), rnd(200, 256, scale=1e-3, seed=5)
     g.view(-1)[:6] = torch.tensor([-100.0, -87.5, 0.0, 30.0, 90.0, -1e-20], dtype=torch.bfloat16)
