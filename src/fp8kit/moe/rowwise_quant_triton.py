@@ -369,7 +369,8 @@ def gather_quantize_rows(src: torch.Tensor, index: torch.Tensor, out: tuple[torc
 
 
 def scatter_quantize_rows(src: torch.Tensor, index: torch.Tensor, pair_rows: torch.Tensor,
-                          weight: torch.Tensor | None = None, keep_rows: bool = False, cast: bool = True
+                          weight: torch.Tensor | None = None, keep_rows: bool = False, cast: bool = True,
+                          tile: tuple[int, int] | None = None
                           ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None:
     """:func:`gather_quantize_rows` of ``index`` computed from the tokens' side: each row of ``src`` read once and
     stored at its ``topk`` rows ``pair_rows``, padding rows (``index == T``) zeroed by the same launch; with
@@ -385,6 +386,9 @@ def scatter_quantize_rows(src: torch.Tensor, index: torch.Tensor, pair_rows: tor
         keep_rows: also return the ``(P, K)`` rows in ``src``'s dtype (weighted and rounded with ``weight``).
         cast: False: only the rows (``keep_rows`` implied; ``(None, None, rows)``): the plain gather from the
             tokens' side.
+        tile: ``(ROWS, num_warps)``, token rows per program (a power of two) and its warps (measurements only,
+            ``benchmarks/experiments/scatter_rows/tiles.py``; default ``_row_blocks``'). Any tile gives the same
+            bits.
     """
     keep_rows = keep_rows or not cast
     t, k = src.shape
@@ -392,6 +396,10 @@ def scatter_quantize_rows(src: torch.Tensor, index: torch.Tensor, pair_rows: tor
     rows, block_k, chunks, warps = _row_blocks(k)
     if chunks > 1:
         return None
+    if tile is not None:
+        if tile[0] < 1 or tile[0] & (tile[0] - 1):
+            raise ValueError(f"scatter_quantize_rows: tile rows must be a power of two, got {tile}")
+        rows, warps = tile
     q = torch.empty(p if cast else 0, k, dtype=FP8, device=src.device)
     inv = torch.empty(p if cast else 0, dtype=torch.float32, device=src.device)
     rows_out = torch.empty(p, k, dtype=src.dtype, device=src.device) if keep_rows else None
