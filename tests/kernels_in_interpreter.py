@@ -3,7 +3,8 @@ tests/test_kernels_in_interpreter.py where triton is installed, e.g. ``pip insta
 
 What it checks, every autotune configuration launched in turn (the interpreter has no benchmarker):
 
-- the activation and weight casts give the same bits in every configuration;
+- the activation and weight casts give the same bits in every configuration, and in both program orders (tiles
+  along K first or rows first, including the rows-first fallback past CUDA's grid limit);
 - the fused SwiGLU casts (``fp8.kernels.swiglu_triton``) write exactly the activation kernel's casts of the SwiGLU
   values they computed (``values=True``), and those values are the PyTorch reference's within a bf16 ulp
   (forward) or bf16 rounding (backward, >= 45 dB);
@@ -12,8 +13,10 @@ What it checks, every autotune configuration launched in turn (the interpreter h
 - the rowwise MoE kernels' fusions (``moe.rowwise_quant_triton``: the combine's backward read through the pairs, the
   SwiGLU backward + row cast) give the casts of the same kernels on the materialized input;
 - the expert weights' one-pass cast with scale hints (``moe.rowwise_weights_triton``) gives the two-kernel cast's
-  bits for exact, zero, partly wrong and NaN hints, its fix in one and in several segments, and recasts exactly the
-  rows and columns whose hint was wrong;
+  bits for exact, zero, partly wrong and NaN hints, its fix in one and in several segments, at three tiles and in
+  both program orders (the expert count differs from every tile count, so swapped program ids show), and recasts
+  exactly the rows and columns whose hint was wrong;
+- the scatter dispatch kernel at two more tiles;
 - the FP8AdamW step (``optim.triton_step``, per block and per tensor, stochastic rounding of ``m``) equals the
   reference ``optim.numerics.adamw_update`` bit for bit in ``m``, ``v``, the master and their scales, with the FP8
   gradient buffer and with ``param.grad`` read through the address table by element and by 16-byte vector loads
@@ -106,19 +109,24 @@ def main() -> int:
     each_config(bt, "_weight_quant_kernel", lambda cfg: bt.quantize_weight(w))
     print("weight kernel: every config the same bits", flush=True)
     # the two program orders (tiles along K first, or rows first) give the same bits
-    flags = bt._ACT_K_FIRST, bt._WEIGHT_K_FIRST
+    flags = bt._ACT_K_FIRST, bt._WEIGHT_K_FIRST, bt._MAX_GRID_Y
     try:
         outs = []
-        for bt._ACT_K_FIRST, bt._WEIGHT_K_FIRST in ((True, True), (False, False)):
-            tuner = bt._weight_quant_kernel
+        # K first; rows first; K first asked but past the grid limit (2 row tiles here): the rows-first fallback
+        for bt._ACT_K_FIRST, bt._WEIGHT_K_FIRST, bt._MAX_GRID_Y in ((True, True, flags[2]), (False, False, flags[2]),
+                                                                     (True, True, 1)):
+            tuner, fprop = bt._weight_quant_kernel, bt._act_quant_kernel
             bt._weight_quant_kernel = Fixed(tuner, tuner.configs[0])
+            bt._act_quant_kernel = Fixed(fprop, fprop.configs[0])
             try:
-                outs.append((*act(x), *act(x, "128x128"), *bt.quantize_weight(w)))
+                outs.append((*bt.quantize_act(x), *bt.quantize_act(x, "128x128"), *bt.quantize_act_fprop(x),
+                             *bt.quantize_weight(w)))
             finally:
-                bt._weight_quant_kernel = tuner
+                bt._weight_quant_kernel, bt._act_quant_kernel = tuner, fprop
         same(outs[0], outs[1], "act and weight kernels, tiles along K first vs rows first")
+        same(outs[2], outs[1], "act and weight kernels, the rows-first fallback past the grid limit")
     finally:
-        bt._ACT_K_FIRST, bt._WEIGHT_K_FIRST = flags
+        bt._ACT_K_FIRST, bt._WEIGHT_K_FIRST, bt._MAX_GRID_Y = flags
     print("act and weight kernels: both program orders the same bits", flush=True)
 
     g, u, da = rnd(200, 256, scale=2.0, seed=3), rnd(200, 256, seed=4), rnd(200, 256, scale=1e-3, seed=5)
@@ -232,7 +240,8 @@ def moe_expert_weights_hinted() -> None:
 
     rqt._round_pow2 = _round_pow2
     gen = torch.Generator().manual_seed(14)
-    w = rnd(3, 200, 136, seed=15) * torch.logspace(-3, 2, 200)[None, :, None].to(torch.bfloat16)
+    # 7 experts: unlike every tile count of the tiles below (4 along N; 2, 3 or 5 along K), so swapped program ids show
+    w = rnd(7, 200, 136, seed=15) * torch.logspace(-3, 2, 200)[None, :, None].to(torch.bfloat16)
     ref = rqt.quantize_experts_dual(w)
     rows, cols = ref[1].clone(), ref[3].clone()
     bad_r, bad_c = torch.rand(rows.shape, generator=gen) < 0.05, torch.rand(cols.shape, generator=gen) < 0.05

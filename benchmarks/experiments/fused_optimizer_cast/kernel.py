@@ -1,13 +1,14 @@
-"""Prototype (session 25; measured slower than the unfused path in session 26, README): the FP8AdamW step of one 3-D expert weight that also writes the
-weight's two rowwise E4M3 copies (fprop, dgrad) for the fused MoE experts, from the registers that hold the new
-weights, instead of the fused experts reading the bf16 weights back at the next forward.
+"""Prototype (session 25; measured slower than the unfused path in session 26, README): the FP8AdamW step of one
+3-D expert weight that also writes the weight's two rowwise E4M3 copies (fprop, dgrad) for the fused MoE experts,
+from the registers that hold the new weights, instead of the fused experts reading the bf16 weights back at the
+next forward.
 
 Today, per expert-weight element and optimizer step: the per-block FP8AdamW step moves 14 bytes (reads the bf16
 gradient 2, m 1, v 2, master 2; writes m 1, v 2, master 2, bf16 weight 2), then the next forward's hinted cast
 (``moe.rowwise_weights_triton``) reads the bf16 weight again (2) and writes the two copies (2): 18 bytes. Here the
 step writes the copies itself: 16 bytes, about 11% less, ~1.2 GB per Qwen3-30B-A3B layer (0.5 ms at 2.3 TB/s).
 
-The kernel is the per-block step (``optim.triton_step._update`` / ``_store_scaled``, the same bits) on a 2-D grid of
+The kernel is the per-block step (``optim.triton_step._update`` / ``_store_scaled``, the same bits) on a grid of
 ``(BN rows x 128 columns)`` tiles of one ``(E, N, K)`` weight, whose every row segment of 128 is one FP8AdamW block
 (``K % 128 == 0``, per-block scales of 128), followed by the hinted cast of the new bf16 tile
 (``rowwise_weights_triton.hinted_tile_cast``, the one-pass kernel's body) and the same fix pass

@@ -1,6 +1,6 @@
 # ruff: noqa: B023  (each lambda runs inside its loop iteration)
 """The blockwise recipe's activation and weight casts (``fp8/kernels/blockwise_triton.py``) with their programs in
-two orders: rows first (grid ``(rows / 128, K / 128)``, the shipped order) and tiles along K first (grid
+two orders: rows first (grid ``(rows / 128, K / 128)``, the order before session 26) and tiles along K first (grid
 ``(K / 128, rows / 128)``: consecutive programs read consecutive tiles of the same rows). Each order autotunes on its
 own (``K_FIRST`` is in the autotune key); both must give the same bits. CUDA-graph timing, the orders interleaved over
 ``--repeats`` rounds, Llama-3-8B shapes; bytes per element: 4 (read 2, write two E4M3 copies), 3 for the fprop copy

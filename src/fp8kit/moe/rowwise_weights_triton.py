@@ -155,7 +155,7 @@ def _experts_fix_kernel(
 
 #: The one-pass kernel's tile and warps, and the fix kernel's tile. Chosen on the H100
 #: (``benchmarks/experiments/hinted_weight_cast/``; docs/benchmarks.md section 4, sessions 22 and 26): with tiles along
-#: K first, 64 x 64 was 2-3% faster than session 22's 64 x 128 at all six expert weights (128 x 64 ties).
+#: K first, 64 x 64 was 2.4-3.2% faster than session 22's 64 x 128 at all six expert weights (128 x 64: 1.6-3.2%).
 _BN, _BK, _WARPS = 64, 64, 4
 #: The one-pass kernel's program order: True, tiles along K first (grid ``(K / BK, N / BN, E)``: consecutive programs
 #: read consecutive pieces of the same rows); False, experts first (grid ``(E, N / BN, K / BK)``). Tiles along K first
@@ -192,7 +192,7 @@ def quantize_experts_dual_hinted(w: torch.Tensor, row_hint: torch.Tensor, col_hi
 
 def hinted_cast_buffers(w: torch.Tensor, bn: int, bk: int
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The outputs a ``(E, N / bn, K / bk)`` grid of :func:`hinted_tile_cast` writes for ``(E, N, K)`` weights ``w``:
+    """The outputs :func:`hinted_tile_cast` writes over the ``(bn, bk)`` tiles of ``(E, N, K)`` weights ``w``:
     ``fprop (E, N, K)``, ``dgrad (E, K, N)`` (E4M3), and the partial amaxes ``(E, K / bk, N)``, ``(E, N / bn, K)``."""
     e, n, k = w.shape
     dev = w.device

@@ -15,8 +15,8 @@ test checks it. Layouts are documented there.
 - :func:`quantize_weight`: one program per 128x128 block of ``w[N, K]`` writes ``wq[N, K]`` and
   ``wtq[K, N]`` with the block's scale in both padded scale layouts (padding included).
 
-Both are autotuned over ``CHUNK`` and ``num_warps`` (key: the feature dimensions); every configuration
-computes the same bits.
+Both are autotuned over ``CHUNK`` and ``num_warps`` (key: the feature dimensions and the program order
+``K_FIRST``); every configuration and both orders compute the same bits.
 
 Bytes moved per element of the input: 2 read (bf16) + 2 written (two E4M3 copies) + 8/128 of scales.
 Imported only on CUDA (triton is absent from CPU installs).
