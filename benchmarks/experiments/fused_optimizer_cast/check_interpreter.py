@@ -11,6 +11,7 @@ GPU's, but both paths use the same ones, so equality here checks the indexing, t
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def main() -> int:
     seg_start = torch.tensor(lay.offsets, dtype=torch.int64)
     hint_cases = {"previous scales": (prev[1], prev[3]),
                   "zero hints": (torch.zeros_like(prev[1]), torch.zeros_like(prev[3]))}
-    for name, (rh, ch) in hint_cases.items():
+    for (name, (rh, ch)), k_fastest in itertools.product(hint_cases.items(), (False, True)):  # both program orders
         ref = {k: t.clone() for k, t in {**bufs, "work": work}.items()}
         triton_step.adamw_update_triton(None, None, ref["m"], ref["m_scale"], None, ref["v"], ref["v_scale"], ref["w"],
                                         ref["w_scale"], ref["work"], hp, lay.block_owner, spec, grad_table=table,
@@ -68,7 +69,8 @@ def main() -> int:
         ref_cast = rwt.quantize_experts_dual_hinted(ref["work"][off:off + n_el].view(shape), rh, ch)
         got = {k: t.clone() for k, t in {**bufs, "work": work}.items()}
         got_cast = adamw_step_with_expert_casts(1, shape, got["m"], got["m_scale"], got["v"], got["v_scale"], got["w"],
-                                                got["w_scale"], got["work"], hp, spec, table, seg_start, off, rh, ch)
+                                                got["w_scale"], got["work"], hp, spec, table, seg_start, off, rh, ch,
+                                                k_fastest=k_fastest)
         blocks = slice(off // 128, (off + n_el) // 128)
         for k in ("m", "v", "w", "work"):
             a, b = raw(ref[k][off:off + n_el]), raw(got[k][off:off + n_el])
@@ -77,7 +79,7 @@ def main() -> int:
             assert torch.equal(raw(ref[k][blocks]), raw(got[k][blocks])), f"{name}: {k} differs"
         for j, (a, b) in enumerate(zip(ref_cast, got_cast, strict=True)):
             assert torch.equal(raw(a), raw(b)), f"{name}: cast output {j} differs in {int((raw(a) != raw(b)).sum())}"
-        print(f"{name}: the fused step's states, weights and both copies equal the unfused path's; "
+        print(f"{name}, k_fastest {k_fastest}: the fused step's states, weights and both copies equal the unfused path's; "
               f"rows / columns recast {got_cast[4].tolist()}", flush=True)
     return 0
 

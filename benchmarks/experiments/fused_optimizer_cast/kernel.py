@@ -23,7 +23,13 @@ import triton.language as tl
 
 from fp8kit.fp8.scaling import DTYPE_MAX
 from fp8kit.moe.rowwise_quant_triton import _KW
-from fp8kit.moe.rowwise_weights_triton import finish_hinted_cast, hinted_cast_buffers, hinted_tile_cast
+from fp8kit.moe.rowwise_weights_triton import (
+    expert_tile_grid,
+    expert_tile_ids,
+    finish_hinted_cast,
+    hinted_cast_buffers,
+    hinted_tile_cast,
+)
 from fp8kit.optim.numerics import SR_FORMATS
 from fp8kit.optim.triton_step import _store_scaled, _update, advance_states
 
@@ -36,11 +42,7 @@ def _adamw_expert_cast_kernel(
     V_MAX: tl.constexpr, W_MAX: tl.constexpr, AMAX_EPS: tl.constexpr, M_SR: tl.constexpr, M_MANT: tl.constexpr,
     M_EMIN: tl.constexpr, FP8_MAX: tl.constexpr, K_FASTEST: tl.constexpr,
 ):
-    if K_FASTEST:  # grid (K / 128, N / BN, E)
-        pid_k, pid_n, e = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    else:  # grid (E, N / BN, K / 128)
-        e = tl.program_id(0).to(tl.int64)
-        pid_n, pid_k = tl.program_id(1), tl.program_id(2)
+    e, pid_n, pid_k = expert_tile_ids(K_FASTEST)
     r = tl.arange(0, BN)
     c = tl.arange(0, BLOCK)
     # the tile's first element in the flat layout, and each row's FP8AdamW block
@@ -79,7 +81,7 @@ def adamw_step_with_expert_casts(i, shape, m, m_scale, v, v_scale, master, maste
     w3 = work[offset:offset + e * n * k].view(e, n, k)
     fprop, dgrad, row_part, col_part = hinted_cast_buffers(w3, bn, 128)
     mant, emin = SR_FORMATS.get(m.dtype, (0, 0))
-    _adamw_expert_cast_kernel[(k // 128, n // bn, e) if k_fastest else (e, n // bn, k // 128)](
+    _adamw_expert_cast_kernel[expert_tile_grid(e, n // bn, k // 128, k_fastest)](
         grad_table, seg_start, m, m_scale, v, v_scale, master, master_scale, work, hp, i, offset, row_hint, col_hint,
         row_part, col_part, fprop, dgrad, n, k,
         BN=bn, BLOCK=128, GRAD_VEC=16 // work.element_size(), NUM_T=spec.num_tensors, M_MAX=DTYPE_MAX[m.dtype],

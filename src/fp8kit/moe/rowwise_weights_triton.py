@@ -37,15 +37,27 @@ from fp8kit.moe.rowwise_quant_triton import _KW, FP8, _cast, _inv, _pow2_scale
 
 
 @triton.jit
+def expert_tile_ids(K_FASTEST: tl.constexpr):
+    """``(e (int64), pid_n, pid_k)`` of this program on the grid :func:`expert_tile_grid` launched. Shared with any
+    kernel that walks ``(E, N, K)`` expert weights in tiles."""
+    if K_FASTEST:  # grid (K / BK, N / BN, E): consecutive programs read consecutive pieces of the same rows
+        return tl.program_id(2).to(tl.int64), tl.program_id(1), tl.program_id(0)
+    else:  # grid (E, N / BN, K / BK)
+        return tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+
+
+def expert_tile_grid(e: int, n_tiles: int, k_tiles: int, k_fastest: bool) -> tuple[int, int, int]:
+    """The launch grid of ``(E, N, K)`` expert weights in ``n_tiles x k_tiles`` tiles per expert, tiles along K first
+    or experts first (:func:`expert_tile_ids` reads it back)."""
+    return (k_tiles, n_tiles, e) if k_fastest else (e, n_tiles, k_tiles)
+
+
+@triton.jit
 def _experts_hinted_cast_kernel(
     w_ptr, row_hint_ptr, col_hint_ptr, row_part_ptr, col_part_ptr, fprop_ptr, dgrad_ptr, N, K, stride_e, stride_n,
     BN: tl.constexpr, BK: tl.constexpr, FP8_MAX: tl.constexpr, K_FASTEST: tl.constexpr = False,
 ):
-    if K_FASTEST:  # grid (K / BK, N / BN, E): consecutive programs read consecutive pieces of the same rows
-        pid_k, pid_n, e = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    else:  # grid (E, N / BN, K / BK)
-        e = tl.program_id(0).to(tl.int64)
-        pid_n, pid_k = tl.program_id(1), tl.program_id(2)
+    e, pid_n, pid_k = expert_tile_ids(K_FASTEST)
     offs_n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     offs_k = (pid_k * BK + tl.arange(0, BK)).to(tl.int64)
     nmask = offs_n < N
@@ -183,8 +195,7 @@ def quantize_experts_dual_hinted(w: torch.Tensor, row_hint: torch.Tensor, col_hi
     bn, bk, warps = tile or (_BN, _BK, _WARPS)
     k_fastest = _K_FASTEST if k_fastest is None else k_fastest
     fprop, dgrad, row_part, col_part = hinted_cast_buffers(w, bn, bk)
-    tiles = (e, triton.cdiv(n, bn), triton.cdiv(k, bk))
-    _experts_hinted_cast_kernel[tiles[::-1] if k_fastest else tiles](
+    _experts_hinted_cast_kernel[expert_tile_grid(e, triton.cdiv(n, bn), triton.cdiv(k, bk), k_fastest)](
         w, row_hint, col_hint, row_part, col_part, fprop, dgrad, n, k, w.stride(0), w.stride(1),
         BN=bn, BK=bk, num_warps=warps, FP8_MAX=_KW["FP8_MAX"], K_FASTEST=k_fastest)
     return finish_hinted_cast(w, row_hint, col_hint, fprop, dgrad, row_part, col_part)
