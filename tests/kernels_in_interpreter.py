@@ -212,7 +212,8 @@ def moe_rowwise_fusions() -> None:
     same(rqt.scatter_quantize_rows(x, d.gather_idx, d.pair_rows, cast=False)[2:], (kept,), "moe scatter rows only")
     same(rqt.scatter_quantize_rows(grad, d.gather_idx, d.pair_rows, weight=weights.reshape(-1), keep_rows=True),
          (q, inv, rows), "moe weighted scatter")
-    for tile in ((4, 4), (8, 2)):  # other tiles (token rows per program, warps; 45 tokens: a partial last program)
+    # other tiles (token rows per program, warps; 45 tokens: a partial last program); (0, 0): _row_blocks'
+    for tile in ((4, 4), (8, 2), (0, 0)):
         same(rqt.scatter_quantize_rows(grad, d.gather_idx, d.pair_rows, weight=weights.reshape(-1), keep_rows=True,
                                        tile=tile), (q, inv, rows), f"moe weighted scatter, tile {tile}")
     same(rqt.quantize_group_cols_dual(grad, x, d.offs, d.gather_idx, index_g=token, weight_g=w_row),

@@ -6,6 +6,7 @@ around the committed choice (``_row_blocks``), each checked bit for bit against 
 10 launches, replayed, median of 7 (``benchmarks/experiments/graph_timing.py``).
 
     python benchmarks/experiments/row_casts/bench.py --out /tmp/row_casts.json
+    python benchmarks/experiments/row_casts/bench.py --out /tmp/q.json --models qwen3-30b-a3b --warps 1,2,4,8 --narrow
 """
 
 from __future__ import annotations
@@ -53,11 +54,13 @@ def swiglu(h, rows, block, warps):
     return a, q, inv
 
 
-def configs(k: int, max_block: int):
+def configs(k: int, max_block: int, warps: tuple[int, ...] = (4, 8, 16), narrow: bool = False):
     rows0, block0, _, warps0 = rq._row_blocks(k, max_block)
     blocks = sorted({b for b in (block0 // 2, block0, block0 * 2) if 1024 <= b <= max_block and b // 2 < max(k, 1024)})
+    if narrow:
+        blocks = [block0]
     out = [(rows0, block0, warps0)]
-    for r, b, w in itertools.product((1, 2, 4), blocks, (4, 8, 16)):
+    for r, b, w in itertools.product((1, 2, 4), blocks, warps):
         if r * b <= 32768 and (r, b, w) not in out:
             out.append((r, b, w))
     return out
@@ -66,10 +69,16 @@ def configs(k: int, max_block: int):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--models", default="deepseek-v3,mixtral-8x7b")
+    ap.add_argument("--warps", default="4,8,16", help="warps tried at each rows / chunk width")
+    ap.add_argument("--narrow", action="store_true", help="only the committed chunk width")
     args = ap.parse_args()
+    warps = tuple(int(w) for w in args.warps.split(","))
     rec = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "configs": "ROWS, BLOCK_K, num_warps; the first is the committed _row_blocks choice", "rows": []}
-    for name, (e, topk, hdim, inter) in {"deepseek-v3": (128, 8, 7168, 2048), "mixtral-8x7b": (8, 2, 4096, 14336)}.items():
+    shapes = {"deepseek-v3": (128, 8, 7168, 2048), "mixtral-8x7b": (8, 2, 4096, 14336), "qwen3-30b-a3b": (128, 8, 2048, 768)}
+    for name in args.models.split(","):
+        e, topk, hdim, inter = shapes[name]
         gen = torch.Generator(device="cpu").manual_seed(0)
         idx = torch.rand(TOKENS, e, generator=gen).argsort(dim=1)[:, :topk].cuda()
         d = dispatch(idx, e)
@@ -82,7 +91,7 @@ def main() -> None:
                  ("rows dh", lambda r, b, w: gather(dh, ident, r, b, w), 2 * inter, rq._MAX_BLOCK_K, p * 2 * inter * 3),
                  ("swiglu h", lambda r, b, w: swiglu(dh, r, b, w), inter, rq._MAX_SWIGLU_BLOCK, p * inter * 7)]
         for label, fn, k, max_block, nbytes in cases:
-            cfgs = configs(k, max_block)
+            cfgs = configs(k, max_block, warps, args.narrow)
             ref = fn(*cfgs[0])
             row = {"model": name, "case": label, "P": p, "K": k, "min_bytes": nbytes, "results": []}
             for cfg in cfgs:

@@ -368,6 +368,21 @@ def gather_quantize_rows(src: torch.Tensor, index: torch.Tensor, out: tuple[torc
     return (q, inv) if weight is None and not keep_rows else (q, inv, rows_out)
 
 
+#: (token rows per program, warps) of :func:`scatter_quantize_rows` for every row width, overriding
+#: :func:`_scatter_tile`: a measurement hook (``benchmarks/experiments/scatter_rows/layer.py`` sets it; ``(0, 0)``:
+#: ``_row_blocks``'s tile, the one before session 27). Any tile gives the same bits.
+_SCATTER_TILE: tuple[int, int] | None = None
+
+
+def _scatter_tile(block_k: int) -> tuple[int, int]:
+    """``(ROWS, num_warps)`` of the scatter kernel for rows padded to ``block_k``: 64 elements per thread, at least
+    4096 elements per program. Alone on the H100 the three scatter calls of a Qwen3-30B-A3B layer (hidden 2048) take
+    1.21 ms at (2, 2) against 1.31 ms at ``_row_blocks``' (1, 4); DeepSeek-V3's cast (7168) 0.52 ms at (1, 4) against
+    0.65 at (1, 8); the same bits (``benchmarks/experiments/scatter_rows/``, session 27)."""
+    rows = max(1, 4096 // block_k)
+    return rows, max(1, rows * block_k // 2048)
+
+
 def scatter_quantize_rows(src: torch.Tensor, index: torch.Tensor, pair_rows: torch.Tensor,
                           weight: torch.Tensor | None = None, keep_rows: bool = False, cast: bool = True,
                           tile: tuple[int, int] | None = None
@@ -387,8 +402,8 @@ def scatter_quantize_rows(src: torch.Tensor, index: torch.Tensor, pair_rows: tor
         cast: False: only the rows (``keep_rows`` implied; ``(None, None, rows)``): the plain gather from the
             tokens' side.
         tile: ``(ROWS, num_warps)``, token rows per program (a power of two) and its warps (measurements only,
-            ``benchmarks/experiments/scatter_rows/tiles.py``; default ``_row_blocks``'). Any tile gives the same
-            bits.
+            ``benchmarks/experiments/scatter_rows/tiles.py``; default :func:`_scatter_tile`; ``(0, 0)``:
+            ``_row_blocks``'). Any tile gives the same bits.
     """
     keep_rows = keep_rows or not cast
     t, k = src.shape
@@ -396,7 +411,10 @@ def scatter_quantize_rows(src: torch.Tensor, index: torch.Tensor, pair_rows: tor
     rows, block_k, chunks, warps = _row_blocks(k)
     if chunks > 1:
         return None
-    if tile is not None:
+    tile = _SCATTER_TILE if tile is None else tile
+    if tile is None:
+        rows, warps = _scatter_tile(block_k)
+    elif tile != (0, 0):
         if tile[0] < 1 or tile[0] & (tile[0] - 1):
             raise ValueError(f"scatter_quantize_rows: tile rows must be a power of two, got {tile}")
         rows, warps = tile
