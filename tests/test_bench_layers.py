@@ -229,3 +229,48 @@ def test_blockwise_sites_not_of_128_blocks_are_noted_not_fatal():
     assert {m["site"] for m in rep["measurements"] if m["precision"] == "bf16"} == {"qkv", "proj", "fc1", "fc2"}
     noted = [n for n in rep["notes"] if "not timed" in n]
     assert len(noted) == 2 and all("multiples of 128" in n for n in noted), rep["notes"]
+
+
+def test_fused_experts_are_timed_as_one_mlp_and_both_grouped_sites_carry_it(capsys, tmp_path):
+    """Where the run's FP8 experts take the fused MLP path (``fp8.grouped_kernel = "fused"``; on a Hopper GPU
+    ``auto``), gate_up and down are timed together as that MLP (``ExpertsMLPTimer``, ``auto``'s ``experts.mlp`` unit),
+    in both precisions; both sites carry the unit's times, so the merged policy decides them alike. With the CPU's
+    default (emulated) kernel each grouped site is timed alone, as before."""
+    from fp8kit.moe.grouped_mm import GroupedGemmConfig
+    from fp8kit.selective.policy import merge_reports
+
+    fused = GroupedGemmConfig.for_fp8_recipe("tensorwise", kernel="fused", wgrad="fp8")
+    args = BenchLayersArgs(model=ModelConfig(preset="tiny-moe", num_layers=1), vocab_size=1024, recipe="tensorwise",
+                           warmup=0, iters=1, shape_sweep=[(32, 1), (64, 1)], device="cpu", retime=0, grouped=fused)
+    rep = run_bench_layers(args)
+    grouped = [m for m in rep["measurements"] if m["num_gemms"] is not None]
+    by_kind = {k: {(m["precision"], m["num_tokens"]): m for m in grouped if m["module_kind"] == k}
+               for k in ("column_grouped", "row_grouped")}
+    assert len(by_kind["column_grouped"]) == len(by_kind["row_grouped"]) == 4, grouped  # 2 precisions x 2 points
+    for key, up in by_kind["column_grouped"].items():
+        down = by_kind["row_grouped"][key]
+        assert up["unit"] == down["unit"] == "experts.mlp" and up["ms"] == down["ms"] > 0, (up, down)
+        assert up["tflops"] == pytest.approx(down["tflops"]), (up, down)  # the unit's FLOPs from either site
+        assert up["unit_sites"] == [up["site"], down["site"]], up
+    assert rep["grouped"] == {"kernel": "fused", "wgrad": "fp8", "gemm": "auto"}, rep["grouped"]
+    assert any("timed together as the experts' MLP" in n for n in rep["notes"]), rep["notes"]
+    policy = merge_reports([("unit", rep)], 0.0)
+    up_rules, down_rules = policy.grouped.get("column_grouped", []), policy.grouped.get("row_grouped", [])
+    assert [(r.min_tokens, r.measured_speedup) for r in up_rules] == [
+        (r.min_tokens, r.measured_speedup) for r in down_rules], (up_rules, down_rules)
+    # the CPU default: emulated experts, each grouped site its own GEMMs, no unit
+    plain = run_bench_layers(BenchLayersArgs(**{**args.__dict__, "grouped": None, "precisions": ("bf16",)}))
+    g = [m for m in plain["measurements"] if m["num_gemms"] is not None]
+    assert g and not any("unit" in m for m in g) and plain["grouped"]["kernel"] == "auto", g
+    ups = {m["num_tokens"]: m["ms"] for m in g if m["module_kind"] == "column_grouped"}
+    assert len(ups) == 2, g
+
+
+def test_config_grouped_kernel_reaches_bench_layers(capsys, tmp_path):
+    """``fp8.grouped_kernel`` / ``grouped_wgrad`` / ``grouped_gemm`` of the run config decide how bench-layers times
+    the experts (here fused: one MLP unit), and the report records them."""
+    cfg = _config(tmp_path, '[model]\npreset = "tiny-moe"\n[fp8]\ngrouped_kernel = "fused"\ngrouped_wgrad = "fp8"\n')
+    rep, _ = _bench(capsys, tmp_path, [str(cfg), "--precisions", "bf16"])
+    assert rep["grouped"] == {"kernel": "fused", "wgrad": "fp8", "gemm": "auto"}, rep["grouped"]
+    units = {m["module_kind"] for m in rep["measurements"] if m.get("unit") == "experts.mlp"}
+    assert units == {"column_grouped", "row_grouped"}, rep["measurements"]

@@ -210,6 +210,12 @@ def test_options_from_config_tokens_and_device_warning(tmp_path):
     assert opts.num_tokens == 8192
     assert any("measured on 'NVIDIA H100 80GB HBM3', this run trains on 'NVIDIA A100-SXM4-80GB'" in w for w in opts.warnings)
     assert any("recipe 'rowwise'" in w for w in opts.warnings)
+    # the policy's own note (a stale or CPU-timed policy) reaches the run's warnings
+    data["metadata"]["note"] = "stale: measured before the fused experts"
+    f.write_text(json.dumps(data))
+    opts = options_from_config(cfg, None, device_name="NVIDIA H100 80GB HBM3")
+    assert [w for w in opts.warnings if "stale" in w] == [f"policy {f}: stale: measured before the fused experts"], \
+        opts.warnings
     cfg2 = load_config(None, ["selective.selective_fp8=true", f"selective.fp8_dynamic_policy_path={f}", "selective.fp8_dynamic_num_tokens=16384"])
     assert options_from_config(cfg2).num_tokens == 16384
 
@@ -241,3 +247,16 @@ def test_per_component_policies_for_a_vlm(tmp_path):
     assert vis and llm
     assert all(x.is_fp8 and x.num_tokens == 2048 for x in vis), [x.reason for x in vis]  # 2048 >= 1024
     assert all(not x.is_fp8 and x.num_tokens == 2048 for x in llm), [x.reason for x in llm]  # 2048 < 4096
+
+
+def test_list_policies_shows_each_policys_note(capsys):
+    """``plan --list-policies`` names every shipped policy, with its own note where it has one (the Qwen3-30B-A3B
+    policy measured before the fused experts says it is stale)."""
+    from fp8kit.cli.main import main
+
+    assert main(["plan", "--list-policies"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(list_builtin_policies()), lines
+    (qwen3,) = [x for x in lines if x.startswith("builtin:qwen3-30b-a3b_tensorwise_h100")]
+    assert "(note: stale: measured 2026-11-21" in qwen3, qwen3
+    assert any(x == "builtin:llama3-8b_tensorwise_h100" for x in lines), lines

@@ -21,7 +21,12 @@ expert (its quantization compiled). Their token count is the number of routed (t
 ``tokens x moe_router_topk`` (the unit of the policy's grouped ``min_tokens``), split evenly over the
 ``num_gemms`` local experts. As in training (``fp8kit.moe.grouped_mm``), the FP8 experts run the rowwise
 grouped GEMM for the tensorwise, rowwise and delayed recipes, and the blockwise per-expert loop
-(``moe/grouped_loop.py``) for ``blockwise``.
+(``moe/grouped_loop.py``) for ``blockwise``. Where the run's FP8 experts take the fused path
+(``fp8.grouped_kernel`` resolving to ``fused``: the rowwise recipes on Hopper), a layer's ``gate_up_proj`` and
+``down_proj`` sites are timed together as that MLP (dispatch + casts, both grouped GEMMs, SwiGLU, combine;
+``bench/experts_timer.ExpertsMLPTimer``, the ``experts.mlp`` unit of ``selective_fp8 = "auto"``) and both sites
+carry the unit's time, so a policy decides them together as training runs them (its records say
+``"unit": "experts.mlp"``).
 
 Three ways to run:
 
@@ -45,6 +50,7 @@ from torch import nn
 from fp8kit.base.errors import CapabilityError, ConfigError
 from fp8kit.base.runtime import device_name, launched_rank, launched_world_size, resolve_device, versions
 from fp8kit.base.torchao_lib import torchao_float8
+from fp8kit.bench.experts_timer import ExpertsMLPTimer
 from fp8kit.bench.sites import COLUMN_KINDS, ROW_KINDS, BenchSite, layer_sites
 from fp8kit.bench.timing import suspect_points, time_ms
 from fp8kit.config import ModelConfig
@@ -86,6 +92,8 @@ class BenchLayersArgs:
             times each, and keep the fastest (``bench/timing.py``, ``suspect_points``); 0 turns it off.
         blockwise_wgrad_x: recipe ``blockwise``: the blocks of the wgrad copy of each linear's input
             (``fp8.blockwise_wgrad_x``; ``Float8BlockwiseLinear(wgrad_x=...)``).
+        grouped: how the run's FP8 experts compute (``config.options.grouped_gemm_config``: ``fp8.grouped_kernel``,
+            ``grouped_wgrad``, ``grouped_gemm``); None: ``GroupedGemmConfig.for_fp8_recipe(recipe)``'s defaults.
     """
 
     model: ModelConfig
@@ -104,6 +112,13 @@ class BenchLayersArgs:
     dynamic: bool = True
     retime: int = 2
     blockwise_wgrad_x: str = "128x1"
+    grouped: GroupedGemmConfig | None = None
+
+    def grouped_config(self) -> GroupedGemmConfig:
+        """:attr:`grouped`, or the recipe's default experts config."""
+        if self.grouped is not None:
+            return self.grouped
+        return GroupedGemmConfig.for_fp8_recipe(self.recipe, wgrad_x=self.blockwise_wgrad_x)
 
     def source(self, key: str) -> str:
         """Where ``key`` (one of :data:`SOURCED`) came from; ``"argument"`` when the caller did not say."""
@@ -343,7 +358,7 @@ class _GroupedTimer:
         e = site.num_gemms
         self.weights = [(torch.randn(e, n, k, device=device) * k ** -0.5).to(torch.bfloat16).requires_grad_()
                         for k, n in site.gemms]
-        self.config = GroupedGemmConfig.for_fp8_recipe(args.recipe, wgrad_x=args.blockwise_wgrad_x)
+        self.config = args.grouped_config()
         self.backend = resolve_grouped_kernel(self.config, device) if precision == "fp8" else None
         self.scaling = None  # rowwise grouped GEMM, or blockwise experts for the blockwise recipe (moe/grouped_mm.py)
 
@@ -368,6 +383,53 @@ class _GroupedTimer:
             torch.autograd.backward(outs, grads)
 
         return time_ms(step, device=self.device, warmup=self.args.warmup, iters=self.args.iters, before=reset)
+
+
+class _ExpertsMLPSiteTimer:
+    """Times one MoE layer's expert MLP as a unit at a number of routed pairs: ``gate_up`` (site ``up``) + SwiGLU +
+    ``down`` (site ``down``), forward + backward, as the fused FP8 path runs it (``bench/experts_timer.py``; on one
+    GPU the whole layer with its routing, under expert parallelism the local experts + combine)."""
+
+    scaling = None
+
+    def __init__(self, up: BenchSite, down: BenchSite, precision: str, args: BenchLayersArgs, device: torch.device):
+        self.up, self.down, self.precision, self.args, self.device = up, down, precision, args, device
+        self.grouped = args.grouped_config()
+
+    def __call__(self, num_pairs: int) -> float:
+        timer = ExpertsMLPTimer((self.up.gemms[0], self.down.gemms[0]), self.up.num_gemms, num_pairs, self.precision,
+                                device=self.device, wgrad=self.grouped.wgrad, gemm=self.grouped.gemm,
+                                compile=_compile(self.args, self.device), whole_layer=self.args.ep == 1)
+        try:
+            return timer(warmup=self.args.warmup, iters=self.args.iters)
+        finally:
+            timer.close()
+
+
+def experts_mlp_pairs(sites: list[BenchSite]) -> dict[str, BenchSite]:
+    """``{gate_up site name: down site}``: the grouped sites a fused FP8 expert MLP runs as one unit, a
+    ``column_grouped`` site of one ``(H, 2I)`` weight and a ``row_grouped`` site of one ``(I, H)`` weight in the same
+    component with the same local expert count (the gated MLP of ``ExpertsMLPTimer``). Sites that pair with none are
+    left out (timed alone)."""
+    ups = [s for s in sites if s.module_kind == "column_grouped" and len(s.gemms) == 1]
+    downs = [s for s in sites if s.module_kind == "row_grouped" and len(s.gemms) == 1]
+    out: dict[str, BenchSite] = {}
+    for up in ups:
+        (h, two_i), = up.gemms
+        match = [d for d in downs if d.component == up.component and d.num_gemms == up.num_gemms
+                 and d.gemms[0] == (two_i // 2, h) and two_i % 2 == 0 and d not in out.values()]
+        if match:
+            out[up.name] = match[0]
+    return out
+
+
+def _fused_experts(args: BenchLayersArgs, device: torch.device) -> bool:
+    """Whether the run's FP8 experts take the fused MLP path on ``device`` (``resolve_grouped_kernel``; a GPU that
+    cannot run FP8 experts: False, the per-site timers then note why)."""
+    try:
+        return resolve_grouped_kernel(args.grouped_config(), device) == "fused"
+    except CapabilityError:
+        return False
 
 
 def _compile(args: BenchLayersArgs, device: torch.device) -> bool:
@@ -483,6 +545,16 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
             "casts follow the recipe (fp8_linear_scaling lists the Float8Linear configs); training's TP does "
             "the same (parallel/parallelize.py)"
         )
+    pairs = experts_mlp_pairs(timed) if _fused_experts(args, device) else {}
+    by_name = {s.name: s for s in timed}
+    followers = {down.name: by_name[up_name] for up_name, down in pairs.items()}  # down site -> its unit's up site
+    timed = [s for s in timed if s.name not in followers] + [s for s in timed if s.name in followers]  # units first
+    for up_name, down in pairs.items():
+        g = args.grouped_config()
+        notes.append(f"{up_name} + {down.name}: timed together as the experts' MLP (the fused FP8 path training "
+                     f"runs: dispatch, both grouped GEMMs, SwiGLU, combine; fp8.grouped_wgrad = {g.wgrad}, "
+                     f"grouped_gemm = {g.gemm}); both sites carry the unit's time")
+    unit_recs: dict[tuple[str, str], list[dict]] = {}
     measurements = []
     scaling: dict[str, str] | None = None  # read back from the timed Float8Linear modules
     grouped_note = "grouped sites: the FP8 grouped GEMM scales rowwise whatever the recipe, as in training"
@@ -495,9 +567,20 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
         task = progress.add_task("bench", total=total, info="")
         for site in timed:
             for precision in args.precisions:
+                if site.name in followers:  # the down projection of a unit: the unit's records, under its own key
+                    up = followers[site.name]
+                    if (up.name, precision) not in unit_recs:
+                        notes.append(f"{site.name} {precision}: not timed (timed with {up.name}, which was not)")
+                    measurements.extend(_record(site, r, topk) for r in unit_recs.get((up.name, precision), []))
+                    progress.advance(task, len(sweep))
+                    continue
                 try:
-                    timer = (_GroupedTimer(site, precision, args, device) if site.is_grouped
-                             else _Timer(site, precision, args, device, mesh))
+                    if site.name in pairs:
+                        timer = _ExpertsMLPSiteTimer(site, pairs[site.name], precision, args, device)
+                    elif site.is_grouped:
+                        timer = _GroupedTimer(site, precision, args, device)
+                    else:
+                        timer = _Timer(site, precision, args, device, mesh)
                 except CapabilityError as e:  # FP8 grouped experts on a GPU without the kernel, a blockwise shape not of 128-blocks
                     notes.append(f"{site.name} {precision}: not timed: {e}")
                     progress.advance(task, len(sweep))
@@ -510,21 +593,19 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
                     tokens = seq * mbs * (topk if site.is_grouped else 1)
                     progress.update(task, info=f"{site.name} {precision} {tokens} tokens")
                     ms, err = _measure(timer, tokens, device, mesh)
-                    rec = {
-                        "site": site.name, "component": site.component, "module_kind": site.module_kind,
-                        "ub_name": site.ub_name, "tp": args.tp if not site.is_grouped else None,
-                        "etp": site.etp, "num_gemms": site.num_gemms, "num_tokens": tokens,
-                        "seq_length": seq, "micro_batch_size": mbs, "precision": precision, "ms": ms,
-                        "topk": topk if site.is_grouped else None,
-                        "tflops": (site.flops(tokens) / (ms * 1e-3) / 1e12) if ms else None,
-                    }
+                    rec = {"num_tokens": tokens, "seq_length": seq, "micro_batch_size": mbs, "precision": precision,
+                           "ms": ms, "tp": args.tp}
                     if err:
                         rec["error"] = err
-                    recs.append(rec)
+                    if site.name in pairs:
+                        rec.update(unit="experts.mlp", unit_sites=[site.name, pairs[site.name].name])
+                    recs.append(_record(site, rec, topk))
                     progress.advance(task)
                 if args.retime:
                     progress.update(task, info=f"{site.name} {precision}: re-timing spikes")
                     _retime_spikes(recs, timer, site, device, mesh, args.retime)
+                    recs = [_record(site, r, topk) for r in recs]  # tflops of the re-timed ms
+                unit_recs[(site.name, precision)] = recs
                 measurements.extend(recs)
                 del timer
     report = {
@@ -535,6 +616,7 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
         "device_type": device.type,
         "versions": versions(),
         "recipe": args.recipe,
+        "grouped": {k: getattr(args.grouped_config(), k) for k in ("kernel", "wgrad", "gemm")},
         "sources": {key: args.source(key) for key in SOURCED},
         "fp8_linear_scaling": scaling,
         "model": args.model.hf_config or args.model.preset,
@@ -554,6 +636,21 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
     if device.type == "cpu":
         report["note"] = CPU_NOTE
     return report
+
+
+def _record(site: BenchSite, rec: dict, topk: int) -> dict:
+    """``rec`` (``num_tokens``, ``precision``, ``ms``, ``tp`` and the rest of a measurement) keyed to ``site``, its
+    TFLOP/s from ``ms``: the site's GEMMs, or both sites' of an ``experts.mlp`` unit (``unit_sites``; the down site
+    of a unit gets the unit's records with its own key)."""
+    tokens, ms = rec["num_tokens"], rec["ms"]
+    flops = site.flops(tokens)
+    if "unit" in rec:  # (H, 2I) + (I, H): 3 H I per token and GEMM, from either site
+        (k, n), = site.gemms
+        flops = 6.0 * tokens * 3 * (k * n // 2 if site.module_kind == "column_grouped" else k * n)
+    return {**rec, "site": site.name, "component": site.component, "module_kind": site.module_kind,
+            "ub_name": site.ub_name, "tp": rec["tp"] if not site.is_grouped else None, "etp": site.etp,
+            "num_gemms": site.num_gemms, "topk": topk if site.is_grouped else None,
+            "tflops": (flops / (ms * 1e-3) / 1e12) if ms else None}
 
 
 def moe_router_topk(model: ModelConfig, vocab_size: int) -> int:

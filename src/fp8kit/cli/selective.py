@@ -178,10 +178,11 @@ def run(args: argparse.Namespace) -> int:
     console = make_console()
     if args.command == "plan":
         if args.list_policies:
-            from fp8kit.selective.policy import list_builtin_policies
+            from fp8kit.selective.policy import list_builtin_policies, load_policy
 
             for name in list_builtin_policies():
-                print(f"builtin:{name}")
+                note = load_policy(f"builtin:{name}").metadata.get("note")
+                print(f"builtin:{name}" + (f"  (note: {note})" if note else ""))
             return 0
         return _plan(load_config(args.config, args.overrides), args.json, console)
     if args.command == "merge-policy":
@@ -266,6 +267,7 @@ def _plan_auto(cfg, sites, decisions, options):
 def _bench(args: argparse.Namespace, console) -> int:
     from fp8kit.bench.layers import BenchLayersArgs, auto_sweep, parse_shape_sweep, run_bench_layers
     from fp8kit.config import load_config
+    from fp8kit.config.options import grouped_for_fp8
     from fp8kit.selective.policy import merge_reports
 
     given = _env(args)
@@ -287,6 +289,7 @@ def _bench(args: argparse.Namespace, console) -> int:
         shape_sweep=parse_shape_sweep(args.shape_sweep) if args.shape_sweep else auto_sweep(args.max_tokens),
         device=args.device, simulate_tp=args.simulate_tp, compile=args.compile,
         blockwise_wgrad_x=cfg.fp8.blockwise_wgrad_x,
+        grouped=grouped_for_fp8(cfg.fp8.model_copy(update={"recipe": values["recipe"]})),
     )
     main_rank = launched_rank() == 0
     if main_rank:

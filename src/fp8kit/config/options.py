@@ -136,6 +136,8 @@ def decide_options(fp8: FP8Config, selective: SelectiveConfig | None, *, mixed_p
                 warnings.append(
                     f"policy {pol.source} was measured with recipe {meta['recipe']!r}, this run uses {fp8.recipe!r}"
                 )
+            if meta.get("note"):  # what the policy's own file says about it (a CPU policy, a stale one)
+                warnings.append(f"policy {pol.source}: {meta['note']}")
             if device_name and meta.get("device") and meta["device"] != device_name:
                 warnings.append(
                     f"policy {pol.source} was measured on {meta['device']!r}, this run trains on {device_name!r}: "
