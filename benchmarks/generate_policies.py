@@ -1,7 +1,8 @@
 """Generate the shipped adaptive-FP8 policies on a GPU: bench-layers reports + merged policies.
 
 For each model preset and FP8 recipe: TP 1 measured, TP 2/4/8 simulated (per-rank shard shapes on one
-GPU; ``simulated_tp: true`` in the report and ``_sim`` in its file name). Reports go to
+GPU; ``simulated_tp: true`` in the report and ``_sim`` in its file name); for a MoE preset TP 1 at each of its
+EP sizes (``_ep<N>`` in the file name; the experts timed as the fused MLP where they run fused). Reports go to
 ``OUT/reports/``; ``--merge`` then writes ``src/fp8kit/policies/<preset>_<recipe>_<gpu>.json`` and copies the
 reports it merged to ``benchmarks/results/policy_reports/`` (what ``check_policies.py`` reads; run it on any
 machine: merging needs no GPU). Configs whose report exists are skipped, and the run
@@ -9,6 +10,7 @@ stops cleanly before ``--budget-s`` so a lease's time limit never loses finished
 
     python benchmarks/generate_policies.py --out /tmp/pol --presets llama3-8b,qwen2.5-72b --budget-s 500
     python benchmarks/generate_policies.py --out /tmp/pol --merge --gpu h100
+    python benchmarks/generate_policies.py --out /tmp/pol --presets qwen3-30b-a3b --recipes tensorwise --max-tokens 16384
 """
 
 from __future__ import annotations
@@ -19,35 +21,47 @@ import time
 from pathlib import Path
 
 PRESET_TPS = {"llama3-8b": (1, 2, 4, 8), "qwen2.5-72b": (1, 2, 4, 8), "llama3-1b": (1,)}
+#: MoE presets: TP 1 at each EP size (one GPU: 128 local experts; EP 8: 16), as the shipped policy was measured
+PRESET_EPS = {"qwen3-30b-a3b": (1, 8)}
 RECIPES = ("tensorwise", "rowwise")
 
 
-def report_name(preset: str, recipe: str, tp: int) -> str:
+def layouts(preset: str) -> list[tuple[int, int | None]]:
+    """``(tp, ep)`` of each report of ``preset`` (``ep`` None for a dense preset)."""
+    if preset in PRESET_EPS:
+        return [(1, ep) for ep in PRESET_EPS[preset]]
+    return [(tp, None) for tp in PRESET_TPS[preset]]
+
+
+def report_name(preset: str, recipe: str, tp: int, ep: int | None = None) -> str:
+    if ep is not None:
+        return f"{preset}_{recipe}_tp{tp}_ep{ep}.json"
     return f"{preset}_{recipe}_tp{tp}{'_sim' if tp > 1 else ''}.json"
 
 
 def bench(args) -> None:
     from fp8kit.bench.layers import BenchLayersArgs, auto_sweep, run_bench_layers
     from fp8kit.config import load_config
+    from fp8kit.config.options import grouped_gemm_config
 
     out = Path(args.out) / "reports"
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     for preset in args.presets.split(","):
         for recipe in args.recipes.split(","):
-            for tp in PRESET_TPS[preset]:
-                path = out / report_name(preset, recipe, tp)
+            for tp, ep in layouts(preset):
+                path = out / report_name(preset, recipe, tp, ep)
                 if path.exists():
                     continue
                 if time.time() - start > args.budget_s:
                     print(f"budget reached, stopping before {path.name}", flush=True)
                     return
                 t0 = time.time()
-                cfg = load_config(None, [f"model.preset={preset}", "model.num_layers=1"])
+                cfg = load_config(None, [f"model.preset={preset}", "model.num_layers=1", f"fp8.recipe={recipe}"])
                 rep = run_bench_layers(BenchLayersArgs(
-                    model=cfg.model, vocab_size=cfg.data.vocab_size, tp=tp, simulate_tp=tp > 1, recipe=recipe,
-                    warmup=args.warmup,
-                    iters=args.iters, shape_sweep=auto_sweep(args.max_tokens),
+                    model=cfg.model, vocab_size=cfg.data.vocab_size, tp=tp, ep=ep or 1, simulate_tp=tp > 1,
+                    recipe=recipe, warmup=args.warmup, iters=args.iters, shape_sweep=auto_sweep(args.max_tokens),
+                    grouped=grouped_gemm_config(cfg),
                 ))
                 path.write_text(json.dumps(rep, indent=1) + "\n")
                 print(f"{path.name}: {time.time() - t0:.0f} s", flush=True)
@@ -62,7 +76,7 @@ def merge(args) -> None:
     kept.mkdir(parents=True, exist_ok=True)
     for preset in args.presets.split(","):
         for recipe in args.recipes.split(","):
-            names = [report_name(preset, recipe, tp) for tp in PRESET_TPS[preset]]
+            names = [report_name(preset, recipe, tp, ep) for tp, ep in layouts(preset)]
             found = [(n, json.loads((src / n).read_text())) for n in names if (src / n).exists()]
             if not found:
                 continue

@@ -212,6 +212,9 @@ def moe_rowwise_fusions() -> None:
     same(rqt.scatter_quantize_rows(x, d.gather_idx, d.pair_rows, cast=False)[2:], (kept,), "moe scatter rows only")
     same(rqt.scatter_quantize_rows(grad, d.gather_idx, d.pair_rows, weight=weights.reshape(-1), keep_rows=True),
          (q, inv, rows), "moe weighted scatter")
+    # the shipped tile rule (H100 sweep, session 27): 64 elements per thread, at least 4096 per program
+    got = {w: rqt._scatter_tile(w) for w in (256, 1024, 2048, 4096, 8192)}
+    assert got == {256: (16, 2), 1024: (4, 2), 2048: (2, 2), 4096: (1, 2), 8192: (1, 4)}, got
     # other tiles (token rows per program, warps; 45 tokens: a partial last program); (0, 0): _row_blocks'
     for tile in ((4, 4), (8, 2), (0, 0)):
         same(rqt.scatter_quantize_rows(grad, d.gather_idx, d.pair_rows, weight=weights.reshape(-1), keep_rows=True,

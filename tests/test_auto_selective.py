@@ -322,8 +322,10 @@ def test_experts_running_the_fused_mlp_are_one_unit_timed_and_decided_together()
     assert len(mlp) == 2 and all(len(u.fqns) == 2 for u in mlp), [(u.name, u.fqns) for u in units]
     shape = mlp[0].shape
     assert shape.mlp and shape.gemms == ((256, 256), (128, 256)) and shape.num_tokens == 64 and shape.num_gemms == 8
-    assert shape.describe() == "8 experts, 64 pairs: MLP 256x256 -> 128x256", shape.describe()
-    assert auto_units(fp8, ep=2, fused_experts=True, **kw)[-1].shape.num_gemms == 4
+    assert shape.describe() == "8 experts, 64 pairs (top-2): MLP 256x256 -> 128x256", shape.describe()
+    assert shape.topk == 2 and shape.to_dict()["topk"] == 2, shape  # timed with the run's routing, keyed by it
+    ep2 = auto_units(fp8, ep=2, fused_experts=True, **kw)[-1].shape
+    assert ep2.num_gemms == 4 and ep2.topk == 1 and "topk" not in ep2.to_dict(), ep2  # EP: one row per received token
     assert not any(u.shape.mlp for u in auto_units(fp8, ep=1, **kw))  # per weight: experts.fc1 / experts.fc2
     one = [s for s in fp8 if not s.fqn.endswith("layers.0.mlp.experts.down_proj")]
     names = [u.name for u in auto_units(one, ep=1, fused_experts=True, **kw) if "experts" in u.name]
@@ -361,7 +363,7 @@ def test_fused_expert_mlp_is_measured_on_cpu_and_its_wgrad_is_part_of_the_cache_
     out = run("auto")
     rows = [r for r in out.info["rows"] if "experts" in r["shape"]]
     assert len(rows) == 1 and rows[0]["units"] == "experts.mlp" and rows[0]["error"] is None, out.info["rows"]
-    assert rows[0]["shape"] == "8 experts, 64 pairs: MLP 256x256 -> 128x256" and rows[0]["bf16_ms"] > 0
+    assert rows[0]["shape"] == "8 experts, 64 pairs (top-2): MLP 256x256 -> 128x256" and rows[0]["bf16_ms"] > 0
     experts = [d for d in out.decisions if d.site.is_grouped_weight]
     assert len(experts) == 2 and len({d.precision for d in experts}) == 1 and all(d.rule == "auto" for d in experts)
     assert run("auto").info["measured"] == 0, "the second start-up must read the cache"
@@ -407,6 +409,17 @@ def test_the_expert_mlp_timer_runs_the_layer_in_both_precisions():
     assert fp8(warmup=0, iters=1) > 0
     with pytest.raises(ValueError, match="not \\(\\(H, 2I\\), \\(I, H\\)\\)"):
         ExpertsMLPTimer(((128, 192), (128, 96)), 4, 70, "bf16", **kw)
+    # one GPU's layer routes top-k as the run does: 72 pairs = 18 tokens x 4 distinct experts each, 18 pairs per
+    # expert (the dispatch's scatter path from top-4 on CUDA); under expert parallelism one row per received token
+    whole = ExpertsMLPTimer(((128, 192), (96, 128)), 4, 72, "fp8", whole_layer=True, topk=4, **kw)
+    assert whole.x.shape == (18, 128) and whole.ids.shape == (18, 4) and whole.ones.shape == (18, 4), whole.ids.shape
+    assert all(len(set(r.tolist())) == 4 for r in whole.ids), whole.ids
+    assert torch.bincount(whole.ids.flatten(), minlength=4).tolist() == [18] * 4
+    assert whole.fn(whole.x).shape == (18, 128) and whole(warmup=0, iters=1) > 0
+    ep = ExpertsMLPTimer(((128, 192), (96, 128)), 4, 72, "fp8", whole_layer=False, topk=4, **kw)
+    assert ep.x.shape == (72, 128) and ep.ids.shape == (72, 1), ep.ids.shape
+    with pytest.raises(ValueError, match="topk 5 must be in \\[1, 4\\]"):
+        ExpertsMLPTimer(((128, 192), (96, 128)), 4, 72, "fp8", whole_layer=True, topk=5, **kw)
 
 
 def test_with_accumulation_the_expert_mlp_is_timed_casting_its_weights_once_per_optimizer_step(tmp_path):

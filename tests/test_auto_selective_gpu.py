@@ -86,7 +86,7 @@ def test_expert_mlp_unit_is_timed_through_the_fused_fp8_mlp(tmp_path):
     compiled; the Qwen3 preset's ``auto`` start-up then has one MLP row per distinct expert shape."""
     from fp8kit.moe.grouped_mm import GroupedGemmConfig
 
-    shape = AutoShape(((2048, 1536), (768, 2048)), 16384 * 8, 128, mlp=True)
+    shape = AutoShape(((2048, 1536), (768, 2048)), 16384 * 8, 128, mlp=True, topk=8)
     m = measure_shapes([(shape, "experts.mlp")], recipe="tensorwise", device=torch.device("cuda"), tp=1, ep=1,
                        cache=AutoCache(tmp_path), compile=True, grouped=GroupedGemmConfig())
     t = m.timings[shape]

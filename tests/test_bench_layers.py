@@ -244,16 +244,20 @@ def test_fused_experts_are_timed_as_one_mlp_and_both_grouped_sites_carry_it(caps
                            warmup=0, iters=1, shape_sweep=[(32, 1), (64, 1)], device="cpu", retime=0, grouped=fused)
     rep = run_bench_layers(args)
     grouped = [m for m in rep["measurements"] if m["num_gemms"] is not None]
+    assert len(grouped) == 8, grouped  # 2 sites x 2 precisions x 2 points, none twice
     by_kind = {k: {(m["precision"], m["num_tokens"]): m for m in grouped if m["module_kind"] == k}
                for k in ("column_grouped", "row_grouped")}
     assert len(by_kind["column_grouped"]) == len(by_kind["row_grouped"]) == 4, grouped  # 2 precisions x 2 points
+    (h, two_i), = next(s for s in rep["sites"] if s["module_kind"] == "column_grouped")["gemms"]
     for key, up in by_kind["column_grouped"].items():
         down = by_kind["row_grouped"][key]
         assert up["unit"] == down["unit"] == "experts.mlp" and up["ms"] == down["ms"] > 0, (up, down)
-        assert up["tflops"] == pytest.approx(down["tflops"]), (up, down)  # the unit's FLOPs from either site
+        unit_tflops = 6 * up["num_tokens"] * (h * two_i + two_i // 2 * h) / (up["ms"] * 1e-3) / 1e12
+        assert up["tflops"] == pytest.approx(unit_tflops) and down["tflops"] == pytest.approx(unit_tflops), (up, down)
         assert up["unit_sites"] == [up["site"], down["site"]], up
     assert rep["grouped"] == {"kernel": "fused", "wgrad": "fp8", "gemm": "auto"}, rep["grouped"]
-    assert any("timed together as the experts' MLP" in n for n in rep["notes"]), rep["notes"]
+    assert any("timed together as the experts' MLP" in n and "tokens routed top-2" in n for n in rep["notes"]), \
+        rep["notes"]
     policy = merge_reports([("unit", rep)], 0.0)
     up_rules, down_rules = policy.grouped.get("column_grouped", []), policy.grouped.get("row_grouped", [])
     assert [(r.min_tokens, r.measured_speedup) for r in up_rules] == [
@@ -274,3 +278,34 @@ def test_config_grouped_kernel_reaches_bench_layers(capsys, tmp_path):
     assert rep["grouped"] == {"kernel": "fused", "wgrad": "fp8", "gemm": "auto"}, rep["grouped"]
     units = {m["module_kind"] for m in rep["measurements"] if m.get("unit") == "experts.mlp"}
     assert units == {"column_grouped", "row_grouped"}, rep["measurements"]
+
+
+def test_a_retimed_unit_point_reaches_both_expert_sites(monkeypatch):
+    """A spiked experts.mlp point is timed again; both the gate_up and the down site keep the re-timed ms, with
+    TFLOP/s of that ms (the down site copies the unit's records after the re-timing)."""
+    from fp8kit.bench import layers
+    from fp8kit.moe.grouped_mm import GroupedGemmConfig
+
+    real_call, spiked = layers._ExpertsMLPSiteTimer.__call__, []
+
+    def call(self, num_pairs):
+        ms = real_call(self, num_pairs)
+        if num_pairs == 256 and not spiked:
+            spiked.append(ms * 1000)
+            return spiked[0]
+        return ms
+
+    monkeypatch.setattr(layers._ExpertsMLPSiteTimer, "__call__", call)
+    args = BenchLayersArgs(model=ModelConfig(preset="tiny-moe", num_layers=1), vocab_size=1024, recipe="tensorwise",
+                           precisions=("bf16",), warmup=0, iters=1, shape_sweep=[(64, 1), (128, 1), (256, 1)],
+                           device="cpu", retime=2,
+                           grouped=GroupedGemmConfig.for_fp8_recipe("tensorwise", kernel="fused", wgrad="fp8"))
+    rep = run_bench_layers(args)
+    recs = [m for m in rep["measurements"] if m.get("unit") == "experts.mlp" and m["num_tokens"] == 256]
+    assert len(recs) == 2 and {m["module_kind"] for m in recs} == {"column_grouped", "row_grouped"}, recs
+    (h, two_i), = next(s for s in rep["sites"] if s["module_kind"] == "column_grouped")["gemms"]
+    for m in recs:  # 256 pairs: the (128, 1) point at top-2
+        assert spiked and m["timings"][0] == spiked[0] and m["ms"] == min(m["timings"]) < spiked[0] / 10, m
+        tflops = 6 * 256 * (h * two_i + two_i // 2 * h) / (m["ms"] * 1e-3) / 1e12  # of the re-timed ms
+        assert m["tflops"] == pytest.approx(tflops), (m, tflops)
+    assert recs[0]["ms"] == recs[1]["ms"], recs

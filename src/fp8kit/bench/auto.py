@@ -220,7 +220,8 @@ def _time_one(shape: AutoShape, name: str, precision: str, *, recipe: str, devic
     expert MLP shape: ``bench/experts_timer.ExpertsMLPTimer``)."""
     if shape.mlp:
         timer = ExpertsMLPTimer(shape.gemms, shape.num_gemms, shape.num_tokens, precision, device=device, wgrad=wgrad,
-                                gemm=gemm, compile=compile, accumulate=accumulate, whole_layer=ep == 1)
+                                gemm=gemm, compile=compile, accumulate=accumulate, whole_layer=ep == 1,
+                                topk=shape.topk)
         try:
             return timer(warmup=warmup, iters=iters)
         finally:

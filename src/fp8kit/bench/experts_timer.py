@@ -2,8 +2,11 @@
 ``selective_fp8 = "auto"`` (``selective/auto.py``).
 
 The experts are a transformers ``Qwen3MoeExperts`` (gated SiLU, concatenated halves: the gate the fused path
-computes), fed ``P`` routed rows spread evenly over the ``E`` local experts (one expert per row; on one GPU the
-dispatch gathers ``topk`` rows per token, the same kernels). Each precision runs the module the run would hold:
+computes), fed ``P`` routed rows spread evenly over the ``E`` local experts. On one GPU (``whole_layer``) they come
+from ``P / topk`` tokens routed to ``topk`` distinct experts each, as the run routes them (from top-4 the dispatch
+casts run from the tokens' side, ``moe/rowwise_quant.SCATTER_MIN_TOPK``: a top-1 stand-in would time the other
+kernel); under expert parallelism one row per received token (top-1, as the all-to-all delivers them). Each
+precision runs the module the run would hold:
 
 - one GPU (``whole_layer``): BF16 experts stay the transformers module (``parallel/convert.py`` swaps only experts with
   an FP8 weight), run through its ``grouped_mm`` experts implementation (:data:`HF_EXPERTS_IMPLEMENTATION`, what
@@ -45,6 +48,12 @@ def balanced_ids(rows: int, experts: int, device: torch.device) -> torch.Tensor:
     return (torch.arange(rows, device=device) * experts // max(rows, 1))[:, None]
 
 
+def balanced_topk_ids(tokens: int, topk: int, experts: int, device: torch.device) -> torch.Tensor:
+    """``(tokens, topk)`` experts of each token: ``topk`` distinct experts per token (``topk <= experts``), the
+    ``tokens * topk`` pairs spread over the experts within one (``(t * topk + j) mod experts``)."""
+    return (torch.arange(tokens * topk, device=device) % experts).view(tokens, topk)
+
+
 def experts_layer(w_up: torch.Tensor, w_down: torch.Tensor, precision: str, wgrad: str,
                   gemm: str = "auto", cache_weights: bool = False, hf_bf16: bool = False) -> nn.Module:
     """A ``Float8GroupedExperts`` over ``w_up`` (E, 2I, H) and ``w_down`` (E, H, I) (taken over as its Parameters):
@@ -73,6 +82,8 @@ class ExpertsMLPTimer:
         gemms: ``((H, 2I), (I, H))``: gate_up's and down's ``(K, N)`` per expert (``AutoShape.gemms`` of an ``mlp``
             shape).
         experts: local experts ``E``; rows: routed rows ``P``.
+        topk: experts per token on one GPU (``whole_layer``): ``P // topk`` tokens routed to ``topk`` distinct
+            experts each; ignored under expert parallelism (one row per received token).
         precision: ``"bf16"`` or ``"fp8"`` (fused rowwise FP8 MLP).
         wgrad: the fused path's wgrad precision (``fp8.grouped_wgrad``: ``auto``, ``fp8`` or ``bf16``).
         gemm: how the fused path runs its GEMMs (``fp8.grouped_gemm``: ``auto``, ``grouped`` or ``loop``).
@@ -85,13 +96,15 @@ class ExpertsMLPTimer:
             docstring); False: ``local_experts`` + ``combine`` of a ``Float8GroupedExperts`` in both (expert parallel).
 
     Raises:
-        ValueError: ``gemms`` not the two GEMMs of one gated MLP.
+        ValueError: ``gemms`` not the two GEMMs of one gated MLP; ``topk`` not in ``[1, experts]``.
         CapabilityError: (when called) FP8 on a GPU without the FP8 grouped GEMM.
     """
 
     def __init__(self, gemms: tuple[tuple[int, int], ...], experts: int, rows: int, precision: str, *,
                  device: torch.device, wgrad: str = "auto", gemm: str = "auto", compile: bool = False,
-                 accumulate: int = 1, whole_layer: bool = False):
+                 accumulate: int = 1, whole_layer: bool = False, topk: int = 1):
+        if not 1 <= topk <= experts:
+            raise ValueError(f"ExpertsMLPTimer: topk {topk} must be in [1, {experts}] (distinct experts per token)")
         if len(gemms) != 2 or gemms[0][1] != 2 * gemms[1][0] or gemms[0][0] != gemms[1][1]:
             raise ValueError(f"ExpertsMLPTimer: gemms {gemms} are not ((H, 2I), (I, H)) of one gated MLP")
         (h, two_i), (inter, _) = gemms
@@ -103,10 +116,13 @@ class ExpertsMLPTimer:
                                    hf_bf16=whole_layer)
         self.accumulate = max(1, accumulate)
         self.whole_layer = whole_layer
-        self.x = torch.randn(rows, h, generator=g, device=device).to(torch.bfloat16).requires_grad_()
-        self.dy = torch.randn(rows, h, generator=g, device=device).to(torch.bfloat16)
-        self.ones = torch.ones(rows, 1, device=device, dtype=torch.bfloat16)
-        self.ids = balanced_ids(rows, experts, device)
+        self.topk = topk if whole_layer else 1
+        tokens = max(1, rows // self.topk)
+        self.x = torch.randn(tokens, h, generator=g, device=device).to(torch.bfloat16).requires_grad_()
+        self.dy = torch.randn(tokens, h, generator=g, device=device).to(torch.bfloat16)
+        self.ones = torch.full((tokens, self.topk), 1.0 / self.topk, device=device, dtype=torch.bfloat16)
+        self.ids = (balanced_topk_ids(tokens, self.topk, experts, device) if self.topk > 1
+                    else balanced_ids(tokens, experts, device))
         self.d = routing.dispatch(self.ids, experts)
         self.fn = torch.compile(self._forward) if compile else self._forward
 

@@ -12,8 +12,8 @@ config's ``fp8.recipe`` unless ``--recipe`` overrides it; resolved by ``fp8kit.c
 report's ``fp8_linear_scaling`` is read back from the modules that were timed.
 
 Modules are compiled (``torch.compile``, the token dimension marked dynamic so one compilation serves
-the whole sweep), as ``train.compile`` compiles them in training; on the CPU they run eagerly unless
-asked.
+the whole sweep; an ``experts.mlp`` unit, below, compiles each point for its static shape), as
+``train.compile`` compiles them in training; on the CPU they run eagerly unless asked.
 
 Grouped (MoE expert) sites time the expert GEMMs as training runs them (``fp8kit.moe``): BF16 through
 ``torch._grouped_mm`` on the unpadded rows, FP8 through the FP8 grouped GEMM on rows padded to 16 per
@@ -23,8 +23,9 @@ expert (its quantization compiled). Their token count is the number of routed (t
 grouped GEMM for the tensorwise, rowwise and delayed recipes, and the blockwise per-expert loop
 (``moe/grouped_loop.py``) for ``blockwise``. Where the run's FP8 experts take the fused path
 (``fp8.grouped_kernel`` resolving to ``fused``: the rowwise recipes on Hopper), a layer's ``gate_up_proj`` and
-``down_proj`` sites are timed together as that MLP (dispatch + casts, both grouped GEMMs, SwiGLU, combine;
-``bench/experts_timer.ExpertsMLPTimer``, the ``experts.mlp`` unit of ``selective_fp8 = "auto"``) and both sites
+``down_proj`` sites are timed together as that MLP (dispatch + casts, both grouped GEMMs, SwiGLU, combine; on one
+GPU the tokens routed top-k as the model routes them; ``bench/experts_timer.ExpertsMLPTimer``, the ``experts.mlp``
+unit of ``selective_fp8 = "auto"``) and both sites
 carry the unit's time, so a policy decides them together as training runs them (its records say
 ``"unit": "experts.mlp"``).
 
@@ -88,6 +89,7 @@ class BenchLayersArgs:
         compile: ``torch.compile`` the modules; ``None``: on CUDA, eager on the CPU.
         dynamic: mark the token dimension dynamic (one compilation serves a sweep); ``False`` compiles for
             the one token count timed (``selective_fp8 = "auto"``: static shapes, as training compiles).
+            ``experts.mlp`` units always compile per point (static).
         retime: after each site's sweep, time the points that look like spikes again, up to this many more
             times each, and keep the fastest (``bench/timing.py``, ``suspect_points``); 0 turns it off.
         blockwise_wgrad_x: recipe ``blockwise``: the blocks of the wgrad copy of each linear's input
@@ -388,18 +390,34 @@ class _GroupedTimer:
 class _ExpertsMLPSiteTimer:
     """Times one MoE layer's expert MLP as a unit at a number of routed pairs: ``gate_up`` (site ``up``) + SwiGLU +
     ``down`` (site ``down``), forward + backward, as the fused FP8 path runs it (``bench/experts_timer.py``; on one
-    GPU the whole layer with its routing, under expert parallelism the local experts + combine)."""
+    GPU the whole layer with its top-``topk`` routing, under expert parallelism the local experts + combine). Each
+    point is its own static-shape compile (training compiles one shape).
+
+    Raises:
+        CapabilityError: FP8 on a device that cannot run the fused experts (at construction, so the run notes it).
+    """
 
     scaling = None
 
-    def __init__(self, up: BenchSite, down: BenchSite, precision: str, args: BenchLayersArgs, device: torch.device):
+    def __init__(self, up: BenchSite, down: BenchSite, precision: str, args: BenchLayersArgs, device: torch.device,
+                 topk: int):
         self.up, self.down, self.precision, self.args, self.device = up, down, precision, args, device
         self.grouped = args.grouped_config()
+        self.topk = min(topk, up.num_gemms) if args.ep == 1 else 1
+        if precision == "fp8":  # the config ExpertsMLPTimer builds (experts_timer.experts_layer)
+            resolve_grouped_kernel(GroupedGemmConfig(kernel="fused", wgrad=self.grouped.wgrad, gemm=self.grouped.gemm),
+                                   device)
 
     def __call__(self, num_pairs: int) -> float:
+        if _compile(self.args, self.device):
+            # one static-shape compile per point, as training compiles its one shape: without the reset dynamo would
+            # mark the rows dynamic from the second point on (slower routing kernels than any run compiles) and
+            # reach its per-code-object cache limit (eager) within a sweep
+            torch._dynamo.reset()
         timer = ExpertsMLPTimer((self.up.gemms[0], self.down.gemms[0]), self.up.num_gemms, num_pairs, self.precision,
                                 device=self.device, wgrad=self.grouped.wgrad, gemm=self.grouped.gemm,
-                                compile=_compile(self.args, self.device), whole_layer=self.args.ep == 1)
+                                compile=_compile(self.args, self.device), whole_layer=self.args.ep == 1,
+                                topk=self.topk)
         try:
             return timer(warmup=self.args.warmup, iters=self.args.iters)
         finally:
@@ -408,16 +426,17 @@ class _ExpertsMLPSiteTimer:
 
 def experts_mlp_pairs(sites: list[BenchSite]) -> dict[str, BenchSite]:
     """``{gate_up site name: down site}``: the grouped sites a fused FP8 expert MLP runs as one unit, a
-    ``column_grouped`` site of one ``(H, 2I)`` weight and a ``row_grouped`` site of one ``(I, H)`` weight in the same
-    component with the same local expert count (the gated MLP of ``ExpertsMLPTimer``). Sites that pair with none are
-    left out (timed alone)."""
+    ``column_grouped`` site of one ``(H, 2I)`` weight and a ``row_grouped`` site of one ``(I, H)`` weight of the same
+    experts module (their layer-0 FQNs share the parent) with the same local expert count (the gated MLP of
+    ``ExpertsMLPTimer``). Sites that pair with none are left out (timed alone)."""
     ups = [s for s in sites if s.module_kind == "column_grouped" and len(s.gemms) == 1]
     downs = [s for s in sites if s.module_kind == "row_grouped" and len(s.gemms) == 1]
     out: dict[str, BenchSite] = {}
     for up in ups:
         (h, two_i), = up.gemms
         match = [d for d in downs if d.component == up.component and d.num_gemms == up.num_gemms
-                 and d.gemms[0] == (two_i // 2, h) and two_i % 2 == 0 and d not in out.values()]
+                 and d.gemms[0] == (two_i // 2, h) and two_i % 2 == 0 and d not in out.values()
+                 and [f.rsplit(".", 1)[0] for f in d.fqns[:1]] == [f.rsplit(".", 1)[0] for f in up.fqns[:1]]]
         if match:
             out[up.name] = match[0]
     return out
@@ -545,15 +564,17 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
             "casts follow the recipe (fp8_linear_scaling lists the Float8Linear configs); training's TP does "
             "the same (parallel/parallelize.py)"
         )
-    pairs = experts_mlp_pairs(timed) if _fused_experts(args, device) else {}
+    pairs = experts_mlp_pairs(timed) if any(s.is_grouped for s in timed) and _fused_experts(args, device) else {}
     by_name = {s.name: s for s in timed}
     followers = {down.name: by_name[up_name] for up_name, down in pairs.items()}  # down site -> its unit's up site
     timed = [s for s in timed if s.name not in followers] + [s for s in timed if s.name in followers]  # units first
     for up_name, down in pairs.items():
         g = args.grouped_config()
+        routed = f"tokens routed top-{min(topk, down.num_gemms)}" if args.ep == 1 else "one row per received token"
         notes.append(f"{up_name} + {down.name}: timed together as the experts' MLP (the fused FP8 path training "
-                     f"runs: dispatch, both grouped GEMMs, SwiGLU, combine; fp8.grouped_wgrad = {g.wgrad}, "
-                     f"grouped_gemm = {g.gemm}); both sites carry the unit's time")
+                     f"runs: dispatch, both grouped GEMMs, SwiGLU, combine; {routed}; fp8.grouped_wgrad = {g.wgrad}, "
+                     f"grouped_gemm = {g.gemm}; one static-shape compile per point); both sites carry the unit's "
+                     "time")
     unit_recs: dict[tuple[str, str], list[dict]] = {}
     measurements = []
     scaling: dict[str, str] | None = None  # read back from the timed Float8Linear modules
@@ -576,7 +597,7 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
                     continue
                 try:
                     if site.name in pairs:
-                        timer = _ExpertsMLPSiteTimer(site, pairs[site.name], precision, args, device)
+                        timer = _ExpertsMLPSiteTimer(site, pairs[site.name], precision, args, device, topk)
                     elif site.is_grouped:
                         timer = _GroupedTimer(site, precision, args, device)
                     else:

@@ -402,8 +402,8 @@ def scatter_quantize_rows(src: torch.Tensor, index: torch.Tensor, pair_rows: tor
         cast: False: only the rows (``keep_rows`` implied; ``(None, None, rows)``): the plain gather from the
             tokens' side.
         tile: ``(ROWS, num_warps)``, token rows per program (a power of two) and its warps (measurements only,
-            ``benchmarks/experiments/scatter_rows/tiles.py``; default :func:`_scatter_tile`; ``(0, 0)``:
-            ``_row_blocks``'). Any tile gives the same bits.
+            ``benchmarks/experiments/scatter_rows/tiles.py``; default ``_SCATTER_TILE`` where set, else
+            :func:`_scatter_tile`; ``(0, 0)``: ``_row_blocks``'). Any tile gives the same bits.
     """
     keep_rows = keep_rows or not cast
     t, k = src.shape

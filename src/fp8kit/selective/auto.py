@@ -65,32 +65,39 @@ class AutoShape:
         num_gemms: local experts per rank (``num_experts / ep``) of a grouped unit, else None.
         mlp: a grouped unit of both expert weights, ``gemms = ((H, 2I), (I, H))``, timed as the whole gated MLP
             (gate_up -> SwiGLU -> down, the fused rowwise FP8 path against BF16's grouped GEMMs).
+        topk: an ``mlp`` unit on one GPU: experts per token (the routing timed: ``num_tokens / topk`` tokens, top-k
+            as the run routes them); 1 under expert parallelism (one row per received token).
     """
 
     gemms: tuple[tuple[int, int], ...]
     num_tokens: int
     num_gemms: int | None = None
     mlp: bool = False
+    topk: int = 1
 
     @property
     def is_grouped(self) -> bool:
         return self.num_gemms is not None
 
     def describe(self) -> str:
-        """``8192x4096x14336 (x2)``: M x K x N per distinct GEMM; ``64 experts, 4096 pairs: 2048x768`` grouped."""
+        """``8192x4096x14336 (x2)``: M x K x N per distinct GEMM; ``64 experts, 4096 pairs: 2048x768`` grouped
+        (``... pairs (top-8): MLP ...`` for an expert MLP timed with its top-k routing)."""
         counts: OrderedDict[tuple[int, int], int] = OrderedDict()
         for g in self.gemms:
             counts[g] = counts.get(g, 0) + 1
         if self.is_grouped:
             parts = [f"{k}x{n}" + (f" (x{c})" if c > 1 else "") for (k, n), c in counts.items()]
             what = "MLP " + " -> ".join(parts) if self.mlp else ", ".join(parts)
-            return f"{self.num_gemms} experts, {self.num_tokens} pairs: {what}"
+            routed = f" (top-{self.topk})" if self.topk > 1 else ""
+            return f"{self.num_gemms} experts, {self.num_tokens} pairs{routed}: {what}"
         return ", ".join(f"{self.num_tokens}x{k}x{n}" + (f" (x{c})" if c > 1 else "") for (k, n), c in counts.items())
 
     def to_dict(self) -> dict:
         d = {"gemms": [list(g) for g in self.gemms], "num_tokens": self.num_tokens, "num_gemms": self.num_gemms}
         if self.mlp:  # only then: the cache keys of other shapes stay what they were
             d["mlp"] = True
+        if self.topk > 1:  # an expert MLP timed with its top-k routing (before session 27: top-1 rows)
+            d["topk"] = self.topk
         return d
 
 
@@ -198,7 +205,8 @@ def auto_units(sites: Iterable[Site], *, tp: int, ep: int, num_tokens: Mapping[s
                 up = next(m for m in members if m.ub_name == "fc1")
                 down = next(m for m in members if m.ub_name == "fc2")
                 gemms = ((up.in_features, up.out_features), (down.in_features, down.out_features))
-                shape = AutoShape(gemms, tokens * topk, first.num_gemms // ep, mlp=True)
+                shape = AutoShape(gemms, tokens * topk, first.num_gemms // ep, mlp=True,
+                                  topk=min(topk, first.num_gemms) if ep == 1 else 1)
             else:
                 shape = AutoShape(((first.in_features, first.out_features),), tokens * topk, first.num_gemms // ep)
         else:
