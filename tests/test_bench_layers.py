@@ -191,20 +191,26 @@ def test_suspect_points_flag_the_spike_of_a_real_report():
     assert suspect_points([1024, 2048, 4096], [0.1, None, 0.3]) == []
 
 
-def test_run_bench_layers_retimes_a_spiked_point_and_keeps_the_fastest(monkeypatch):
-    """A point timed 1000x too slow once is timed again; the report keeps the re-timed value and the spike."""
-    from fp8kit.bench import layers
-
-    real_call, spiked = layers._Timer.__call__, []
+def _spike_once(monkeypatch, timer_cls, at: int) -> list[float]:
+    """Make ``timer_cls``'s first timing at ``at`` tokens 1000x too slow; the returned list gets that spiked value."""
+    real_call, spiked = timer_cls.__call__, []
 
     def call(self, num_tokens):
         ms = real_call(self, num_tokens)
-        if num_tokens == 128 and not spiked:
+        if num_tokens == at and not spiked:
             spiked.append(ms * 1000)
             return spiked[0]
         return ms
 
-    monkeypatch.setattr(layers._Timer, "__call__", call)
+    monkeypatch.setattr(timer_cls, "__call__", call)
+    return spiked
+
+
+def test_run_bench_layers_retimes_a_spiked_point_and_keeps_the_fastest(monkeypatch):
+    """A point timed 1000x too slow once is timed again; the report keeps the re-timed value and the spike."""
+    from fp8kit.bench import layers
+
+    spiked = _spike_once(monkeypatch, layers._Timer, 128)
     args = BenchLayersArgs(model=ModelConfig(num_layers=1), vocab_size=1024, recipe="tensorwise",
                            precisions=("bf16",), warmup=0, iters=1,
                            shape_sweep=[(64, 1), (128, 1), (256, 1)], device="cpu")
@@ -286,16 +292,7 @@ def test_a_retimed_unit_point_reaches_both_expert_sites(monkeypatch):
     from fp8kit.bench import layers
     from fp8kit.moe.grouped_mm import GroupedGemmConfig
 
-    real_call, spiked = layers._ExpertsMLPSiteTimer.__call__, []
-
-    def call(self, num_pairs):
-        ms = real_call(self, num_pairs)
-        if num_pairs == 256 and not spiked:
-            spiked.append(ms * 1000)
-            return spiked[0]
-        return ms
-
-    monkeypatch.setattr(layers._ExpertsMLPSiteTimer, "__call__", call)
+    spiked = _spike_once(monkeypatch, layers._ExpertsMLPSiteTimer, 256)
     args = BenchLayersArgs(model=ModelConfig(preset="tiny-moe", num_layers=1), vocab_size=1024, recipe="tensorwise",
                            precisions=("bf16",), warmup=0, iters=1, shape_sweep=[(64, 1), (128, 1), (256, 1)],
                            device="cpu", retime=2,

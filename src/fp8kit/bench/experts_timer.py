@@ -54,6 +54,12 @@ def balanced_topk_ids(tokens: int, topk: int, experts: int, device: torch.device
     return (torch.arange(tokens * topk, device=device) % experts).view(tokens, topk)
 
 
+def unit_config(wgrad: str = "auto", gemm: str = "auto", cache_weights: bool = False) -> GroupedGemmConfig:
+    """The ``GroupedGemmConfig`` an FP8 ``experts.mlp`` unit runs: the fused rowwise MLP with the run's
+    ``fp8.grouped_wgrad`` / ``grouped_gemm`` (``resolve_grouped_kernel`` of it tells whether the device can)."""
+    return GroupedGemmConfig(kernel="fused", wgrad=wgrad, gemm=gemm, cache_weights=cache_weights)
+
+
 def experts_layer(w_up: torch.Tensor, w_down: torch.Tensor, precision: str, wgrad: str,
                   gemm: str = "auto", cache_weights: bool = False, hf_bf16: bool = False) -> nn.Module:
     """A ``Float8GroupedExperts`` over ``w_up`` (E, 2I, H) and ``w_down`` (E, H, I) (taken over as its Parameters):
@@ -71,8 +77,7 @@ def experts_layer(w_up: torch.Tensor, w_down: torch.Tensor, precision: str, wgra
         cfg._experts_implementation = HF_EXPERTS_IMPLEMENTATION
         return src
     fp8 = frozenset(WEIGHTS) if precision == "fp8" else frozenset()
-    return Float8GroupedExperts(src, fp8, GroupedGemmConfig(kernel="fused", wgrad=wgrad, gemm=gemm,
-                                                                  cache_weights=cache_weights))
+    return Float8GroupedExperts(src, fp8, unit_config(wgrad, gemm, cache_weights))
 
 
 class ExpertsMLPTimer:

@@ -51,7 +51,7 @@ from torch import nn
 from fp8kit.base.errors import CapabilityError, ConfigError
 from fp8kit.base.runtime import device_name, launched_rank, launched_world_size, resolve_device, versions
 from fp8kit.base.torchao_lib import torchao_float8
-from fp8kit.bench.experts_timer import ExpertsMLPTimer
+from fp8kit.bench.experts_timer import ExpertsMLPTimer, unit_config
 from fp8kit.bench.sites import COLUMN_KINDS, ROW_KINDS, BenchSite, layer_sites
 from fp8kit.bench.timing import suspect_points, time_ms
 from fp8kit.config import ModelConfig
@@ -404,9 +404,8 @@ class _ExpertsMLPSiteTimer:
         self.up, self.down, self.precision, self.args, self.device = up, down, precision, args, device
         self.grouped = args.grouped_config()
         self.topk = min(topk, up.num_gemms) if args.ep == 1 else 1
-        if precision == "fp8":  # the config ExpertsMLPTimer builds (experts_timer.experts_layer)
-            resolve_grouped_kernel(GroupedGemmConfig(kernel="fused", wgrad=self.grouped.wgrad, gemm=self.grouped.gemm),
-                                   device)
+        if precision == "fp8":  # the config ExpertsMLPTimer runs
+            resolve_grouped_kernel(unit_config(self.grouped.wgrad, self.grouped.gemm), device)
 
     def __call__(self, num_pairs: int) -> float:
         if _compile(self.args, self.device):
