@@ -61,7 +61,7 @@ def bench(args) -> None:
                 rep = run_bench_layers(BenchLayersArgs(
                     model=cfg.model, vocab_size=cfg.data.vocab_size, tp=tp, ep=ep or 1, simulate_tp=tp > 1,
                     recipe=recipe, warmup=args.warmup, iters=args.iters, shape_sweep=auto_sweep(args.max_tokens),
-                    grouped=grouped_gemm_config(cfg),
+                    grouped=grouped_gemm_config(cfg), dynamic=args.dynamic,
                 ))
                 path.write_text(json.dumps(rep, indent=1) + "\n")
                 print(f"{path.name}: {time.time() - t0:.0f} s", flush=True)
@@ -96,6 +96,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=32768)
     ap.add_argument("--budget-s", type=float, default=480)
+    ap.add_argument("--dynamic", action="store_true",
+                    help="one dynamic-shape compilation per site (the pre-session-28 method; under-times FP8)")
     ap.add_argument("--merge", action="store_true")
     ap.add_argument("--gpu", default="h100")
     ap.add_argument("--speedup-threshold", type=float, default=1.0)

@@ -250,13 +250,30 @@ def test_per_component_policies_for_a_vlm(tmp_path):
 
 
 def test_list_policies_shows_each_policys_note(capsys):
-    """``plan --list-policies`` names every shipped policy, with its own note where it has one (the Qwen3-30B-A3B
-    policy measured before the fused experts says it is stale)."""
+    """``plan --list-policies`` names every shipped policy, with its own note where it has one: the policies still
+    merged from dynamic-shape reports say so, those re-measured with static shapes (session 28) carry no note."""
     from fp8kit.cli.main import main
 
     assert main(["plan", "--list-policies"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == len(list_builtin_policies()), lines
-    (qwen3,) = [x for x in lines if x.startswith("builtin:qwen3-30b-a3b_tensorwise_h100")]
-    assert "(note: stale: measured 2026-11-21" in qwen3, qwen3
-    assert any(x == "builtin:llama3-8b_tensorwise_h100" for x in lines), lines
+    (rowwise,) = [x for x in lines if x.startswith("builtin:llama3-8b_rowwise_h100")]
+    assert "(note: FP8 timed with a dynamic-shape compile (llama3-8b_rowwise_tp1.json" in rowwise, rowwise
+    for name in ("llama3-8b_tensorwise_h100", "llama3-8b_delayed_h100", "qwen3-30b-a3b_tensorwise_h100"):
+        assert f"builtin:{name}" in lines, (name, lines)  # no note
+
+
+def test_merge_notes_reports_compiled_with_a_dynamic_token_dimension():
+    """A policy merged from a compiled report that is not ``compile_shapes = "static"`` (``--dynamic``, or written
+    before the field existed) says it under-uses FP8 and names the report; static or CPU (eager) reports do not."""
+    curves = {("layernorm_column", "qkv", 1, None): {1024: 0.9, 4096: 1.2}}
+    static = {**_report(curves=curves), "compiled": True, "compile_shapes": "static"}
+    old = {**_report(curves=curves, tp=2), "compiled": True}
+    dynamic = {**_report(curves=curves, tp=4), "compiled": True, "compile_shapes": "dynamic"}
+    assert "note" not in merge_reports([("s.json", static)]).metadata
+    note = merge_reports([("s.json", static), ("old.json", old), ("dyn.json", dynamic)]).metadata["note"]
+    assert note.startswith("FP8 timed with a dynamic-shape compile (old.json, dyn.json)"), note
+    meta = merge_reports([("s.json", static), ("old.json", old)]).metadata["reports"]
+    assert [r["compile_shapes"] for r in meta] == ["static", "dynamic"], meta
+    cpu = {**_report(curves=curves), "device_type": "cpu", "compiled": False}
+    assert merge_reports([("cpu.json", cpu)]).metadata["note"] == "CPU timings: for testing the workflow, not for a GPU policy"

@@ -11,9 +11,10 @@ The FP8 linears are torchao ``Float8Linear`` modules built from :attr:`BenchLaye
 config's ``fp8.recipe`` unless ``--recipe`` overrides it; resolved by ``fp8kit.cli.selective``); the
 report's ``fp8_linear_scaling`` is read back from the modules that were timed.
 
-Modules are compiled (``torch.compile``, the token dimension marked dynamic so one compilation serves
-the whole sweep; an ``experts.mlp`` unit, below, compiles each point for its static shape), as
-``train.compile`` compiles them in training; on the CPU they run eagerly unless asked.
+Modules are compiled (``torch.compile``) for each token count's static shape, after a dynamo reset, as
+``train.compile`` compiles one shape in training; on the CPU they run eagerly unless asked. (``--dynamic``: one
+compilation with the token dimension dynamic serves the sweep; faster to run, but it times FP8's casts slower
+than training runs them, see :attr:`BenchLayersArgs.dynamic`.)
 
 Grouped (MoE expert) sites time the expert GEMMs as training runs them (``fp8kit.moe``): BF16 through
 ``torch._grouped_mm`` on the unpadded rows, FP8 through the FP8 grouped GEMM on rows padded to 16 per
@@ -87,9 +88,13 @@ class BenchLayersArgs:
         device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         simulate_tp: time the per-rank shapes of ``tp > 1`` on one device, without communication.
         compile: ``torch.compile`` the modules; ``None``: on CUDA, eager on the CPU.
-        dynamic: mark the token dimension dynamic (one compilation serves a sweep); ``False`` compiles for
-            the one token count timed (``selective_fp8 = "auto"``: static shapes, as training compiles).
-            ``experts.mlp`` units always compile per point (static).
+        dynamic: ``False`` (default): compile each token count for its static shape, after a dynamo reset, as
+            training compiles its one shape (and as ``selective_fp8 = "auto"`` times). ``True``: mark the token
+            dimension dynamic so one compilation serves the sweep: faster to run, but Inductor's FP8 casts and
+            amax reductions compiled for a symbolic row count run slower than training's (measured on the H100:
+            Qwen3-30B-A3B's FP8 ``qkv`` at 16384 tokens 2.08 ms dynamic vs 1.29 ms static, docs/benchmarks.md
+            section 2), so a policy from such a report under-uses FP8. ``experts.mlp`` units always compile per
+            point (static).
         retime: after each site's sweep, time the points that look like spikes again, up to this many more
             times each, and keep the fastest (``bench/timing.py``, ``suspect_points``); 0 turns it off.
         blockwise_wgrad_x: recipe ``blockwise``: the blocks of the wgrad copy of each linear's input
@@ -111,7 +116,7 @@ class BenchLayersArgs:
     device: str = "auto"
     simulate_tp: bool = False
     compile: bool | None = None
-    dynamic: bool = True
+    dynamic: bool = False
     retime: int = 2
     blockwise_wgrad_x: str = "128x1"
     grouped: GroupedGemmConfig | None = None
@@ -306,13 +311,20 @@ class _Timer:
         self.tp = mesh.size() if mesh is not None else 1
         self.module = build_site_module(site, precision, args.recipe, device, mesh, wgrad_x=args.blockwise_wgrad_x)
         self.scaling = float8_linear_scaling(self.module) if precision == "fp8" else None
-        if _compile(args, device):
+        self.fn, self._static_rows = self.module, None
+        if _compile(args, device) and args.dynamic:
             # Every site compiles SiteModule.forward: drop earlier entries so dynamo's per-code-object
             # cache limit never silently sends a site back to eager.
             torch._dynamo.reset()
             self.fn = torch.compile(self.module)
-        else:
-            self.fn = self.module
+
+    def _compiled_for(self, rows: int):
+        """The module compiled for ``rows`` input rows (static shapes; a fresh compile whenever the row count
+        changes, after a dynamo reset, so no cache entry or automatic-dynamic mark carries over between points)."""
+        if self._static_rows != rows:
+            torch._dynamo.reset()
+            self.fn, self._static_rows = torch.compile(self.module, dynamic=False), rows
+        return self.fn
 
     def __call__(self, num_tokens: int) -> float:
         k = self.site.gemms[0][0]
@@ -320,8 +332,11 @@ class _Timer:
         if self.mesh is not None and self.site.module_kind not in ("row", "row_grouped"):
             rows = num_tokens // self.tp  # sequence-parallel input shard, all-gathered by the layer
         x = torch.randn(rows, k, device=self.device, dtype=torch.bfloat16, requires_grad=True)
-        if _compile(self.args, self.device) and self.args.dynamic:
-            torch._dynamo.mark_dynamic(x, 0)
+        if _compile(self.args, self.device):
+            if self.args.dynamic:
+                torch._dynamo.mark_dynamic(x, 0)
+            else:
+                self._compiled_for(rows)
         # Output shapes per rank: column sites give [tokens, N/tp]; row sites [tokens, N], reduce-scattered
         # to [tokens/tp, N] under real TP. (Computed, not probed: a probe would compile a second graph.)
         row_tp = self.mesh is not None and self.site.module_kind in ("row", "row_grouped")
@@ -645,6 +660,7 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
         "simulated_tp": bool(args.tp > 1 and args.simulate_tp),
         "world_size": world,
         "compiled": _compile(args, device),
+        "compile_shapes": ("dynamic" if args.dynamic else "static") if _compile(args, device) else None,
         "timing": "device queue: GPU held while the host enqueues, host launch overhead hidden"
         if device.type == "cuda" else "host perf_counter per iteration",
         "warmup": args.warmup, "iters": args.iters, "retime": args.retime,

@@ -76,6 +76,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--no-compile", dest="compile", action="store_false", default=None,
                    help="time eager modules (default: compiled on CUDA, eager on CPU)")
     p.add_argument("--compile", dest="compile", action="store_true", help="compile also on CPU")
+    p.add_argument("--dynamic", action="store_true",
+                   help="one compilation with the token dimension dynamic for the whole sweep (faster to run; "
+                   "FP8's casts then run slower than in training, so the policy under-uses FP8). Default: each "
+                   "token count compiled for its static shape, as training compiles")
 
     p = sub.add_parser("merge-policy",
                        help="merge bench-layers reports into a policy JSON (selective FP8, step 2)")
@@ -287,7 +291,7 @@ def _bench(args: argparse.Namespace, console) -> int:
         precisions=tuple(p.strip() for p in args.precisions.split(",") if p.strip()),
         warmup=args.warmup, iters=args.iters, retime=args.retime,
         shape_sweep=parse_shape_sweep(args.shape_sweep) if args.shape_sweep else auto_sweep(args.max_tokens),
-        device=args.device, simulate_tp=args.simulate_tp, compile=args.compile,
+        device=args.device, simulate_tp=args.simulate_tp, compile=args.compile, dynamic=args.dynamic,
         blockwise_wgrad_x=cfg.fp8.blockwise_wgrad_x,
         grouped=grouped_for_fp8(cfg.fp8.model_copy(update={"recipe": values["recipe"]})),
     )

@@ -327,13 +327,38 @@ def merge_reports(
         "component": component or "all",
         "reports": [
             {"name": Path(n).name, "tp": r.get("tp"), "ep": r.get("ep"), "etp": r.get("etp"),
-             "simulated_tp": r.get("simulated_tp"), "device": r.get("device"), "date": r.get("date")}
+             "simulated_tp": r.get("simulated_tp"), "device": r.get("device"), "date": r.get("date"),
+             "compile_shapes": report_compile_shapes(r)}
             for n, r in reports
         ],
     }
+    notes = []
     if any(r.get("device_type") == "cpu" for r in reps):
-        policy.metadata["note"] = "CPU timings: for testing the workflow, not for a GPU policy"
+        notes.append("CPU timings: for testing the workflow, not for a GPU policy")
+    dynamic = [Path(n).name for n, r in reports if report_compile_shapes(r) == "dynamic"]
+    if dynamic:
+        notes.append(DYNAMIC_NOTE.format(reports=", ".join(dynamic)))
+    if notes:
+        policy.metadata["note"] = "; ".join(notes)
     return policy
+
+
+#: the note of a policy merged from reports whose sites were compiled with a dynamic token dimension
+DYNAMIC_NOTE = (
+    "FP8 timed with a dynamic-shape compile ({reports}): Inductor's FP8 casts for a symbolic row count run slower "
+    "than training's static compile (on the H100, Qwen3-30B-A3B's FP8 qkv at 16384 tokens took 2.08 ms against "
+    "1.28 ms; docs/benchmarks.md section 2, session 28), so this policy keeps sites BF16 that run faster in FP8. "
+    "Prefer selective_fp8 = 'auto', or regenerate the reports with bench-layers' default (static) compile"
+)
+
+
+def report_compile_shapes(report: dict) -> str | None:
+    """How a bench-layers report compiled its dense sites: ``"static"`` (one compile per token count, since
+    session 28), ``"dynamic"`` (one compile with the token dimension dynamic: ``--dynamic``, and every compiled
+    report written before the field existed), or None (eager)."""
+    if not report.get("compiled"):
+        return None
+    return report.get("compile_shapes", "dynamic")
 
 
 def grid_check(reports: list[dict], policy: Policy, tolerance: float = 0.02, component: str | None = None) -> dict:
