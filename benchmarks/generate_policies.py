@@ -11,12 +11,18 @@ stops cleanly before ``--budget-s`` so a lease's time limit never loses finished
     python benchmarks/generate_policies.py --out /tmp/pol --presets llama3-8b,qwen2.5-72b --budget-s 500
     python benchmarks/generate_policies.py --out /tmp/pol --merge --gpu h100
     python benchmarks/generate_policies.py --out /tmp/pol --presets qwen3-30b-a3b --recipes tensorwise --max-tokens 16384
+    python benchmarks/generate_policies.py --out /tmp/pol --presets qwen2.5-72b --recipes delayed,blockwise --gpus 4
+
+``--gpus N`` runs one worker per GPU of the host (each takes the next unclaimed report), N times the throughput.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -39,6 +45,22 @@ def report_name(preset: str, recipe: str, tp: int, ep: int | None = None) -> str
     return f"{preset}_{recipe}_tp{tp}{'_sim' if tp > 1 else ''}.json"
 
 
+def jobs(args) -> list[tuple[str, str, int, int | None]]:
+    """Every ``(preset, recipe, tp, ep)`` report of ``--presets`` x ``--recipes``, in order."""
+    return [(preset, recipe, tp, ep) for preset in args.presets.split(",") for recipe in args.recipes.split(",")
+            for tp, ep in layouts(preset)]
+
+
+def _claim(path: Path) -> bool:
+    """Take ``path``'s report for this worker (an exclusively created ``.claim`` file beside it); False when
+    another worker has it."""
+    try:
+        os.close(os.open(path.with_suffix(".claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
 def bench(args) -> None:
     from fp8kit.bench.layers import BenchLayersArgs, auto_sweep, run_bench_layers
     from fp8kit.config import load_config
@@ -47,24 +69,44 @@ def bench(args) -> None:
     out = Path(args.out) / "reports"
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    for preset in args.presets.split(","):
-        for recipe in args.recipes.split(","):
-            for tp, ep in layouts(preset):
-                path = out / report_name(preset, recipe, tp, ep)
-                if path.exists():
-                    continue
-                if time.time() - start > args.budget_s:
-                    print(f"budget reached, stopping before {path.name}", flush=True)
-                    return
-                t0 = time.time()
-                cfg = load_config(None, [f"model.preset={preset}", "model.num_layers=1", f"fp8.recipe={recipe}"])
-                rep = run_bench_layers(BenchLayersArgs(
-                    model=cfg.model, vocab_size=cfg.data.vocab_size, tp=tp, ep=ep or 1, simulate_tp=tp > 1,
-                    recipe=recipe, warmup=args.warmup, iters=args.iters, shape_sweep=auto_sweep(args.max_tokens),
-                    grouped=grouped_gemm_config(cfg), dynamic=args.dynamic,
-                ))
-                path.write_text(json.dumps(rep, indent=1) + "\n")
-                print(f"{path.name}: {time.time() - t0:.0f} s", flush=True)
+    for preset, recipe, tp, ep in jobs(args):
+        path = out / report_name(preset, recipe, tp, ep)
+        if path.exists():
+            continue
+        if time.time() - start > args.budget_s:
+            print(f"budget reached, stopping before {path.name}", flush=True)
+            return
+        if args.worker and not _claim(path):  # another GPU's worker measures it
+            continue
+        t0 = time.time()
+        cfg = load_config(None, [f"model.preset={preset}", "model.num_layers=1", f"fp8.recipe={recipe}"])
+        rep = run_bench_layers(BenchLayersArgs(
+            model=cfg.model, vocab_size=cfg.data.vocab_size, tp=tp, ep=ep or 1, simulate_tp=tp > 1,
+            recipe=recipe, warmup=args.warmup, iters=args.iters, shape_sweep=auto_sweep(args.max_tokens),
+            grouped=grouped_gemm_config(cfg), dynamic=args.dynamic,
+        ))
+        path.write_text(json.dumps(rep, indent=1) + "\n")
+        path.with_suffix(".claim").unlink(missing_ok=True)
+        print(f"{path.name}: {time.time() - t0:.0f} s", flush=True)
+
+
+def spread(args) -> int:
+    """``--gpus N``: one worker process per GPU (``CUDA_VISIBLE_DEVICES=i``), each taking the next report no other
+    worker has claimed, so the reports of one host's GPUs are measured at once. Returns the number of workers that
+    failed."""
+    out = Path(args.out) / "reports"
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("*.claim"):  # a killed earlier run's claims
+        stale.unlink()
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--out", args.out, "--presets", args.presets,
+           "--recipes", args.recipes, "--warmup", str(args.warmup), "--iters", str(args.iters),
+           "--max-tokens", str(args.max_tokens), "--budget-s", str(args.budget_s), "--worker"]
+    cmd += ["--dynamic"] if args.dynamic else []
+    procs = [subprocess.Popen(cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": str(i)}) for i in range(args.gpus)]
+    failed = [i for i, p in enumerate(procs) if p.wait() != 0]
+    for i in failed:
+        print(f"worker on GPU {i} failed (exit {procs[i].returncode}); its claimed report is left to a rerun")
+    return len(failed)
 
 
 def merge(args) -> None:
@@ -97,12 +139,22 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32768)
     ap.add_argument("--budget-s", type=float, default=480)
     ap.add_argument("--dynamic", action="store_true",
-                    help="one dynamic-shape compilation per site (the pre-session-28 method; under-times FP8)")
+                    help="one dynamic-shape compilation per site (the pre-session-28 method; it rates FP8 too slow)")
+    ap.add_argument("--gpus", type=int, default=1,
+                    help="measure on this many GPUs of the host at once, one worker process per GPU")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one of --gpus' processes
     ap.add_argument("--merge", action="store_true")
     ap.add_argument("--gpu", default="h100")
     ap.add_argument("--speedup-threshold", type=float, default=1.0)
     args = ap.parse_args()
-    merge(args) if args.merge else bench(args)
+    if args.gpus < 1:
+        ap.error(f"--gpus {args.gpus}: must be at least 1")
+    if args.merge:
+        merge(args)
+    elif args.gpus > 1:
+        return 1 if spread(args) else 0
+    else:
+        bench(args)
     return 0
 
 

@@ -329,3 +329,12 @@ def test_sites_compile_each_token_count_for_its_static_shape_unless_dynamic():
             assert timer(tokens) > 0
         frames[dynamic] = counters["frames"]["ok"] - before
     assert frames == {False: 4, True: 1}, f"compiled frames per sweep of 4 points (static, dynamic): {frames}"
+
+
+@pytest.mark.parametrize("flags,expected", [([], None), (["--compile"], "static"),
+                                             (["--compile", "--dynamic"], "dynamic")])
+def test_the_report_says_how_its_sites_were_compiled(capsys, tmp_path, flags, expected):
+    """``compile_shapes`` in the report (what ``merge-policy`` reads for its note): None when eager (the CPU
+    default), ``static`` by default when compiled, ``dynamic`` with ``--dynamic``."""
+    rep, _ = _bench(capsys, tmp_path, [*flags, "--precisions", "bf16"])
+    assert rep["compiled"] is bool(flags) and rep["compile_shapes"] == expected, (rep["compiled"], rep["compile_shapes"])

@@ -257,10 +257,12 @@ def test_list_policies_shows_each_policys_note(capsys):
     assert main(["plan", "--list-policies"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == len(list_builtin_policies()), lines
-    (rowwise,) = [x for x in lines if x.startswith("builtin:llama3-8b_rowwise_h100")]
-    assert "(note: FP8 timed with a dynamic-shape compile (llama3-8b_rowwise_tp1.json" in rowwise, rowwise
-    for name in ("llama3-8b_tensorwise_h100", "llama3-8b_delayed_h100", "qwen3-30b-a3b_tensorwise_h100"):
-        assert f"builtin:{name}" in lines, (name, lines)  # no note
+    for name in ("llama3-8b_rowwise", "llama3-8b_blockwise", "llama3-1b_rowwise", "qwen2.5-72b_tensorwise",
+                 "qwen2.5-72b_rowwise", "qwen2.5-72b_delayed", "qwen2.5-72b_blockwise"):
+        (line,) = [x for x in lines if x.startswith(f"builtin:{name}_h100")]
+        assert f"(note: FP8 timed with a dynamic-shape compile ({name}_tp1.json" in line, line
+    for name in ("llama3-8b_tensorwise", "llama3-8b_delayed", "llama3-1b_tensorwise", "qwen3-30b-a3b_tensorwise"):
+        assert f"builtin:{name}_h100" in lines, (name, lines)  # measured with static shapes: no note
 
 
 def test_merge_notes_reports_compiled_with_a_dynamic_token_dimension():
@@ -277,3 +279,5 @@ def test_merge_notes_reports_compiled_with_a_dynamic_token_dimension():
     assert [r["compile_shapes"] for r in meta] == ["static", "dynamic"], meta
     cpu = {**_report(curves=curves), "device_type": "cpu", "compiled": False}
     assert merge_reports([("cpu.json", cpu)]).metadata["note"] == "CPU timings: for testing the workflow, not for a GPU policy"
+    both = merge_reports([("cpu.json", cpu), ("dyn.json", dynamic)]).metadata["note"]
+    assert both.startswith("CPU timings") and "; FP8 timed with a dynamic-shape compile (dyn.json)" in both, both

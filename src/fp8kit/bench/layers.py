@@ -92,7 +92,7 @@ class BenchLayersArgs:
             training compiles its one shape (and as ``selective_fp8 = "auto"`` times). ``True``: mark the token
             dimension dynamic so one compilation serves the sweep: faster to run, but Inductor's FP8 casts and
             amax reductions compiled for a symbolic row count run slower than training's (measured on the H100:
-            Qwen3-30B-A3B's FP8 ``qkv`` at 16384 tokens 2.08 ms dynamic vs 1.29 ms static, docs/benchmarks.md
+            Qwen3-30B-A3B's FP8 ``qkv`` at 16384 tokens 2.08 ms dynamic vs 1.28 ms static, docs/benchmarks.md
             section 2), so a policy from such a report under-uses FP8. ``experts.mlp`` units always compile per
             point (static).
         retime: after each site's sweep, time the points that look like spikes again, up to this many more
@@ -302,7 +302,8 @@ def float8_linear_scaling(module: nn.Module) -> dict[str, str] | None:
 
 
 class _Timer:
-    """Builds (and compiles) a site's module once per precision and times it at each token count."""
+    """Builds a site's module once per precision and times it at each token count: compiled for each count's
+    static shape (or once, token dimension dynamic, with ``BenchLayersArgs.dynamic``), eager without compile."""
 
     def __init__(
         self, site: BenchSite, precision: str, args: BenchLayersArgs, device: torch.device, mesh=None
@@ -318,13 +319,15 @@ class _Timer:
             torch._dynamo.reset()
             self.fn = torch.compile(self.module)
 
-    def _compiled_for(self, rows: int):
-        """The module compiled for ``rows`` input rows (static shapes; a fresh compile whenever the row count
-        changes, after a dynamo reset, so no cache entry or automatic-dynamic mark carries over between points)."""
-        if self._static_rows != rows:
-            torch._dynamo.reset()
-            self.fn, self._static_rows = torch.compile(self.module, dynamic=False), rows
-        return self.fn
+    def _compile_for(self, rows: int) -> bool:
+        """Point :attr:`fn` at the module compiled for ``rows`` input rows (static shapes; a fresh compile whenever
+        the row count changes, after a dynamo reset, so no cache entry or automatic-dynamic mark carries over
+        between points). Returns whether it compiles anew (on its first call)."""
+        if self._static_rows == rows:
+            return False
+        torch._dynamo.reset()
+        self.fn, self._static_rows = torch.compile(self.module, dynamic=False), rows
+        return True
 
     def __call__(self, num_tokens: int) -> float:
         k = self.site.gemms[0][0]
@@ -332,11 +335,12 @@ class _Timer:
         if self.mesh is not None and self.site.module_kind not in ("row", "row_grouped"):
             rows = num_tokens // self.tp  # sequence-parallel input shard, all-gathered by the layer
         x = torch.randn(rows, k, device=self.device, dtype=torch.bfloat16, requires_grad=True)
+        fresh = False
         if _compile(self.args, self.device):
             if self.args.dynamic:
                 torch._dynamo.mark_dynamic(x, 0)
             else:
-                self._compiled_for(rows)
+                fresh = self._compile_for(rows)
         # Output shapes per rank: column sites give [tokens, N/tp]; row sites [tokens, N], reduce-scattered
         # to [tokens/tp, N] under real TP. (Computed, not probed: a probe would compile a second graph.)
         row_tp = self.mesh is not None and self.site.module_kind in ("row", "row_grouped")
@@ -353,6 +357,9 @@ class _Timer:
         def step() -> None:
             torch.autograd.backward(self.fn(x), grads)
 
+        if fresh:  # compile here, not in time_ms's untimed call, whose host time sizes the GPU hold (--warmup 0)
+            reset()
+            step()
         return time_ms(step, device=self.device, warmup=self.args.warmup, iters=self.args.iters, before=reset)
 
 

@@ -1,0 +1,53 @@
+"""benchmarks/generate_policies.py on the CPU: the report list per preset, and ``--gpus N``'s workers sharing it
+through exclusive claims (a report another worker claimed is not measured twice; ``spread`` clears a killed run's
+claims)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+from tests.test_distributed import ROOT
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("generate_policies", ROOT / "benchmarks" / "generate_policies.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _args(tmp_path, **kw):
+    base = dict(out=str(tmp_path), presets="llama3-1b", recipes="tensorwise", warmup=0, iters=1, max_tokens=256,
+                budget_s=600.0, dynamic=False, worker=True, gpus=1)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_jobs_cover_each_preset_recipe_and_layout_in_order(tmp_path):
+    mod = _module()
+    got = mod.jobs(_args(tmp_path, presets="llama3-8b,qwen3-30b-a3b", recipes="tensorwise,delayed"))
+    assert got[:4] == [("llama3-8b", "tensorwise", tp, None) for tp in (1, 2, 4, 8)], got
+    assert got[-2:] == [("qwen3-30b-a3b", "delayed", 1, 1), ("qwen3-30b-a3b", "delayed", 1, 8)], got
+    assert len(got) == 2 * 4 + 2 * 2
+
+
+def test_a_worker_skips_a_report_another_worker_claimed(tmp_path):
+    mod = _module()
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    path = reports / mod.report_name("llama3-1b", "tensorwise", 1)
+    assert mod._claim(path) and not mod._claim(path), "a claim must be exclusive"
+    mod.bench(_args(tmp_path))  # the one report is claimed: nothing is measured
+    assert not path.exists() and path.with_suffix(".claim").exists()
+
+
+def test_spread_measures_every_report_once_on_two_workers_after_clearing_stale_claims(tmp_path):
+    """Two worker processes (on the CPU here; ``CUDA_VISIBLE_DEVICES`` picks each one's GPU on a GPU host) write
+    both reports, though a killed run left a claim on one of them, and leave no claim behind."""
+    mod = _module()
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    (reports / "llama3-1b_tensorwise_tp1.claim").touch()
+    assert mod.spread(_args(tmp_path, recipes="tensorwise,rowwise", gpus=2, worker=False)) == 0
+    written = sorted(p.name for p in reports.iterdir())  # no .claim left either
+    assert written == ["llama3-1b_rowwise_tp1.json", "llama3-1b_tensorwise_tp1.json"], written
