@@ -347,8 +347,7 @@ def merge_reports(
 DYNAMIC_NOTE = (
     "FP8 timed with a dynamic-shape compile ({reports}): Inductor's FP8 casts for a symbolic row count run slower "
     "than training's static compile (on the H100, Qwen3-30B-A3B's FP8 qkv at 16384 tokens took 2.08 ms against "
-    "1.28 ms; docs/benchmarks.md section 2, session 28), so this policy may keep sites BF16 that run faster in FP8 "
-    "(the four policies measured again with static shapes all moved sites to FP8). "
+    "1.28 ms; docs/benchmarks.md section 2, session 28), so this policy may keep sites BF16 that run faster in FP8. "
     "Prefer selective_fp8 = 'auto', or regenerate the reports with bench-layers' default (static) compile"
 )
 
