@@ -59,6 +59,7 @@ from fp8kit.config import ModelConfig
 from fp8kit.fp8.linear import Float8BlockwiseLinear
 from fp8kit.fp8.recipes import RECIPE_NAMES, float8_linear_config, recipe_info
 from fp8kit.moe.grouped_mm import GroupedGemmConfig, bf16_grouped_mm, fp8_grouped_mm, resolve_grouped_kernel
+from fp8kit.selective.auto import unit_topk
 
 PRECISIONS = ("bf16", "fp8")
 CPU_NOTE = "CPU timings: for testing the workflow only; not meant for a GPU policy"
@@ -425,7 +426,7 @@ class _ExpertsMLPSiteTimer:
                  topk: int):
         self.up, self.down, self.precision, self.args, self.device = up, down, precision, args, device
         self.grouped = args.grouped_config()
-        self.topk = min(topk, up.num_gemms) if args.ep == 1 else 1
+        self.topk = unit_topk(topk, up.num_gemms, args.ep)
         if precision == "fp8":  # the config ExpertsMLPTimer runs
             resolve_grouped_kernel(unit_config(self.grouped.wgrad, self.grouped.gemm), device)
 
@@ -591,7 +592,8 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
     timed = [s for s in timed if s.name not in followers] + [s for s in timed if s.name in followers]  # units first
     for up_name, down in pairs.items():
         g = args.grouped_config()
-        routed = f"tokens routed top-{min(topk, down.num_gemms)}" if args.ep == 1 else "one row per received token"
+        routed = (f"tokens routed top-{unit_topk(topk, down.num_gemms, args.ep)}" if args.ep == 1
+                  else "one row per received token")
         notes.append(f"{up_name} + {down.name}: timed together as the experts' MLP (the fused FP8 path training "
                      f"runs: dispatch, both grouped GEMMs, SwiGLU, combine; {routed}; fp8.grouped_wgrad = {g.wgrad}, "
                      f"grouped_gemm = {g.gemm}; one static-shape compile per point); both sites carry the unit's "

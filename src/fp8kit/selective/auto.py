@@ -163,6 +163,12 @@ class AutoOptions:
         return self.num_tokens.get(component, self.num_tokens["*"])
 
 
+def unit_topk(topk: int, experts: int, ep: int) -> int:
+    """Experts per token an ``experts.mlp`` unit routes when timed: the model's ``topk`` (at most ``experts`` local
+    experts) on one GPU, 1 under expert parallelism (one row per received token, as the all-to-all delivers them)."""
+    return min(topk, experts) if ep == 1 else 1
+
+
 def auto_units(sites: Iterable[Site], *, tp: int, ep: int, num_tokens: Mapping[str, int],
                topk: int = 1, fused_experts: bool = False) -> list[AutoUnit]:
     """Group FP8 candidate ``sites`` into timed units (module docstring, step 1), in model order.
@@ -206,7 +212,7 @@ def auto_units(sites: Iterable[Site], *, tp: int, ep: int, num_tokens: Mapping[s
                 down = next(m for m in members if m.ub_name == "fc2")
                 gemms = ((up.in_features, up.out_features), (down.in_features, down.out_features))
                 shape = AutoShape(gemms, tokens * topk, first.num_gemms // ep, mlp=True,
-                                  topk=min(topk, first.num_gemms) if ep == 1 else 1)
+                                  topk=unit_topk(topk, first.num_gemms, ep))
             else:
                 shape = AutoShape(((first.in_features, first.out_features),), tokens * topk, first.num_gemms // ep)
         else:
