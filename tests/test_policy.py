@@ -251,17 +251,21 @@ def test_per_component_policies_for_a_vlm(tmp_path):
 
 def test_list_policies_shows_each_policys_note(capsys):
     """``plan --list-policies`` names every shipped policy, with its own note where it has one: the policies still
-    merged from dynamic-shape reports say so, those re-measured with static shapes (session 28) carry no note."""
+    merged from dynamic-shape reports say so and name the first of them, those re-measured with static shapes
+    (sessions 28-29) carry no note. ``llama3-8b_rowwise`` is half-way: TP 1 static, TP 2/4/8 still dynamic."""
     from fp8kit.cli.main import main
 
     assert main(["plan", "--list-policies"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == len(list_builtin_policies()), lines
-    for name in ("llama3-8b_rowwise", "llama3-8b_blockwise", "llama3-1b_rowwise", "qwen2.5-72b_tensorwise",
+    first_dynamic = {"llama3-8b_rowwise": "tp2_sim"}
+    for name in ("llama3-8b_rowwise", "llama3-1b_rowwise", "qwen2.5-72b_tensorwise",
                  "qwen2.5-72b_rowwise", "qwen2.5-72b_delayed", "qwen2.5-72b_blockwise"):
         (line,) = [x for x in lines if x.startswith(f"builtin:{name}_h100")]
-        assert f"(note: FP8 timed with a dynamic-shape compile ({name}_tp1.json" in line, line
-    for name in ("llama3-8b_tensorwise", "llama3-8b_delayed", "llama3-1b_tensorwise", "qwen3-30b-a3b_tensorwise"):
+        report = f"{name}_{first_dynamic.get(name, 'tp1')}.json"
+        assert f"(note: FP8 timed with a dynamic-shape compile ({report}" in line, line
+    for name in ("llama3-8b_tensorwise", "llama3-8b_delayed", "llama3-8b_blockwise", "llama3-1b_tensorwise",
+                 "qwen3-30b-a3b_tensorwise"):
         assert f"builtin:{name}_h100" in lines, (name, lines)  # measured with static shapes: no note
 
 
