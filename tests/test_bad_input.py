@@ -156,3 +156,19 @@ def test_fp8_on_a_gpu_without_fp8(monkeypatch):
     ok = setup_mod.check_fp8_capability(load_config(None, ["fp8.emulate=true"]), torch.device("cuda"))
     assert "emulating FP8" in ok
     assert "8.0" in setup_mod.check_fp8_capability(load_config(None, ["train.mixed_precision=bf16"]), torch.device("cuda"))
+
+
+def test_resuming_a_finished_run_trains_nothing_and_changes_nothing(capsys, one_step_run):
+    """A job requeued after its run finished (``--resume`` of a checkpoint at ``train.steps``) ends at once with
+    exit status 0, says so, and leaves every file of the run as it was (summary.md kept its wall time)."""
+    from fp8kit.cli.main import main
+
+    files = sorted(p for p in one_step_run.rglob("*") if p.is_file())
+    before = {p: p.read_bytes() for p in files}
+    assert main(["train", str(one_step_run / "resolved_config.toml"), "--resume", str(one_step_run)]) == 0
+    out = capsys.readouterr().out
+    assert "nothing to train:" in out and "is at step 1 and train.steps = 1" in out, out
+    assert f"the run directory {one_step_run} is left as it is" in " ".join(out.split()), out
+    assert sorted(p for p in one_step_run.rglob("*") if p.is_file()) == files
+    changed = [p.name for p in files if p.read_bytes() != before[p]]
+    assert not changed, changed

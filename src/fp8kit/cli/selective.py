@@ -17,6 +17,7 @@ from pathlib import Path
 
 from fp8kit.base.errors import ConfigError, PolicyError
 from fp8kit.base.runtime import launched_rank
+from fp8kit.fp8.recipes import RECIPE_NAMES, recipe_info
 
 ENV_PREFIX = "TE_LAYER_PERF_"
 # flag dest -> (variable suffix, type)
@@ -44,7 +45,8 @@ CONFIG_KEYS = {
 def add_parsers(sub) -> None:
     p = sub.add_parser("plan", help="print the FP8/BF16 decision of every module, without training or a GPU")
     p.add_argument("config", nargs="?", help="run config file; default: the embedded default")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value (repeatable), e.g. model.preset=llama3-8b")
     p.add_argument("--json", action="store_true", help="print a JSON list of decisions instead of a table")
     p.add_argument("--list-policies", action="store_true", help="list the policies shipped with fp8kit")
 
@@ -52,12 +54,12 @@ def add_parsers(sub) -> None:
                        help="time each linear site of one layer in bf16 and fp8 (selective FP8, step 1)")
     p.add_argument("config", nargs="?", help="run config file (its [model], fp8.recipe and [distributed]); "
                    "or $TE_LAYER_PERF_OMNI_CONFIG_PATH")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value (repeatable), e.g. model.preset=llama3-8b")
     p.add_argument("--tp", type=int, help="tensor-parallel size; default the config's distributed.tp")
     p.add_argument("--ep", type=int, help="expert-parallel size; default the config's distributed.ep")
     p.add_argument("--precisions", help="comma-separated, default bf16,fp8")
-    p.add_argument("--recipe", help="FP8 recipe (tensorwise, rowwise, rowwise_with_gw_hp); default the "
-                   "config's fp8.recipe")
+    p.add_argument("--recipe", help=f"FP8 recipe ({', '.join(RECIPE_NAMES)}); default the config's fp8.recipe")
     p.add_argument("--warmup", type=int, help="warm-up iterations, default 5")
     p.add_argument("--iters", type=int, help="timed iterations (median), default 10")
     p.add_argument("--retime", type=int, default=2,
@@ -69,7 +71,8 @@ def add_parsers(sub) -> None:
                    help="top of the automatic sweep")
     p.add_argument("--report", help="where to write the report JSON")
     p.add_argument("--policy", help="also merge this report into a policy JSON here")
-    p.add_argument("--speedup-threshold", dest="speedup_threshold", type=float)
+    p.add_argument("--speedup-threshold", dest="speedup_threshold", type=float,
+                   help="with --policy: FP8 wherever it is at least this many times faster than bf16 (default 1.0)")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto")
     p.add_argument("--simulate-tp", dest="simulate_tp", action="store_true",
                    help="time the per-rank shapes of --tp N on one device (no communication)")
@@ -83,9 +86,10 @@ def add_parsers(sub) -> None:
 
     p = sub.add_parser("merge-policy",
                        help="merge bench-layers reports into a policy JSON (selective FP8, step 2)")
-    p.add_argument("--reports", nargs="+", required=True)
-    p.add_argument("--output", required=True)
-    p.add_argument("--speedup-threshold", dest="speedup_threshold", type=float, default=1.0)
+    p.add_argument("--reports", nargs="+", required=True, help="bench-layers report JSON files (one per TP / EP size)")
+    p.add_argument("--output", required=True, help="where to write the policy JSON")
+    p.add_argument("--speedup-threshold", dest="speedup_threshold", type=float, default=1.0,
+                   help="FP8 wherever it is at least this many times faster than bf16 (default 1.0)")
     p.add_argument("--component", default=None, help="only this component's sites (llm, vision); default all")
     p.add_argument("--force", action="store_true",
                    help="merge reports of different devices or recipes anyway")
@@ -295,6 +299,7 @@ def _bench(args: argparse.Namespace, console) -> int:
         blockwise_wgrad_x=cfg.fp8.blockwise_wgrad_x,
         grouped=grouped_for_fp8(cfg.fp8.model_copy(update={"recipe": values["recipe"]})),
     )
+    recipe_info(values["recipe"], sources["recipe"])  # an unknown recipe: its error before anything is printed
     main_rank = launched_rank() == 0
     if main_rank:
         simulated = "; simulated on one device" if args.simulate_tp and values["tp"] > 1 else ""

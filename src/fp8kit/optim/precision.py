@@ -79,6 +79,17 @@ class FP8AdamWPrecision:
         """Plain ``{field: value}`` (what ``state_dict`` saves)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def bytes_per_param(self, param_bytes: int) -> dict[str, int]:
+        """Bytes per parameter of each role between backward and step, before the optimizer exists: ``master``,
+        ``grad``, ``m``, ``v`` and ``working`` (the model's parameters, ``param_bytes`` each: 2 for bf16, 4 for
+        fp32). Scales and the flat layout's padding are left out (:meth:`FP8AdamW.memory_bytes` counts them once
+        built); ``bf16_sr`` over bf16 parameters shares the working weights (master 0). The default layout over
+        bf16 parameters: 2 + 2 + 1 + 2 + 2 = 9 (the module docstring of ``optim/fp8_adamw.py``)."""
+        size = {"fp32": 4, "fp16": 2, "bf16": 2, "e4m3": 1, "e5m2": 1}
+        master = 0 if self.master == "bf16_sr" and param_bytes == 2 else size.get(self.master, 2)
+        grad = param_bytes if self.grad == "param" else size[self.grad]
+        return {"master": master, "grad": grad, "m": size[self.m], "v": size[self.v], "working": param_bytes}
+
     def describe(self) -> str:
         """One line, e.g. ``master fp16, grad param, m e4m3 (stochastic rounding), v fp16, per tensor``."""
         m = f"m {self.m} ({self.m_rounding} rounding" + (", COAT expansion)" if self.m_expand == "coat" else ")")

@@ -53,7 +53,7 @@ def compare_table(bf16: dict, fp8: dict) -> dict:
 def _rows(t: dict) -> list[tuple[str, str, str, str]]:
     f = lambda v, spec=".4f": "-" if v is None else format(v, spec)  # noqa: E731
     return [
-        ("final train loss", f(t["bf16_final_loss"]), f(t["fp8_final_loss"]), f(t["train_loss_gap_pct"], "+.2f") + " %"),
+        ("train loss, mean of the last 10% of steps", f(t["bf16_final_loss"]), f(t["fp8_final_loss"]), f(t["train_loss_gap_pct"], "+.2f") + " %"),
         ("final val loss", f(t["bf16_final_val_loss"]), f(t["fp8_final_val_loss"]), f(t["val_loss_gap_pct"], "+.2f") + " %"),
         ("tokens/s", f(t["bf16_tokens_per_s"], ",.0f"), f(t["fp8_tokens_per_s"], ",.0f"), f(t["tokens_per_s_ratio"], ".3f") + "x"),
         ("peak memory GiB", f(t["bf16_peak_mem_gib"], ".2f"), f(t["fp8_peak_mem_gib"], ".2f"), ""),

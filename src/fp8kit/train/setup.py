@@ -50,6 +50,7 @@ from fp8kit.parallel.prepare import Prepared, prepare_model
 from fp8kit.selective.decide import Decision, decide
 from fp8kit.selective.sites import find_sites
 from fp8kit.train import checkpoint as ckpt
+from fp8kit.train.memory_fit import activation_bytes, check_state_fits, fp8_adamw_precision
 from fp8kit.train.metrics import bf16_peak_flops
 from fp8kit.train.schedule import lr_factor, precision_at
 
@@ -184,13 +185,9 @@ def build_optimizer(cfg: RunConfig, model: nn.Module, device: torch.device):
         ]
     groups = [g for g in groups if g["params"]]
     if o.name == "fp8_adamw":
-        from fp8kit.optim import FP8AdamW, FP8AdamWPrecision
+        from fp8kit.optim import FP8AdamW
 
-        precision = FP8AdamWPrecision(
-            master=o.master, grad=o.grad, m=o.m, v=o.v, granularity=o.granularity, block_size=o.block_size,
-            m_rounding=o.m_rounding, m_expand=o.m_expand,
-        )
-        opt = FP8AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, precision=precision)
+        opt = FP8AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, precision=fp8_adamw_precision(o))
     else:
         opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=device.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -200,13 +197,18 @@ def build_optimizer(cfg: RunConfig, model: nn.Module, device: torch.device):
     return opt, sched
 
 
-def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> Setup:
+def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn=None) -> Setup:
     """Build and check everything (see the module docstring). Writes nothing into the run directory.
 
+    ``status(message)`` is told each stage as it starts; ``warn(message)`` gets a warning that must be seen
+    before a long stage (the training state taking most of the free memory); it is also in ``Setup.warnings``.
+
     Raises:
-        Fp8kitError: any bad input, as one line.
+        Fp8kitError: any bad input, as one line; CapabilityError when one process cannot hold the model's
+            weights, gradients and optimizer states (:mod:`fp8kit.train.memory_fit`).
     """
     say = status or (lambda _m: None)
+    early_warnings: list[str] = []
     cfg = resolve_pretrained(cfg)  # model.pretrained fixes data.vocab_size / data.tokenizer (idempotent)
     resume_ckpt = ckpt.find_checkpoint(resume) if resume is not None else None
     resume_state = ckpt.load_train_state(resume_ckpt) if resume_ckpt is not None else None
@@ -238,16 +240,24 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
         check_weights(pretrained, skeleton, require_all=meta_init)
         del skeleton
 
-    say("preparing data")
-    data = _prepare_data_rank0_first(cfg, say, distributed=dims.distributed)
-
-    say("building the model")
     hf_cfg = build_hf_config(cfg.model, cfg.data.vocab_size)
     max_pos = getattr(hf_cfg, "max_position_embeddings", None)
     if max_pos is not None and cfg.data.seq_length > max_pos:
         raise ConfigError(
             f"data.seq_length = {cfg.data.seq_length} exceeds the model's max_position_embeddings = {max_pos}"
         )
+    if not dims.distributed:  # one process holds the whole model: refuse (or warn) before the data and the build
+        with torch.device("meta"):
+            n = count_params(build_model(cfg.model, cfg.data.vocab_size, device="meta"))["total"]
+        note = check_state_fits(n, cfg, device, activations=activation_bytes(hf_cfg, cfg))
+        if note:
+            early_warnings.append(note)
+            (warn or say)(note)
+
+    say("preparing data")
+    data = _prepare_data_rank0_first(cfg, say, distributed=dims.distributed)
+
+    say("building the model")
     param_dtype = torch.float32 if cfg.train.param_dtype == "fp32" else torch.bfloat16
     load_weights = pretrained is not None and resume_ckpt is None  # a resumed run loads its checkpoint
     # Meta init (distributed.meta_init; default under torchrun): build on meta, shard (prepare_model), then
@@ -315,7 +325,7 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None) -> S
         capability=capability,
         resume_from=resume_ckpt,
         resume_state=resume_state,
-        warnings=list(options.warnings) + auto.warnings,
+        warnings=early_warnings + list(options.warnings) + auto.warnings,
         dims=dims,
         mesh=mesh,
         loss_fn=torch.compile(cross_entropy) if cfg.train.compile else cross_entropy,

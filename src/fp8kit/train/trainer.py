@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from fp8kit.base.console import make_console
+from fp8kit.base.console import make_console, stage_status
 from fp8kit.base.runtime import barrier, is_main, launched_rank, launched_world_size
 from fp8kit.config import RunConfig, save_config
 from fp8kit.moe.expert_parallel import dispatch_format
@@ -90,10 +90,13 @@ def train(
     resuming_here = resume_run is not None and out_dir.resolve() == resume_run.resolve()
     check_writable(out_dir, resuming_here=resuming_here)
 
-    with console.status("setting up") as status:
-        setup = build_setup(cfg, resume=resume_path, status=lambda m: status.update(m))
+    with stage_status(console, "setting up") as (update, warn):
+        setup = build_setup(cfg, resume=resume_path, status=update, warn=warn)
     asked_granularity = cfg.optim.granularity
     cfg = setup.cfg  # resolved (model.pretrained sets data.vocab_size / data.tokenizer)
+    done = int(setup.resume_state["step"]) if setup.resume_state is not None else 0
+    if done >= cfg.train.steps > 0:  # a finished run resumed (a requeued job, --resume auto), its set-up checked
+        return _nothing_to_train(resume_path, done, cfg, out_dir if resuming_here else None, console)
     main = True
     if setup.distributed:
         import torch.distributed as dist
@@ -172,6 +175,24 @@ def train(
         raise TrainingDiverged(f"training diverged: {loop.diverged}; metrics and summary are in {out_dir}")
     barrier()  # torchrun: no rank ends (and gets the others stopped) before rank 0 has written the run
     return TrainResult(out_dir, summary, records, loop)
+
+
+def _nothing_to_train(resume_path: Path, step: int, cfg: RunConfig, out_dir: Path | None,
+                      console: Console) -> TrainResult:
+    """A resumed checkpoint already at ``train.steps`` (after every compatibility check of the set-up): say so and
+    return the run as it is (its summary and metrics untouched, nothing written), so a job requeued after it
+    finished ends successfully. ``out_dir``: the resumed run's own directory, else ``None`` (nothing created)."""
+    console.print(
+        f"nothing to train: {resume_path} is at step {step} and train.steps = {cfg.train.steps}; "
+        f"{f'the run directory {out_dir} is left as it is' if out_dir else 'nothing was written'} "
+        f"(raise train.steps, e.g. --set train.steps={max(step, cfg.train.steps) * 2}, to train further)"
+    )
+    summary, records = {}, []
+    if out_dir is not None and (out_dir / "summary.json").is_file():
+        summary = json.loads((out_dir / "summary.json").read_text(encoding="utf-8"))
+    if out_dir is not None and (out_dir / "metrics.jsonl").is_file():
+        records = read_metrics(out_dir / "metrics.jsonl")
+    return TrainResult(out_dir or Path(resume_path), summary, records, LoopResult())
 
 
 def _train_other_rank(setup: Setup, out_dir: Path, console: Console) -> TrainResult:
@@ -260,7 +281,8 @@ def _print_start(setup: Setup, console: Console) -> None:
         f"{_precision_desc(cfg)} on {info['device']}"
     )
     console.print(f"data: {info['corpus']}; {info['tokens']:,} tokens ({info['tokenizer']})")
-    console.print(f"FP8: {setup.capability}")
+    if cfg.train.mixed_precision == "fp8":  # a bf16 run has no FP8 GEMM to describe
+        console.print(f"FP8: {setup.capability}")
     console.print(f"parallel: {_parallel_desc(setup)}")
     choice = f" ({info['optimizer_choice']})" if info.get("optimizer_choice") else ""
     console.print(f"optimizer: {_optim_desc(cfg)}{choice}; training state "
