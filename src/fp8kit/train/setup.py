@@ -247,7 +247,7 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
             f"data.seq_length = {cfg.data.seq_length} exceeds the model's max_position_embeddings = {max_pos}"
         )
     if not dims.distributed:  # one process holds the whole model: refuse (or warn) before the data and the build
-        with torch.device("meta"):
+        with torch.random.fork_rng(devices=[]):  # build_model seeds the global generator: leave it as it was
             n = count_params(build_model(cfg.model, cfg.data.vocab_size, device="meta"))["total"]
         note = check_state_fits(n, cfg, device, activations=activation_bytes(hf_cfg, cfg))
         if note:
