@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from fp8kit.base.errors import CapabilityError
+from fp8kit.optim.precision import FP8AdamWPrecision
 
 #: warn when the estimated training state takes more than this fraction of the free memory
 WARN_FRACTION = 0.8
@@ -24,8 +25,6 @@ GIB = 2**30
 
 def fp8_adamw_precision(o):
     """The :class:`~fp8kit.optim.FP8AdamWPrecision` of an ``[optim]`` section (``OptimConfig``)."""
-    from fp8kit.optim import FP8AdamWPrecision
-
     return FP8AdamWPrecision(
         master=o.master, grad=o.grad, m=o.m, v=o.v, granularity=o.granularity, block_size=o.block_size,
         m_rounding=o.m_rounding, m_expand=o.m_expand,
