@@ -230,7 +230,7 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
         say(f"starting the process group ({dims.describe()})")
         mesh, device = init_distributed(dims, device)
 
-    pretrained = None
+    pretrained = skeleton = None
     meta_init = use_meta_init(cfg, dims)
     if cfg.model.pretrained:  # its files checked (config, weights, shapes) before the data is prepared
         say(f"checking {cfg.model.pretrained}")
@@ -238,7 +238,6 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
         with torch.device("meta"):
             skeleton = build_model(cfg.model, cfg.data.vocab_size, device="meta")
         check_weights(pretrained, skeleton, require_all=meta_init)
-        del skeleton
 
     hf_cfg = build_hf_config(cfg.model, cfg.data.vocab_size)
     max_pos = getattr(hf_cfg, "max_position_embeddings", None)
@@ -247,12 +246,15 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
             f"data.seq_length = {cfg.data.seq_length} exceeds the model's max_position_embeddings = {max_pos}"
         )
     if not dims.distributed:  # one process holds the whole model: refuse (or warn) before the data and the build
-        with torch.random.fork_rng(devices=[]):  # build_model seeds the global generator: leave it as it was
-            n = count_params(build_model(cfg.model, cfg.data.vocab_size, device="meta"))["total"]
+        if skeleton is None:
+            with torch.random.fork_rng(devices=[]):  # build_model seeds the global generator: leave it as it was
+                skeleton = build_model(cfg.model, cfg.data.vocab_size, device="meta")
+        n = count_params(skeleton)["total"]
         note = check_state_fits(n, cfg, device, activations=activation_bytes(hf_cfg, cfg))
         if note:
             early_warnings.append(note)
             (warn or say)(note)
+    del skeleton
 
     say("preparing data")
     data = _prepare_data_rank0_first(cfg, say, distributed=dims.distributed)
