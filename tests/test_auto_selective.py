@@ -410,7 +410,7 @@ def test_the_expert_mlp_timer_runs_the_layer_in_both_precisions():
     with pytest.raises(ValueError, match="not \\(\\(H, 2I\\), \\(I, H\\)\\)"):
         ExpertsMLPTimer(((128, 192), (128, 96)), 4, 70, "bf16", **kw)
     # one GPU's layer routes top-k as the run does: 72 pairs = 18 tokens x 4 distinct experts each, 18 pairs per
-    # expert (the dispatch's scatter path from top-4 on CUDA); under expert parallelism one row per received token
+    # expert (the dispatch's scatter path from top-2 on CUDA); under expert parallelism one row per received token
     whole = ExpertsMLPTimer(((128, 192), (96, 128)), 4, 72, "fp8", whole_layer=True, topk=4, **kw)
     assert whole.x.shape == (18, 128) and whole.ids.shape == (18, 4) and whole.ones.shape == (18, 4), whole.ids.shape
     assert all(len(set(r.tolist())) == 4 for r in whole.ids), whole.ids

@@ -159,7 +159,7 @@ def _combine_case(tokens: int, topk: int, h: int, dtype=torch.bfloat16, seed: in
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_dispatch_quantize_rows_equals_the_gathers(tokens, topk, h, dtype):
     """The dispatch cast knowing the layout from both sides (``gather_idx`` and ``pair_rows``: the CUDA scatter
-    kernel's inputs from top-4) gives the gather's bits, with the gathered rows kept if asked; with the router
+    kernel's inputs from top-2) gives the gather's bits, with the gathered rows kept if asked; with the router
     weights per pair, the cast of ``routing.combine_rows_grad``'s rows (the output gradient's dgrad copy read through
     the pairs), which ``keep_rows`` returns exactly; padding rows zero. Int32 indices too."""
     d, grad, weights, token, w_row, dy = _combine_case(tokens, topk, h, dtype, seed=tokens + topk)

@@ -192,7 +192,7 @@ def test_weighted_dispatch_cast_matches_the_combines_backward(h):
 
 @pytest.mark.parametrize("case", ["qwen3", "deepseek", "odd-k", "top2", "top1", "long-rows", "one-token"])
 def test_dispatch_quantize_rows_matches_the_gathers(case):
-    """``dispatch_quantize_rows`` and ``dispatch_rows`` (no cast): from top-4 the scatter kernel (each token read once, stored at its top-k rows,
+    """``dispatch_quantize_rows`` and ``dispatch_rows`` (no cast): from top-2 (``SCATTER_MIN_TOPK``) the scatter kernel (each token read once, stored at its top-k rows,
     padding rows zeroed by its tail programs), below it or for rows longer than one chunk the gather kernel: the
     gathers' bits for the plain cast, the kept rows and the weighted cast of the combine's backward (outputs from
     a NaN-poisoned allocator, so a row left unwritten fails)."""

@@ -249,24 +249,37 @@ def test_per_component_policies_for_a_vlm(tmp_path):
     assert all(not x.is_fp8 and x.num_tokens == 2048 for x in llm), [x.reason for x in llm]  # 2048 < 4096
 
 
-def test_list_policies_shows_each_policys_note(capsys):
-    """``plan --list-policies`` names every shipped policy, with its own note where it has one: the policies still
-    merged from dynamic-shape reports say so and name the first of them, those re-measured with static shapes
-    (sessions 28-29) carry no note. ``llama3-8b_rowwise`` is half-way: TP 1 static, TP 2/4/8 still dynamic."""
+def test_every_shipped_policy_is_measured_with_static_shapes_and_listed_without_a_note(capsys):
+    """``plan --list-policies`` names every shipped policy. Since session 30 every shipped H100 policy is merged from
+    reports compiled with static shapes (``compile_shapes = "static"``, bench-layers' default since session 28), so
+    none carries the dynamic-compile note; a policy regenerated the old way would fail here."""
     from fp8kit.cli.main import main
 
     assert main(["plan", "--list-policies"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == len(list_builtin_policies()), lines
-    first_dynamic = {"llama3-8b_rowwise": "tp2_sim"}
-    for name in ("llama3-8b_rowwise", "llama3-1b_rowwise", "qwen2.5-72b_tensorwise",
-                 "qwen2.5-72b_rowwise", "qwen2.5-72b_delayed", "qwen2.5-72b_blockwise"):
-        (line,) = [x for x in lines if x.startswith(f"builtin:{name}_h100")]
-        report = f"{name}_{first_dynamic.get(name, 'tp1')}.json"
-        assert f"(note: FP8 timed with a dynamic-shape compile ({report}" in line, line
-    for name in ("llama3-8b_tensorwise", "llama3-8b_delayed", "llama3-8b_blockwise", "llama3-1b_tensorwise",
-                 "qwen3-30b-a3b_tensorwise"):
-        assert f"builtin:{name}_h100" in lines, (name, lines)  # measured with static shapes: no note
+    assert lines == [f"builtin:{name}" for name in list_builtin_policies()], lines
+    for name in list_builtin_policies():
+        reports = load_policy(f"builtin:{name}").metadata["reports"]
+        dynamic = [r["name"] for r in reports if r.get("compile_shapes") != "static"]
+        assert reports and not dynamic, (name, dynamic)
+
+
+def test_list_policies_shows_a_policys_note(capsys, monkeypatch, tmp_path):
+    """A policy merged from a dynamic-shape report is listed with its note, which names that report."""
+    from fp8kit.cli.main import main
+    from fp8kit.selective import policy as policy_mod
+
+    curves = {("layernorm_column", "qkv", 1, None): {1024: 0.9, 4096: 1.2}}
+    static = {**_report(curves=curves), "compiled": True, "compile_shapes": "static"}
+    dynamic = {**_report(curves=curves, tp=2), "compiled": True, "compile_shapes": "dynamic"}
+    merge_reports([("s.json", static)]).save(tmp_path / "a_static.json")
+    merge_reports([("s.json", static), ("dyn_tp2.json", dynamic)]).save(tmp_path / "b_dynamic.json")
+    monkeypatch.setattr(policy_mod, "builtin_policy_dir", lambda: tmp_path)
+    assert main(["plan", "--list-policies"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "builtin:a_static", lines
+    assert lines[1].startswith("builtin:b_dynamic  (note: FP8 timed with a dynamic-shape compile (dyn_tp2.json)"), lines
+    assert len(lines) == 2, lines
 
 
 def test_merge_notes_reports_compiled_with_a_dynamic_token_dimension():

@@ -3,7 +3,7 @@
 
 The experts are a transformers ``Qwen3MoeExperts`` (gated SiLU, concatenated halves: the gate the fused path
 computes), fed ``P`` routed rows spread evenly over the ``E`` local experts. On one GPU (``whole_layer``) they come
-from ``P / topk`` tokens routed to ``topk`` distinct experts each, as the run routes them (from top-4 the dispatch
+from ``P / topk`` tokens routed to ``topk`` distinct experts each, as the run routes them (from top-2 the dispatch
 casts run from the tokens' side, ``moe/rowwise_quant.SCATTER_MIN_TOPK``: a top-1 stand-in would time the other
 kernel); under expert parallelism one row per received token (top-1, as the all-to-all delivers them). Each
 precision runs the module the run would hold:

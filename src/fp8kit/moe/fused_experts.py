@@ -11,7 +11,7 @@ step                          kernel                                            
 ============================  ===========================================================  ============
 dispatch + x cast             ``dispatch_quantize_rows(hidden, gather_idx, pair_rows)``:   gather, cast
                               FP8 x in expert order, the bf16 permuted copy never exists;
-                              from top-4 each token is read once and stored at its rows
+                              from top-2 each token is read once and stored at its rows
 weights, fprop + dgrad        ``quantize_experts_dual(W)`` once per weight version (cached  two casts
                               across micro-batches); the dgrad copy serves the backward;
                               with the previous step's scales as hints, one read of ``W``
@@ -42,7 +42,7 @@ dequantized (exact in bf16: power-of-two scales).
 With ``wgrad="bf16"`` (torchao's ``rowwise_with_gw_hp`` recipe: fprop and dgrad in FP8, wgrad in high precision)
 both weight gradients are ``torch._grouped_mm`` on the bf16 operands instead: no per-(expert, column) casts of
 ``dy, a, dh, x`` (the two ``quantize_group_cols_dual`` launches) for a bf16 wgrad GEMM. ``gate_up_proj``'s wgrad reads the tokens in
-expert order: gathered once more in the backward (``dispatch_rows``: from top-4 each token read once), or (``keep_rows``, ``fp8.grouped_wgrad_input``) written by the
+expert order: gathered once more in the backward (``dispatch_rows``: from top-2 each token read once), or (``keep_rows``, ``fp8.grouped_wgrad_input``) written by the
 dispatch's read beside their FP8 copy (``dispatch_quantize_rows(keep_rows=True)``) and saved: ``(P, H)`` bf16 more per layer
 (0.5 GiB at Qwen3-30B-A3B with 16K tokens) for 0.14 ms per layer on the H100. Under expert-parallel FP8 dispatch
 the received rows are dequantized in the backward instead. Where the experts are small (Qwen3-30B-A3B: 768 wide) those casts
@@ -173,7 +173,7 @@ class _FusedRowwiseMLP(torch.autograd.Function):
 def _expert_rows(x_src: torch.Tensor, gather_idx: torch.Tensor, pair_rows: torch.Tensor, hdim: int,
                  dtype: torch.dtype, received: bool) -> torch.Tensor:
     """The ``gate_up_proj`` input in expert order, ``(P, H)`` of ``dtype``, for the high-precision wgrad: the tokens
-    ``x_src (T, H)`` in the dispatch's layout (``rowwise_quant.dispatch_rows``: from top-4 each token read once), or
+    ``x_src (T, H)`` in the dispatch's layout (``rowwise_quant.dispatch_rows``: from top-2 each token read once), or
     (expert-parallel FP8 dispatch) the received payload rows ``x_src`` dequantized through the dispatch index."""
     if received:
         return dequantize_payload(x_src, hdim, dtype, index=gather_idx)

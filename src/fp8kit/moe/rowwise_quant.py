@@ -289,9 +289,12 @@ def _(src, index):
 
 #: Top-k from which the dispatch casts run from the tokens' side (each token read once, stored at its top-k rows)
 #: instead of gathering each row. Alone on the H100: 1.35-2.3x faster at top-8 (Qwen3-30B-A3B, DeepSeek-V3),
-#: 1.1-1.7x at top-4, 0.8-0.96x (slower) at top-2 (Mixtral); inside the expert layer the gain is 9-19% of these casts
-#: (``benchmarks/experiments/scatter_rows/``; docs/benchmarks.md section 4, session 24).
-SCATTER_MIN_TOPK = 4
+#: 1.1-1.7x at top-4 (session 24); at top-2 (Mixtral) 0.8-0.96x with session 24's tile, and with session 27's tile
+#: 1.57x for the dispatch cast and 1.17x for the combine backward's weighted cast (session 30, the same bits).
+#: Inside the expert layer the gain is smaller (the gather's re-reads hit L2): 9-19% of these casts at top-8, and at
+#: Mixtral's top-2 0.27-0.28 -> 0.25 ms per layer (``benchmarks/experiments/scatter_rows/``; docs/benchmarks.md
+#: section 4, sessions 24 and 30). Top-1 (expert parallelism's received rows) keeps the gather: nothing to share.
+SCATTER_MIN_TOPK = 2
 
 
 @torch.library.custom_op("fp8kit::moe_rw_dispatch_quant", mutates_args=())

@@ -19,7 +19,8 @@ Kernels (the wrappers below expect non-empty inputs; the ops run the reference o
 - :func:`scatter_quantize_rows`: the same rows from the tokens' side: one program per ``ROWS`` tokens reads each
   once and stores it at its ``topk`` rows (through ``pair_rows``), tail programs zero the padding rows. With
   top-8 routing it reads 8x fewer token bytes than the gather (alone 1.35-2.3x faster at Qwen3 / DeepSeek-V3 shapes on
-  the H100, 1.1-1.7x at top-4, slower at Mixtral's top-2: ``benchmarks/experiments/scatter_rows/``);
+  the H100, 1.1-1.7x at top-4, 1.17-1.57x at Mixtral's top-2 with the session-27 tile:
+  ``benchmarks/experiments/scatter_rows/``);
   ``rowwise_quant.SCATTER_MIN_TOPK`` picks it by top-k.
 - :func:`swiglu_quantize_rows`: one program per ``ROWS`` rows of ``h``, the same way: ``a = silu(gate) * up`` with
   :func:`fp8kit.moe.token_quant_triton._sigmoid` (launched with ``enable_fp_fusion=False``, as token_quant).
