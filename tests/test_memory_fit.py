@@ -84,3 +84,27 @@ def test_train_refuses_a_model_that_cannot_fit_before_writing_anything(tmp_path,
     assert rc == 2, (rc, err)
     assert "the model does not fit: 21.84B parameters" in err.out + err.err, err
     assert not out.exists()
+
+
+def test_the_memory_warning_is_printed_once(tmp_path, capsys, monkeypatch, cache_dir):
+    """A state taking most of the free memory is warned about during set-up, before the long stages, and the run's
+    header does not print the same warning a second time (it stays in the conversion report's warnings)."""
+    from fp8kit.cli.main import main
+    from fp8kit.models.build import build_model, count_params
+    from fp8kit.train import memory_fit
+
+    sets = ["model.num_layers=2", "data.seq_length=32", "data.vocab_size=1024", f"data.cache_dir={cache_dir}",
+            "train.steps=1", "train.micro_batch_size=2", "train.eval_batches=1"]
+    cfg = _resolved(*sets)
+    state = count_params(build_model(cfg.model, cfg.data.vocab_size, device="meta"))["total"] * \
+        state_bytes_per_param(cfg)[0]
+    monkeypatch.setattr(memory_fit, "free_bytes", lambda device: int(state / 0.9))  # state = 90% of "free"
+    out = tmp_path / "run"
+    args = ["train", "--out", str(out)]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert text.count("will likely run out of memory") == 1 and "2.0M parameters x 9 bytes" in text, text
+    assert "MiB of weights, gradients and optimizer states" in text, text  # a small state is not "0.0 GiB"
+    assert "free on cpu" in (out / "conversion_report.md").read_text()

@@ -81,6 +81,11 @@ def activation_bytes(hf_cfg, cfg) -> int:
     return body + 4 * s * b * cfg.data.vocab_size
 
 
+def _gib(n: int | float) -> str:
+    """``n`` bytes in GiB, one decimal; small sizes in MiB (a tiny model's state is not "0.0 GiB")."""
+    return f"{n / GIB:.1f} GiB" if n >= 0.1 * GIB else f"{n / 2**20:.1f} MiB"
+
+
 def check_state_fits(num_params: int, cfg, device: torch.device, free: int | None = None,
                      activations: int = 0) -> str | None:
     """Refuse a run whose training state cannot fit the device's free memory; warn when it will likely not fit
@@ -105,15 +110,16 @@ def check_state_fits(num_params: int, cfg, device: torch.device, free: int | Non
         return None
     per, what = state_bytes_per_param(cfg)
     need = num_params * per
-    sizes = (f"{num_params / 1e9:.2f}B parameters x {per} bytes ({what}) = {need / GIB:.1f} GiB of weights, "
-             f"gradients and optimizer states, with {free / GIB:.1f} GiB free on {device}")
+    count = f"{num_params / 1e9:.2f}B" if num_params >= 1e9 else f"{num_params / 1e6:.1f}M"
+    sizes = (f"{count} parameters x {per} bytes ({what}) = {_gib(need)} of weights, "
+             f"gradients and optimizer states, with {_gib(free)} free on {device}")
     if need > free:
         raise CapabilityError(
             f"the model does not fit: {sizes}, before activations. Use a smaller model (model.num_layers, "
             "model.preset), a GPU with more memory, or shard it (torchrun with [distributed])"
         )
     if need + activations > free or need > WARN_FRACTION * free:
-        return (f"memory: {sizes}, and activations of about {activations / GIB:.1f} GiB (estimated) on top: this "
+        return (f"memory: {sizes}, and activations of about {_gib(activations)} (estimated) on top: this "
                 "run will likely run out of memory (lower train.micro_batch_size or data.seq_length, or set "
                 "train.activation_checkpointing = true)")
     return None

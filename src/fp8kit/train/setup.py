@@ -77,6 +77,7 @@ class Setup:
     resume_state: dict | None = None
     info: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    shown_warnings: list[str] = field(default_factory=list)  # those of ``warnings`` already printed by set-up's warn
     loss_fn: object = None  # the token cross-entropy (compiled when train.compile)
     dims: ParallelDims | None = None  # the resolved [distributed] sizes (world size 1: all 1)
     mesh: object = None  # DeviceMesh ("dp_replicate", "dp_shard", "tp") of a distributed run, else None
@@ -201,7 +202,8 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
     """Build and check everything (see the module docstring). Writes nothing into the run directory.
 
     ``status(message)`` is told each stage as it starts; ``warn(message)`` gets a warning that must be seen
-    before a long stage (the training state taking most of the free memory); it is also in ``Setup.warnings``.
+    before a long stage (the training state taking most of the free memory); it is also in ``Setup.warnings`` (for
+    the summary) and in ``Setup.shown_warnings`` (so the run's header does not print it twice).
 
     Raises:
         Fp8kitError: any bad input, as one line; CapabilityError when one process cannot hold the model's
@@ -209,6 +211,7 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
     """
     say = status or (lambda _m: None)
     early_warnings: list[str] = []
+    shown_warnings: list[str] = []  # printed through ``warn`` already: the run's header does not repeat them
     cfg = resolve_pretrained(cfg)  # model.pretrained fixes data.vocab_size / data.tokenizer (idempotent)
     resume_ckpt = ckpt.find_checkpoint(resume) if resume is not None else None
     resume_state = ckpt.load_train_state(resume_ckpt) if resume_ckpt is not None else None
@@ -253,7 +256,11 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
         note = check_state_fits(n, cfg, device, activations=activation_bytes(hf_cfg, cfg))
         if note:
             early_warnings.append(note)
-            (warn or say)(note)
+            if warn is not None:
+                warn(note)
+                shown_warnings.append(note)
+            else:
+                say(note)
     del skeleton
 
     say("preparing data")
@@ -328,6 +335,7 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
         resume_from=resume_ckpt,
         resume_state=resume_state,
         warnings=early_warnings + list(options.warnings) + auto.warnings,
+        shown_warnings=shown_warnings,
         dims=dims,
         mesh=mesh,
         loss_fn=torch.compile(cross_entropy) if cfg.train.compile else cross_entropy,

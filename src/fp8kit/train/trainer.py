@@ -288,7 +288,8 @@ def _print_start(setup: Setup, console: Console) -> None:
     console.print(f"optimizer: {_optim_desc(cfg)}{choice}; training state "
                   f"{format_state_bytes(info['training_state_bytes'])}")
     for w in setup.warnings:
-        console.print(f"[bold yellow]warning:[/] {w}")
+        if w not in setup.shown_warnings:  # set-up printed it already, before its long stages
+            console.print(f"[bold yellow]warning:[/] {w}")
     print_auto_table(info.get("selective_auto", {}), console)  # selective_fp8 = "auto": the measured table
     print_report(setup.decisions, console)
     if setup.resume_from is not None:
