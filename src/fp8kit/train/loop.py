@@ -345,7 +345,7 @@ def run_loop(
             progress.console.print(
                 f"step {done:>6}/{t.steps} loss {loss_val:.4f}{val} lr {st.lr:.2e} gnorm {gnorm:.3f} "
                 f"{st.phase} {dt * 1e3:.0f} ms {tps / 1e3:.1f}K tok/s"
-                + (f" ({tps / world / 1e3:.1f}K/GPU)" if world > 1 else "")
+                + (f" ({tps / world / 1e3:.1f}K/{'GPU' if setup.device.type == 'cuda' else 'rank'})" if world > 1 else "")
             )
         return bool(result.diverged or halt)
 
