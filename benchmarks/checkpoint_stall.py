@@ -196,7 +196,8 @@ def main() -> int:
         lines.append(
             f"| {r['mode']} | {r['first_stall_s']:.3f} | {r['steady_stall_s']:.3f} | {w} | {busy} | {idle} |"
         )
-    verdict = "PASS" if ratio <= 0.10 else "FAIL"
+    verdict = ("PASS" if ratio <= 0.10 else "FAIL") if args.device != "cpu" else \
+        "not meaningful on a CPU: the target is for the GPU run"
     with_slowdown = (asy["steady_stall_s"] + asy["slowdown_s_per_save"]) / sync["steady_stall_s"]
     lines += ["", f"steady async stall / steady sync save = {ratio:.3f} (target <= 0.10: {verdict})",
               f"with the slower steps during the background write: {with_slowdown:.3f}"]

@@ -59,13 +59,21 @@ def read_texts(patterns: list[str] | None, tokenizer=None) -> list[str]:
 
         patterns = [os.path.join(os.path.dirname(email.__file__), "*.py")]
     files = sorted({f for pat in patterns for f in (glob.glob(pat) or [pat])})
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise SystemExit(f"error: --data: no such file: {', '.join(repr(f) for f in missing)}")
     texts = []
     for f in files:
         if f.endswith(".jsonl"):
-            for line in Path(f).read_text(encoding="utf-8").splitlines():
+            for n, line in enumerate(Path(f).read_text(encoding="utf-8").splitlines(), 1):
                 if not line.strip():
                     continue
-                rec = json.loads(line)
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise SystemExit(f"error: --data {f}:{n}: not a JSON object ({e.msg})") from None
+                if not isinstance(rec, dict) or ("messages" not in rec and "text" not in rec):
+                    raise SystemExit(f"error: --data {f}:{n}: expected an object with 'text' or 'messages'")
                 if "messages" in rec and tokenizer is not None and getattr(tokenizer, "chat_template", None):
                     texts.append(tokenizer.apply_chat_template(rec["messages"], tokenize=False))
                 elif "messages" in rec:
@@ -206,4 +214,9 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from fp8kit.base.errors import Fp8kitError
+
+    try:
+        main()
+    except Fp8kitError as e:  # bad input (a recipe name, a policy file, ...): one line, as fp8kit's CLI prints it
+        raise SystemExit(f"error: {e}") from None

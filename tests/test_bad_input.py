@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 
@@ -172,3 +173,42 @@ def test_resuming_a_finished_run_trains_nothing_and_changes_nothing(capsys, one_
     assert sorted(p for p in one_step_run.rglob("*") if p.is_file()) == files
     changed = [p.name for p in files if p.read_bytes() != before[p]]
     assert not changed, changed
+
+
+def test_resuming_on_another_corpus_is_refused_and_changes_nothing(capsys, tmp_path, one_step_run):
+    """``--resume`` with ``data.paths`` naming other data than the run trained on would continue the checkpoint at a
+    data position of another corpus, with a BPE tokenizer trained on the new one (other token ids): refused with
+    one line naming both corpora, before anything in the run directory is rewritten."""
+    import shutil
+
+    src = Path(json.__file__).parent
+    data = tmp_path / "data"
+    data.mkdir()
+    for f in sorted(src.glob("*.py")):
+        shutil.copy(f, data / f.name)
+    files = sorted(p for p in one_step_run.rglob("*") if p.is_file())
+    before = {p: p.read_bytes() for p in files}
+    line = _fails(capsys, ["train", str(one_step_run / "resolved_config.toml"), "--resume", str(one_step_run),
+                           "--set", f"data.paths=[\"{data}/*.py\"]", "--set", "train.steps=3"],
+                  "the checkpoint was trained on another corpus")
+    assert "file(s) from data.paths" in line and "fp8kit export" in line, line
+    assert [p.name for p in files if p.read_bytes() != before[p]] == []
+    assert sorted(p for p in one_step_run.rglob("*") if p.is_file()) == files
+
+
+def test_a_checkpoint_without_its_corpus_fingerprint_is_checked_against_its_run_info(tmp_path):
+    """Checkpoints saved before the train state held ``corpus_fingerprint`` are compared with their run directory's
+    ``run_info.json``; without either there is nothing to compare and the resume goes on."""
+    from fp8kit.base.errors import CheckpointError
+    from fp8kit.data.prepare import PreparedData
+    from fp8kit.train.setup import check_resume_data
+
+    step = tmp_path / "run" / "checkpoints" / "step_000004"
+    step.mkdir(parents=True)
+    data = PreparedData(None, 0, "1 file(s) from data.paths", "b" * 64, "bpe", tokenizer_obj=object())
+    check_resume_data(step, {}, data)  # no record at all: accepted
+    (tmp_path / "run" / "run_info.json").write_text(json.dumps({"corpus_fingerprint": "a" * 64}))
+    with pytest.raises(CheckpointError, match="fingerprint aaaaaaaaaaaa; data.paths now gives 1 file"):
+        check_resume_data(step, {}, data)
+    check_resume_data(step, {"corpus_fingerprint": "b" * 64}, data)  # the train state's record wins
+    check_resume_data(step, {}, PreparedData(None, 0, "2 token file(s)", "c" * 64, "bin"))  # pre-tokenized

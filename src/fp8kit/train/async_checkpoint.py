@@ -32,6 +32,7 @@ run then writes the DCP layout (``dcp/`` + ``train_state.pt`` with ``"format": "
 from __future__ import annotations
 
 import shutil
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -153,6 +154,9 @@ class AsyncCheckpointer:
             tmp.mkdir(parents=True)
         barrier()
         group = self._process_group()
+        if group is None:  # one process: DCP's "no process group, saving in a single process" is the intent here
+            warnings.filterwarnings("ignore", category=UserWarning, message=r"torch\.distributed is disabled, "
+                                    r"unavailable or uninitialized, assuming the intent is to save in a single")
         msd, osd = get_state_dict(model, optimizer, options=dcp_options())
         msd = {k: plain_tensor(v) for k, v in msd.items()}
         if main:

@@ -198,6 +198,13 @@ def evaluate(setup: Setup) -> float:
     return float(sums[0] / sums[1])
 
 
+def _rate(tokens_per_s: float) -> str:
+    """A token rate for the step line: ``"850"``, ``"12.3K"``, ``"1.23M"`` (a slow CPU run is not "0.0K")."""
+    if tokens_per_s >= 1e6:
+        return f"{tokens_per_s / 1e6:.2f}M"
+    return f"{tokens_per_s / 1e3:.1f}K" if tokens_per_s >= 1e3 else f"{tokens_per_s:.0f}"
+
+
 def _save(setup: Setup, out_dir: Path, step: int, phase: str, saver: AsyncCheckpointer | None = None) -> str:
     state = {
         "step": step,
@@ -205,6 +212,7 @@ def _save(setup: Setup, out_dir: Path, step: int, phase: str, saver: AsyncCheckp
         "optimizer": None if setup.distributed else setup.optimizer.state_dict(),
         "scheduler": setup.scheduler.state_dict(),
         "data": setup.data.packed.state_dict(),
+        "corpus_fingerprint": setup.data.corpus_fingerprint,  # a resume on other data is refused (check_resume_data)
         "rng": ckpt.rng_state(setup.device),
         "recipe": setup.cfg.fp8.recipe if setup.cfg.train.mixed_precision == "fp8" else None,
         # FP8AdamW's state precision (optim.granularity = auto resumes with its scales; the DCP files do not say)
@@ -339,13 +347,13 @@ def run_loop(
         every = t.checkpoint_every and done % t.checkpoint_every == 0
         if (every or (done == t.steps and t.final_checkpoint) or halt) and not result.diverged:
             result.checkpoints.append(_save(setup, out_dir, done, st.phase, saver))
-        progress.update(task, completed=done, info=f"loss {loss_val:.4f} {st.phase} {tps / 1e3:.1f}K tok/s")
+        progress.update(task, completed=done, info=f"loss {loss_val:.4f} {st.phase} {_rate(tps)} tok/s")
         if done % t.log_every == 0 or done == t.steps or "val_loss" in record:
             val = f" val {record['val_loss']:.4f}" if record.get("val_loss") is not None else ""
             progress.console.print(
                 f"step {done:>6}/{t.steps} loss {loss_val:.4f}{val} lr {st.lr:.2e} gnorm {gnorm:.3f} "
-                f"{st.phase} {dt * 1e3:.0f} ms {tps / 1e3:.1f}K tok/s"
-                + (f" ({tps / world / 1e3:.1f}K/{'GPU' if setup.device.type == 'cuda' else 'rank'})" if world > 1 else "")
+                f"{st.phase} {dt * 1e3:.0f} ms {_rate(tps)} tok/s"
+                + (f" ({_rate(tps / world)}/{'GPU' if setup.device.type == 'cuda' else 'rank'})" if world > 1 else "")
             )
         return bool(result.diverged or halt)
 

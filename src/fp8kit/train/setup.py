@@ -16,6 +16,7 @@ cache is the only thing written, and it is atomic).
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -136,6 +137,41 @@ def check_resume_recipe(cfg: RunConfig, resume_ckpt: Path, state: dict) -> None:
         raise CheckpointError(
             f"--resume {str(resume_ckpt)!r}: the checkpoint was trained with fp8.recipe = {saved!r}, this run asks "
             f"for {cfg.fp8.recipe!r}; resume with --set fp8.recipe={saved}"
+        )
+
+
+def check_resume_data(resume_ckpt: Path, state: dict, data: PreparedData) -> None:
+    """Refuse to continue a run on another corpus than the one it was trained on.
+
+    The checkpoint's data position (window cursor and epoch, or chat row cursor) indexes the corpus it was saved
+    with, and a tokenizer trained on the corpus (the default BPE) gives other token ids for another one, so a
+    resume on changed ``data.paths`` (or, with the default corpus, another Python's standard library) would train
+    on garbage or fail mid-run. The corpus is identified by its fingerprint (sha256 over names and contents;
+    :class:`fp8kit.data.prepare.PreparedData`), saved in the checkpoint's train state; checkpoints written before
+    it was saved are checked against their run directory's ``run_info.json`` where there is one. Pre-tokenized
+    ``.bin`` corpora are not checked: their fingerprint is of paths, sizes and modification times, not contents
+    (a job that stages them onto a node's disk would be refused), and their token ids need no tokenizer.
+
+    Raises:
+        CheckpointError: the fingerprints differ; names both corpora and the way to train the weights on new data.
+    """
+    if data.tokenizer_obj is None:  # pre-tokenized token files
+        return
+    saved = state.get("corpus_fingerprint")
+    if saved is None:
+        info = Path(resume_ckpt).parent.parent / "run_info.json"  # <run>/checkpoints/step_N -> <run>
+        try:
+            saved = json.loads(info.read_text(encoding="utf-8")).get("corpus_fingerprint")
+        except (OSError, ValueError):
+            return  # no record of the corpus: nothing to compare
+    if saved and saved != data.corpus_fingerprint:
+        raise CheckpointError(
+            f"--resume {str(resume_ckpt)!r}: the checkpoint was trained on another corpus (fingerprint "
+            f"{saved[:12]}; data.paths now gives {data.corpus}, fingerprint {data.corpus_fingerprint[:12]}"
+            f"{', rendered with data.chat_template' if data.chat else ''}): "
+            "its data position (and a tokenizer trained on the corpus) does not carry over. Resume with the run's "
+            "data settings (its resolved_config.toml), or train its weights on the new data as a new run: "
+            "fp8kit export RUN DIR, then --set model.pretrained=DIR"
         )
 
 
@@ -265,6 +301,8 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
 
     say("preparing data")
     data = _prepare_data_rank0_first(cfg, say, distributed=dims.distributed)
+    if resume_ckpt is not None:
+        check_resume_data(resume_ckpt, resume_state, data)
 
     say("building the model")
     param_dtype = torch.float32 if cfg.train.param_dtype == "fp32" else torch.bfloat16
