@@ -191,7 +191,7 @@ def test_bad_input_is_one_line_naming_file_and_line(tmp_path):
                      micro_batch_size=1, seed=0)
     assert not cache.exists()
 
-    with pytest.raises(DataError, match=r"no field 'messages' and no alpaca 'instruction'"):
+    with pytest.raises(DataError, match=r"no field 'messages' \(or ShareGPT's 'conversations'\) and no alpaca 'instruction'"):
         prep(_write_jsonl(tmp_path / "other.jsonl", [{"text": "plain"}]))
     with pytest.raises(DataError, match=r"notes\.txt'.*reads \.jsonl, \.json or \.parquet"):
         (tmp_path / "notes.txt").write_text("hi")

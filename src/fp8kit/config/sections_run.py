@@ -101,7 +101,8 @@ class DataConfig(ConfigModel):
     messages_field: str = Field(
         "messages",
         description="format = chat: the field (parquet: column) holding [{role, content}, ...] (sharegpt "
-        "{from, value} accepted). Records without it but with 'instruction' are read as alpaca records.",
+        "{from, value} accepted). At the default, records without 'messages' are read from ShareGPT's "
+        "'conversations'. Records without either but with 'instruction' are read as alpaca records.",
     )
     chat_template: str | None = Field(
         None,

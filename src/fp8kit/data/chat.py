@@ -4,7 +4,9 @@ Records (one a JSONL line, a JSON array element or a parquet row; :mod:`fp8kit.d
 
 * messages: ``{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}, ...]}``, the
   OpenAI chat / LLaMA-Factory "sharegpt" shape (field name ``data.messages_field``; the sharegpt spelling
-  ``{"from": "human" | "gpt", "value": ...}`` is accepted too);
+  ``{"from": "human" | "gpt", "value": ...}`` is accepted too). With ``data.messages_field`` at its default
+  ``"messages"``, a record without ``messages`` but with ShareGPT's ``conversations`` is read from that
+  (a real ShareGPT file, out of the box); another ``data.messages_field`` is the only field read;
 * alpaca: ``{"instruction", "input" (optional), "output", "system" (optional), "history" (optional
   ``[[query, response], ...]``)}``, converted as LLaMA-Factory does: the user turn is
   ``instruction + "\\n" + input`` (input left out when empty), the assistant turn is ``output``.
@@ -53,6 +55,8 @@ DEFAULT_CHAT_TEMPLATE = (
 
 ROLES = {"system": "system", "user": "user", "assistant": "assistant", "human": "user", "gpt": "assistant"}
 ALPACA_KEYS = ("instruction", "input", "output", "system", "history")
+DEFAULT_MESSAGES_FIELD = "messages"  # data.messages_field's default
+SHAREGPT_FIELD = "conversations"  # ShareGPT's name of the messages, read when data.messages_field is the default
 
 
 @dataclass
@@ -67,7 +71,8 @@ class ChatStats:
         truncated_away: samples skipped because no assistant token was left after the cut.
         samples: samples kept (train + validation).
         supervised_tokens: assistant (learnt) label tokens of the kept samples.
-        tokens: all tokens of the kept samples.
+        tokens: all tokens of the kept samples, after the cut (what training sees).
+        tokens_before_cut: all tokens of the rendered conversations, before the cut and the drops.
     """
 
     records: int = 0
@@ -78,23 +83,41 @@ class ChatStats:
     samples: int = 0
     supervised_tokens: int = 0
     tokens: int = 0
+    tokens_before_cut: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
 
 
+def messages_key(keys, messages_field: str) -> str | None:
+    """The field (or column) of ``keys`` that holds the messages: ``messages_field``, else, when that is the
+    default ``"messages"``, ShareGPT's ``"conversations"``; None when there is neither."""
+    if messages_field in keys:
+        return messages_field
+    if messages_field == DEFAULT_MESSAGES_FIELD and SHAREGPT_FIELD in keys:
+        return SHAREGPT_FIELD
+    return None
+
+
+def _looked_for(messages_field: str) -> str:
+    """``'messages' (or ShareGPT's 'conversations')`` at the default, else just the configured name."""
+    also = f" (or ShareGPT's {SHAREGPT_FIELD!r})" if messages_field == DEFAULT_MESSAGES_FIELD else ""
+    return f"{messages_field!r}{also}"
+
+
 def pick_chat_columns(path: Path, columns: list[str], messages_field: str) -> list[str]:
-    """The parquet columns to read: ``messages_field``, else the alpaca columns present.
+    """The parquet columns to read: the messages column (:func:`messages_key`), else the alpaca columns present.
 
     Raises:
-        DataError: neither ``messages_field`` nor an ``instruction`` column is in the file.
+        DataError: neither a messages column nor an ``instruction`` column is in the file.
     """
-    if messages_field in columns:
-        return [messages_field]
+    key = messages_key(columns, messages_field)
+    if key is not None:
+        return [key]
     if "instruction" in columns:
         return [c for c in ALPACA_KEYS if c in columns]
     raise DataError(
-        f"{path}: no column {messages_field!r} and no alpaca column 'instruction' "
+        f"{path}: no column {_looked_for(messages_field)} and no alpaca column 'instruction' "
         f"(columns: {', '.join(columns)}; set data.messages_field)"
     )
 
@@ -146,21 +169,23 @@ def _from_alpaca(obj: dict, where: str) -> list[dict[str, str]]:
 
 def to_messages(obj: dict, where: str, messages_field: str, stats: ChatStats) -> list[dict[str, str]] | None:
     """One record -> ``[{"role", "content"}, ...]`` up to its last assistant turn; ``None`` (counted in
-    ``stats.no_assistant``) when it has no assistant turn.
+    ``stats.no_assistant``) when it has no assistant turn. The messages are read from ``messages_field``
+    (at its default ``"messages"``, from ShareGPT's ``"conversations"`` when there is no ``"messages"``).
 
     Raises:
-        DataError: no ``messages_field`` and no alpaca ``instruction``; an unknown role; a message or
+        DataError: no messages field and no alpaca ``instruction``; an unknown role; a message or
             field that is not a string.
     """
     stats.records += 1
-    if messages_field in obj:
-        msgs = _from_messages(obj[messages_field], where, messages_field)
+    key = messages_key(obj, messages_field)
+    if key is not None:
+        msgs = _from_messages(obj[key], where, key)
     elif "instruction" in obj:
         stats.alpaca += 1
         msgs = _from_alpaca(obj, where)
     else:
         raise DataError(
-            f"{where}: no field {messages_field!r} and no alpaca 'instruction' (set data.messages_field)"
+            f"{where}: no field {_looked_for(messages_field)} and no alpaca 'instruction' (set data.messages_field)"
         )
     last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
     if last is None:

@@ -32,6 +32,24 @@ class LoaderState:
         return {"epoch": self.epoch, "cursor": self.cursor}
 
 
+def restore_state(state: dict[str, int], num_train: int, what: str) -> LoaderState:
+    """The :class:`LoaderState` of a saved ``to_dict()``, checked against the ``num_train`` training ``what``
+    (rows, sequences) of the data it resumes.
+
+    Raises:
+        DataError: the saved position is not one of this data's (a cursor at or past ``num_train``): the
+            data changed since the state was saved.
+    """
+    epoch, cursor = int(state["epoch"]), int(state["cursor"])
+    if epoch < 0 or not 0 <= cursor < num_train:
+        raise DataError(
+            f"the saved data cursor {cursor} (epoch {epoch}) is not a position of this data's {num_train} training "
+            f"{what}: the run's data (data.paths, or data.seq_length / data.val_fraction) changed since the "
+            f"checkpoint; resume with the data it was saved with"
+        )
+    return LoaderState(epoch, cursor)
+
+
 def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
     """The training order of epoch ``epoch``: a permutation of ``range(n)`` (``torch.randperm`` with its own
     generator seeded from ``seed`` and ``epoch``; the same on every machine and rank)."""
@@ -103,7 +121,12 @@ class PackedData:
         return self.state.to_dict()
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.state = LoaderState(int(state["epoch"]), int(state["cursor"]))
+        """Resume at a saved :meth:`state_dict`.
+
+        Raises:
+            DataError: the saved cursor is past this data's training windows (the data changed since it was saved).
+        """
+        self.state = restore_state(state, len(self.train_windows), "sequences")
 
     # -- validation --------------------------------------------------------------------------------
     def val_batches(self, batch_size: int, max_batches: int) -> list[torch.Tensor]:

@@ -32,7 +32,7 @@ class PreparedData:
 
     Attributes:
         packed: windows, split and batch order.
-        num_tokens: tokens in the whole stream.
+        num_tokens: tokens in the whole stream (chat data: of the kept samples, after the cut to seq_length + 1).
         corpus: description of the corpus.
         corpus_fingerprint: sha256 of the corpus (names + contents).
         tokenizer: description of the tokenizer (or of the token files).

@@ -86,7 +86,7 @@ def prepare_chat_data(cfg: DataConfig, *, micro_batch_size: int, seed: int, stat
         tok, eos_id, tok_desc = load_or_train_tokenizer(texts, fingerprint, cfg.vocab_size, cache_dir, None)
     samples = []
     for ids, assistant in encode_segments(tok, pieces):
-        stats.tokens += len(ids)
+        stats.tokens_before_cut += len(ids)
         cut = len(ids) > cfg.seq_length + 1
         if cut:
             ids, assistant = ids[: cfg.seq_length + 1], assistant[: cfg.seq_length + 1]
@@ -98,12 +98,14 @@ def prepare_chat_data(cfg: DataConfig, *, micro_batch_size: int, seed: int, stat
                 stats.no_assistant += 1
             continue
         samples.append((ids, assistant))
+        stats.tokens += len(ids)
         stats.supervised_tokens += int(assistant[1:].sum())
     stats.samples = len(samples)
     data = SFTData(samples, cfg.seq_length, cfg.val_fraction, micro_batch_size, seed, cfg.pack,
-                   pad_id=eos_id if eos_id is not None else 0)
+                   pad_id=eos_id if eos_id is not None else 0, cut_away=stats.truncated_away)
     skipped = f", {stats.no_assistant} skipped (no assistant turn)" if stats.no_assistant else ""
-    cut = f", {stats.truncated} cut to {cfg.seq_length + 1} tokens" if stats.truncated else ""
+    cut = (f", {stats.truncated} cut to their first {cfg.seq_length + 1} tokens (data.seq_length + 1; "
+           f"{stats.tokens_before_cut:,} tokens before the cut)" if stats.truncated else "")
     away = f" ({stats.truncated_away} of them dropped: no assistant token left)" if stats.truncated_away else ""
     layout = "packed" if cfg.pack else "one per row"
     desc = (

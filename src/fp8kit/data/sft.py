@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from fp8kit.base.errors import DataError
-from fp8kit.data.loader import LoaderState, epoch_permutation
+from fp8kit.data.loader import LoaderState, epoch_permutation, restore_state
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 
@@ -115,13 +115,16 @@ class SFTData:
         seed: seed of the training order.
         pack: pack several samples per row (True) or one per row (False).
         pad_id: token id of the padding inputs (never a label).
+        cut_away: records the caller dropped because the cut to ``seq_length + 1`` tokens left them no
+            assistant token (when they are half or more of all, the size error says to raise
+            ``data.seq_length``).
 
     Raises:
         DataError: too few samples for one validation row plus ``micro_batch_size`` training rows.
     """
 
     def __init__(self, samples: list[tuple[np.ndarray, np.ndarray]], seq_length: int, val_fraction: float,
-                 micro_batch_size: int, seed: int, pack: bool, pad_id: int):
+                 micro_batch_size: int, seed: int, pack: bool, pad_id: int, cut_away: int = 0):
         self.seq_length, self.seed, self.pack, self.pad_id = seq_length, seed, pack, pad_id
         lengths = np.array([len(ids) for ids, _ in samples], dtype=np.int64)
         if len(samples) and (lengths.min() < 2 or lengths.max() > seq_length + 1):
@@ -136,17 +139,29 @@ class SFTData:
         self.train_rows = self._rows(idx[~is_val], need)
         self.val_rows = self._rows(idx[is_val], need)
         if len(self.val_rows) < 1 or len(self.train_rows) < micro_batch_size:
-            raise DataError(
-                f"the chat data is too small: its {len(samples)} samples make {len(self.train_rows)} training "
-                f"and {len(self.val_rows)} validation rows of {seq_length} tokens (every {self.stride}th sample "
-                f"is held out), and training needs micro_batch_size {micro_batch_size} training rows and one "
-                f"validation row; add data or lower data.seq_length / train.micro_batch_size"
-            )
+            raise DataError(self._too_small(len(samples), micro_batch_size, cut_away))
         used = int(sum(need))
         self.fill = used / ((len(self.train_rows) + len(self.val_rows)) * seq_length)
         self.state = LoaderState()
         self._perm_epoch: int | None = None
         self._perm: np.ndarray | None = None
+
+    def _too_small(self, n: int, micro_batch_size: int, cut_away: int) -> str:
+        """The size error's message, with the advice that helps: a longer ``seq_length`` when the cut dropped
+        half the records or more, else more data or smaller rows / batches."""
+        t = self.seq_length
+        if cut_away and not n:
+            return (f"all {cut_away} records with an assistant turn lost it to the cut at data.seq_length = {t} "
+                    f"(no assistant token in their first {t + 1} tokens): raise data.seq_length")
+        rows = (f"{n} samples make {len(self.train_rows)} training and {len(self.val_rows)} validation rows of {t} "
+                f"tokens (every {self.stride}th sample is held out), and training needs micro_batch_size "
+                f"{micro_batch_size} training rows and one validation row")
+        if cut_away and cut_away >= n:
+            return (f"the chat data is too small: {cut_away} of its {cut_away + n} records lost their assistant "
+                    f"turn to the cut at data.seq_length = {t}, and the {rows}; raise data.seq_length")
+        smaller = ("data.seq_length / train.micro_batch_size" if self.pack
+                   else "train.micro_batch_size (data.pack = false: one sample per row)")
+        return f"the chat data is too small: its {rows}; add data or lower {smaller}"
 
     def _rows(self, sample_idx: np.ndarray, need: list[int]) -> list[list[int]]:
         if not self.pack:
@@ -199,7 +214,12 @@ class SFTData:
         return self.state.to_dict()
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.state = LoaderState(int(state["epoch"]), int(state["cursor"]))
+        """Resume at a saved :meth:`state_dict`.
+
+        Raises:
+            DataError: the saved cursor is past this data's training rows (the data changed since it was saved).
+        """
+        self.state = restore_state(state, len(self.train_rows), "rows")
 
     def val_batches(self, batch_size: int, max_batches: int) -> list[SFTBatch]:
         """The first ``max_batches`` validation batches, always the same rows in the same order."""
