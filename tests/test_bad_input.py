@@ -38,6 +38,8 @@ def _fails(capsys, argv, expected: str):
         (["train.device=cuda"], "train.device = 'cuda', but CUDA is not available"),
         (["model.hf_config=/nope/config.json"], "model.hf_config: '/nope/config.json' does not exist"),
         (["distributed.tp=2"], "dp_replicate = 1 x tp = 2 = 2 does not divide the world size 1"),
+        # blamed on where data.format was set, not on "defaults" (data.paths was never set)
+        (["data.format=chat"], "error: --set data.format=chat: \"chat\" needs data.paths"),
         # etp was removed from the config (experts are whole per rank): only its old value 1 still loads
         (["distributed.etp=2"], "distributed.etp = 2: expert tensor parallelism is not supported, every rank holds "
                                 "whole experts"),

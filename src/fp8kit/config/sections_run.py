@@ -120,7 +120,7 @@ class DataConfig(ConfigModel):
     @model_validator(mode="after")
     def _chat_needs_paths(self) -> "DataConfig":
         if self.format == "chat" and not self.paths:
-            raise FieldProblem("data.paths", "data.format = \"chat\" needs .jsonl / .json / .parquet chat records")
+            raise FieldProblem("data.format", "\"chat\" needs data.paths: .jsonl / .json / .parquet chat records")
         return self
 
     @field_validator("vocab_size")
