@@ -133,6 +133,12 @@ def _loss_scales(setup: Setup, micro: list) -> tuple[list[float] | None, int]:
     return [n * dp / total for n in counts], total
 
 
+def global_batch(setup: Setup) -> int:
+    """Sequences (rows) per optimizer step: ``train.micro_batch_size x train.grad_accum x`` the data-parallel size."""
+    t = setup.cfg.train
+    return t.micro_batch_size * t.grad_accum * _dp(setup)[0]
+
+
 def _dp(setup: Setup) -> tuple[int, int]:
     """(data-parallel size, this rank's data-parallel index); (1, 0) for a single process."""
     if not setup.distributed:
@@ -212,7 +218,8 @@ def _save(setup: Setup, out_dir: Path, step: int, phase: str, saver: AsyncCheckp
         "optimizer": None if setup.distributed else setup.optimizer.state_dict(),
         "scheduler": setup.scheduler.state_dict(),
         "data": setup.data.packed.state_dict(),
-        "corpus_fingerprint": setup.data.corpus_fingerprint,  # a resume on other data is refused (check_resume_data)
+        "corpus_fingerprint": setup.data.corpus_fingerprint,
+        "global_batch": global_batch(setup),  # sequences per optimizer step (a resume on another says so)  # a resume on other data is refused (check_resume_data)
         "rng": ckpt.rng_state(setup.device),
         "recipe": setup.cfg.fp8.recipe if setup.cfg.train.mixed_precision == "fp8" else None,
         # FP8AdamW's state precision (optim.granularity = auto resumes with its scales; the DCP files do not say)

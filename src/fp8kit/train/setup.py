@@ -520,6 +520,7 @@ def restore(setup: Setup) -> None:
         sched["lr_lambdas"] = [None] * n_groups  # plain functions are not saved (LambdaLR stores None)
     setup.scheduler.load_state_dict(sched)
     setup.data.packed.load_state_dict(state["data"])
+    _note_global_batch(setup, state)
     if state.get("fp8_delayed"):
         try:
             setup.prepared.conversion.delayed.load_state_dict(state["fp8_delayed"], setup.device)
@@ -531,6 +532,23 @@ def restore(setup: Setup) -> None:
 
     clear_weight_cache()  # blockwise FP8 weights were quantized from the weights before the load
     setup.start_step = int(state["step"])
+
+
+def _note_global_batch(setup: Setup, state: dict) -> None:
+    """A resume whose sequences per optimizer step differ from the checkpoint's (another data-parallel size,
+    micro-batch or accumulation) continues, with a warning: the data order and the schedule go on, but each
+    step now sees another number of sequences (docs/distributed.md: the same global batch resumes exactly)."""
+    from fp8kit.train.loop import global_batch
+
+    saved, now = state.get("global_batch"), global_batch(setup)
+    if saved is not None and int(saved) != now:
+        t = setup.cfg.train
+        setup.warnings.append(
+            f"--resume {str(setup.resume_from)!r}: the checkpoint was trained with {int(saved)} sequences per "
+            f"optimizer step, this run takes {now} (train.micro_batch_size {t.micro_batch_size} x train.grad_accum "
+            f"{t.grad_accum} x data-parallel size {now // (t.micro_batch_size * t.grad_accum)}): the data order and "
+            "the learning-rate schedule continue, but the steps are not those of the original layout"
+        )
 
 
 def _restore_grad_comm(setup: Setup, state: dict) -> None:
