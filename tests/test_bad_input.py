@@ -214,3 +214,25 @@ def test_a_checkpoint_without_its_corpus_fingerprint_is_checked_against_its_run_
         check_resume_data(step, {}, data)
     check_resume_data(step, {"corpus_fingerprint": "b" * 64}, data)  # the train state's record wins
     check_resume_data(step, {}, PreparedData(None, 0, "2 token file(s)", "c" * 64, "bin"))  # pre-tokenized
+
+
+@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
+def test_a_config_error_under_torchrun_is_printed_by_rank_0_only(capsys, monkeypatch, tmp_path, rank, printed):
+    """Every rank of a torchrun launch parses the same arguments, so a config error is the same on each: rank 0
+    prints it and the others exit 2 silently (with 8 ranks and ``--max-restarts 3`` it used to print 32 times)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    assert main(["train", "--out", str(tmp_path / "run"), "--set", "train.steps=1.5"]) == 2
+    err = capsys.readouterr().err
+    assert ("train.steps=1.5: expected an integer" in err) == printed, (rank, err)
+
+
+def test_a_resume_with_another_global_batch_says_so(capsys, tmp_path, one_step_run):
+    """Resuming with another number of sequences per optimizer step (another micro-batch, accumulation or
+    data-parallel size) continues, and the run says how the steps differ from the checkpoint's."""
+    out = tmp_path / "more"
+    assert main(["train", str(one_step_run / "resolved_config.toml"), "--resume", str(one_step_run), "--out", str(out),
+                 "--set", "train.steps=2", "--set", "train.micro_batch_size=4"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "the checkpoint was trained with 2 sequences per optimizer step, this run takes 4" in text, text
+    assert "train.micro_batch_size 4 x train.grad_accum 1 x data-parallel size 1" in text, text

@@ -53,8 +53,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", help="output directory: safetensors, config.json, tokenizer files, generation "
                    "config (AutoModelForCausalLM / AutoTokenizer.from_pretrained load it)")
     p.add_argument("--config", help="the run config (default: the run's resolved_config.toml)")
-    p.add_argument("--max-shard-size", default="5GB",
-                   help="largest safetensors file; larger models are sharded with an index (default 5GB)")
+
+    def max_shard_size(text: str) -> int:  # checked here: a bad size is refused before anything is read or written
+        from fp8kit.train.export import parse_max_shard_size
+
+        try:
+            return parse_max_shard_size(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    p.add_argument("--max-shard-size", default="5GB", type=max_shard_size,
+                   help="largest safetensors file: bytes, or a number with TB, GB, MB or KB (e.g. 500MB); larger "
+                   "models are sharded with an index (default 5GB)")
 
     p = sub.add_parser("config-docs", help="print the config reference (Markdown) generated from the dataclasses")
     p.add_argument("--output", help="write to this file instead of stdout")
@@ -141,9 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except Fp8kitError as e:
+        from fp8kit.base.errors import ConfigError
+        from fp8kit.base.runtime import launched_rank
         from fp8kit.train.loop import TrainingDiverged
 
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        # A config error comes from the same arguments on every rank of a torchrun launch: rank 0 says it once.
+        # Other errors (a file, a GPU, a checkpoint shard) can be one rank's own: every rank prints its own.
+        if not (isinstance(e, ConfigError) and launched_rank() != 0):
+            print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return 1 if isinstance(e, TrainingDiverged) else 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

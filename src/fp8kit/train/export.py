@@ -11,21 +11,28 @@ writes::
     tokenizer.json, tokenizer_config.json, ...  the run's tokenizer (see below)
 
 The run's tokenizer is saved in the run directory at the start of a run (``<run>/tokenizer/``, by
-:func:`save_run_tokenizer`): the pretrained directory's tokenizer files copied as they are (chat template
-included), or fp8kit's trained byte-level BPE wrapped as a ``PreTrainedTokenizerFast`` (EOS
-``<|endoftext|>``) and saved with ``save_pretrained``. The run's exact HF config is saved beside it
-(``<run>/model_config.json``), so an export does not need the pretrained directory any more.
+:func:`save_run_tokenizer`): the pretrained directory's tokenizer files copied as they are, or fp8kit's
+trained byte-level BPE wrapped as a ``PreTrainedTokenizerFast`` (EOS ``<|endoftext|>``) and saved with
+``save_pretrained``. A chat run (``data.format = "chat"``) saves the chat template it trains with
+(:func:`run_chat_template`: ``data.chat_template``, the tokenizer's own, or fp8kit's default) as
+``chat_template.jinja``, so ``apply_chat_template`` of the exported tokenizer renders the training format.
+The run's exact HF config is saved beside it (``<run>/model_config.json``), so an export does not need the
+pretrained directory any more.
+
+An export is written into a temporary sibling of the output directory and renamed into place when
+complete: an export that fails leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from fp8kit.base.errors import CheckpointError
 from fp8kit.train.checkpoint import (
@@ -46,6 +53,9 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+#: The units of a shard size, as huggingface_hub's sharding reads them (decimal, any case).
+_SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
 
 
 def eos_token_of(tokenizer) -> str | None:
@@ -55,7 +65,86 @@ def eos_token_of(tokenizer) -> str | None:
     return next((t for t in _EOS_CANDIDATES if tokenizer.token_to_id(t) is not None), None)
 
 
-def save_run_tokenizer(tokenizer, source: str | None, out: Path) -> Path | None:
+def parse_max_shard_size(size: str | int) -> int:
+    """A shard size in bytes: an int, or text: a whole number of bytes, or a number with TB, GB, MB or KB
+    (decimal units, any case: ``"5GB"``, ``"500MB"``, ``"1.5GB"``), as transformers' ``save_pretrained`` reads it.
+
+    Raises:
+        ValueError: anything else, or a size that is not above zero (one line naming the accepted form).
+    """
+    if isinstance(size, int) and not isinstance(size, bool):
+        n = size
+    else:
+        m = re.fullmatch(r"(\d+)|(\d+(?:\.\d+)?)\s*([TGMK]B)", str(size).strip(), flags=re.IGNORECASE)
+        n = (int(m[1]) if m[1] else int(float(m[2]) * _SIZE_UNITS[m[3].upper()])) if m else 0
+    if n <= 0:
+        raise ValueError(f"{size!r} is not a shard size: give bytes, or a number with TB, GB, MB or KB above zero, "
+                         f"e.g. 5GB or 500MB")
+    return n
+
+
+def run_chat_template(data_cfg, tokenizer) -> str | None:
+    """The chat template a run trains with, chosen as the data layer chooses it
+    (:func:`fp8kit.data.chat.chat_renderer`: ``data.chat_template``, the tokenizer's own, or fp8kit's default).
+
+    Args:
+        data_cfg: the run's ``[data]`` section.
+        tokenizer: the run's ``tokenizers.Tokenizer`` (its EOS token fills the default template).
+
+    Returns:
+        the Jinja template; None unless ``data.format = "chat"`` (or without a tokenizer).
+
+    Raises:
+        DataError: the template file or the tokenizer directory cannot be read.
+    """
+    if data_cfg.format != "chat" or tokenizer is None:
+        return None
+    from fp8kit.data.chat import chat_renderer
+
+    return chat_renderer(data_cfg.chat_template, data_cfg.tokenizer, eos_token_of(tokenizer)).template
+
+
+def _saved_chat_template(tok_dir: Path) -> str | None:
+    """The chat template that ``AutoTokenizer.from_pretrained(tok_dir)`` gets: ``chat_template.jinja``, else
+    the ``chat_template`` of ``tokenizer_config.json`` (of named templates the default, as the data layer picks)."""
+    if (tok_dir / CHAT_TEMPLATE_FILE).is_file():
+        return (tok_dir / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    cfg_file = tok_dir / "tokenizer_config.json"
+    t = json.loads(cfg_file.read_text(encoding="utf-8")).get("chat_template") if cfg_file.is_file() else None
+    if isinstance(t, list):  # transformers' layout of named templates
+        t = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}
+    if isinstance(t, dict):
+        t = t.get("default") or next(iter(t.values()), None)
+    return t if isinstance(t, str) else None
+
+
+def _write_chat_template(tok_dir: Path, template: str) -> None:
+    """Make ``template`` the chat template of the tokenizer saved in ``tok_dir``: ``chat_template.jinja`` (which
+    transformers reads first), a different template in ``tokenizer_config.json`` removed (as ``save_pretrained``
+    does); nothing changes when the saved tokenizer has this template already."""
+    if _saved_chat_template(tok_dir) == template:
+        return
+    (tok_dir / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
+    cfg_file = tok_dir / "tokenizer_config.json"
+    if cfg_file.is_file():
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+        if cfg.pop("chat_template", None) is not None:
+            cfg_file.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _temp_dir_beside(out: Path) -> Path:
+    """A new empty hidden directory next to ``out`` (same file system, so it can be renamed to ``out``), with the
+    permissions of any new directory (``tempfile.mkdtemp`` would make it private, and so the renamed result)."""
+    while True:
+        tmp = out.parent / f".{out.name}.{os.urandom(4).hex()}.tmp"
+        try:
+            tmp.mkdir()
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def save_run_tokenizer(tokenizer, source: str | None, out: Path, chat_template: str | None = None) -> Path | None:
     """Save the run's tokenizer in the Hugging Face layout into ``out`` (replaced atomically).
 
     Args:
@@ -64,6 +153,9 @@ def save_run_tokenizer(tokenizer, source: str | None, out: Path) -> Path | None:
             ``tokenizer.json`` file, or None (fp8kit's trained BPE); the latter two are wrapped as a
             ``PreTrainedTokenizerFast`` with their EOS token.
         out: the directory to write.
+        chat_template: the chat template the run trains with (:func:`run_chat_template`), saved as the
+            tokenizer's (``chat_template.jinja``) unless the tokenizer has it already; None: the tokenizer's
+            files as they are.
 
     Returns:
         ``out``, or None when there is no tokenizer.
@@ -72,7 +164,7 @@ def save_run_tokenizer(tokenizer, source: str | None, out: Path) -> Path | None:
         return None
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = _temp_dir_beside(out)
     try:
         src = Path(source).expanduser() if source else None
         copied = []
@@ -86,6 +178,8 @@ def save_run_tokenizer(tokenizer, source: str | None, out: Path) -> Path | None:
 
             eos = eos_token_of(tokenizer)
             PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos).save_pretrained(str(tmp))
+        if chat_template is not None:
+            _write_chat_template(tmp, chat_template)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -96,8 +190,11 @@ def save_run_tokenizer(tokenizer, source: str | None, out: Path) -> Path | None:
 
 
 def save_run_files(setup, out_dir: Path) -> None:
-    """At the start of a run (rank 0): ``<run>/tokenizer/`` and ``<run>/model_config.json`` (the HF config)."""
-    save_run_tokenizer(setup.data.tokenizer_obj, setup.cfg.data.tokenizer, Path(out_dir) / TOKENIZER_DIR)
+    """At the start of a run (rank 0): ``<run>/tokenizer/`` (chat runs: with the chat template they train with)
+    and ``<run>/model_config.json`` (the HF config)."""
+    tok = setup.data.tokenizer_obj
+    save_run_tokenizer(tok, setup.cfg.data.tokenizer, Path(out_dir) / TOKENIZER_DIR,
+                       chat_template=run_chat_template(setup.cfg.data, tok))
     setup.hf_cfg.to_json_file(str(Path(out_dir) / MODEL_CONFIG_FILE))
 
 
@@ -108,26 +205,38 @@ def export_checkpoint(path: Path, out_dir: Path, *, config: str | Path | None = 
     The model is rebuilt from the run's ``model_config.json`` (or from the run config: ``config``, default
     the run's ``resolved_config.toml``), the weights are loaded (safetensors, or DCP files of any layout,
     read in this one process), cast to bfloat16 and written with transformers' ``save_pretrained``
-    (safetensors, HF key layout, tied weights once, sharded above ``max_shard_size``).
+    (safetensors, HF key layout, tied weights once, sharded above ``max_shard_size``). Everything is written
+    into a temporary sibling of ``out_dir`` that is renamed to ``out_dir`` only when complete.
 
     Args:
         path: a run directory (its latest checkpoint) or a checkpoint directory.
         out_dir: the output directory (created; must be empty if it exists).
         config: the run config; default: the ``resolved_config.toml`` of the checkpoint's run.
-        max_shard_size: largest safetensors file (``"5GB"``, ``"500MB"`` or bytes); larger models are sharded
-            with a ``model.safetensors.index.json``.
+        max_shard_size: largest safetensors file (``"5GB"``, ``"500MB"`` or bytes: :func:`parse_max_shard_size`);
+            larger models are sharded with a ``model.safetensors.index.json``.
 
     Returns:
         ``out_dir``.
 
     Raises:
-        CheckpointError: no checkpoint, no config, weights that do not fit, or a non-empty ``out_dir``
-            (nothing is written in any of these cases).
+        CheckpointError: a bad ``max_shard_size``, no such ``path``, no checkpoint, no config, weights that do
+            not fit, an ``out_dir`` that is a file or a non-empty directory, or an output that cannot be
+            written (an OSError; the message names ``out_dir``). Nothing is left behind in any error case.
+        DataError: a chat run from before chat templates were saved with the run's tokenizer, whose template
+            (``data.chat_template``) cannot be read any more (raised before anything is written).
     """
     from fp8kit.config import ModelConfig, build_config, read_config_file
     from fp8kit.models.build import build_model
     from fp8kit.models.pretrained import GENERATION_CONFIG_FILE
 
+    try:
+        max_shard_size = parse_max_shard_size(max_shard_size)
+    except ValueError as e:
+        raise CheckpointError(f"export: max_shard_size {e}") from None
+    if not Path(path).exists():
+        raise CheckpointError(
+            f"export {str(path)!r}: the directory does not exist (give a run directory or a checkpoint directory)"
+        )
     ck = find_checkpoint(Path(path), what="export")
     run_dir = ck.parent.parent
     cfg_path = Path(config) if config is not None else run_dir / "resolved_config.toml"
@@ -136,7 +245,9 @@ def export_checkpoint(path: Path, out_dir: Path, *, config: str | Path | None = 
             f"export {str(path)!r}: no run config at {str(cfg_path)!r}; pass the run's config with --config"
         )
     out_dir = Path(out_dir)
-    if out_dir.is_file() or (out_dir.is_dir() and any(out_dir.iterdir())):
+    if out_dir.is_file():
+        raise CheckpointError(f"export: the output path {str(out_dir)!r} is a file (give a new or empty directory)")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
         raise CheckpointError(f"export: the output directory {str(out_dir)!r} exists and is not empty")
     # The resolved config as saved (not re-resolved: the pretrained directory may be gone by now).
     cfg = build_config(read_config_file(cfg_path), [], source=str(cfg_path))
@@ -158,21 +269,47 @@ def export_checkpoint(path: Path, out_dir: Path, *, config: str | Path | None = 
     source_gen = Path(cfg.model.pretrained).expanduser() / GENERATION_CONFIG_FILE if cfg.model.pretrained else None
     if not cfg.model.pretrained and (tok_dir / "tokenizer_config.json").is_file():
         _set_special_ids(model, tok_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out_dir), max_shard_size=max_shard_size)
-    if source_gen is not None and source_gen.is_file():
-        shutil.copy2(source_gen, out_dir / GENERATION_CONFIG_FILE)
-    if tok_dir.is_dir():
-        for f in tok_dir.iterdir():
-            shutil.copy2(f, out_dir / f.name)
-    elif cfg.data.tokenizer:  # a run from before tokenizers were saved in the run directory
-        from fp8kit.data.tokenizer import load_tokenizer_file
+    chat_template = None  # a chat run from before its tokenizer carried its chat template: the one it trained with
+    if cfg.data.format == "chat" and (tok_dir / "tokenizer.json").is_file() and _saved_chat_template(tok_dir) is None:
+        from tokenizers import Tokenizer
 
-        tok, _ = load_tokenizer_file(cfg.data.tokenizer)
-        save_run_tokenizer(tok, cfg.data.tokenizer, out_dir / ".tok")
-        for f in (out_dir / ".tok").iterdir():
-            os.replace(f, out_dir / f.name)
-        (out_dir / ".tok").rmdir()
+        chat_template = run_chat_template(cfg.data, Tokenizer.from_file(str(tok_dir / "tokenizer.json")))
+    dest = out_dir.resolve() if out_dir.is_symlink() else out_dir  # a link to an empty directory: fill its target
+    made = [p for p in (dest.parent, *dest.parent.parents) if not p.exists()]  # removed again on failure
+    tmp, done = None, False
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _temp_dir_beside(dest)
+        model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
+        if source_gen is not None and source_gen.is_file():
+            shutil.copy2(source_gen, tmp / GENERATION_CONFIG_FILE)
+        if tok_dir.is_dir():
+            for f in tok_dir.iterdir():
+                shutil.copy2(f, tmp / f.name)
+            if chat_template is not None:
+                _write_chat_template(tmp, chat_template)
+        elif cfg.data.tokenizer:  # a run from before tokenizers were saved in the run directory
+            from fp8kit.data.tokenizer import load_tokenizer_file
+
+            tok, _ = load_tokenizer_file(cfg.data.tokenizer)
+            save_run_tokenizer(tok, cfg.data.tokenizer, tmp / ".tok", chat_template=run_chat_template(cfg.data, tok))
+            for f in (tmp / ".tok").iterdir():
+                os.replace(f, tmp / f.name)
+            (tmp / ".tok").rmdir()
+        os.replace(tmp, dest)
+        done = True
+    except (OSError, SafetensorError) as e:  # safetensors reports its write errors (a full disk) as its own
+        detail = (e.strerror if isinstance(e, OSError) else None) or " ".join(str(e).split())
+        raise CheckpointError(f"export: cannot write the output directory {str(out_dir)!r}: {detail}") from None
+    finally:
+        if not done:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            for p in made:  # the parent directories this export created, innermost first
+                try:
+                    p.rmdir()
+                except OSError:
+                    break
     return out_dir
 
 
