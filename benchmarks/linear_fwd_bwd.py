@@ -95,17 +95,22 @@ def weight_of(mod: nn.Module) -> nn.Parameter:
     return next(p for p in mod.parameters() if p.dim() == 2)
 
 
+def warm_up(step, times: int = 3) -> None:
+    """Run ``step()`` ``times`` times on a side stream (what CUDA-graph capture needs first), then synchronise."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(times):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
 def time_step(step) -> tuple[float, str]:
     """Median ms of ``step()``: CUDA-graph replay when capturable, else direct."""
     from triton.testing import do_bench
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    warm_up(step)
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

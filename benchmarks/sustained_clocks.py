@@ -27,19 +27,14 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from linear_fwd_bwd import build, weight_of  # noqa: E402
+from linear_fwd_bwd import build, warm_up, weight_of  # noqa: E402
 
 QUERY = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 
 
 def sustained(step, seconds: float, batch: int) -> list[tuple[float, float]]:
     """``(wall time at the batch's end, ms per replay)`` for each batch of ``batch`` graph replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up(step)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
