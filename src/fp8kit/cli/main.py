@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fp8kit.base.errors import Fp8kitError
+from fp8kit.base.errors import ConfigError, Fp8kitError
 
 
 def _add_config_args(p: argparse.ArgumentParser, *, config_required: bool) -> None:
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except Fp8kitError as e:
-        from fp8kit.base.errors import ConfigError
+        # imported here, as TrainingDiverged: both import torch, which `fp8kit --help` should not wait for
         from fp8kit.base.runtime import launched_rank
         from fp8kit.train.loop import TrainingDiverged
 

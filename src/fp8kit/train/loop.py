@@ -58,7 +58,7 @@ from fp8kit.train.async_checkpoint import AsyncCheckpointer
 from fp8kit.train.clip import clip_grad_norm
 from fp8kit.train.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
 from fp8kit.train.preempt import StopSignals, agreed_stop, signal_name
-from fp8kit.train.setup import Setup, phase_at
+from fp8kit.train.setup import Setup, global_batch, phase_at
 
 if TYPE_CHECKING:  # pragma: no cover
     from fp8kit.train.guard import DivergenceGuard
@@ -131,12 +131,6 @@ def _loss_scales(setup: Setup, micro: list) -> tuple[list[float] | None, int]:
         total = round(float(_dp_mean(setup, torch.tensor([float(total)], dtype=torch.float64,
                                                          device=setup.device))[0]) * dp)
     return [n * dp / total for n in counts], total
-
-
-def global_batch(setup: Setup) -> int:
-    """Sequences (rows) per optimizer step: ``train.micro_batch_size x train.grad_accum x`` the data-parallel size."""
-    t = setup.cfg.train
-    return t.micro_batch_size * t.grad_accum * _dp(setup)[0]
 
 
 def _dp(setup: Setup) -> tuple[int, int]:

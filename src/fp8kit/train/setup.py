@@ -534,12 +534,16 @@ def restore(setup: Setup) -> None:
     setup.start_step = int(state["step"])
 
 
+def global_batch(setup: Setup) -> int:
+    """Sequences (rows) per optimizer step: ``train.micro_batch_size x train.grad_accum x`` the data-parallel size."""
+    t = setup.cfg.train
+    return t.micro_batch_size * t.grad_accum * (setup.dims.dp if setup.distributed else 1)
+
+
 def _note_global_batch(setup: Setup, state: dict) -> None:
     """A resume whose sequences per optimizer step differ from the checkpoint's (another data-parallel size,
     micro-batch or accumulation) continues, with a warning: the data order and the schedule go on, but each
     step now sees another number of sequences (docs/distributed.md: the same global batch resumes exactly)."""
-    from fp8kit.train.loop import global_batch
-
     saved, now = state.get("global_batch"), global_batch(setup)
     if saved is not None and int(saved) != now:
         t = setup.cfg.train
