@@ -219,3 +219,25 @@ def test_bad_pretrained_dirs_fail_in_one_line(source, tmp_path, capsys):
 
     _fails([*sets, f"model.pretrained={e1}", "data.vocab_size=2048"], tmp_path / "o5", capsys, "vocab_size = 1024")
     _fails([*sets, f"model.pretrained={tmp_path / 'nowhere'}"], tmp_path / "o6", capsys, "nowhere", "not a directory")
+
+
+def test_a_resume_needs_no_pretrained_directory(source, tmp_path, capsys):
+    """A run from ``model.pretrained`` resumes after that directory is gone (moved, deleted, another node): the
+    resume loads its checkpoint's weights, and the model's config and the tokenizer come from the run's own
+    ``model_config.json`` and ``tokenizer/``, with a note saying so; the run continues as if nothing had moved."""
+    run, e1, sets = source
+    base = _copy(e1, tmp_path / "base")
+    out = tmp_path / "ft"
+    argv = ["train", "--out", str(out)] + [a for s in [*sets, f"model.pretrained={base}", "train.steps=1",
+                                                       "train.mixed_precision=bf16"] for a in ("--set", s)]
+    assert main(argv) == 0
+    shutil.rmtree(base)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "--set", "train.steps=2"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"model.pretrained '{base}' is gone: the resumed run is rebuilt from its own" in err, err
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert steps == [1, 2], steps
+    cfg = load_config(str(out / "resolved_config.toml"), [])
+    assert cfg.model.pretrained is None and cfg.model.hf_config == str(out / "model_config.json"), cfg.model
+    assert cfg.data.tokenizer == str(out / "tokenizer"), cfg.data

@@ -75,15 +75,26 @@ def _load(args) -> object:
     from fp8kit.config import load_config
 
     config = args.config
-    if config is None and getattr(args, "resume", None) and args.resume != "auto":
+    resume = getattr(args, "resume", None)
+    run_dir = Path(args.out) if resume == "auto" and getattr(args, "out", None) else None
+    if resume and resume != "auto":
         # Continuing a run: its own resolved config, unless another one is given.
         from fp8kit.train.checkpoint import find_checkpoint
 
-        ck = find_checkpoint(Path(args.resume))
-        candidate = ck.parent.parent / "resolved_config.toml"
-        if candidate.is_file():
+        run_dir = find_checkpoint(Path(resume)).parent.parent
+        candidate = run_dir / "resolved_config.toml"
+        if config is None and candidate.is_file():
             config = str(candidate)
-    cfg = load_config(config, args.overrides)
+    cfg = load_config(config, args.overrides, resolve=False)
+    if run_dir is not None:  # a resume needs no pretrained directory: the run saved its config and tokenizer
+        from fp8kit.train.export import from_run_files
+
+        cfg, note = from_run_files(cfg, run_dir)
+        if note:
+            print(f"note: {note}", file=sys.stderr)
+    from fp8kit.config.pretrained import resolve_pretrained
+
+    cfg = resolve_pretrained(cfg)
     for note in cfg.notes:  # e.g. seed-compatible keys read from their old [fp8] place
         print(f"note: {note}", file=sys.stderr)
     return cfg

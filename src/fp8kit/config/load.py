@@ -237,18 +237,21 @@ def build_config(
     return cfg
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
+                resolve: bool = True) -> RunConfig:
     """Load a config file (or the defaults when ``path`` is None) and apply ``--set`` overrides.
 
     With ``model.pretrained`` set, ``data.vocab_size`` and ``data.tokenizer`` come from that directory
-    (:func:`fp8kit.config.pretrained.resolve_pretrained`).
+    (:func:`fp8kit.config.pretrained.resolve_pretrained`); ``resolve=False`` leaves that to the caller (a resume
+    may rebuild from its run's own files when the directory is gone: ``fp8kit.train.export.from_run_files``).
 
     Raises:
         ConfigError: see :func:`read_config_file`, :func:`build_config` and ``resolve_pretrained``.
     """
     data = read_config_file(path) if path is not None else {}
+    cfg = build_config(data, overrides, source=str(path) if path is not None else "defaults")
     # model.pretrained fixes data.vocab_size and data.tokenizer (fp8kit.config.pretrained)
-    return resolve_pretrained(build_config(data, overrides, source=str(path) if path is not None else "defaults"))
+    return resolve_pretrained(cfg) if resolve else cfg
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:

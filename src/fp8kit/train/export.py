@@ -189,6 +189,34 @@ def save_run_tokenizer(tokenizer, source: str | None, out: Path, chat_template: 
     return out
 
 
+def from_run_files(cfg, run_dir: Path):
+    """``(cfg, note)``: a resumed run whose ``model.pretrained`` directory is gone, rebuilt from the run's own
+    files (``<run>/model_config.json``, the exact HF config, and ``<run>/tokenizer/``, saved at its start by
+    :func:`save_run_files`), which is all a resume needs: it loads its checkpoint's weights, not the pretrained
+    ones. ``model.pretrained`` becomes ``model.hf_config`` = the saved config and ``data.tokenizer`` (where it was
+    the pretrained directory) the saved tokenizer; ``note`` says so. ``(cfg, None)`` unchanged when the directory
+    exists, none is set, or the run lacks those files (then ``resolve_pretrained`` names the missing directory).
+
+    Args:
+        cfg: the run config as loaded, not yet through ``resolve_pretrained`` (``load_config(resolve=False)``).
+        run_dir: the resumed run's directory.
+    """
+    gone = cfg.model.pretrained
+    if not gone or Path(gone).expanduser().is_dir():
+        return cfg, None
+    saved_cfg, saved_tok = Path(run_dir) / MODEL_CONFIG_FILE, Path(run_dir) / TOKENIZER_DIR
+    if not (saved_cfg.is_file() and saved_tok.is_dir()):
+        return cfg, None
+    tokenizer = str(saved_tok) if cfg.data.tokenizer in (None, gone) else cfg.data.tokenizer
+    new = cfg.model_copy(update={
+        "model": cfg.model.model_copy(update={"pretrained": None, "hf_config": str(saved_cfg)}),
+        "data": cfg.data.model_copy(update={"tokenizer": tokenizer}),
+    })
+    new._notes = list(cfg.notes)
+    return new, (f"model.pretrained {gone!r} is gone: the resumed run is rebuilt from its own {saved_cfg} and "
+                 f"{saved_tok}/ (a resume loads its checkpoint's weights, not the pretrained ones)")
+
+
 def save_run_files(setup, out_dir: Path) -> None:
     """At the start of a run (rank 0): ``<run>/tokenizer/`` (chat runs: with the chat template they train with)
     and ``<run>/model_config.json`` (the HF config)."""
