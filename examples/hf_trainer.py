@@ -158,8 +158,8 @@ def main(argv=None) -> dict:
         callbacks.append(FP8ReportCallback(model))
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     fp8_layers = fp8_layer_count(model)
-    print(f"FP8 layers: {fp8_layers} of {linears} linear layers ({'fp8kit' if args.fp8 else 'bf16 baseline'})",
-          flush=True)
+    what = "fp8kit; the report's sites above also count the embedding" if args.fp8 else "bf16 baseline"
+    print(f"FP8 layers: {fp8_layers} of {linears} linear layers ({what})", flush=True)
 
     class StepTimer(TrainerCallback):
         """Wall time of each optimizer step (CUDA synchronised), for tokens/s."""
