@@ -6,7 +6,8 @@ EP sizes (``_ep<N>`` in the file name; the experts timed as the fused MLP where 
 ``OUT/reports/``; ``--merge`` then writes ``src/fp8kit/policies/<preset>_<recipe>_<gpu>.json`` and copies the
 reports it merged to ``benchmarks/results/policy_reports/`` (what ``check_policies.py`` reads; run it on any
 machine: merging needs no GPU). Configs whose report exists are skipped, and the run
-stops cleanly before ``--budget-s`` so a lease's time limit never loses finished reports.
+stops cleanly before ``--budget-s`` so a lease's time limit never loses finished reports (each run, or each
+``--gpus`` worker, measures at least one report: ``--budget-s 0`` measures exactly one).
 
     python benchmarks/generate_policies.py --out /tmp/pol --presets llama3-8b,qwen2.5-72b --budget-s 500
     python benchmarks/generate_policies.py --out /tmp/pol --merge --gpu h100
@@ -68,12 +69,12 @@ def bench(args) -> None:
 
     out = Path(args.out) / "reports"
     out.mkdir(parents=True, exist_ok=True)
-    start = time.time()
+    start, measured = time.time(), 0
     for preset, recipe, tp, ep in jobs(args):
         path = out / report_name(preset, recipe, tp, ep)
         if path.exists():
             continue
-        if time.time() - start > args.budget_s:
+        if measured and time.time() - start > args.budget_s:  # at least one report per run, even at --budget-s 0
             print(f"budget reached, stopping before {path.name}", flush=True)
             return
         if args.worker and not _claim(path):  # another GPU's worker measures it
@@ -87,6 +88,7 @@ def bench(args) -> None:
         ))
         path.write_text(json.dumps(rep, indent=1) + "\n")
         path.with_suffix(".claim").unlink(missing_ok=True)
+        measured += 1
         print(f"{path.name}: {time.time() - t0:.0f} s", flush=True)
 
 

@@ -51,3 +51,12 @@ def test_spread_measures_every_report_once_on_two_workers_after_clearing_stale_c
     assert mod.spread(_args(tmp_path, recipes="tensorwise,rowwise", gpus=2, worker=False)) == 0
     written = sorted(p.name for p in reports.iterdir())  # no .claim left either
     assert written == ["llama3-1b_rowwise_tp1.json", "llama3-1b_tensorwise_tp1.json"], written
+
+
+def test_a_zero_budget_measures_exactly_one_report(tmp_path, capsys):
+    """``--budget-s 0`` ("one report, then stop") measures the first report and starts no other."""
+    mod = _module()
+    mod.bench(_args(tmp_path, recipes="tensorwise,rowwise", budget_s=0.0, worker=False))
+    written = sorted(p.name for p in (tmp_path / "reports").iterdir())
+    assert written == ["llama3-1b_tensorwise_tp1.json"], written
+    assert "budget reached, stopping before llama3-1b_rowwise_tp1.json" in capsys.readouterr().out
