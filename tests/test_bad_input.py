@@ -198,30 +198,49 @@ def test_resuming_on_another_corpus_is_refused_and_changes_nothing(capsys, tmp_p
     assert sorted(p for p in one_step_run.rglob("*") if p.is_file()) == files
 
 
-def test_a_checkpoint_without_its_corpus_fingerprint_is_checked_against_its_run_info(tmp_path):
-    """Checkpoints saved before the train state held ``corpus_fingerprint`` are compared with their run directory's
-    ``run_info.json``; without either there is nothing to compare and the resume goes on."""
+def test_the_corpus_check_compares_contents_not_paths(tmp_path, monkeypatch, capsys, cache_dir):
+    """The same files under another path (relative at the start, absolute at the resume, as from another working
+    directory or a staged copy) resume; checkpoints without the record, and pre-tokenized data, are not checked."""
+    import shutil
+
     from fp8kit.base.errors import CheckpointError
     from fp8kit.data.prepare import PreparedData
     from fp8kit.train.setup import check_resume_data
 
-    step = tmp_path / "run" / "checkpoints" / "step_000004"
-    step.mkdir(parents=True)
-    data = PreparedData(None, 0, "1 file(s) from data.paths", "b" * 64, "bpe", tokenizer_obj=object())
-    check_resume_data(step, {}, data)  # no record at all: accepted
-    (tmp_path / "run" / "run_info.json").write_text(json.dumps({"corpus_fingerprint": "a" * 64}))
-    with pytest.raises(CheckpointError, match="fingerprint aaaaaaaaaaaa; data.paths now gives 1 file"):
-        check_resume_data(step, {}, data)
-    check_resume_data(step, {"corpus_fingerprint": "b" * 64}, data)  # the train state's record wins
-    check_resume_data(step, {}, PreparedData(None, 0, "2 token file(s)", "c" * 64, "bin"))  # pre-tokenized
+    data = tmp_path / "data"
+    data.mkdir()
+    for f in sorted(Path(json.__file__).parent.glob("*.py")):
+        shutil.copy(f, data / f.name)
+    monkeypatch.chdir(tmp_path)
+    sets = ["model.num_layers=2", "data.seq_length=32", "data.vocab_size=1024", f"data.cache_dir={cache_dir}",
+            "train.micro_batch_size=2", "train.eval_batches=1"]
+    args = [a for s in [*sets, 'data.paths=["data/*.py"]', "train.steps=1"] for a in ("--set", s)]
+    assert main(["train", "--out", "run", *args]) == 0
+    staged = tmp_path / "staged"
+    shutil.copytree(data, staged)
+    args = [a for s in [*sets, f'data.paths=["{staged}/*.py"]', "train.steps=2"] for a in ("--set", s)]
+    assert main(["train", "--resume", str(tmp_path / "run"), "--out", str(tmp_path / "run2"), *args]) == 0, \
+        capsys.readouterr().err
+
+    ck = tmp_path / "run" / "checkpoints" / "step_000001"
+    prep = PreparedData(None, 0, "1 file(s) from data.paths", "f" * 64, "bpe", tokenizer_obj=object(),
+                        content_fingerprint="b" * 64)
+    check_resume_data(ck, {}, prep)  # a checkpoint without the record: not checked
+    check_resume_data(ck, {"corpus_content": "b" * 64}, prep)
+    with pytest.raises(CheckpointError, match="trained on another corpus .content aaaaaaaaaaaa; data.paths now gives 1"):
+        check_resume_data(ck, {"corpus_content": "a" * 64}, prep)
+    check_resume_data(ck, {"corpus_content": "a" * 64}, PreparedData(None, 0, "2 token file(s)", "c" * 64, "bin"))
 
 
-@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
-def test_a_config_error_under_torchrun_is_printed_by_rank_0_only(capsys, monkeypatch, tmp_path, rank, printed):
-    """Every rank of a torchrun launch parses the same arguments, so a config error is the same on each: rank 0
-    prints it and the others exit 2 silently (with 8 ranks and ``--max-restarts 3`` it used to print 32 times)."""
-    monkeypatch.setenv("WORLD_SIZE", "2")
+@pytest.mark.parametrize("rank, local_rank, printed", [("0", "0", True), ("1", "1", False), ("8", "0", True)])
+def test_a_config_error_under_torchrun_is_printed_once_per_node(capsys, monkeypatch, tmp_path, rank, local_rank,
+                                                                 printed):
+    """Every rank of a node parses the same arguments and reads the same files, so a config error is the same on
+    each: the node's local rank 0 prints it and the others exit 2 silently (with 8 ranks and ``--max-restarts 3``
+    it used to print 32 times); another node (rank 8, local rank 0) says its own."""
+    monkeypatch.setenv("WORLD_SIZE", "16")
     monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
     assert main(["train", "--out", str(tmp_path / "run"), "--set", "train.steps=1.5"]) == 2
     err = capsys.readouterr().err
     assert ("train.steps=1.5: expected an integer" in err) == printed, (rank, err)

@@ -58,12 +58,13 @@ def test_max_shard_size_is_checked_when_parsed(base_run, tmp_path, capsys):
 
 
 def test_max_shard_size_forms():
-    cases = {"5GB": 5 * 10**9, "500MB": 500 * 10**6, "1.5gb": 15 * 10**8, "2 KB": 2000, "1TB": 10**12,
+    """What transformers' ``save_pretrained`` accepts (its ``convert_file_size_to_int``), plain bytes and ints."""
+    cases = {"5GB": 5 * 10**9, "500MB": 500 * 10**6, "5GiB": 5 * 2**30, "500MiB": 500 * 2**20, "2KB": 2000,
              "123456": 123456, 4096: 4096}
     got = {k: parse_max_shard_size(k) for k in cases}
     assert got == cases, got
-    for bad in ("5XB", "0GB", "GB", "-1", "1.5", "", "5 G", 0, True):
-        with pytest.raises(ValueError, match="is not a shard size: give bytes, or a number with TB, GB, MB or KB"):
+    for bad in ("5XB", "0GB", "GB", "-1", "1.5", "1.5GB", "", "5 G", 0, True):
+        with pytest.raises(ValueError, match="is not a shard size: give bytes, or a whole number with GB, MB, KB"):
             parse_max_shard_size(bad)
 
 

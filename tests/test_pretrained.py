@@ -241,3 +241,13 @@ def test_a_resume_needs_no_pretrained_directory(source, tmp_path, capsys):
     cfg = load_config(str(out / "resolved_config.toml"), [])
     assert cfg.model.pretrained is None and cfg.model.hf_config == str(out / "model_config.json"), cfg.model
     assert cfg.data.tokenizer == str(out / "tokenizer"), cfg.data
+    # --resume auto on a run killed before its first checkpoint starts fresh: that needs the pretrained weights,
+    # so the missing directory is an error there, not a quiet start from random weights
+    fresh = tmp_path / "fresh"
+    shutil.copytree(out, fresh, ignore=shutil.ignore_patterns("checkpoints"))
+    capsys.readouterr()
+    argv = ["train", "--resume", "auto", "--out", str(fresh)] + [
+        a for s in [*sets, f"model.pretrained={base}", "train.steps=2"] for a in ("--set", s)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"model.pretrained {str(base)!r}" in err and "is gone" not in err, err

@@ -77,6 +77,11 @@ def launched_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def launched_local_rank() -> int:
+    """``LOCAL_RANK`` of a torchrun launch (the rank within its node; 0 when not launched by torchrun)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def distributed_ready() -> bool:
     """A default process group exists (torchrun launch after ``init_process_group``)."""
     import torch.distributed as dist

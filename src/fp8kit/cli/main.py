@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
             raise argparse.ArgumentTypeError(str(e)) from None
 
     p.add_argument("--max-shard-size", default="5GB", type=max_shard_size,
-                   help="largest safetensors file: bytes, or a number with TB, GB, MB or KB (e.g. 500MB); larger "
+                   help="largest safetensors file: bytes, or a whole number with GB, MB, KB or GiB, MiB, KiB (e.g. 500MB); larger "
                    "models are sharded with an index (default 5GB)")
 
     p = sub.add_parser("config-docs", help="print the config reference (Markdown) generated from the dataclasses")
@@ -76,7 +76,12 @@ def _load(args) -> object:
 
     config = args.config
     resume = getattr(args, "resume", None)
-    run_dir = Path(args.out) if resume == "auto" and getattr(args, "out", None) else None
+    run_dir = None  # the run a resume continues (a complete checkpoint in it), for from_run_files below
+    if resume == "auto" and getattr(args, "out", None):
+        from fp8kit.train.checkpoint import latest_checkpoint
+
+        if latest_checkpoint(Path(args.out)) is not None:  # else a fresh start: model.pretrained is needed
+            run_dir = Path(args.out)
     if resume and resume != "auto":
         # Continuing a run: its own resolved config, unless another one is given.
         from fp8kit.train.checkpoint import find_checkpoint
@@ -163,12 +168,13 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     except Fp8kitError as e:
         # imported here, as TrainingDiverged: both import torch, which `fp8kit --help` should not wait for
-        from fp8kit.base.runtime import launched_rank
+        from fp8kit.base.runtime import launched_local_rank
         from fp8kit.train.loop import TrainingDiverged
 
-        # A config error comes from the same arguments on every rank of a torchrun launch: rank 0 says it once.
-        # Other errors (a file, a GPU, a checkpoint shard) can be one rank's own: every rank prints its own.
-        if not (isinstance(e, ConfigError) and launched_rank() != 0):
+        # A config error comes from the same arguments on every rank of a node (some read the node's files, such as
+        # model.pretrained): each node's local rank 0 says it once. Other errors (a GPU, a checkpoint shard) can be
+        # one rank's own: every rank prints its own.
+        if not (isinstance(e, ConfigError) and launched_local_rank() != 0):
             print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return 1 if isinstance(e, TrainingDiverged) else 2
     except KeyboardInterrupt:

@@ -34,6 +34,8 @@ class Corpus:
         texts: the documents' text (empty for token files).
         token_files: paths of ``.bin`` token files.
         fingerprint: sha256 over names and contents (of texts) or over paths and sizes (token files).
+        content_fingerprint: sha256 over the texts' contents in order, names left out (the same data under
+            another path, or staged elsewhere, gives the same); empty for token files.
     """
 
     description: str
@@ -41,6 +43,7 @@ class Corpus:
     texts: list[str] = field(default_factory=list)
     token_files: list[Path] = field(default_factory=list)
     fingerprint: str = ""
+    content_fingerprint: str = ""
 
     @property
     def num_bytes(self) -> int:
@@ -159,11 +162,15 @@ def load_corpus(paths: list[str], text_field: str = "text") -> Corpus:
 
 
 def _finish(corpus: Corpus, h) -> Corpus:
+    content = hashlib.sha256()
     for name, text in zip(corpus.names, corpus.texts, strict=True):
+        digest = hashlib.sha256(text.encode("utf-8", errors="replace")).digest()
         h.update(name.encode())
         h.update(b"\0")
-        h.update(hashlib.sha256(text.encode("utf-8", errors="replace")).digest())
+        h.update(digest)
+        content.update(digest)
     corpus.fingerprint = h.hexdigest()
+    corpus.content_fingerprint = content.hexdigest()
     if sum(len(t) for t in corpus.texts) == 0:
         raise DataError(f"the corpus ({corpus.description}) is empty")
     return corpus

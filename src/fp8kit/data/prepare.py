@@ -37,6 +37,9 @@ class PreparedData:
         corpus_fingerprint: sha256 of the corpus (names + contents).
         tokenizer: description of the tokenizer (or of the token files).
         tokenizer_obj: the ``tokenizers.Tokenizer`` (None for pre-tokenized data).
+        content_fingerprint: sha256 of the documents' contents only (chat data: with the chat template), the
+            same under another path; what a resume compares (``train.setup.check_resume_data``). None for
+            pre-tokenized data.
         chat: ``data.format = "chat"`` only: the counts of :class:`fp8kit.data.chat.ChatStats` (records,
             skipped without an assistant turn, truncated, supervised tokens, ...), ``pack``, ``fill`` and the
             chat template; ``packed`` is then a :class:`fp8kit.data.sft.SFTData`.
@@ -48,6 +51,7 @@ class PreparedData:
     corpus_fingerprint: str
     tokenizer: str
     tokenizer_obj: object | None = None
+    content_fingerprint: str | None = None
     chat: dict | None = None
 
 
@@ -104,5 +108,6 @@ def prepare_data(cfg: DataConfig, *, micro_batch_size: int, seed: int, status=No
     if len(tokens) == 0:
         raise DataError(f"the corpus ({corpus.description}) produced no tokens")
     packed = PackedData(tokens, cfg.seq_length, cfg.val_fraction, micro_batch_size, seed)
-    return PreparedData(packed, int(len(tokens)), corpus.description, corpus.fingerprint, tok_desc, tok_obj)
+    return PreparedData(packed, int(len(tokens)), corpus.description, corpus.fingerprint, tok_desc, tok_obj,
+                        content_fingerprint=corpus.content_fingerprint or None)
 

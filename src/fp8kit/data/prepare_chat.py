@@ -75,11 +75,14 @@ def prepare_chat_data(cfg: DataConfig, *, micro_batch_size: int, seed: int, stat
     say(f"rendering {len(convs)} conversations ({renderer.description})")
     pieces = [renderer.segments(msgs, where) for where, msgs in convs]
     h = hashlib.sha256(renderer.template.encode())
+    content = hashlib.sha256(renderer.template.encode())  # without the records' file:line names
     texts = []
     for (where, _), segs in zip(convs, pieces, strict=True):
         text = "".join(t for t, _ in segs)
         texts.append(text)
-        h.update(where.encode() + b"\0" + hashlib.sha256(text.encode()).digest())
+        digest = hashlib.sha256(text.encode()).digest()
+        h.update(where.encode() + b"\0" + digest)
+        content.update(digest)
     fingerprint = h.hexdigest()
     if tok is None:
         say(f"tokenizer: {len(texts)} conversations")
@@ -115,4 +118,5 @@ def prepare_chat_data(cfg: DataConfig, *, micro_batch_size: int, seed: int, stat
     )
     info = {**stats.to_dict(), "pack": cfg.pack, "fill": data.fill, "template": renderer.description,
             "train_rows": len(data.train_rows), "val_rows": len(data.val_rows)}
-    return PreparedData(data, stats.tokens, desc, fingerprint, tok_desc, tok, chat=info)
+    return PreparedData(data, stats.tokens, desc, fingerprint, tok_desc, tok, chat=info,
+                        content_fingerprint=content.hexdigest())

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -54,8 +53,6 @@ TOKENIZER_FILES = (
 )
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-#: The units of a shard size, as huggingface_hub's sharding reads them (decimal, any case).
-_SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
 
 
 def eos_token_of(tokenizer) -> str | None:
@@ -66,20 +63,27 @@ def eos_token_of(tokenizer) -> str | None:
 
 
 def parse_max_shard_size(size: str | int) -> int:
-    """A shard size in bytes: an int, or text: a whole number of bytes, or a number with TB, GB, MB or KB
-    (decimal units, any case: ``"5GB"``, ``"500MB"``, ``"1.5GB"``), as transformers' ``save_pretrained`` reads it.
+    """A shard size in bytes: an int, or text: a whole number of bytes, or what transformers' ``save_pretrained``
+    reads (``transformers.utils.hub.convert_file_size_to_int``: ``"5GB"``, ``"500MB"``, ``"5GiB"``, ``"500MiB"``;
+    ``"5Gb"`` is gigabits there).
 
     Raises:
         ValueError: anything else, or a size that is not above zero (one line naming the accepted form).
     """
+    from transformers.utils.hub import convert_file_size_to_int
+
     if isinstance(size, int) and not isinstance(size, bool):
         n = size
+    elif str(size).strip().isdigit():
+        n = int(str(size).strip())
     else:
-        m = re.fullmatch(r"(\d+)|(\d+(?:\.\d+)?)\s*([TGMK]B)", str(size).strip(), flags=re.IGNORECASE)
-        n = (int(m[1]) if m[1] else int(float(m[2]) * _SIZE_UNITS[m[3].upper()])) if m else 0
+        try:
+            n = convert_file_size_to_int(str(size).strip())
+        except ValueError:
+            n = 0
     if n <= 0:
-        raise ValueError(f"{size!r} is not a shard size: give bytes, or a number with TB, GB, MB or KB above zero, "
-                         f"e.g. 5GB or 500MB")
+        raise ValueError(f"{size!r} is not a shard size: give bytes, or a whole number with GB, MB, KB (or GiB, MiB, "
+                         f"KiB) above zero, e.g. 5GB or 500MB")
     return n
 
 

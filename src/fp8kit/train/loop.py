@@ -212,8 +212,8 @@ def _save(setup: Setup, out_dir: Path, step: int, phase: str, saver: AsyncCheckp
         "optimizer": None if setup.distributed else setup.optimizer.state_dict(),
         "scheduler": setup.scheduler.state_dict(),
         "data": setup.data.packed.state_dict(),
-        "corpus_fingerprint": setup.data.corpus_fingerprint,
-        "global_batch": global_batch(setup),  # sequences per optimizer step (a resume on another says so)  # a resume on other data is refused (check_resume_data)
+        "corpus_content": setup.data.content_fingerprint,  # a resume on other data is refused (check_resume_data)
+        "global_batch": global_batch(setup),  # sequences per optimizer step (a resume on another says so)
         "rng": ckpt.rng_state(setup.device),
         "recipe": setup.cfg.fp8.recipe if setup.cfg.train.mixed_precision == "fp8" else None,
         # FP8AdamW's state precision (optim.granularity = auto resumes with its scales; the DCP files do not say)

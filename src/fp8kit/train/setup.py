@@ -16,7 +16,6 @@ cache is the only thing written, and it is atomic).
 
 from __future__ import annotations
 
-import json
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -146,33 +145,27 @@ def check_resume_data(resume_ckpt: Path, state: dict, data: PreparedData) -> Non
     The checkpoint's data position (window cursor and epoch, or chat row cursor) indexes the corpus it was saved
     with, and a tokenizer trained on the corpus (the default BPE) gives other token ids for another one, so a
     resume on changed ``data.paths`` (or, with the default corpus, another Python's standard library) would train
-    on garbage or fail mid-run. The corpus is identified by its fingerprint (sha256 over names and contents;
-    :class:`fp8kit.data.prepare.PreparedData`), saved in the checkpoint's train state; checkpoints written before
-    it was saved are checked against their run directory's ``run_info.json`` where there is one. Pre-tokenized
-    ``.bin`` corpora are not checked: their fingerprint is of paths, sizes and modification times, not contents
-    (a job that stages them onto a node's disk would be refused), and their token ids need no tokenizer.
+    on garbage or fail mid-run. The corpus is compared by its contents only
+    (:attr:`fp8kit.data.prepare.PreparedData.content_fingerprint`: the documents in order, and for chat data the
+    chat template; not their paths, so the same files under another path or staged elsewhere resume), saved in
+    the checkpoint's train state. Checkpoints from before it was saved, and pre-tokenized ``.bin`` corpora
+    (whose token ids need no tokenizer), are not checked.
 
     Raises:
-        CheckpointError: the fingerprints differ; names both corpora and the way to train the weights on new data.
+        CheckpointError: the contents differ; names the new corpus and what to do.
     """
-    if data.tokenizer_obj is None:  # pre-tokenized token files
+    saved, now = state.get("corpus_content"), data.content_fingerprint
+    if not saved or not now or saved == now:
         return
-    saved = state.get("corpus_fingerprint")
-    if saved is None:
-        info = Path(resume_ckpt).parent.parent / "run_info.json"  # <run>/checkpoints/step_N -> <run>
-        try:
-            saved = json.loads(info.read_text(encoding="utf-8")).get("corpus_fingerprint")
-        except (OSError, ValueError):
-            return  # no record of the corpus: nothing to compare
-    if saved and saved != data.corpus_fingerprint:
-        raise CheckpointError(
-            f"--resume {str(resume_ckpt)!r}: the checkpoint was trained on another corpus (fingerprint "
-            f"{saved[:12]}; data.paths now gives {data.corpus}, fingerprint {data.corpus_fingerprint[:12]}"
-            f"{', rendered with data.chat_template' if data.chat else ''}): "
-            "its data position (and a tokenizer trained on the corpus) does not carry over. Resume with the run's "
-            "data settings (its resolved_config.toml), or train its weights on the new data as a new run: "
-            "fp8kit export RUN DIR, then --set model.pretrained=DIR"
-        )
+    chat = (" For chat data the chat template counts too: the one the run trained with is in its tokenizer/ "
+            "(--set data.tokenizer=RUN/tokenizer).") if data.chat else ""
+    raise CheckpointError(
+        f"--resume {str(resume_ckpt)!r}: the checkpoint was trained on another corpus (content {saved[:12]}; "
+        f"data.paths now gives {data.corpus}, content {now[:12]}): its data position (and a tokenizer trained on "
+        f"the corpus) does not carry over. Resume with the data it was trained on (the run's resolved_config.toml), "
+        f"or train its weights on the new data as a new run: fp8kit export RUN DIR, then --set "
+        f"model.pretrained=DIR.{chat}"
+    )
 
 
 def phase_at(cfg: RunConfig, step: int) -> str:
