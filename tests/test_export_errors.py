@@ -117,3 +117,16 @@ def test_wording_of_a_missing_run_and_of_a_file_as_output(base_run, tmp_path, ca
     assert line == (f"error: export: the output path {str(tmp_path / 'afile')!r} is a file (give a new or empty "
                     f"directory)"), line
     assert _left(tmp_path) == ["afile"] and (tmp_path / "afile").read_text() == "keep me", _left(tmp_path)
+
+
+def test_export_fills_an_existing_empty_directory_in_place(base_run, tmp_path, monkeypatch, capsys):
+    """``fp8kit export RUN .`` in an empty directory (or into an empty mount point): written in place through a
+    temporary directory inside it, the directory itself kept (its mode here), no temporary directory left."""
+    out = tmp_path / "here"
+    out.mkdir(mode=0o750)
+    out.chmod(0o750)
+    monkeypatch.chdir(out)
+    assert main(["export", str(base_run), "."]) == 0, capsys.readouterr().err
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file(), _left(out)
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")], _left(out)
+    assert (out.stat().st_mode & 0o777) == 0o750, oct(out.stat().st_mode)

@@ -306,12 +306,16 @@ def export_checkpoint(path: Path, out_dir: Path, *, config: str | Path | None = 
         from tokenizers import Tokenizer
 
         chat_template = run_chat_template(cfg.data, Tokenizer.from_file(str(tok_dir / "tokenizer.json")))
-    dest = out_dir.resolve() if out_dir.is_symlink() else out_dir  # a link to an empty directory: fill its target
-    made = [p for p in (dest.parent, *dest.parent.parents) if not p.exists()]  # removed again on failure
-    tmp, done = None, False
+    dest = out_dir.resolve()  # "." or a link to an empty directory: the directory itself
+    # An existing (empty) directory is filled in place, through a temporary directory inside it: its owner, mode
+    # and mount stay (a rename onto ".", a mount point or a directory in an unwritable parent cannot work). A new
+    # one is a temporary sibling renamed into place.
+    existing = dest.is_dir()
+    made = [] if existing else [p for p in (dest.parent, *dest.parent.parents) if not p.exists()]
+    tmp, done, moved = None, False, []
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _temp_dir_beside(dest)
+        tmp = _temp_dir_beside(dest / "export") if existing else _temp_dir_beside(dest)
         model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
         if source_gen is not None and source_gen.is_file():
             shutil.copy2(source_gen, tmp / GENERATION_CONFIG_FILE)
@@ -328,7 +332,13 @@ def export_checkpoint(path: Path, out_dir: Path, *, config: str | Path | None = 
             for f in (tmp / ".tok").iterdir():
                 os.replace(f, tmp / f.name)
             (tmp / ".tok").rmdir()
-        os.replace(tmp, dest)
+        if existing:
+            for f in sorted(tmp.iterdir()):
+                os.replace(f, dest / f.name)
+                moved.append(dest / f.name)
+            tmp.rmdir()
+        else:
+            os.replace(tmp, dest)
         done = True
     except (OSError, SafetensorError) as e:  # safetensors reports its write errors (a full disk) as its own
         detail = (e.strerror if isinstance(e, OSError) else None) or " ".join(str(e).split())
@@ -337,6 +347,8 @@ def export_checkpoint(path: Path, out_dir: Path, *, config: str | Path | None = 
         if not done:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
+            for f in moved:  # an existing directory goes back to empty
+                shutil.rmtree(f, ignore_errors=True) if f.is_dir() else f.unlink(missing_ok=True)
             for p in made:  # the parent directories this export created, innermost first
                 try:
                     p.rmdir()
