@@ -19,8 +19,9 @@ trained byte-level BPE wrapped as a ``PreTrainedTokenizerFast`` (EOS ``<|endofte
 The run's exact HF config is saved beside it (``<run>/model_config.json``), so an export does not need the
 pretrained directory any more.
 
-An export is written into a temporary sibling of the output directory and renamed into place when
-complete: an export that fails leaves nothing behind.
+An export is written into a temporary directory: a sibling of a new output directory, renamed into place when
+complete, or one inside an existing empty output directory (``.``, a mount point), whose files are moved up when
+complete. An export that fails leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -238,7 +239,7 @@ def export_checkpoint(path: Path, out_dir: Path, *, config: str | Path | None = 
     the run's ``resolved_config.toml``), the weights are loaded (safetensors, or DCP files of any layout,
     read in this one process), cast to bfloat16 and written with transformers' ``save_pretrained``
     (safetensors, HF key layout, tied weights once, sharded above ``max_shard_size``). Everything is written
-    into a temporary sibling of ``out_dir`` that is renamed to ``out_dir`` only when complete.
+    into a temporary directory first (module docstring), so a failed export leaves nothing.
 
     Args:
         path: a run directory (its latest checkpoint) or a checkpoint directory.
