@@ -43,6 +43,8 @@ class PreparedData:
         chat: ``data.format = "chat"`` only: the counts of :class:`fp8kit.data.chat.ChatStats` (records,
             skipped without an assistant turn, truncated, supervised tokens, ...), ``pack``, ``fill`` and the
             chat template; ``packed`` is then a :class:`fp8kit.data.sft.SFTData`.
+        chat_template: chat data only: the Jinja template the conversations were rendered with (saved with the
+            run's tokenizer, so its export renders the training format).
     """
 
     packed: PackedData | SFTData
@@ -53,6 +55,7 @@ class PreparedData:
     tokenizer_obj: object | None = None
     content_fingerprint: str | None = None
     chat: dict | None = None
+    chat_template: str | None = None
 
 
 def tokenize(texts: list[str], tokenizer, eos_id: int | None, vocab_size: int) -> np.ndarray:

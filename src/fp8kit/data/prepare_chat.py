@@ -119,4 +119,4 @@ def prepare_chat_data(cfg: DataConfig, *, micro_batch_size: int, seed: int, stat
     info = {**stats.to_dict(), "pack": cfg.pack, "fill": data.fill, "template": renderer.description,
             "train_rows": len(data.train_rows), "val_rows": len(data.val_rows)}
     return PreparedData(data, stats.tokens, desc, fingerprint, tok_desc, tok, chat=info,
-                        content_fingerprint=content.hexdigest())
+                        content_fingerprint=content.hexdigest(), chat_template=renderer.template)

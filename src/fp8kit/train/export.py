@@ -13,9 +13,8 @@ writes::
 The run's tokenizer is saved in the run directory at the start of a run (``<run>/tokenizer/``, by
 :func:`save_run_tokenizer`): the pretrained directory's tokenizer files copied as they are, or fp8kit's
 trained byte-level BPE wrapped as a ``PreTrainedTokenizerFast`` (EOS ``<|endoftext|>``) and saved with
-``save_pretrained``. A chat run (``data.format = "chat"``) saves the chat template it trains with
-(:func:`run_chat_template`: ``data.chat_template``, the tokenizer's own, or fp8kit's default) as
-``chat_template.jinja``, so ``apply_chat_template`` of the exported tokenizer renders the training format.
+``save_pretrained``. A chat run (``data.format = "chat"``) saves the chat template its conversations were
+rendered with (``data.chat_template``, the tokenizer's own, or fp8kit's default) as ``chat_template.jinja``, so ``apply_chat_template`` of the exported tokenizer renders the training format.
 The run's exact HF config is saved beside it (``<run>/model_config.json``), so an export does not need the
 pretrained directory any more.
 
@@ -89,8 +88,10 @@ def parse_max_shard_size(size: str | int) -> int:
 
 
 def run_chat_template(data_cfg, tokenizer) -> str | None:
-    """The chat template a run trains with, chosen as the data layer chooses it
-    (:func:`fp8kit.data.chat.chat_renderer`: ``data.chat_template``, the tokenizer's own, or fp8kit's default).
+    """The chat template a run trains with, chosen again from its config as the data layer chooses it
+    (:func:`fp8kit.data.chat.chat_renderer`: ``data.chat_template``, the tokenizer's own, or fp8kit's default):
+    for exporting a chat run from before its tokenizer carried its template (a new run saves the template it
+    rendered with, ``PreparedData.chat_template``).
 
     Args:
         data_cfg: the run's ``[data]`` section.
@@ -158,7 +159,7 @@ def save_run_tokenizer(tokenizer, source: str | None, out: Path, chat_template: 
             ``tokenizer.json`` file, or None (fp8kit's trained BPE); the latter two are wrapped as a
             ``PreTrainedTokenizerFast`` with their EOS token.
         out: the directory to write.
-        chat_template: the chat template the run trains with (:func:`run_chat_template`), saved as the
+        chat_template: the chat template the run trains with (``PreparedData.chat_template``), saved as the
             tokenizer's (``chat_template.jinja``) unless the tokenizer has it already; None: the tokenizer's
             files as they are.
 
@@ -227,7 +228,7 @@ def save_run_files(setup, out_dir: Path) -> None:
     and ``<run>/model_config.json`` (the HF config)."""
     tok = setup.data.tokenizer_obj
     save_run_tokenizer(tok, setup.cfg.data.tokenizer, Path(out_dir) / TOKENIZER_DIR,
-                       chat_template=run_chat_template(setup.cfg.data, tok))
+                       chat_template=setup.data.chat_template)  # the one its conversations were rendered with
     setup.hf_cfg.to_json_file(str(Path(out_dir) / MODEL_CONFIG_FILE))
 
 
@@ -349,7 +350,10 @@ def export_checkpoint(path: Path, out_dir: Path, *, config: str | Path | None = 
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
             for f in moved:  # an existing directory goes back to empty
-                shutil.rmtree(f, ignore_errors=True) if f.is_dir() else f.unlink(missing_ok=True)
+                if f.is_dir():
+                    shutil.rmtree(f, ignore_errors=True)
+                else:
+                    f.unlink(missing_ok=True)
             for p in made:  # the parent directories this export created, innermost first
                 try:
                     p.rmdir()
