@@ -289,6 +289,58 @@ def test_compiled_block_saves_for_backward_what_bf16_saves():
     assert nbytes["delayed"] <= nbytes["bf16"], f"saved bytes: {nbytes}"
 
 
+def test_compiled_forward_takes_the_input_and_weight_amax_and_the_backward_only_the_gradients():
+    """The input's and weight's amaxes are computed in the compiled forward (fused there into the kernels that
+    cast them) and saved, not left to the backward, where the partitioner read the weight and the recomputed
+    input once more (8B step: 24 weight-amax kernels per step, 1.4 ms, docs/benchmarks.md section 6, session 31).
+    So every amax of the steady-state backward graph descends from the output gradient (``tangents``), and
+    ``forward_amax`` holds the latest training forward's two amaxes, compiled as eagerly."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return gm
+
+    backend = aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=keep,
+                           partition_fn=min_cut_rematerialization_partition)
+    torch.manual_seed(0)
+    state = DelayedScalingState(DelayedScaling(amax_history_len=4))
+    norm = RMSNorm(64)
+    lin = Float8DelayedLinear.from_linear(nn.Linear(64, 96, bias=False), state, "lin")
+    model = nn.Sequential(norm, lin).bfloat16()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    for _ in range(2):  # the first-step graph, then the history graph (the one checked)
+        x = torch.randn(32, 64).bfloat16()
+        compiled(x).float().sum().backward()
+    bw = graphs[-1].graph
+
+    def ancestors(node):
+        seen, todo = set(), [node]
+        while todo:
+            for a in todo.pop().all_input_nodes:
+                if a not in seen:
+                    seen.add(a)
+                    todo.append(a)
+        return seen
+
+    history = state.entries["lin"].history.numel()
+    # the amaxes of tensors, not of the [3, L] history (the output gradient's scale is taken in the backward)
+    amaxes = [n for n in bw.nodes if n.op == "call_function" and "amax" in str(n.target)
+              and n.args[0].meta["val"].numel() > history]
+    assert amaxes, "no amax of the output gradient in the backward graph"
+    stray = [n.name for n in amaxes if not any(a.op == "placeholder" and a.name.startswith("tangents")
+                                                 for a in ancestors(n))]
+    assert not stray, f"amaxes of the backward computed from forward values: {stray}"
+    with torch.no_grad():
+        h = norm(x)
+    want = torch.stack([h.abs().amax().float(), lin.weight.abs().amax().float()])
+    got = state.entries["lin"].forward_amax
+    assert torch.equal(got, want), f"forward_amax {got.tolist()} != {want.tolist()}"
+
+
 def test_activation_checkpointing_eager_and_compiled_equal_plain_eager():
     """The recomputed forward casts with this step's scales and records nothing twice (eager), and the
     compiled backward's recomputation never reads the updated history (state written in backward only)."""

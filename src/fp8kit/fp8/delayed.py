@@ -80,10 +80,18 @@ __all__ = ["AMAX_ALGOS", "OPERANDS", "DelayedEntry", "DelayedScaling", "DelayedS
            "Float8DelayedLinear"]
 
 
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` of ``x`` ``[M, K]`` as a float32 ``[]`` tensor, taken per row first: the same value as one
+    whole-tensor reduction (max is exact), but a row reduction is what ``torch.compile`` fuses into the
+    kernel producing ``x`` (RMSNorm's row kernel, the weight's cast), where a whole-tensor amax becomes a
+    split reduction of its own that reads ``x`` again."""
+    return x.detach().abs().amax(dim=-1).amax().float()
+
+
 def _cast_impl(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(saturate(x * scale) -> dtype, amax(|x|))`` computed in float32."""
     m = DTYPE_MAX[dtype]
-    return (x.float() * scale).clamp(-m, m).to(dtype), x.detach().abs().amax().float()
+    return (x.float() * scale).clamp(-m, m).to(dtype), _amax(x)
 
 
 # eagerly on CUDA one compiled kernel; the plain ops inside an outer compile and on the CPU
@@ -98,7 +106,7 @@ def _cast(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
     ``torch.compile`` the ops join the caller's graph (fused with the producer of ``x``); eagerly on CUDA one
     compiled kernel reads ``x`` once for both; eagerly on the CPU the same float32 math runs op by op."""
     if scale is None:
-        amax = reduce_max(x.detach().abs().amax().float(), group)
+        amax = reduce_max(_amax(x), group)
         scale = scale_from_amax(amax, dtype)
         return _cast_impl(x, scale, dtype)[0], scale, amax
     x8, amax = _cast_on_device(x, scale, dtype)
@@ -130,7 +138,7 @@ class _DelayedLinearFn(torch.autograd.Function):
     ``y`` ``[M, N]`` in ``x``'s dtype."""
 
     @staticmethod
-    def forward(ctx, x, weight, sx, sw, sg, history, steps, uid, group, fused):
+    def forward(ctx, x, weight, sx, sw, sg, history, steps, uid, group, fused, forward_amax):
         # The warm-start (dynamic) scales of a recorded step are reduced over the group like the history's
         # amaxes; an unrecorded forward (evaluation) communicates nothing: not every rank may run it.
         warm = group if history is not None else None
@@ -142,6 +150,12 @@ class _DelayedLinearFn(torch.autograd.Function):
         recast_x = wgrad and "input" not in fused and torch.compiler.is_compiling()
         x8, x8_cm, sx, ax = _cast_both(x, sx, E4M3, warm, wgrad and not recast_x, "input" in fused)
         w8, w8_cm, sw, aw = _cast_both(weight, sw, E4M3, warm, dgrad, "weight" in fused)
+        if history is not None:
+            # Under torch.compile this write keeps the two amaxes in the forward, fused into the kernels
+            # that cast x and the weight (one row reduction each), saved (two scalars) for the backward that
+            # records them. Were the backward their only reader, the partitioner would move them there,
+            # reading x (recomputed from its producer) and the weight once more.
+            forward_amax.copy_(torch.stack([ax, aw]))
         # fprop: [M, K] @ [K, N] -> [M, N]
         y = torch._scaled_mm(x8, w8.t(), scale_a=sx.reciprocal(), scale_b=sw.reciprocal(), out_dtype=x.dtype)
         # The layouts the backward's GEMMs take were made with the casts (the row-major x8 dies after fprop),
@@ -176,7 +190,7 @@ class _DelayedLinearFn(torch.autograd.Function):
                                   scale_b=sx.reciprocal(), out_dtype=w_dtype)
         if history is not None:  # this training step's amaxes join the history (the next step's scales)
             advance_(history, steps, uid, torch.stack([ax, aw, ag]), group)
-        return dx, dw, None, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None, None
 
 
 class Float8DelayedLinear(nn.Module):
@@ -236,7 +250,7 @@ class Float8DelayedLinear(nn.Module):
         n, k = weight.shape
         y = _DelayedLinearFn.apply(x.reshape(-1, k), weight, sx, sw, sg,
                                    e.history if record else None, e.steps, e.uid, state.group,
-                                   FUSED_CASTS[state.config.fused_cast])
+                                   FUSED_CASTS[state.config.fused_cast], e.forward_amax)
         y = y.reshape(*x.shape[:-1], n)
         return y if bias is None else y + bias.to(y.dtype)
 

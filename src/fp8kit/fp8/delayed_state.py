@@ -91,6 +91,8 @@ class DelayedEntry:
             steps, column 0 the most recent; zeros where no step was recorded yet.
         steps: ``[]`` int64, training steps recorded (rolled into ``history``).
         started: ``history`` holds at least one step (``steps > 0``), so its scales exist.
+        forward_amax: ``[2]`` float32, the input and weight amax of the latest training forward, written by
+            that forward (``fp8.delayed._DelayedLinearFn``: why), read by nothing in fp8kit; not checkpointed.
         uid: ``[]`` int64 CPU tensor naming this entry for ``fp8kit::delayed_advanced``: compiled graphs
             take it as an input shared by every block, not as a per-module constant they would guard on.
     """
@@ -98,6 +100,7 @@ class DelayedEntry:
     def __init__(self, length: int, device: torch.device | str) -> None:
         self.history = torch.zeros(3, length, dtype=torch.float32, device=device)
         self.steps = torch.zeros((), dtype=torch.int64, device=device)
+        self.forward_amax = torch.zeros(2, dtype=torch.float32, device=device)
         self.started = False
         uid = next(_UIDS)
         self.uid = torch.tensor(uid, dtype=torch.int64)
@@ -105,7 +108,7 @@ class DelayedEntry:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The device tensors of this entry by attribute name."""
-        return {"history": self.history, "steps": self.steps}
+        return {"history": self.history, "steps": self.steps, "forward_amax": self.forward_amax}
 
 
 @torch.library.custom_op("fp8kit::delayed_advanced", mutates_args=("steps",))
