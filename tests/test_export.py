@@ -30,6 +30,12 @@ def test_export_single_process_checkpoint(small_run, tmp_path, capsys):
         assert {p.dtype for p in hf.parameters()} == {torch.bfloat16}
         assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "llama"
         assert_hf_logits_equal_run(hf, run)
+        # the weights are as readable as the config beside them (safetensors alone writes 0600), in the export
+        # and in the run's checkpoint
+        for d in (tmp_path / "hf", next((run / "checkpoints").iterdir())):
+            modes = {f.name: oct(f.stat().st_mode & 0o777) for f in d.iterdir() if f.is_file()}
+            want = modes["config.json" if "config.json" in modes else "train_state.pt"]
+            assert set(modes.values()) == {want}, f"{d}: file modes {modes}"
         # a second export into the same, now non-empty, directory is refused in one line
         assert main(["export", str(run), str(tmp_path / "hf")]) == 2
         assert "exists and is not empty" in capsys.readouterr().err

@@ -4,6 +4,7 @@ written (the export is built in a temporary sibling directory, renamed into plac
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -104,6 +105,20 @@ def test_a_write_that_fails_midway_leaves_nothing(base_run, tmp_path):
     assert line.startswith(f"error: export: cannot write the output directory {str(out)!r}: ") and (
         "File too large" in line), line
     assert _left(tmp_path) == [], _left(tmp_path)
+
+
+def test_a_run_file_that_cannot_be_read_is_named_as_a_read_error(base_run, tmp_path, capsys):
+    """A file of the run the export copies (here a tokenizer file that is a dangling link) fails as a read of that
+    file, not as a write of the output; nothing is left."""
+    run = tmp_path / "run"
+    shutil.copytree(base_run, run, symlinks=True)
+    bad = run / "tokenizer" / "special_tokens_map.json"
+    bad.unlink(missing_ok=True)
+    bad.symlink_to(tmp_path / "gone.json")
+    assert main(["export", str(run), str(tmp_path / "out")]) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert line == f"error: export: cannot read {str(bad)!r}: No such file or directory", line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"], list(tmp_path.iterdir())
 
 
 def test_wording_of_a_missing_run_and_of_a_file_as_output(base_run, tmp_path, capsys):

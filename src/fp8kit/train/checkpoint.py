@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from fp8kit.base.errors import CheckpointError
+from fp8kit.base.files import ordinary_mode
 from fp8kit.base.runtime import barrier, is_main
 from fp8kit.optim.state_io import float8_as_bytes
 
@@ -306,6 +307,7 @@ def save_model_weights(model: nn.Module, path: Path) -> None:
     aliases = _tied_names(sd)
     tensors = {k: v.detach().contiguous() for k, v in sd.items() if k not in aliases}
     save_file(tensors, str(path), metadata={"fp8kit_tied": json.dumps(aliases)})
+    ordinary_mode(path)  # safetensors writes 0600; the rest of the checkpoint has the umask's mode
 
 
 def load_model_weights(ckpt: Path, model: nn.Module) -> None:

@@ -34,6 +34,7 @@ import torch
 from safetensors import SafetensorError
 
 from fp8kit.base.errors import CheckpointError
+from fp8kit.base.files import ordinary_mode
 from fp8kit.train.checkpoint import (
     check_compatible,
     find_checkpoint,
@@ -315,14 +316,17 @@ def export_checkpoint(path: Path, out_dir: Path, *, config: str | Path | None = 
     existing = dest.is_dir()
     made = [] if existing else [p for p in (dest.parent, *dest.parent.parents) if not p.exists()]
     tmp, done, moved = None, False, []
+    read = [tok_dir] + ([source_gen] if source_gen is not None else [])  # what the copies below read
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = _temp_dir_beside(dest / "export") if existing else _temp_dir_beside(dest)
         model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
+        ordinary_mode(*tmp.glob("*.safetensors"))  # safetensors writes 0600; config.json has the umask's mode
         if source_gen is not None and source_gen.is_file():
             shutil.copy2(source_gen, tmp / GENERATION_CONFIG_FILE)
         if tok_dir.is_dir():
             for f in tok_dir.iterdir():
+                read.append(f)
                 shutil.copy2(f, tmp / f.name)
             if chat_template is not None:
                 _write_chat_template(tmp, chat_template)
@@ -344,6 +348,10 @@ def export_checkpoint(path: Path, out_dir: Path, *, config: str | Path | None = 
         done = True
     except (OSError, SafetensorError) as e:  # safetensors reports its write errors (a full disk) as its own
         detail = (e.strerror if isinstance(e, OSError) else None) or " ".join(str(e).split())
+        failed = getattr(e, "filename", None)
+        if failed is not None and str(failed) in {str(p) for p in read}:
+            # a file of the run (its tokenizer) or of the pretrained model that could not be read
+            raise CheckpointError(f"export: cannot read {str(failed)!r}: {detail}") from None
         raise CheckpointError(f"export: cannot write the output directory {str(out_dir)!r}: {detail}") from None
     finally:
         if not done:
