@@ -160,6 +160,15 @@ def test_meta_entry_is_materialised_by_to_empty():
     layer.to_empty(device="cpu")
     e = state.entries["l"]
     assert e.history.device.type == "cpu" and not e.history.any() and int(e.steps) == 0
+    assert e.forward_amax.device.type == "cpu", e.forward_amax.device
+    # a state loaded onto a device before the model moves there: every tensor of the entry lands on that device
+    with torch.device("meta"):
+        lin = nn.Linear(32, 16, bias=False)
+    state2 = DelayedScalingState()
+    Float8DelayedLinear.from_linear(lin, state2, "l")
+    state2.load_state_dict(state.state_dict(), "cpu")
+    devices = {k: t.device.type for k, t in state2.entries["l"].tensors().items()}
+    assert set(devices.values()) == {"cpu"}, devices
 
 
 def test_bad_settings_are_one_line_errors():

@@ -121,6 +121,25 @@ def test_a_run_file_that_cannot_be_read_is_named_as_a_read_error(base_run, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"], list(tmp_path.iterdir())
 
 
+def test_a_full_disk_while_copying_the_tokenizer_is_a_write_error(base_run, tmp_path, capsys, monkeypatch):
+    """shutil.copy2's sendfile names the source file in the error of a failed write (ENOSPC): still a write error
+    of the output, not a read error of the run's tokenizer file."""
+    import errno
+    import shutil as sh
+
+    if not getattr(sh, "_USE_CP_SENDFILE", False):
+        pytest.skip("shutil copies without os.sendfile here")
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "sendfile", full)
+    assert main(["export", str(base_run), str(tmp_path / "out")]) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert line == f"error: export: cannot write the output directory {str(tmp_path / 'out')!r}: No space left on device", line
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
 def test_wording_of_a_missing_run_and_of_a_file_as_output(base_run, tmp_path, capsys):
     assert main(["export", str(tmp_path / "nope"), str(tmp_path / "z")]) == 2
     line = _error_line(capsys.readouterr().err)

@@ -23,10 +23,11 @@ def new_file_mode(directory: Path) -> int:
     probe = Path(directory) / f".fp8kit-mode-{os.getpid()}-{os.urandom(4).hex()}"
     fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
     try:
-        return os.fstat(fd).st_mode & 0o777
+        mode = os.fstat(fd).st_mode & 0o777
     finally:
         os.close(fd)
-        probe.unlink()
+    probe.unlink()  # raises where files can be made but not removed: the caller then leaves the modes alone
+    return mode
 
 
 def ordinary_mode(*paths: Path) -> None:

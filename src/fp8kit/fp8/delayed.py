@@ -134,8 +134,12 @@ class _DelayedLinearFn(torch.autograd.Function):
     """``y = x @ w.T`` in FP8. Inputs: ``x`` ``[M, K]``, ``weight`` ``[N, K]``, the scales ``sx``, ``sw``, ``sg``
     (input, weight, output gradient: separate float32 ``[]`` tensors, ``DelayedScalingState.scale_tensors``;
     None: dynamic, from the tensors themselves), and the entry to record this step in from the backward
-    (``history`` ``[3, L]``, ``steps``, ``uid``, ``group``; ``history`` None: nothing recorded). Output
-    ``y`` ``[M, N]`` in ``x``'s dtype."""
+    (``history`` ``[3, L]``, ``steps``, ``uid``, ``group``; ``history`` None: nothing recorded), ``fused`` (the
+    operands cast by ``fp8kit::cast_transpose``) and ``forward_amax`` ``[2]`` (written with the input and weight
+    amax of a recorded step). Output ``y`` ``[M, N]`` in ``x``'s dtype.
+
+    Under activation checkpointing with ``torch.compile`` the recomputed forward takes the two amaxes again in
+    the backward, so there the forward's fused row amaxes are extra work (small: they ride on the casts)."""
 
     @staticmethod
     def forward(ctx, x, weight, sx, sw, sg, history, steps, uid, group, fused, forward_amax):

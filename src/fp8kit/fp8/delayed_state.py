@@ -5,7 +5,8 @@ When the state changes, and why there (``torch.compile`` without graph breaks or
 
 - The **forward only reads** the history (its scales); the **backward** of a training step rolls that
   step's amaxes (input and weight from the forward, output gradient from the backward) into the history,
-  in place (``copy_``). A forward that changed state it reads would be wrong under ``torch.compile``
+  in place (``copy_``). (The forward also writes ``forward_amax``, which nothing reads: it only makes
+  ``torch.compile`` compute those two amaxes in the forward, fused into the casts.) A forward that changed state it reads would be wrong under ``torch.compile``
   whenever AOTAutograd recomputes a read of that state in the backward (activation checkpointing always
   does; the min-cut partitioner may, pytorch/pytorch#197039): the recomputation would see the new value.
   Written only in the backward, the state every recomputation reads is still this step's.
@@ -91,8 +92,9 @@ class DelayedEntry:
             steps, column 0 the most recent; zeros where no step was recorded yet.
         steps: ``[]`` int64, training steps recorded (rolled into ``history``).
         started: ``history`` holds at least one step (``steps > 0``), so its scales exist.
-        forward_amax: ``[2]`` float32, the input and weight amax of the latest training forward, written by
-            that forward (``fp8.delayed._DelayedLinearFn``: why), read by nothing in fp8kit; not checkpointed.
+        forward_amax: ``[2]`` float32, this rank's input and weight amax of the latest training forward (not
+            reduced over a group), written by that forward (``fp8.delayed._DelayedLinearFn``: why), read by
+            nothing in fp8kit; not checkpointed.
         uid: ``[]`` int64 CPU tensor naming this entry for ``fp8kit::delayed_advanced``: compiled graphs
             take it as an input shared by every block, not as a per-module constant they would guard on.
     """
@@ -232,4 +234,5 @@ class DelayedScalingState:
                     history = torch.cat([v["pending"].to(device)[:, None], history[:, :-1]], dim=1)
                     steps += 1
             e.history, e.steps = history, torch.tensor(steps, dtype=torch.int64, device=device)
+            e.forward_amax = torch.zeros(2, dtype=torch.float32, device=device)  # with the others, on ``device``
             e.started = steps > 0

@@ -25,6 +25,7 @@ complete. An export that fails leaves nothing behind.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -137,6 +138,10 @@ def _write_chat_template(tok_dir: Path, template: str) -> None:
         cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
         if cfg.pop("chat_template", None) is not None:
             cfg_file.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+#: errors that are about the output whatever file an OSError names (a copy's source, with ``os.sendfile``)
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
 
 
 def _temp_dir_beside(out: Path) -> Path:
@@ -349,7 +354,10 @@ def export_checkpoint(path: Path, out_dir: Path, *, config: str | Path | None = 
     except (OSError, SafetensorError) as e:  # safetensors reports its write errors (a full disk) as its own
         detail = (e.strerror if isinstance(e, OSError) else None) or " ".join(str(e).split())
         failed = getattr(e, "filename", None)
-        if failed is not None and str(failed) in {str(p) for p in read}:
+        # shutil.copy2's fast copy (sendfile) names the source in ``filename`` and the destination in ``filename2``
+        # even when the write failed (a full disk): only a failure naming a source alone is a read
+        if (failed is not None and str(failed) in {str(p) for p in read} and getattr(e, "filename2", None) is None
+                and getattr(e, "errno", None) not in _WRITE_ERRNOS):
             # a file of the run (its tokenizer) or of the pretrained model that could not be read
             raise CheckpointError(f"export: cannot read {str(failed)!r}: {detail}") from None
         raise CheckpointError(f"export: cannot write the output directory {str(out_dir)!r}: {detail}") from None
