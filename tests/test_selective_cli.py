@@ -125,6 +125,33 @@ def test_merge_policy_bad_reports(capsys, tmp_path):
     assert not (tmp_path / "p.json").exists()
 
 
+def test_merge_policy_refuses_to_write_over_one_of_its_reports(capsys, cpu_reports, tmp_path):
+    report = tmp_path / "r1.json"
+    report.write_bytes((cpu_reports / "r1.json").read_bytes())
+    before = report.read_bytes()
+    code = main(["merge-policy", "--reports", str(report), "--output", str(report)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--output {str(report)!r} is one of the --reports" in err, err
+    assert report.read_bytes() == before
+
+
+def test_plan_with_tp_refuses_what_a_gpu_run_refuses(capsys):
+    """A torchao-recipe FP8 linear whose tp shard is no FP8 GEMM shape (the tiny preset's 688-wide MLP over tp 2:
+    344 per rank, not a multiple of 16) fails on a GPU's torch._scaled_mm; plan says so, naming the way out,
+    which then plans."""
+    code = main(["plan", *TINY, "--set", "distributed.tp=2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == (
+        "error: fp8.recipe = 'tensorwise' with distributed.tp = 2: model.layers.0.mlp.gate_proj is column-parallel "
+        "and its weight [688, 256] splits into [344, 256] per rank, not an FP8 GEMM shape (torch._scaled_mm): "
+        "out_features / tp must be a multiple of 16; keep it BF16 (fp8.exclude = [\"*.mlp.gate_proj\"]) or use a "
+        "tp for which it is"), err
+    rows = json.loads(_ok(capsys, ["plan", *TINY, "--set", "distributed.tp=2", "--set", 'fp8.exclude=["*.mlp"]',
+                                   "--json"]))
+    assert {r["fqn"].rsplit(".", 1)[-1] for r in rows if r["precision"] == "fp8"} == {
+        "q_proj", "k_proj", "v_proj", "o_proj"}, rows
+
+
 def test_train_refuses_a_bad_policy_before_writing(capsys, tmp_path):
     bad = tmp_path / "p.json"
     bad.write_text(json.dumps({"version": 3, "rules": {}}))

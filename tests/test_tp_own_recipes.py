@@ -298,7 +298,9 @@ def test_check_shard_row_parallel_and_delayed_multiple():
     from fp8kit.parallel.tp_own import check_shard
 
     check_shard("x", (256, 512), "blockwise", "row", 4)  # 512 / 4 = 128
-    check_shard("x", (256, 688), "tensorwise", "row", 2)  # torchao recipes: left to torchao
+    with pytest.raises(ConfigError, match=r"'tensorwise' .* \[256, 688\] splits into \[256, 344\] per rank, not an "
+                                          r"FP8 GEMM shape"):  # torchao's recipes: the same torch._scaled_mm
+        check_shard("x", (256, 688), "tensorwise", "row", 2)
     with pytest.raises(ConfigError, match=r"mlp.down_proj is row-parallel and its weight \[256, 384\] splits "
                                           r"into \[256, 192\] per rank.*in_features / tp must be a multiple of 128; "
                                           r"keep it BF16 \(fp8.exclude = \[\"\*.mlp.down_proj\"\]\)"):

@@ -196,6 +196,11 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "merge-policy":
         from fp8kit.selective.policy import merge_reports
 
+        out = Path(args.output).resolve()
+        same = [r for r in args.reports if Path(r).resolve() == out]
+        if same:
+            raise PolicyError(f"merge-policy: --output {args.output!r} is one of the --reports (it would be "
+                              f"overwritten by the policy); give the policy another file name")
         reports = [(r, load_report(r)) for r in args.reports]
         policy = merge_reports(reports, args.speedup_threshold, force=args.force, component=args.component)
         policy.save(args.output)
@@ -222,6 +227,10 @@ def _plan(cfg, as_json: bool, console) -> int:
     auto_note = _plan_auto(cfg, sites, decisions, options) if options.auto is not None else None
     if auto_note is not None:
         decisions, auto_note = auto_note
+    if cfg.distributed.tp > 1:  # what a GPU run would refuse: an FP8 linear whose tp shard its recipe cannot run
+        from fp8kit.parallel.parallelize import check_tp_shards
+
+        check_tp_shards(model, decisions, cfg.distributed.tp)
     if as_json:
         print(json.dumps([d.to_dict() for d in decisions], indent=1))
         return 0

@@ -124,6 +124,39 @@ def check_tp(hf_cfg, tp: int) -> None:
         )
 
 
+def _tp_plan(model: nn.Module) -> tuple[str, list[tuple[str, ...]]]:
+    """``(blocks' FQN prefix, the planned linear names of each block)``: a MoE block (its mlp holds ``experts``)
+    keeps its router and experts whole on every tp rank, only its attention is tensor parallel."""
+    blocks = _blocks(model)
+    prefix = next(n for n, m in model.named_modules() if m is blocks)
+    moe = [hasattr(getattr(block, "mlp", None), "experts") for block in blocks]
+    return prefix, [tuple(n for n in COLWISE + ROWWISE if not (m and n.startswith("mlp."))) for m in moe]
+
+
+def check_tp_shards(model: nn.Module, decisions: list[Decision], tp: int, device_type: str = "cuda") -> None:
+    """Refuse an FP8 linear the tensor-parallel plan would shard into a piece its recipe cannot run
+    (``tp_own.check_shard``: blockwise needs whole 128-blocks per rank; every other recipe an FP8 GEMM shape,
+    multiples of 16, as ``torch._scaled_mm`` on CUDA requires). Called by :func:`apply_tp` before any module
+    or collective, and by ``fp8kit plan`` (for a GPU run), so a plan shows what training would refuse.
+
+    On ``device_type = "cpu"`` torchao's recipes are not checked: the CPU's ``torch._scaled_mm`` takes any
+    shape (how the test suite trains the tiny preset with tp = 2), while fp8kit's own recipes are (their
+    kernels and block layouts need the shapes on every device).
+
+    Raises:
+        ConfigError: naming the layer, the recipe, the weight and shard shapes, and the way out.
+    """
+    if tp == 1:
+        return
+    prefix, names = _tp_plan(model)
+    kinds = {f"{prefix}.{i}.{n}": "column" if n in COLWISE else "row" for i, ns in enumerate(names) for n in ns}
+    for d in decisions:
+        if d.fqn not in kinds or not d.is_fp8 or d.site.is_grouped:
+            continue
+        if device_type != "cpu" or recipe_info(d.recipe).engine == "fp8kit":
+            check_shard(d.fqn, tuple(d.site.weight_shape), d.recipe, kinds[d.fqn], tp)
+
+
 def apply_tp(model: nn.Module, tp_mesh, decisions: list[Decision], conversion: ConversionOptions | None, *,
              sequence_parallel: bool) -> int:
     """Shard the linears of every block over ``tp_mesh`` (see the module docstring); returns FP8 linears sharded.
@@ -142,8 +175,8 @@ def apply_tp(model: nn.Module, tp_mesh, decisions: list[Decision], conversion: C
 
     Raises:
         ConfigError: a block lacks one of the planned linears (not a Llama/Qwen-style block), or an FP8
-            linear of an own recipe whose per-rank shard that recipe cannot run (``tp_own.check_shard``:
-            blockwise needs whole 128-blocks, delayed multiples of 16), naming the layer and the shapes.
+            linear whose per-rank shard its recipe cannot run (:func:`check_tp_shards`: blockwise needs whole
+            128-blocks, the other recipes multiples of 16), naming the layer and the shapes.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -157,20 +190,14 @@ def apply_tp(model: nn.Module, tp_mesh, decisions: list[Decision], conversion: C
 
     fp8_names = fp8_fqns(decisions) if conversion is not None else set()
     blocks = _blocks(model)
-    prefix = next(n for n, m in model.named_modules() if m is blocks)
-    # A MoE block (its mlp holds ``experts``) keeps its router and experts whole on every tp rank: only the
-    # attention is tensor parallel (module docstring, "MoE blocks").
-    moe = [hasattr(getattr(block, "mlp", None), "experts") for block in blocks]
-    names = [tuple(n for n in COLWISE + ROWWISE if not (m and n.startswith("mlp."))) for m in moe]
+    prefix, names = _tp_plan(model)  # module docstring, "MoE blocks"
     planned = {f"{prefix}.{i}.{n}" for i, ns in enumerate(names) for n in ns}
-    # The FP8 TP styles require the FP8 modules: convert those linears first (decisions are data). fp8kit's
-    # own recipes first check that every rank's shard is one they can run (before any module or collective).
+    # The FP8 TP styles require the FP8 modules: convert those linears first (decisions are data), after
+    # checking that every rank's shard is one its recipe can run (before any module or collective).
     tp_fp8 = [d for d in decisions if d.fqn in fp8_names and d.fqn in planned]
+    check_tp_shards(model, tp_fp8, tp_mesh.size(), tp_mesh.device_type)
     own = {d.fqn for d in tp_fp8 if recipe_info(d.recipe).engine == "fp8kit"}
-    for d in tp_fp8:
-        if d.fqn in own:
-            kind = "column" if d.fqn.endswith(COLWISE) else "row"
-            check_shard(d.fqn, tuple(d.site.weight_shape), d.recipe, kind, tp_mesh.size())
+    moe = [hasattr(getattr(block, "mlp", None), "experts") for block in blocks]
     if tp_fp8:
         apply_fp8(model, tp_fp8, conversion)
     n_fp8 = 0

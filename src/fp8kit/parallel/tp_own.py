@@ -52,8 +52,9 @@ def check_shard(name: str, shape: tuple[int, int], recipe: str, kind: str, tp: i
     """Refuse a ``kind`` (``"column"`` / ``"row"``)-parallel FP8 linear whose per-rank shard the recipe cannot run.
 
     Blockwise needs whole 128-blocks on every rank (``out_features / tp`` column-parallel, ``in_features / tp``
-    row-parallel multiples of 128); delayed needs the FP8 GEMM's multiple of 16 on the shard
-    (``torch._scaled_mm`` on CUDA). Torchao recipes are left to torchao.
+    row-parallel multiples of 128); the other recipes (delayed, and torchao's: its ``Float8Linear`` runs the
+    shard's GEMM with the same ``torch._scaled_mm``) need the FP8 GEMM's multiple of 16 on the shard
+    (``torch._scaled_mm`` on CUDA; on the CPU it takes any shape, so a run would fail only on the GPU).
 
     Args:
         name: the module's FQN, for the message.
@@ -68,7 +69,7 @@ def check_shard(name: str, shape: tuple[int, int], recipe: str, kind: str, tp: i
         ConfigError: naming the layer, the recipe, the weight and shard shapes, and the way out.
     """
     info = recipe_info(recipe)
-    if info.engine != "fp8kit" or tp == 1:
+    if tp == 1:
         return
     n, k = shape
     dim, size = (0, n) if kind == "column" else (1, k)
