@@ -152,6 +152,16 @@ def test_plan_with_tp_refuses_what_a_gpu_run_refuses(capsys):
         "q_proj", "k_proj", "v_proj", "o_proj"}, rows
 
 
+def test_train_names_the_key_of_a_missing_policy_before_preparing_data(capsys, tmp_path):
+    out = tmp_path / "run"
+    for path, what in ((tmp_path / "nope.json", "does not exist"), (tmp_path, "is a directory")):
+        code = main(["train", "--out", str(out), "--set", f"selective.fp8_dynamic_policy_path={path}"])
+        cap = capsys.readouterr()
+        err = cap.err
+        assert code == 2 and f"error: selective.fp8_dynamic_policy_path: policy file {str(path)!r} {what}" in err, err
+        assert "preparing data" not in cap.out + err and not out.exists(), cap.out + err
+
+
 def test_train_refuses_a_bad_policy_before_writing(capsys, tmp_path):
     bad = tmp_path / "p.json"
     bad.write_text(json.dumps({"version": 3, "rules": {}}))

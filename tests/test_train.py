@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from fp8kit.base.errors import Fp8kitError
 from fp8kit.config import load_config
 from fp8kit.train.compare import compare
 from fp8kit.train.metrics import read_metrics
@@ -49,6 +50,11 @@ def test_compare_tiny_gap_under_5pct(small_run, tmp_path):
     assert table["tokens_per_s_ratio"] > 0
     bf16 = read_metrics(tmp_path / "cmp" / "bf16" / "metrics.jsonl")
     assert all(r["precision"] == "bf16" and r["fp8_modules"] == 0 for r in bf16)
+    # again into the same --out: refused in one line that suggests what compare can do (it has no --resume)
+    with pytest.raises(Fp8kitError) as e:
+        compare(cfg, tmp_path / "cmp")
+    assert str(e.value) == (f"--out {str(tmp_path / 'cmp')!r} already holds a comparison (bf16 and fp8 hold runs); "
+                            f"choose another --out"), str(e.value)
 
 
 @pytest.mark.slow

@@ -24,7 +24,8 @@ def fp8_support(device: torch.device | str) -> tuple[bool, str]:
     if dev.type == "cpu":
         if not hasattr(torch, "_scaled_mm"):
             return False, f"torch {torch.__version__} has no torch._scaled_mm; upgrade torch"
-        return True, "CPU: FP8 matmuls run through torch._scaled_mm in software (slow, same numerics)"
+        return True, ("CPU: FP8 matmuls run in software (torch._scaled_mm; blockwise's GEMMs emulated in float32): "
+                      "slow, same numerics")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             return False, "CUDA is not available in this torch build or on this machine"

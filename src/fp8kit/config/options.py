@@ -124,10 +124,7 @@ def decide_options(fp8: FP8Config, selective: SelectiveConfig | None, *, mixed_p
     if sel is not None and sel.selective_fp8 == "policy":
         if tokens_now is None:
             raise ConfigError("selective.selective_fp8: no token count; set selective.fp8_dynamic_num_tokens")
-        paths = dict(sel.component_policy_paths)
-        if sel.fp8_dynamic_policy_path:
-            paths["*"] = sel.fp8_dynamic_policy_path
-        policies = {comp: load_policy(p) for comp, p in paths.items()}
+        policies = load_policies(sel)
         tokens = {"*": tokens_now, **sel.component_num_tokens}
         decide_selective = Selective(policies, tokens, topk)
         for pol in policies.values():
@@ -171,3 +168,26 @@ def decide_for_library(model, fp8: FP8Config, selective: SelectiveConfig | None,
     for message in options.warnings:
         warnings.warn(message, stacklevel=3)
     return decide(find_sites(model), options)
+
+
+def load_policies(sel: SelectiveConfig) -> dict:
+    """Component (``"*"``: every component without its own) -> the loaded :class:`~fp8kit.selective.policy.Policy`
+    of ``selective.fp8_dynamic_policy_path`` and ``selective.component_policy_paths``. ``fp8kit train`` calls it
+    before the data is prepared, so a missing or bad policy is the run's first error.
+
+    Raises:
+        PolicyError: a policy that cannot be loaded, prefixed with the config key that names it.
+    """
+    from fp8kit.base.errors import PolicyError
+
+    keys = {comp: f"selective.component_policy_paths.{comp}" for comp in sel.component_policy_paths}
+    paths = dict(sel.component_policy_paths)
+    if sel.fp8_dynamic_policy_path:
+        paths["*"], keys["*"] = sel.fp8_dynamic_policy_path, "selective.fp8_dynamic_policy_path"
+    out = {}
+    for comp, p in paths.items():
+        try:
+            out[comp] = load_policy(p)
+        except PolicyError as e:
+            raise PolicyError(f"{keys[comp]}: {e}") from None
+    return out

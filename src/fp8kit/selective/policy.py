@@ -211,6 +211,9 @@ def load_policy(path_or_name: str | Path) -> Policy:
     """
     text = str(path_or_name)
     path = resolve_policy_path(text)
+    if path.is_dir():
+        raise PolicyError(f"policy file {text!r} is a directory (give the policy's JSON file, e.g. merge-policy's "
+                          f"--output)")
     if not path.is_file():
         hint = ""
         if text.startswith(BUILTIN_PREFIX):

@@ -86,5 +86,6 @@ class StaticRules:
                 return StaticVerdict(False, "include", "matches no fp8.include pattern")
             return StaticVerdict(True, "include", f"matches fp8.include {hit.text!r}")
         if site.is_grouped_weight:
-            return StaticVerdict(True, "grouped", "MoE expert weights with dims divisible by 16: FP8 grouped GEMM")
+            return StaticVerdict(True, "grouped", f"MoE expert weights with dims divisible by {self.dims_multiple}: "
+                                                  f"FP8 grouped GEMM")
         return StaticVerdict(True, "linear", f"linear layer with dims divisible by {self.dims_multiple}")

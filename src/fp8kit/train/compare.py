@@ -19,8 +19,9 @@ from rich.console import Console
 from rich.table import Table
 
 from fp8kit.base.console import make_console
+from fp8kit.base.errors import Fp8kitError
 from fp8kit.config import RunConfig
-from fp8kit.train.rundir import check_writable
+from fp8kit.train.rundir import RUN_MARKER, check_writable
 from fp8kit.train.trainer import TrainResult, train
 
 
@@ -108,6 +109,10 @@ def compare(cfg: RunConfig, out_dir: str | Path | None = None, *, console: Conso
     console = console or make_console()
     out = Path(out_dir) if out_dir is not None else Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-compare"
     check_writable(out)
+    held = [sub for sub in ("bf16", "fp8") if (out / sub / RUN_MARKER).exists()]
+    if held:  # check_writable would suggest --resume, which compare does not take
+        raise Fp8kitError(f"--out {str(out)!r} already holds a comparison ({' and '.join(held)} hold runs); "
+                          f"choose another --out")
     for sub in ("bf16", "fp8"):
         check_writable(out / sub)
     results = {}

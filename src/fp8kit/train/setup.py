@@ -253,6 +253,10 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
     cfg, optim_choice = resolve_optimizer(cfg, saved, distributed=dims.distributed, saved_granularity=saved_gran)
     if dims.distributed:
         check_distributed_config(cfg)
+    if cfg.selective.selective_fp8 == "policy":  # a missing or bad policy file: the first error, before the data
+        from fp8kit.config.options import load_policies
+
+        load_policies(cfg.selective)
     device = resolve_device(cfg.train.device)
     capability = check_fp8_capability(cfg, device)
     mesh = None
