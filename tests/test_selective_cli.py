@@ -62,6 +62,10 @@ def test_merge_then_plan_then_train(cpu_reports, capsys, tmp_path, small_run):
     p = json.loads(policy.read_text())
     assert p["version"] == 1 and set(p["rules"]) <= {"layernorm_column", "row"}
     assert p["metadata"]["note"].startswith("CPU timings")
+    # the policy's own note is printed with it, and a policy of no rules says what that means
+    out = _ok(capsys, ["merge-policy", "--reports", str(cpu_reports / "r1.json"), "--output", str(tmp_path / "none.json"),
+                       "--speedup-threshold", "1000"])
+    assert "note: CPU timings" in out and "no measured site reached the speed-up threshold 1000" in out, out
     # Which precision wins on a CPU depends on its load (timings are not asserted): a threshold of 0.001
     # makes every measured point pass, so every timed site gets a rule from the smallest token count
     assert {r["tp"] for r in p["rules"]["layernorm_column"]["qkv"]} == {1, 2}

@@ -323,6 +323,8 @@ def _bench(args: argparse.Namespace, console) -> int:
         Path(args.report).parent.mkdir(parents=True, exist_ok=True)
         Path(args.report).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
         console.print(f"report written to {args.report}")
+    elif not args.policy:
+        console.print("note: the timings were not saved (--report R.json keeps them for merge-policy)")
     if args.policy:
         policy = merge_reports([(args.report or "<this run>", report)], args.speedup_threshold)
         policy.save(args.policy)
@@ -368,3 +370,8 @@ def _print_policy(policy, console) -> None:
             t.add_row(kind, "", f"etp={r.etp},num_gemms={r.num_gemms}", str(r.min_tokens),
                       f"{r.measured_speedup:.3f}")
     console.print(t)
+    if not t.row_count:
+        console.print(f"[bold yellow]note:[/] no measured site reached the speed-up threshold "
+                      f"{policy.speedup_threshold}: with this policy every site stays BF16")
+    if policy.metadata.get("note"):
+        console.print(f"[bold yellow]note:[/] {policy.metadata['note']}")
