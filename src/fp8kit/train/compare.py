@@ -92,6 +92,7 @@ def plot_compare(bf16: TrainResult, fp8: TrainResult, table: dict, path: Path, t
     tbl = ax_t.table(cellText=cells, colLabels=["", "bf16", table["fp8_precision"], "fp8 vs bf16"], loc="center")
     tbl.auto_set_font_size(False)
     tbl.set_fontsize(9)
+    tbl.auto_set_column_width(col=list(range(4)))  # equal widths clip the row labels
     tbl.scale(1, 1.4)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
