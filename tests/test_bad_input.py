@@ -118,7 +118,12 @@ def test_resume_from_a_different_model_shape(capsys, tmp_path, one_step_run, cac
     _fails(capsys, ["train", "--resume", str(one_step_run), "--out", str(out), "--set", "data.vocab_size=2048"],
            "has shape [1024, 256] in the checkpoint but [2048, 256] in the configured model")
     assert not out.exists()
-    _fails(capsys, ["train", "--resume", str(tmp_path / "missing")], "no checkpoint found")
+    _fails(capsys, ["train", "--resume", str(tmp_path / "missing")],
+           f"--resume {str(tmp_path / 'missing')!r}: does not exist (give a run directory or a checkpoint directory)")
+    (tmp_path / "notes.md").write_text("keep me")
+    _fails(capsys, ["train", "--resume", str(tmp_path / "notes.md")],
+           f"--resume {str(tmp_path / 'notes.md')!r}: is a file (give a run directory or a checkpoint directory)")
+    assert (tmp_path / "notes.md").read_text() == "keep me"
 
 
 def test_checkpoint_is_loaded_with_weights_only(capsys, tmp_path, one_step_run):

@@ -126,9 +126,12 @@ def find_checkpoint(path: Path, *, what: str = "--resume") -> Path:
         what: the flag or command the path came from, for the error message (``--resume``, ``export``).
 
     Raises:
-        CheckpointError: no complete checkpoint there.
+        CheckpointError: ``path`` is no directory, or holds no complete checkpoint.
     """
     path = Path(path)
+    if not path.is_dir():
+        what_is = "is a file" if path.exists() else "does not exist"
+        raise CheckpointError(f"{what} {str(path)!r}: {what_is} (give a run directory or a checkpoint directory)")
     if is_complete(path):
         return path
     latest = latest_checkpoint(path)
