@@ -133,3 +133,26 @@ def test_hf_config_json_trains(small_run, tmp_path):
     assert q["precision"] == "fp8" and q["shape"] == [128, 128]
     emb = next(s for s in report["sites"] if s["fqn"] == "model.embed_tokens")
     assert emb["shape"] == [1024, 128]  # vocab taken from data.vocab_size, not the file
+
+
+@pytest.mark.slow
+def test_compiled_eval_runs_a_short_last_batch_without_compiling_again(small_run):
+    """The validation set's short last batch runs eagerly: compiled, it compiled every block again (and made
+    Dynamo treat their batch dimension as dynamic in every later compile)."""
+    import torch._dynamo.utils as dyn
+
+    from fp8kit.train.loop import evaluate
+    from fp8kit.train.setup import build_setup
+
+    setup = build_setup(load_config(None, [*small_run, "train.compile=true", "train.eval_batches=3"]))
+    packed = setup.data.packed
+    windows = packed.val_windows
+    packed.val_windows = windows[:8]  # two full batches of 4
+    full = evaluate(setup)
+    before = dyn.counters["frames"]["ok"]
+    packed.val_windows = windows[:9]  # and a last batch of one window
+    with_short = evaluate(setup)
+    compiled = dyn.counters["frames"]["ok"] - before
+    assert compiled == 0, f"the short batch compiled {compiled} frames"
+    assert with_short != full and abs(with_short - full) < 1.0, (full, with_short)
+

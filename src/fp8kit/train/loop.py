@@ -176,6 +176,16 @@ def next_micro_batch(setup: Setup):
     return batch[r * mbs : (r + 1) * mbs] if dp > 1 else batch
 
 
+def _eval_loss(setup: Setup, batch, rows: int) -> torch.Tensor:
+    """:func:`_loss` of a validation batch; one of another row count than ``rows`` (the short last batch) runs
+    eagerly under ``train.compile``. Compiled, that one batch would compile the blocks again, and Dynamo would
+    mark their batch dimension dynamic for every later compile of them (the next precision phase's too)."""
+    if len(batch) != rows and setup.cfg.train.compile:
+        with torch.compiler.set_stance("force_eager"):
+            return _loss(setup, batch)
+    return _loss(setup, batch)
+
+
 @torch.no_grad()
 def evaluate(setup: Setup) -> float:
     """Mean cross-entropy over the fixed validation batches (token-weighted; averaged over dp ranks)."""
@@ -188,10 +198,10 @@ def evaluate(setup: Setup) -> float:
             batch = batch[r * mbs : (r + 1) * mbs]
             if len(batch) == 0:  # a short last batch: keep every rank in the collectives
                 batch = setup.data.packed.val_batches(1, 1)[0]
-                _loss(setup, batch)
+                _eval_loss(setup, batch, mbs)
                 continue
         n = _num_labels(batch)
-        total += _loss(setup, batch).item() * n
+        total += _eval_loss(setup, batch, mbs).item() * n
         count += n
     setup.model.train()
     sums = _dp_mean(setup, torch.tensor([total, float(count)], dtype=torch.float64, device=setup.device))
