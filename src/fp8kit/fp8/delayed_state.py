@@ -5,11 +5,12 @@ When the state changes, and why there (``torch.compile`` without graph breaks or
 
 - The **forward only reads** the history (its scales); the **backward** of a training step rolls that
   step's amaxes (input and weight from the forward, output gradient from the backward) into the history,
-  in place (``copy_``). (The forward also writes ``forward_amax``, which nothing reads: it only makes
-  ``torch.compile`` compute those two amaxes in the forward, fused into the casts.) A forward that changed state it reads would be wrong under ``torch.compile``
+  in place (``copy_``). A forward that changed state it reads would be wrong under ``torch.compile``
   whenever AOTAutograd recomputes a read of that state in the backward (activation checkpointing always
   does; the min-cut partitioner may, pytorch/pytorch#197039): the recomputation would see the new value.
-  Written only in the backward, the state every recomputation reads is still this step's.
+  Written only in the backward, the state every recomputation reads is still this step's. (The forward
+  also writes ``forward_amax``, which nothing reads: it only makes ``torch.compile`` compute those two
+  amaxes in the forward, fused into the casts.)
 - AOTAutograd functionalizes the backward's in-place update of these graph inputs and writes the result
   back once per call; under FSDP2 the amaxes are all-reduced (MAX) with a functional collective first.
 - One Python flag per module, ``started`` (the history holds a step), picks the forward's code: dynamic

@@ -124,13 +124,14 @@ def check_tp(hf_cfg, tp: int) -> None:
         )
 
 
-def _tp_plan(model: nn.Module) -> tuple[str, list[tuple[str, ...]]]:
-    """``(blocks' FQN prefix, the planned linear names of each block)``: a MoE block (its mlp holds ``experts``)
-    keeps its router and experts whole on every tp rank, only its attention is tensor parallel."""
+def _tp_plan(model: nn.Module) -> tuple[str, list[tuple[str, ...]], list[bool]]:
+    """``(blocks' FQN prefix, the planned linear names of each block, which blocks are MoE)``: a MoE block (its
+    mlp holds ``experts``) keeps its router and experts whole on every tp rank, only its attention is tensor
+    parallel."""
     blocks = _blocks(model)
     prefix = next(n for n, m in model.named_modules() if m is blocks)
     moe = [hasattr(getattr(block, "mlp", None), "experts") for block in blocks]
-    return prefix, [tuple(n for n in COLWISE + ROWWISE if not (m and n.startswith("mlp."))) for m in moe]
+    return prefix, [tuple(n for n in COLWISE + ROWWISE if not (m and n.startswith("mlp."))) for m in moe], moe
 
 
 def check_tp_shards(model: nn.Module, decisions: list[Decision], tp: int, device_type: str = "cuda") -> None:
@@ -148,7 +149,7 @@ def check_tp_shards(model: nn.Module, decisions: list[Decision], tp: int, device
     """
     if tp == 1:
         return
-    prefix, names = _tp_plan(model)
+    prefix, names, _ = _tp_plan(model)
     kinds = {f"{prefix}.{i}.{n}": "column" if n in COLWISE else "row" for i, ns in enumerate(names) for n in ns}
     for d in decisions:
         if d.fqn not in kinds or not d.is_fp8 or d.site.is_grouped:
@@ -190,14 +191,13 @@ def apply_tp(model: nn.Module, tp_mesh, decisions: list[Decision], conversion: C
 
     fp8_names = fp8_fqns(decisions) if conversion is not None else set()
     blocks = _blocks(model)
-    prefix, names = _tp_plan(model)  # module docstring, "MoE blocks"
+    prefix, names, moe = _tp_plan(model)  # module docstring, "MoE blocks"
     planned = {f"{prefix}.{i}.{n}" for i, ns in enumerate(names) for n in ns}
     # The FP8 TP styles require the FP8 modules: convert those linears first (decisions are data), after
     # checking that every rank's shard is one its recipe can run (before any module or collective).
     tp_fp8 = [d for d in decisions if d.fqn in fp8_names and d.fqn in planned]
     check_tp_shards(model, tp_fp8, tp_mesh.size(), tp_mesh.device_type)
     own = {d.fqn for d in tp_fp8 if recipe_info(d.recipe).engine == "fp8kit"}
-    moe = [hasattr(getattr(block, "mlp", None), "experts") for block in blocks]
     if tp_fp8:
         apply_fp8(model, tp_fp8, conversion)
     n_fp8 = 0
