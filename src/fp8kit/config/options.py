@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import replace
 
-from fp8kit.base.errors import ConfigError
+from fp8kit.base.errors import ConfigError, PolicyError
 from fp8kit.config.schema import FP8Config, RunConfig, SelectiveConfig
 from fp8kit.selective.auto import AutoOptions
 from fp8kit.selective.decide import DecideOptions, Decision, Selective, decide
@@ -178,8 +178,6 @@ def load_policies(sel: SelectiveConfig) -> dict:
     Raises:
         PolicyError: a policy that cannot be loaded, prefixed with the config key that names it.
     """
-    from fp8kit.base.errors import PolicyError
-
     keys = {comp: f"selective.component_policy_paths.{comp}" for comp in sel.component_policy_paths}
     paths = dict(sel.component_policy_paths)
     if sel.fp8_dynamic_policy_path:

@@ -31,7 +31,7 @@ from fp8kit.base.runtime import device_name, is_main, launched_world_size, resol
 from fp8kit.bench.auto import resolve_auto
 from fp8kit.config import RunConfig
 from fp8kit.config.optim_choice import resolve_optimizer
-from fp8kit.config.options import grouped_gemm_config, moe_topk, options_from_config
+from fp8kit.config.options import grouped_gemm_config, load_policies, moe_topk, options_from_config
 from fp8kit.config.prepare_options import prepare_options, weight_cast_accumulation
 from fp8kit.config.pretrained import resolve_pretrained
 from fp8kit.data.prepare import PreparedData, prepare_data
@@ -254,8 +254,6 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
     if dims.distributed:
         check_distributed_config(cfg)
     if cfg.selective.selective_fp8 == "policy":  # a missing or bad policy file: the first error, before the data
-        from fp8kit.config.options import load_policies
-
         load_policies(cfg.selective)
     device = resolve_device(cfg.train.device)
     capability = check_fp8_capability(cfg, device)
