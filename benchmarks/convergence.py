@@ -45,6 +45,8 @@ VARIANTS = {
     "tensorwise": [*FULL_FP8, "fp8.recipe=tensorwise", *FP32_MASTER],
     "blockwise": [*FULL_FP8, "fp8.recipe=blockwise", *FP32_MASTER],
     "delayed": [*FULL_FP8, "fp8.recipe=delayed", *FP32_MASTER],
+    # delayed with the three MLP linears run separately (the fused SwiGLU MLP off)
+    "delayed-unfused": [*FULL_FP8, "fp8.recipe=delayed", "fp8.delayed_fused_mlp=false", *FP32_MASTER],
     # blockwise keeping no FP8 copy from forward to backward (the per-tensor recipes' peak memory)
     "blockwise-recompute": [*FULL_FP8, "fp8.recipe=blockwise", "fp8.blockwise_recompute=true", *FP32_MASTER],
     # blockwise with the wgrad GEMM's x^T copy in 128x128 blocks (cuBLAS's faster kernel)

@@ -172,6 +172,7 @@ def main() -> int:
     moe_rowwise_fusions()
     moe_expert_weights_hinted()
     fp8_adamw_step()
+    delayed_swiglu_backward()
     return 0
 
 
@@ -331,6 +332,31 @@ def fp8_adamw_step() -> None:
             elif grad_vec == 8:
                 same([raw(t) for t in got.values()], [raw(t) for t in by_element.values()], f"{where} vs element loads")
     print("fp8 adamw step: the reference's states, vector and element gradient loads the same bits", flush=True)
+
+
+def delayed_swiglu_backward() -> None:
+    """``fp8.kernels.swiglu_delayed_triton``: every config writes the same bits (150 x 320: tiles cut at both edges);
+    the transposed copies are the row-major ones transposed; the amaxes are those of the values written; the values
+    are the PyTorch reference's within a bf16 ulp."""
+    from fp8kit.fp8.kernels import swiglu_delayed_triton as sd
+    from fp8kit.fp8.swiglu import swiglu_backward_ref, swiglu_ref
+
+    g, u, da = rnd(150, 320, scale=2.0, seed=11), rnd(150, 320, seed=12), rnd(150, 320, scale=1e-3, seed=13)
+    scales = [torch.tensor(v) for v in (57344.0 / 4e-3, 57344.0 / 3e-3, 448.0 / 16.0)]
+    rg, ru = swiglu_backward_ref(da, g, u)
+
+    def run(cfg):
+        qg, qgt, qu, qut, qat, amax, vg, vu, va = sd.swiglu_backward_cast(g, u, da, *scales, write_values=True)
+        q = [t.view(torch.uint8) for t in (qg, qgt, qu, qut, qat)]
+        assert torch.equal(q[1], q[0].t()) and torch.equal(q[3], q[2].t()), f"delayed swiglu {cfg}: transposes"
+        assert torch.equal(amax, torch.stack([vg.abs().amax().float(), vu.abs().amax().float()])), (cfg, amax)
+        for name, x, y in (("dg", vg, rg), ("du", vu, ru), ("a", va, swiglu_ref(g, u))):
+            off = ((x.float() - y.float()).abs() > 2**-7 * y.float().abs()).float().mean().item()
+            assert off <= 1e-3, f"delayed swiglu {cfg}: {name} {off:.2e} of the values beyond a bf16 ulp"
+        return [*q, amax, vg, vu, va]
+
+    each_config(sd, "_swiglu_bwd_cast_kernel", run)
+    print("delayed swiglu backward: every config the same bits, transposes and amaxes consistent", flush=True)
 
 
 if __name__ == "__main__":

@@ -25,3 +25,4 @@ def test_kernels_agree_in_the_triton_interpreter():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "moe token kernels" in proc.stdout and "moe rowwise fusions" in proc.stdout, proc.stdout
     assert "fp8 adamw step" in proc.stdout, proc.stdout
+    assert "delayed swiglu backward" in proc.stdout, proc.stdout

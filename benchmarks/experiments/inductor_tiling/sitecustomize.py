@@ -1,4 +1,5 @@
 import os
+
 if os.environ.get("EXP_TILE"):
     import torch._inductor.config as c
     c.triton.tile_reductions = True

@@ -39,14 +39,14 @@ def grouped_for_fp8(fp8: FP8Config):
 def conversion_options_for(fp8: FP8Config):
     """The ``parallel.convert.ConversionOptions`` of an ``fp8`` section for the library entry points
     (``convert_to_fp8``, ``prepare_for_trainer``): emulation, the experts' recipe and kernel, the blockwise wgrad
-    layout, ``fp8.blockwise_recompute`` and ``fp8.blockwise_fused_mlp``, and the delayed recipe's history settings. (``fp8kit train`` builds its own in ``parallel/prepare.py``, adding FSDP2.)"""
+    layout, ``fp8.blockwise_recompute``, ``fp8.blockwise_fused_mlp`` and ``fp8.delayed_fused_mlp``, and the delayed recipe's history settings. (``fp8kit train`` builds its own in ``parallel/prepare.py``, adding FSDP2.)"""
     from fp8kit.fp8.delayed_state import DelayedScalingState
     from fp8kit.parallel.convert import ConversionOptions
 
     keep = not fp8.blockwise_recompute  # fp8.blockwise_recompute: no FP8 copies kept from forward to backward
     return ConversionOptions(emulate=fp8.emulate, grouped=replace(grouped_for_fp8(fp8), keep_weight_copies=keep),
                              wgrad_x=fp8.blockwise_wgrad_x, keep_input_copies=keep, keep_weight_copies=keep,
-                             fused_mlp=fp8.blockwise_fused_mlp,
+                             fused_mlp=fp8.blockwise_fused_mlp, delayed_fused_mlp=fp8.delayed_fused_mlp,
                              delayed=DelayedScalingState(delayed_scaling_for(fp8)))
 
 

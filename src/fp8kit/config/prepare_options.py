@@ -54,4 +54,5 @@ def prepare_options(cfg: RunConfig, *, fp8_now: bool, emulate: bool) -> PrepareO
         blockwise_recompute=cfg.fp8.blockwise_recompute,
         blockwise_wgrad_x=cfg.fp8.blockwise_wgrad_x,
         blockwise_fused_mlp=cfg.fp8.blockwise_fused_mlp,
+        delayed_fused_mlp=cfg.fp8.delayed_fused_mlp,
     )

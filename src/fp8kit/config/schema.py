@@ -150,6 +150,17 @@ class FP8Config(ConfigModel):
         "default: on the H100 its SwiGLU kernels are not yet faster than Inductor's SwiGLU plus the separate casts "
         "(one Llama-3-8B MLP, docs/benchmarks.md section 6).",
     )
+    delayed_fused_mlp: bool = Field(
+        True,
+        description="recipe = delayed: run the SwiGLU MLPs of HF Llama / Qwen2 / Qwen3 / Mistral models whose gate, "
+        "up and down projections are all delayed-scaling FP8 as one function (fp8kit.fp8.delayed_mlp): x is cast "
+        "once for gate and up, and one kernel reads the SwiGLU backward's inputs once and writes every FP8 operand "
+        "of the MLP's backward GEMMs (both layouts of dg and du, the down projection's wgrad input) and the amaxes "
+        "for the histories. Same formats, scales and histories as the three linears. An MLP runs unfused, and the "
+        "run says why, when a projection is BF16, tensor-parallel, hooked (fp8.stats_every) or has a bias; the "
+        "first training step and evaluation run the three linears. On the H100: 0.5-1.2% less GPU time per "
+        "Llama-3-8B step (docs/benchmarks.md section 6).",
+    )
     amax_history_len: int = Field(
         16, ge=1, description="recipe = delayed: steps of amax history per operand (Transformer Engine's "
         "DelayedScaling; 16 as LLaMA-Factory sets it).",

@@ -48,6 +48,10 @@ functional collective) before they join the history, so every rank computes the 
 reduces amax over the data-parallel group (one 3-float all-reduce per module and training step, in the
 same order on every rank). The first recorded step's dynamic scales are reduced over the group too.
 
+SwiGLU MLPs (HF Llama / Qwen2 / Qwen3 / Mistral) whose three projections are delayed linears run as one function
+by default (``fp8.delayed_fused_mlp``, :mod:`fp8kit.fp8.delayed_mlp`): the same formats, scales and histories, with
+the SwiGLU backward's casts in one Triton kernel.
+
 Tensor parallel (``fp8kit.parallel.tp_own``): with a DTensor weight the module computes on its local
 shards (``fp8.linear.sharded_linear``); the amaxes of a shard (a column-parallel weight or output
 gradient, a row-parallel input) reduced over a group holding the tp ranks are those of the whole tensor.
@@ -118,6 +122,13 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def _recast_col_major(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The forward's E4M3 cast of ``x`` ``[M, K]`` again (same scale, same float32 math), column-major, for the
+    wgrad GEMM of a compiled backward. Taken from ``x.T``: an identical cast of ``x`` would be merged with the
+    forward's by CSE and its output saved after all."""
+    return _cast_impl(x.t(), scale, E4M3)[0].contiguous().t()
+
+
 def _cast_both(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, group, col_major: bool,
                fused: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """``(x8, x8 column-major or None, scale, amax)`` of ``x`` ``[M, K]``. With a known ``scale`` and ``fused``
@@ -176,9 +187,8 @@ class _DelayedLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x8_cm, w8_cm, sx, sw, sg, ax, aw = ctx.saved_tensors
-        if ctx.recast_x:  # the forward's cast (same scale, same float32 math), taken from x.T: an identical
-            # cast of x would be merged with the forward's by CSE and its output saved after all
-            x8_cm = _cast_impl(x8_cm.t(), sx, E4M3)[0].contiguous().t()
+        if ctx.recast_x:
+            x8_cm = _recast_col_major(x8_cm, sx)
         x_dtype, w_dtype = ctx.dtypes
         history, steps, uid, group = ctx.entry
         dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

@@ -25,7 +25,10 @@ before the cast.
 (:func:`fused_mlp_blocker`) and the module's own forward otherwise: a projection that is not blockwise FP8
 (a policy kept it BF16, or the precision schedule switched it back), tensor-parallel (DTensor) weights, hooks on a
 projection (``fp8.stats_every``'s health statistics measure each linear's operands), a bias, or projections
-with different blockwise settings. Parameters, their names and the ``state_dict`` are unchanged.
+with different blockwise settings. Parameters, their names and the ``state_dict`` are unchanged. The same
+forward runs the delayed recipe's fused MLP (:mod:`fp8kit.fp8.delayed_mlp`, ``fp8.delayed_fused_mlp``) when the
+three projections are delayed-scaling FP8 linears: the installer records which recipes' fused functions a module
+may run.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fp8kit.fp8.blockwise import BLOCK, check_wgrad_x, wgrad_x_block
+from fp8kit.fp8.delayed import Float8DelayedLinear
+from fp8kit.fp8.delayed_mlp import can_run_fused, delayed_mlp_blocker, delayed_swiglu_mlp_forward
 from fp8kit.fp8.kernels import ops
 from fp8kit.fp8.linear import Float8BlockwiseLinear
 from fp8kit.fp8.swiglu import swiglu_backward_quantize, swiglu_quantize_act
@@ -45,6 +50,7 @@ from fp8kit.fp8.swiglu import swiglu_backward_quantize, swiglu_quantize_act
 FUSABLE_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _ORIGINAL = "_fp8kit_unfused_forward"
+_RECIPES = "_fp8kit_fused_recipes"  # the recipes whose fused function an installed MLP may run
 
 
 class _BlockwiseSwiGLUMLPFn(torch.autograd.Function):
@@ -134,14 +140,22 @@ def _is_silu(act) -> bool:
 
 
 def fused_mlp_blocker(mlp: nn.Module) -> str | None:
-    """Why ``mlp`` cannot run :func:`blockwise_swiglu_mlp` now, or None when it can (module docstring)."""
+    """Why ``mlp`` cannot run its fused function now (:func:`blockwise_swiglu_mlp`, or
+    :mod:`fp8kit.fp8.delayed_mlp`'s for delayed-scaling projections), or None when it can (module docstring)."""
     if type(mlp).__name__ not in FUSABLE_MLPS:
         return f"{type(mlp).__name__} is not one of {', '.join(FUSABLE_MLPS)}"
     if not _is_silu(getattr(mlp, "act_fn", None)):
         return "its activation is not SiLU"
     projs = [getattr(mlp, n, None) for n in _PROJECTIONS]
+    enabled = getattr(mlp, _RECIPES, None)  # None: not installed; the question is only whether it could run
+    if any(isinstance(p, Float8DelayedLinear) for p in projs):
+        if enabled is not None and "delayed" not in enabled:
+            return "fp8.delayed_fused_mlp is off"
+        return delayed_mlp_blocker(projs)
     if not all(isinstance(p, Float8BlockwiseLinear) for p in projs):
         return "not all of gate_proj / up_proj / down_proj are blockwise FP8"
+    if enabled is not None and "blockwise" not in enabled:
+        return "fp8.blockwise_fused_mlp is off"
     if any(p.bias is not None for p in projs):
         return "a projection has a bias"
     if any(isinstance(p.weight, DTensor) for p in projs):
@@ -158,6 +172,10 @@ def _fused_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if fused_mlp_blocker(self) is not None:
         return getattr(self, _ORIGINAL)(x)
     gate = self.gate_proj
+    if isinstance(gate, Float8DelayedLinear):
+        if can_run_fused([self.gate_proj, self.up_proj, self.down_proj]):
+            return delayed_swiglu_mlp_forward(self, x)
+        return getattr(self, _ORIGINAL)(x)  # the first recorded step or evaluation (fp8.delayed_mlp)
     return _BlockwiseSwiGLUMLPFn.apply(x, gate.weight, self.up_proj.weight, self.down_proj.weight, gate.cache_weight,
                                        gate.emulate, gate.keep_weight_copy, gate.wgrad_x)
 
@@ -166,13 +184,23 @@ def _mlps(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, mod) for name, mod in model.named_modules() if type(mod).__name__ in FUSABLE_MLPS]
 
 
-def install_fused_mlps(model: nn.Module) -> None:
-    """Give every :data:`FUSABLE_MLPS` module of ``model`` the fused forward (idempotent; each call re-checks
-    :func:`fused_mlp_blocker` and runs the module's own forward while it names a reason)."""
+def install_fused_mlps(model: nn.Module, recipe: str = "blockwise") -> None:
+    """Give every :data:`FUSABLE_MLPS` module of ``model`` the fused forward for projections of ``recipe``
+    (``"blockwise"``: ``fp8.blockwise_fused_mlp``; ``"delayed"``: ``fp8.delayed_fused_mlp``). Idempotent, and
+    cumulative over recipes; each call of the forward re-checks :func:`fused_mlp_blocker` and runs the module's own
+    forward while it names a reason.
+
+    Raises:
+        ValueError: ``recipe`` is neither ``"blockwise"`` nor ``"delayed"``.
+    """
+    if recipe not in ("blockwise", "delayed"):
+        raise ValueError(f"install_fused_mlps: recipe must be 'blockwise' or 'delayed', got {recipe!r}")
     for _, mod in _mlps(model):
         if not hasattr(mod, _ORIGINAL):
             setattr(mod, _ORIGINAL, mod.forward)
             mod.forward = types.MethodType(_fused_forward, mod)
+            setattr(mod, _RECIPES, set())
+        getattr(mod, _RECIPES).add(recipe)
 
 
 def fused_mlp_report(model: nn.Module) -> tuple[list[str], dict[str, str]]:

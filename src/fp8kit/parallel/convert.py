@@ -57,6 +57,8 @@ class ConversionOptions:
             (``Float8BlockwiseLinear(wgrad_x=...)``; ``fp8.blockwise_wgrad_x``).
         fused_mlp: SwiGLU MLPs whose three projections are blockwise FP8 run as one function with the SwiGLU's
             casts fused (``fp8kit.fp8.swiglu_mlp.install_fused_mlps``; ``fp8.blockwise_fused_mlp``).
+        delayed_fused_mlp: the same for SwiGLU MLPs whose three projections are delayed-scaling FP8
+            (``fp8kit.fp8.delayed_mlp``; ``fp8.delayed_fused_mlp``).
     """
 
     emulate: bool = False
@@ -65,6 +67,7 @@ class ConversionOptions:
     keep_input_copies: bool = True
     wgrad_x: str = "128x1"
     fused_mlp: bool = False
+    delayed_fused_mlp: bool = False
     fsdp_float8_all_gather: bool = False
     grouped: GroupedGemmConfig = field(default_factory=GroupedGemmConfig)
     delayed: DelayedScalingState = field(default_factory=DelayedScalingState)
@@ -132,8 +135,8 @@ def apply_fp8(model: nn.Module, decisions: list[Decision], options: ConversionOp
     for recipe, todo in by_recipe.items():
         if recipe_info(recipe).engine == "fp8kit":
             count += _swap_own(model, todo, recipe, options)
-            if recipe == "blockwise" and options.fused_mlp:
-                install_fused_mlps(model)
+            if recipe == "blockwise" and options.fused_mlp or recipe == "delayed" and options.delayed_fused_mlp:
+                install_fused_mlps(model, recipe)
             continue
         config = float8_linear_config(
             recipe, emulate=options.emulate, enable_fsdp_float8_all_gather=options.fsdp_float8_all_gather
@@ -143,19 +146,20 @@ def apply_fp8(model: nn.Module, decisions: list[Decision], options: ConversionOp
     return count
 
 
-def fused_mlp_notes(model: nn.Module) -> list[str]:
-    """What ``fp8.blockwise_fused_mlp`` does in ``model`` now, for the run's notes: how many SwiGLU MLPs run fused,
+def fused_mlp_notes(model: nn.Module, recipe: str = "blockwise") -> list[str]:
+    """What ``fp8.<recipe>_fused_mlp`` does in ``model`` now, for the run's notes: how many SwiGLU MLPs run fused,
     and each reason some run unfused (empty when the model has no MLP of ``swiglu_mlp.FUSABLE_MLPS``)."""
     fused, blocked = fused_mlp_report(model)
     if not fused and not blocked:
         return []
-    notes = [f"fp8.blockwise_fused_mlp: {len(fused)} of {len(fused) + len(blocked)} SwiGLU MLPs run with the "
-             "SwiGLU's FP8 casts fused (fp8kit.fp8.swiglu_mlp)"]
+    key = f"fp8.{recipe}_fused_mlp"
+    notes = [f"{key}: {len(fused)} of {len(fused) + len(blocked)} SwiGLU MLPs run with the SwiGLU's FP8 casts "
+             f"fused (fp8kit.fp8.{'swiglu_mlp' if recipe == 'blockwise' else 'delayed_mlp'})"]
     by_reason: dict[str, list[str]] = {}
     for name, reason in blocked.items():
         by_reason.setdefault(reason, []).append(name)
     for reason, names in sorted(by_reason.items()):
-        notes.append(f"fp8.blockwise_fused_mlp: {len(names)} MLP(s) run unfused ({reason}), e.g. {names[0]}")
+        notes.append(f"{key}: {len(names)} MLP(s) run unfused ({reason}), e.g. {names[0]}")
     return notes
 
 

@@ -79,6 +79,8 @@ class PrepareOptions:
             (``fp8.blockwise_wgrad_x``; ``Float8BlockwiseLinear(wgrad_x=...)``).
         blockwise_fused_mlp: SwiGLU MLPs whose projections are all blockwise FP8 run with the SwiGLU's casts fused
             (``fp8.blockwise_fused_mlp``; ``fp8kit.fp8.swiglu_mlp``).
+        delayed_fused_mlp: the same for delayed-scaling projections (``fp8.delayed_fused_mlp``;
+            ``fp8kit.fp8.delayed_mlp``).
     """
 
     fp8: bool = True
@@ -98,6 +100,7 @@ class PrepareOptions:
     blockwise_recompute: bool = False
     blockwise_wgrad_x: str = "128x1"
     blockwise_fused_mlp: bool = False
+    delayed_fused_mlp: bool = False
 
 
 @dataclass
@@ -162,6 +165,7 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
         keep_input_copies=not options.blockwise_recompute,
         wgrad_x=options.blockwise_wgrad_x,
         fused_mlp=options.blockwise_fused_mlp,
+        delayed_fused_mlp=options.delayed_fused_mlp,
         delayed=DelayedScalingState(options.delayed),
     )
     done = Prepared(conversion=conversion)
@@ -203,8 +207,9 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     if options.fp8:
         apply_fp8(model, decisions, conversion)  # skips what tensor parallel converted already
         done.steps.append("fp8")
-        if conversion.fused_mlp and options.recipe == "blockwise":
-            done.notes.extend(fused_mlp_notes(model))
+        if conversion.fused_mlp and options.recipe == "blockwise" or (
+                conversion.delayed_fused_mlp and options.recipe == "delayed"):
+            done.notes.extend(fused_mlp_notes(model, options.recipe))
         done.fp8_all_gather = conversion.fsdp_float8_all_gather
         if options.fp8_all_gather and not fsdp:
             done.notes.append("fp8.enable_fsdp_float8_all_gather = true has no effect: no FSDP2 (dp_shard = 1)")

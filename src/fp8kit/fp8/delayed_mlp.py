@@ -1,0 +1,142 @@
+"""A SwiGLU MLP whose three projections are delayed-scaling FP8 linears, run as one autograd function with the
+SwiGLU backward's casts in one kernel (``fp8.delayed_fused_mlp``).
+
+``y = down(silu(gate(x)) * up(x))``, each projection a :class:`fp8kit.fp8.delayed.Float8DelayedLinear`. Formats,
+scales, GEMMs and the amax histories are those of the three delayed linears (:mod:`fp8kit.fp8.delayed`); what
+changes is where the casts happen:
+
+- forward: ``x`` is cast once for gate and up, at the gate's input scale (the two input histories record the same
+  ``max |x|`` every step, so their scales are equal); ``a = silu(g) * u`` and its E4M3 cast are plain tensor ops,
+  fused by ``torch.compile`` into one kernel;
+- backward: ``da`` (the down projection's dgrad) and the saved ``g``, ``u`` go through one kernel
+  (:func:`fp8kit.fp8.swiglu_delayed.swiglu_backward_cast`) that writes ``dg`` and ``du`` in E5M2 in both layouts
+  (gate / up dgrad and wgrad operands), their amaxes for the histories, and the E4M3 transpose of ``a`` for the
+  down projection's wgrad. Unfused, Inductor writes the transposed copies from a row-reduction kernel, column by
+  column, and recomputes ``a`` and ``x``'s wgrad copy per projection.
+
+Saved for the backward: ``x`` (bf16; cast again in the backward under ``torch.compile``, as the delayed linear
+does) or, eagerly, its FP8 copy; ``g`` and ``u`` (as the unfused SwiGLU saves them); the weights' column-major FP8
+copies; scales and amaxes. Numerics: each SwiGLU value is computed in float32 and rounded once to bf16
+(:func:`fp8kit.fp8.swiglu.swiglu_ref`, :func:`~fp8kit.fp8.swiglu.swiglu_backward_ref`); on the GPU the kernel's sigmoid is
+the hardware's, so a value can differ from the reference by a bf16 ulp before its cast.
+
+The function runs when all three projections have a recorded history (the first training step, whose scales
+come from its own tensors, runs the three linears), in training with grad enabled (evaluation runs the linears:
+same scales, nothing recorded); :func:`delayed_mlp_blocker` lists what else keeps an MLP unfused. The history
+of each projection advances in the backward exactly as its linear's would, reduced over the state's group.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fp8kit.fp8.delayed import Float8DelayedLinear, _cast_both, _recast_col_major
+from fp8kit.fp8.delayed_state import E4M3, E5M2, FUSED_CASTS, advance_
+from fp8kit.fp8.swiglu_delayed import swiglu_backward_cast
+
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class _DelayedSwiGLUMLPFn(torch.autograd.Function):
+    """Inputs: ``x`` ``[M, H]``, weights gate / up ``[I, H]``, down ``[H_out, I]``, ``group``, ``fused``
+    (``fp8.delayed_fused_cast``'s operands), then 21 state tensors: the nine float32 ``[]`` scales (per projection
+    gate, up, down: input, weight, output gradient), the three entries' ``history``, ``steps``, ``uid``, and their
+    three ``forward_amax`` ``[2]``. Output ``[M, H_out]`` in ``x``'s dtype."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, group, fused, *state):
+        sx, swg, sgg, _, swu, sgu, sa, swd, sy = state[:9]
+        entries, forward_amax = (state[9:12], state[12:15], state[15:18]), state[18:21]
+        dgrad = ctx.needs_input_grad[0]
+        recast_x = "input" not in fused and torch.compiler.is_compiling()
+        x8, x8_cm, _, ax = _cast_both(x, sx, E4M3, None, not recast_x, "input" in fused)
+        w_fused = "weight" in fused
+        wg8, wg8_cm, _, awg = _cast_both(w_gate, swg, E4M3, None, dgrad, w_fused)
+        wu8, wu8_cm, _, awu = _cast_both(w_up, swu, E4M3, None, dgrad, w_fused)
+        wd8, wd8_cm, _, awd = _cast_both(w_down, swd, E4M3, None, True, w_fused)
+        g = torch._scaled_mm(x8, wg8.t(), scale_a=sx.reciprocal(), scale_b=swg.reciprocal(), out_dtype=x.dtype)
+        u = torch._scaled_mm(x8, wu8.t(), scale_a=sx.reciprocal(), scale_b=swu.reciprocal(), out_dtype=x.dtype)
+        gf = g.float()
+        a = (gf * torch.sigmoid(gf) * u.float()).to(x.dtype)  # fp8.swiglu.swiglu_ref
+        a8, _, _, aa = _cast_both(a, sa, E4M3, None, False, False)
+        y = torch._scaled_mm(a8, wd8.t(), scale_a=sa.reciprocal(), scale_b=swd.reciprocal(), out_dtype=x.dtype)
+        # as in the delayed linear: these writes keep the amaxes in the forward under torch.compile
+        for fa, pair in zip(forward_amax, ((ax, awg), (ax, awu), (aa, awd)), strict=True):
+            fa.copy_(torch.stack(pair))
+        ctx.save_for_backward(x if recast_x else x8_cm, g, u, wg8_cm, wu8_cm, wd8_cm, sx, swg, sgg, swu, sgu, sa,
+                              swd, sy, ax, awg, awu, aa, awd)
+        ctx.recast_x = recast_x
+        # state the backward writes, not saved values (as in the delayed linear)
+        ctx.entries, ctx.group, ctx.fused = entries, group, fused
+        ctx.dtypes = (x.dtype, w_gate.dtype, w_up.dtype, w_down.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x8_cm, g, u, wg8_cm, wu8_cm, wd8_cm, sx, swg, sgg, swu, sgu, sa, swd, sy,
+         ax, awg, awu, aa, awd) = ctx.saved_tensors
+        x_dtype, dt_gate, dt_up, dt_down = ctx.dtypes
+        need_x, need_gate, need_up, need_down = ctx.needs_input_grad[:4]
+        dy8, dy8_cm, _, ay = _cast_both(dy, sy, E5M2, None, True, "grad_output" in ctx.fused)
+        inv = torch.Tensor.reciprocal
+        # the down projection's dgrad: [M, H_out] @ [H_out, I] -> da [M, I]
+        da = torch._scaled_mm(dy8, wd8_cm, scale_a=inv(sy), scale_b=inv(swd), out_dtype=x_dtype)
+        qg, qgt, qu, qut, qat, amax_gu = swiglu_backward_cast(g, u, da, sgg, sgu, sa)
+        dx = d_gate = d_up = d_down = None
+        if need_down:  # [H_out, M] @ [M, I]
+            d_down = torch._scaled_mm(dy8_cm.t(), qat.t(), scale_a=inv(sy), scale_b=inv(sa), out_dtype=dt_down)
+        if need_x:  # dgrad of gate and up: [M, I] @ [I, H], summed
+            dx = (torch._scaled_mm(qg, wg8_cm, scale_a=inv(sgg), scale_b=inv(swg), out_dtype=x_dtype)
+                  + torch._scaled_mm(qu, wu8_cm, scale_a=inv(sgu), scale_b=inv(swu), out_dtype=x_dtype))
+        if need_gate or need_up:  # wgrad of gate and up: [I, M] @ [M, H]
+            if ctx.recast_x:
+                x8_cm = _recast_col_major(x8_cm, sx)
+            if need_gate:
+                d_gate = torch._scaled_mm(qgt, x8_cm, scale_a=inv(sgg), scale_b=inv(sx), out_dtype=dt_gate)
+            if need_up:
+                d_up = torch._scaled_mm(qut, x8_cm, scale_a=inv(sgu), scale_b=inv(sx), out_dtype=dt_up)
+        amaxes = ((ax, awg, amax_gu[0]), (ax, awu, amax_gu[1]), (aa, awd, ay))
+        for (history, steps, uid), three in zip(ctx.entries, amaxes, strict=True):
+            advance_(history, steps, uid, torch.stack(three), ctx.group)
+        return (dx, d_gate, d_up, d_down, None, None) + (None,) * 21
+
+
+def delayed_mlp_blocker(projections: list[nn.Module]) -> str | None:
+    """Why gate / up / down ``projections`` cannot run the fused delayed MLP now, or None (module docstring)."""
+    if not all(isinstance(p, Float8DelayedLinear) for p in projections):
+        return "not all of gate_proj / up_proj / down_proj are delayed-scaling FP8"
+    if any(p.bias is not None for p in projections):
+        return "a projection has a bias"
+    if any(isinstance(p.weight, DTensor) for p in projections):
+        return "tensor-parallel (DTensor) weights"
+    if any(p._forward_hooks or p._forward_pre_hooks for p in projections):
+        return "a projection has forward hooks (e.g. fp8.stats_every)"
+    if len({id(p.state) for p in projections}) > 1:
+        return "the projections keep their histories in different DelayedScalingStates"
+    return None
+
+
+def can_run_fused(projections: list[Float8DelayedLinear]) -> bool:
+    """Whether this call runs the fused function (training with grad, every history recorded at least once);
+    otherwise the three linears run (the first step's dynamic scales, evaluation)."""
+    return (projections[0].training and torch.is_grad_enabled()
+            and all(p._entry.started for p in projections))
+
+
+def delayed_swiglu_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The fused forward of a SwiGLU ``mlp`` whose projections pass :func:`delayed_mlp_blocker` and
+    :func:`can_run_fused`: ``[..., H]`` -> ``[..., H_out]`` in ``x``'s dtype."""
+    projs = [getattr(mlp, n) for n in _PROJECTIONS]
+    state = projs[0].state
+    for p in projs:
+        if p._entry.history.device != x.device:
+            state.place(p._entry, x.device)
+    scales = [s for p in projs for s in state.scale_tensors(p._entry)]
+    entries = [t for p in projs for t in (p._entry.history, p._entry.steps, p._entry.uid)]
+    forward_amax = [p._entry.forward_amax for p in projs]
+    h = projs[0].in_features
+    y = _DelayedSwiGLUMLPFn.apply(x.reshape(-1, h), projs[0].weight, projs[1].weight, projs[2].weight, state.group,
+                                  FUSED_CASTS[state.config.fused_cast], *scales, *entries, *forward_amax)
+    return y.reshape(*x.shape[:-1], projs[2].out_features)
