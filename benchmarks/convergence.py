@@ -65,6 +65,10 @@ VARIANTS = {
     # takes the combine in (moe/fused_experts.py); with an FP32 master (above) they arrive in float32 and it does not
     "bf16-default-optim": ["train.mixed_precision=bf16"],
     "tensorwise-default-optim": [*FULL_FP8, "fp8.recipe=tensorwise"],
+    # the delayed recipe on bf16 working weights (FP8AdamW): bf16 activations, so the fused SwiGLU MLP runs its
+    # Triton kernel (with FP32 master weights the activations are float32 and the MLPs run as three linears)
+    "delayed-default-optim": [*FULL_FP8, "fp8.recipe=delayed"],
+    "delayed-unfused-default-optim": [*FULL_FP8, "fp8.recipe=delayed", "fp8.delayed_fused_mlp=false"],
 }
 STUDIES = {
     "recipes": ["bf16", "tensorwise", "blockwise", "delayed"],

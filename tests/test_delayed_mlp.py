@@ -182,3 +182,67 @@ def test_an_mlp_falls_back_to_its_linears_and_says_why():
     assert fused_mlp_blocker(off_mlp) == "fp8.delayed_fused_mlp is off"
     with pytest.raises(ValueError, match="recipe must be 'blockwise' or 'delayed'"):
         install_fused_mlps(off, "tensorwise")
+
+
+def _count_fused_calls(fn):
+    import fp8kit.fp8.delayed_mlp as dm
+
+    calls, orig = [], dm._DelayedSwiGLUMLPFn.apply
+    dm._DelayedSwiGLUMLPFn.apply = lambda *a: calls.append(1) or orig(*a)
+    try:
+        out = fn()
+    finally:
+        dm._DelayedSwiGLUMLPFn.apply = orig
+    return len(calls), out
+
+
+def test_the_linears_run_where_the_fused_function_would_record_otherwise():
+    """Evaluation, no_grad, float32 activations, and frozen weights on an input without grad run the three linears
+    (the histories then advance exactly as theirs do); the fused function runs again once they are gone."""
+    from fp8kit.fp8.delayed_mlp import delayed_swiglu_mlp_forward
+
+    model, _ = _llama(True)
+    mlp = next(m for m in model.modules() if type(m).__name__ == "LlamaMLP")
+    h = mlp.gate_proj.in_features
+    x = _real(1, 40, h, seed=10)
+    (mlp(x.requires_grad_()).float().sum()).backward()  # first recorded step: the linears, histories start
+    for why, run in (
+        ("eval", lambda: mlp.eval()(x.detach())),
+        ("no_grad", lambda: torch.no_grad()(mlp.train())(x.detach())),
+        ("float32", lambda: mlp.train()(x.detach().float().requires_grad_())),
+    ):
+        n, y = _count_fused_calls(run)
+        assert n == 0 and y.shape == x.shape, (why, n)
+    mlp.train()
+    mlp.up_proj.weight.requires_grad_(False)
+    steps = mlp.up_proj._entry.steps.clone()
+    n, y = _count_fused_calls(lambda: mlp(x.detach()))
+    y.float().sum().backward()
+    assert n == 0 and torch.equal(mlp.up_proj._entry.steps, steps), "frozen up_proj on a frozen input: recorded"
+    n, y = _count_fused_calls(lambda: mlp(x.detach().requires_grad_()))
+    y.float().sum().backward()
+    assert n == 1 and int(mlp.up_proj._entry.steps) == int(steps) + 1, (n, int(mlp.up_proj._entry.steps))
+    with pytest.raises(ValueError, match=r"input of shape \(1, 40, 700\) does not match gate_proj \(768 input"):
+        delayed_swiglu_mlp_forward(mlp, x[..., :700])
+
+
+def test_gate_and_up_input_scales_that_differ_take_the_smaller_one():
+    """After a checkpoint that lacked one entry the two input histories differ. The fused MLP casts x at the smaller
+    scale: no saturation for either projection, so it is at least as close to BF16 as the linears, which saturate
+    gate's input at its too-large scale."""
+    model, _ = _llama(True)
+    mlp = next(m for m in model.modules() if type(m).__name__ == "LlamaMLP")
+    x = _real(1, 64, mlp.gate_proj.in_features, seed=11, scale=4.0).requires_grad_()
+    dy = _real(1, 64, mlp.down_proj.out_features, seed=12)
+    (mlp(x) * dy).float().sum().backward()  # histories start
+    with torch.no_grad():
+        bf16 = mlp.down_proj.to_linear()(torch.nn.functional.silu(mlp.gate_proj.to_linear()(x))
+                                         * mlp.up_proj.to_linear()(x))
+    mlp.gate_proj._entry.history[0].mul_(0.01)  # gate's input scale 100x too large: x saturates there
+    state = mlp.gate_proj.state
+    s_gate, s_up = state.scale_tensors(mlp.gate_proj._entry)[0], state.scale_tensors(mlp.up_proj._entry)[0]
+    assert s_gate > 50 * s_up
+    n, fused = _count_fused_calls(lambda: mlp(x))
+    unfused = mlp._fp8kit_unfused_forward(x)
+    db_f, db_u = sqnr(bf16.double(), fused.double()), sqnr(bf16.double(), unfused.double())
+    assert n == 1 and db_f >= 20.0 and db_f >= db_u, f"fused {db_f:.1f} dB, linears {db_u:.1f} dB from BF16"

@@ -84,7 +84,8 @@ def test_compiled_fused_mlp_against_the_compiled_linears():
     for name, fused, extra in (("fused", True, []), ("unfused", False, []),
                                ("bf16", False, ["train.mixed_precision=bf16"])):
         torch._dynamo.reset()
-        model, _ = _llama(fused, extra=["train.compile=true", *extra])
+        model, done = _llama(fused, extra=["train.compile=true", *extra])
+        assert any("fp8.delayed_fused_mlp: 2 of 2 SwiGLU MLPs run" in n for n in done.notes) == fused, done.notes
         model.cuda()
         for blk in model.model.layers:
             blk.compile()

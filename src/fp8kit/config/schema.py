@@ -158,8 +158,9 @@ class FP8Config(ConfigModel):
         "of the MLP's backward GEMMs (both layouts of dg and du, the down projection's wgrad input) and the amaxes "
         "for the histories. Same formats, scales and histories as the three linears. An MLP runs unfused, and the "
         "run says why, when a projection is BF16, tensor-parallel, hooked (fp8.stats_every) or has a bias; the "
-        "first training step and evaluation run the three linears. On the H100: 0.5-1.2% less GPU time per "
-        "Llama-3-8B step (docs/benchmarks.md section 6).",
+        "first training step, evaluation and float32 activations (train.param_dtype = fp32) run the three linears. "
+        "On the H100: 0.5-1.2% less GPU time per Llama-3-8B step, 0.4% on the wall clock, inside the run-to-run "
+        "spread (docs/benchmarks.md section 6).",
     )
     amax_history_len: int = Field(
         16, ge=1, description="recipe = delayed: steps of amax history per operand (Transformer Engine's "

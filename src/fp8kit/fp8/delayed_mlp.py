@@ -5,9 +5,11 @@ SwiGLU backward's casts in one kernel (``fp8.delayed_fused_mlp``).
 scales, GEMMs and the amax histories are those of the three delayed linears (:mod:`fp8kit.fp8.delayed`); what
 changes is where the casts happen:
 
-- forward: ``x`` is cast once for gate and up, at the gate's input scale (the two input histories record the same
-  ``max |x|`` every step, so their scales are equal); ``a = silu(g) * u`` and its E4M3 cast are plain tensor ops,
-  fused by ``torch.compile`` into one kernel;
+- forward: ``x`` is cast once for gate and up, at the smaller of their two input scales. The two input histories
+  record the same ``max |x|`` every step, so the scales are equal in a run; they can differ for a while after a
+  checkpoint that lacked one of the entries, or precision phases that switched only one projection, and then the
+  smaller scale saturates neither (the larger one's projection gets coarser steps). ``a = silu(g) * u`` and its
+  E4M3 cast are plain tensor ops, fused by ``torch.compile`` into one kernel;
 - backward: ``da`` (the down projection's dgrad) and the saved ``g``, ``u`` go through one kernel
   (:func:`fp8kit.fp8.swiglu_delayed.swiglu_backward_cast`) that writes ``dg`` and ``du`` in E5M2 in both layouts
   (gate / up dgrad and wgrad operands), their amaxes for the histories, and the E4M3 transpose of ``a`` for the
@@ -18,11 +20,16 @@ Saved for the backward: ``x`` (bf16; cast again in the backward under ``torch.co
 does) or, eagerly, its FP8 copy; ``g`` and ``u`` (as the unfused SwiGLU saves them); the weights' column-major FP8
 copies; scales and amaxes. Numerics: each SwiGLU value is computed in float32 and rounded once to bf16
 (:func:`fp8kit.fp8.swiglu.swiglu_ref`, :func:`~fp8kit.fp8.swiglu.swiglu_backward_ref`); on the GPU the kernel's sigmoid is
-the hardware's, so a value can differ from the reference by a bf16 ulp before its cast.
+the hardware's, so a value can differ from the reference by a bf16 ulp before its cast (and the down projection's
+wgrad copy of ``a``, made by the kernel, from the forward's fprop copy by one E4M3 step in such an element; the
+unfused linear under ``torch.compile`` recomputes its wgrad copy too).
 
 The function runs when all three projections have a recorded history (the first training step, whose scales
 come from its own tensors, runs the three linears), in training with grad enabled (evaluation runs the linears:
-same scales, nothing recorded); :func:`delayed_mlp_blocker` lists what else keeps an MLP unfused. The history
+same scales, nothing recorded), on bf16 / fp16 activations (float32 ones, from FP32 weights under autocast, run the
+linears: the kernel takes no float32), and when every projection's history would advance in the backward as its
+linear's would (``x`` requires grad, or all three weights do); :func:`delayed_mlp_blocker` lists what else keeps an
+MLP unfused. The history
 of each projection advances in the backward exactly as its linear's would, reduced over the state's group.
 """
 
@@ -42,16 +49,18 @@ _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 class _DelayedSwiGLUMLPFn(torch.autograd.Function):
     """Inputs: ``x`` ``[M, H]``, weights gate / up ``[I, H]``, down ``[H_out, I]``, ``group``, ``fused``
     (``fp8.delayed_fused_cast``'s operands), then 21 state tensors: the nine float32 ``[]`` scales (per projection
-    gate, up, down: input, weight, output gradient), the three entries' ``history``, ``steps``, ``uid``, and their
-    three ``forward_amax`` ``[2]``. Output ``[M, H_out]`` in ``x``'s dtype."""
+    gate, up, down: input, weight, output gradient; ``x`` is cast at the smaller of gate's and up's input scale),
+    the three entries' ``history``, ``steps``, ``uid``, and their three ``forward_amax`` ``[2]``. Output
+    ``[M, H_out]`` in ``x``'s dtype."""
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, group, fused, *state):
-        sx, swg, sgg, _, swu, sgu, sa, swd, sy = state[:9]
+        sx_gate, swg, sgg, sx_up, swu, sgu, sa, swd, sy = state[:9]
         entries, forward_amax = (state[9:12], state[12:15], state[15:18]), state[18:21]
-        dgrad = ctx.needs_input_grad[0]
-        recast_x = "input" not in fused and torch.compiler.is_compiling()
-        x8, x8_cm, _, ax = _cast_both(x, sx, E4M3, None, not recast_x, "input" in fused)
+        sx = torch.minimum(sx_gate, sx_up)  # equal in a run (module docstring)
+        dgrad, wgrad_x = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        recast_x = wgrad_x and "input" not in fused and torch.compiler.is_compiling()
+        x8, x8_cm, _, ax = _cast_both(x, sx, E4M3, None, wgrad_x and not recast_x, "input" in fused)
         w_fused = "weight" in fused
         wg8, wg8_cm, _, awg = _cast_both(w_gate, swg, E4M3, None, dgrad, w_fused)
         wu8, wu8_cm, _, awu = _cast_both(w_up, swu, E4M3, None, dgrad, w_fused)
@@ -118,17 +127,28 @@ def delayed_mlp_blocker(projections: list[nn.Module]) -> str | None:
     return None
 
 
-def can_run_fused(projections: list[Float8DelayedLinear]) -> bool:
-    """Whether this call runs the fused function (training with grad, every history recorded at least once);
-    otherwise the three linears run (the first step's dynamic scales, evaluation)."""
-    return (projections[0].training and torch.is_grad_enabled()
+def can_run_fused(projections: list[Float8DelayedLinear], x: torch.Tensor) -> bool:
+    """Whether this call on input ``x`` runs the fused function (module docstring: training with grad, every
+    history recorded at least once, bf16 / fp16 ``x``, every history advancing in the backward); otherwise the three
+    linears run (the first step's dynamic scales, evaluation, float32 activations, frozen weights on a frozen
+    input)."""
+    return (projections[0].training and torch.is_grad_enabled() and x.dtype in (torch.bfloat16, torch.float16)
+            and (x.requires_grad or all(p.weight.requires_grad for p in projections))
             and all(p._entry.started for p in projections))
 
 
 def delayed_swiglu_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The fused forward of a SwiGLU ``mlp`` whose projections pass :func:`delayed_mlp_blocker` and
-    :func:`can_run_fused`: ``[..., H]`` -> ``[..., H_out]`` in ``x``'s dtype."""
+    :func:`can_run_fused`: ``[..., H]`` -> ``[..., H_out]`` in ``x``'s dtype.
+
+    Raises:
+        ValueError: ``x``'s last dimension is not the gate projection's ``in_features``.
+    """
     projs = [getattr(mlp, n) for n in _PROJECTIONS]
+    h = projs[0].in_features
+    if x.shape[-1] != h:
+        raise ValueError(f"fused delayed MLP: input of shape {tuple(x.shape)} does not match gate_proj "
+                         f"({h} input features)")
     state = projs[0].state
     for p in projs:
         if p._entry.history.device != x.device:
@@ -136,7 +156,6 @@ def delayed_swiglu_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     scales = [s for p in projs for s in state.scale_tensors(p._entry)]
     entries = [t for p in projs for t in (p._entry.history, p._entry.steps, p._entry.uid)]
     forward_amax = [p._entry.forward_amax for p in projs]
-    h = projs[0].in_features
     y = _DelayedSwiGLUMLPFn.apply(x.reshape(-1, h), projs[0].weight, projs[1].weight, projs[2].weight, state.group,
                                   FUSED_CASTS[state.config.fused_cast], *scales, *entries, *forward_amax)
     return y.reshape(*x.shape[:-1], projs[2].out_features)

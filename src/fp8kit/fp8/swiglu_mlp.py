@@ -173,9 +173,9 @@ def _fused_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return getattr(self, _ORIGINAL)(x)
     gate = self.gate_proj
     if isinstance(gate, Float8DelayedLinear):
-        if can_run_fused([self.gate_proj, self.up_proj, self.down_proj]):
+        if can_run_fused([self.gate_proj, self.up_proj, self.down_proj], x):
             return delayed_swiglu_mlp_forward(self, x)
-        return getattr(self, _ORIGINAL)(x)  # the first recorded step or evaluation (fp8.delayed_mlp)
+        return getattr(self, _ORIGINAL)(x)  # the first recorded step, evaluation, ... (fp8.delayed_mlp)
     return _BlockwiseSwiGLUMLPFn.apply(x, gate.weight, self.up_proj.weight, self.down_proj.weight, gate.cache_weight,
                                        gate.emulate, gate.keep_weight_copy, gate.wgrad_x)
 

@@ -67,7 +67,7 @@ class ConversionOptions:
     keep_input_copies: bool = True
     wgrad_x: str = "128x1"
     fused_mlp: bool = False
-    delayed_fused_mlp: bool = False
+    delayed_fused_mlp: bool = True
     fsdp_float8_all_gather: bool = False
     grouped: GroupedGemmConfig = field(default_factory=GroupedGemmConfig)
     delayed: DelayedScalingState = field(default_factory=DelayedScalingState)

@@ -100,7 +100,7 @@ class PrepareOptions:
     blockwise_recompute: bool = False
     blockwise_wgrad_x: str = "128x1"
     blockwise_fused_mlp: bool = False
-    delayed_fused_mlp: bool = False
+    delayed_fused_mlp: bool = True
 
 
 @dataclass

@@ -43,12 +43,18 @@ def _sat(x, scale, FP8_MAX: tl.constexpr):
                       propagate_nan=tl.PropagateNan.ALL)
 
 
-@triton.autotune(configs=_CONFIGS, key=["M", "I", "WITH_A"])
+#: The smallest tile of any configuration: sizes the amax partials for every launch.
+_MIN_BM, _MIN_BN = min(c.kwargs["BM"] for c in _CONFIGS), min(c.kwargs["BN"] for c in _CONFIGS)
+
+
+# keyed on M's power-of-two bucket: a run whose token count varies (packed or variable-length batches) tunes once
+# per bucket, not once per M
+@triton.autotune(configs=_CONFIGS, key=["M_BUCKET", "I", "WITH_A"])
 @triton.jit
 def _swiglu_bwd_cast_kernel(
     g_ptr, u_ptr, da_ptr, sg_ptr, su_ptr, sa_ptr,
     qg_ptr, qgt_ptr, qu_ptr, qut_ptr, qat_ptr, partial_ptr, vg_ptr, vu_ptr, va_ptr,
-    M, I, stride_g, stride_u, stride_da,  # noqa: E741 (I: the MLP's intermediate size)
+    M, I, stride_g, stride_u, stride_da, M_BUCKET,  # noqa: E741 (I: the MLP's intermediate size)
     WITH_A: tl.constexpr, WRITE_VALUES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -117,14 +123,16 @@ def swiglu_backward_cast(g: torch.Tensor, u: torch.Tensor, da: torch.Tensor, sca
         out = (qg, qgt, qu, qut, qat, torch.zeros(2, dtype=torch.float32, device=dev))
         return out + values if write_values else out
     grid = lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(i, meta["BN"]))  # noqa: E731
-    # [programs, 2] tile amaxes, zero-filled for the most programs any configuration launches: the entries a
-    # launch leaves unwritten are zeros, which no amax (>= 0, or NaN) is below, so no autotuner state is read back
-    most = triton.cdiv(m, 32) * triton.cdiv(i, 64)
+    # [programs, 2] tile amaxes, zero-filled for the most programs any configuration launches, reduced whole: an
+    # entry the chosen configuration does not write is a zero (below any amax; NaN still wins) or, after the
+    # autotuner's trial launches, another configuration's tile amax of the same tensors, so no autotuner state is
+    # read back
+    most = triton.cdiv(m, _MIN_BM) * triton.cdiv(i, _MIN_BN)
     partial = torch.zeros(most, 2, dtype=torch.float32, device=dev)
     _swiglu_bwd_cast_kernel[grid](
         g, u, da, scale_g, scale_u, scale_a if with_a else scale_g,
         qg.view(torch.uint8), qgt.view(torch.uint8), qu.view(torch.uint8), qut.view(torch.uint8),
-        qat.view(torch.uint8), partial, *values, m, i, g.stride(0), u.stride(0), da.stride(0),
+        qat.view(torch.uint8), partial, *values, m, i, g.stride(0), u.stride(0), da.stride(0), triton.next_power_of_2(m),
         WITH_A=with_a, WRITE_VALUES=write_values)
     amax = partial.amax(dim=0)
     out = (qg, qgt, qu, qut, qat, amax)
