@@ -28,8 +28,8 @@ The function runs when all three projections have a recorded history (the first 
 come from its own tensors, runs the three linears), in training with grad enabled (evaluation runs the linears:
 same scales, nothing recorded), on bf16 / fp16 activations (float32 ones, from FP32 weights under autocast, run the
 linears: the kernel takes no float32), and when every projection's history would advance in the backward as its
-linear's would (``x`` requires grad, or all three weights do); :func:`delayed_mlp_blocker` lists what else keeps an
-MLP unfused. The history
+linear's would (``x`` requires grad, or all three weights do) (:func:`can_run_fused`);
+:func:`fp8kit.fp8.swiglu_mlp.fused_mlp_blocker` lists what else keeps an MLP unfused. The history
 of each projection advances in the backward exactly as its linear's would, reduced over the state's group.
 """
 
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from fp8kit.fp8.delayed import Float8DelayedLinear, _cast_both, _recast_col_major
 from fp8kit.fp8.delayed_state import E4M3, E5M2, FUSED_CASTS, advance_
@@ -112,21 +111,6 @@ class _DelayedSwiGLUMLPFn(torch.autograd.Function):
         return (dx, d_gate, d_up, d_down, None, None) + (None,) * 21
 
 
-def delayed_mlp_blocker(projections: list[nn.Module]) -> str | None:
-    """Why gate / up / down ``projections`` cannot run the fused delayed MLP now, or None (module docstring)."""
-    if not all(isinstance(p, Float8DelayedLinear) for p in projections):
-        return "not all of gate_proj / up_proj / down_proj are delayed-scaling FP8"
-    if any(p.bias is not None for p in projections):
-        return "a projection has a bias"
-    if any(isinstance(p.weight, DTensor) for p in projections):
-        return "tensor-parallel (DTensor) weights"
-    if any(p._forward_hooks or p._forward_pre_hooks for p in projections):
-        return "a projection has forward hooks (e.g. fp8.stats_every)"
-    if len({id(p.state) for p in projections}) > 1:
-        return "the projections keep their histories in different DelayedScalingStates"
-    return None
-
-
 def can_run_fused(projections: list[Float8DelayedLinear], x: torch.Tensor) -> bool:
     """Whether this call on input ``x`` runs the fused function (module docstring: training with grad, every
     history recorded at least once, bf16 / fp16 ``x``, every history advancing in the backward); otherwise the three
@@ -138,7 +122,7 @@ def can_run_fused(projections: list[Float8DelayedLinear], x: torch.Tensor) -> bo
 
 
 def delayed_swiglu_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The fused forward of a SwiGLU ``mlp`` whose projections pass :func:`delayed_mlp_blocker` and
+    """The fused forward of a SwiGLU ``mlp`` whose projections pass ``swiglu_mlp.fused_mlp_blocker`` and
     :func:`can_run_fused`: ``[..., H]`` -> ``[..., H_out]`` in ``x``'s dtype.
 
     Raises:

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from fp8kit.fp8.blockwise import BLOCK, check_wgrad_x, wgrad_x_block
 from fp8kit.fp8.delayed import Float8DelayedLinear
-from fp8kit.fp8.delayed_mlp import can_run_fused, delayed_mlp_blocker, delayed_swiglu_mlp_forward
+from fp8kit.fp8.delayed_mlp import can_run_fused, delayed_swiglu_mlp_forward
 from fp8kit.fp8.kernels import ops
 from fp8kit.fp8.linear import Float8BlockwiseLinear
 from fp8kit.fp8.swiglu import swiglu_backward_quantize, swiglu_quantize_act
@@ -148,20 +148,22 @@ def fused_mlp_blocker(mlp: nn.Module) -> str | None:
         return "its activation is not SiLU"
     projs = [getattr(mlp, n, None) for n in _PROJECTIONS]
     enabled = getattr(mlp, _RECIPES, None)  # None: not installed; the question is only whether it could run
-    if any(isinstance(p, Float8DelayedLinear) for p in projs):
-        if enabled is not None and "delayed" not in enabled:
-            return "fp8.delayed_fused_mlp is off"
-        return delayed_mlp_blocker(projs)
-    if not all(isinstance(p, Float8BlockwiseLinear) for p in projs):
-        return "not all of gate_proj / up_proj / down_proj are blockwise FP8"
-    if enabled is not None and "blockwise" not in enabled:
-        return "fp8.blockwise_fused_mlp is off"
+    delayed = any(isinstance(p, Float8DelayedLinear) for p in projs)
+    recipe, kind = ("delayed", Float8DelayedLinear) if delayed else ("blockwise", Float8BlockwiseLinear)
+    if not all(isinstance(p, kind) for p in projs):
+        return f"not all of gate_proj / up_proj / down_proj are {'delayed-scaling' if delayed else 'blockwise'} FP8"
+    if enabled is not None and recipe not in enabled:
+        return f"fp8.{recipe}_fused_mlp is off"
     if any(p.bias is not None for p in projs):
         return "a projection has a bias"
     if any(isinstance(p.weight, DTensor) for p in projs):
         return "tensor-parallel (DTensor) weights"
     if any(p._forward_hooks or p._forward_pre_hooks for p in projs):
         return "a projection has forward hooks (e.g. fp8.stats_every)"
+    if delayed:
+        if len({id(p.state) for p in projs}) > 1:
+            return "the projections keep their histories in different DelayedScalingStates"
+        return None
     settings = {(p.cache_weight, p.emulate, p.keep_weight_copy, p.wgrad_x) for p in projs}
     if len(settings) > 1 or not all(p.keep_input_copy for p in projs):
         return "the projections' blockwise settings differ or keep no input copy (fp8.blockwise_recompute)"
