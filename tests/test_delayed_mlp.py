@@ -13,8 +13,8 @@ from fp8kit.fp8.scaling import quantize
 from fp8kit.fp8.swiglu import swiglu_backward_ref, swiglu_ref
 from fp8kit.fp8.swiglu_delayed import swiglu_backward_cast
 from fp8kit.fp8.swiglu_mlp import fused_mlp_blocker, fused_mlp_report
+from tests.conftest import prepared_llama, sqnr
 from tests.conftest import randn_outliers as _real
-from tests.conftest import sqnr
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -51,22 +51,7 @@ def test_backward_cast_op_passes_opcheck_and_refuses_bad_input():
 
 
 def _llama(fused: bool, extra=()):
-    from fp8kit.config import load_config
-    from fp8kit.config.options import options_from_config
-    from fp8kit.config.prepare_options import prepare_options
-    from fp8kit.models.build import build_hf_config, build_model
-    from fp8kit.parallel.prepare import prepare_model
-    from fp8kit.selective.decide import decide
-    from fp8kit.selective.sites import find_sites
-
-    cfg = load_config(None, ["model.preset=llama-125m", "model.num_layers=2", "data.vocab_size=1024",
-                             "train.mixed_precision=fp8", "fp8.recipe=delayed",
-                             f"fp8.delayed_fused_mlp={str(fused).lower()}", *extra])
-    model = build_model(cfg.model, cfg.data.vocab_size, device="cpu", dtype=torch.bfloat16, seed=0)
-    hf_cfg = build_hf_config(cfg.model, cfg.data.vocab_size)
-    done = prepare_model(model, decide(find_sites(model), options_from_config(cfg, hf_cfg, "cpu")),
-                         prepare_options(cfg, fp8_now=True, emulate=False), None, hf_cfg=hf_cfg)
-    return model, done
+    return prepared_llama(["fp8.recipe=delayed", f"fp8.delayed_fused_mlp={str(fused).lower()}", *extra])
 
 
 def _steps(model, n: int, seed: int = 0):

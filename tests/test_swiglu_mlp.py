@@ -19,8 +19,8 @@ from fp8kit.fp8.swiglu import (
     swiglu_ref,
 )
 from fp8kit.fp8.swiglu_mlp import blockwise_swiglu_mlp, fused_mlp_blocker, fused_mlp_report
+from tests.conftest import prepared_llama, sqnr
 from tests.conftest import randn_outliers as _real
-from tests.conftest import sqnr
 
 BF16_ULP = 2.0**-7  # relative spacing of bf16 values
 
@@ -134,22 +134,8 @@ def test_bad_weights_are_a_clear_error():
 
 
 def _llama(fused: bool, recipe: str = "blockwise", extra=()):
-    from fp8kit.config import load_config
-    from fp8kit.config.options import options_from_config
-    from fp8kit.config.prepare_options import prepare_options
-    from fp8kit.models.build import build_hf_config, build_model
-    from fp8kit.parallel.prepare import prepare_model
-    from fp8kit.selective.decide import decide
-    from fp8kit.selective.sites import find_sites
-
-    cfg = load_config(None, ["model.preset=llama-125m", "model.num_layers=2", "data.vocab_size=1024",
-                             "train.mixed_precision=fp8", f"fp8.recipe={recipe}", "fp8.emulate=true",
-                             f"fp8.blockwise_fused_mlp={str(fused).lower()}", *extra])
-    model = build_model(cfg.model, cfg.data.vocab_size, device="cpu", dtype=torch.bfloat16, seed=0)
-    hf_cfg = build_hf_config(cfg.model, cfg.data.vocab_size)
-    done = prepare_model(model, decide(find_sites(model), options_from_config(cfg, hf_cfg, "cpu")),
-                         prepare_options(cfg, fp8_now=True, emulate=True), None, hf_cfg=hf_cfg)
-    return model, done
+    return prepared_llama([f"fp8.recipe={recipe}", "fp8.emulate=true", f"fp8.blockwise_fused_mlp={str(fused).lower()}",
+                           *extra], emulate=True)
 
 
 def _loss_and_grads(model, ids):
