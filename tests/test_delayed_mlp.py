@@ -81,16 +81,8 @@ def test_fused_mlp_trains_like_the_three_delayed_linears():
     assert any("fp8.delayed_fused_mlp: 2 of 2 SwiGLU MLPs run" in n for n in done.notes), done.notes
     plain_model, done_plain = _llama(False)
     assert not any("fused_mlp" in n for n in done_plain.notes), done_plain.notes
-    calls = []
-    import fp8kit.fp8.delayed_mlp as dm
-
-    orig = dm._DelayedSwiGLUMLPFn.apply
-    dm._DelayedSwiGLUMLPFn.apply = lambda *a: calls.append(1) or orig(*a)
-    try:
-        loss_f, grads_f = _steps(fused_model, 3)
-    finally:
-        dm._DelayedSwiGLUMLPFn.apply = orig
-    assert len(calls) == 4, f"the fused function ran {len(calls)} times in 3 steps of 2 layers (want 2 x 2)"
+    calls, (loss_f, grads_f) = _count_fused_calls(lambda: _steps(fused_model, 3))
+    assert calls == 4, f"the fused function ran {calls} times in 3 steps of 2 layers (want 2 x 2)"
     loss_p, grads_p = _steps(plain_model, 3)
     bf16_model, _ = _llama(False, extra=["train.mixed_precision=bf16"])
     loss_b, grads_b = _steps(bf16_model, 3)
