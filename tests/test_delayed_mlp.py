@@ -223,3 +223,11 @@ def test_gate_and_up_input_scales_that_differ_take_the_smaller_one():
     unfused = mlp._fp8kit_unfused_forward(x)
     db_f, db_u = sqnr(bf16.double(), fused.double()), sqnr(bf16.double(), unfused.double())
     assert n == 1 and db_f >= 20.0 and db_f >= db_u, f"fused {db_f:.1f} dB, linears {db_u:.1f} dB from BF16"
+
+
+def test_fp32_weights_say_the_mlps_run_as_linears():
+    """train.param_dtype = fp32 makes the activations float32, which the fused MLP declines: the run's notes say so
+    instead of claiming fused MLPs."""
+    model, done = _llama(True, extra=["train.param_dtype=fp32"])
+    assert any("run as their three linears in this run: FP32 weights" in n for n in done.notes), done.notes
+    assert not any("SwiGLU MLPs run with the SwiGLU's FP8 casts fused" in n for n in done.notes), done.notes
