@@ -30,7 +30,8 @@ same scales, nothing recorded), on bf16 / fp16 activations (float32 ones, from F
 linears: the kernel takes no float32), and when every projection's history would advance in the backward as its
 linear's would (``x`` requires grad, or all three weights do) (:func:`can_run_fused`);
 :func:`fp8kit.fp8.swiglu_mlp.fused_mlp_blocker` lists what else keeps an MLP unfused. The history
-of each projection advances in the backward exactly as its linear's would, reduced over the state's group.
+of each projection advances in the backward exactly as its linear's would, reduced over the state's group (one
+all-reduce of the nine amaxes per MLP, where the linears make three).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch
 from torch import nn
 
 from fp8kit.fp8.delayed import Float8DelayedLinear, _cast_both, _recast_col_major
-from fp8kit.fp8.delayed_state import E4M3, E5M2, FUSED_CASTS, advance_
+from fp8kit.fp8.delayed_state import E4M3, E5M2, FUSED_CASTS, advance_, reduce_max
 from fp8kit.fp8.swiglu_delayed import swiglu_backward_cast
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -105,9 +106,11 @@ class _DelayedSwiGLUMLPFn(torch.autograd.Function):
                 d_gate = torch._scaled_mm(qgt, x8_cm, scale_a=inv(sgg), scale_b=inv(sx), out_dtype=dt_gate)
             if need_up:
                 d_up = torch._scaled_mm(qut, x8_cm, scale_a=inv(sgu), scale_b=inv(sx), out_dtype=dt_up)
-        amaxes = ((ax, awg, amax_gu[0]), (ax, awu, amax_gu[1]), (aa, awd, ay))
+        # the three projections' (input, weight, output gradient) amaxes, MAX-reduced over the group in one
+        # all-reduce (the three linears make three), then rolled into each history
+        amaxes = reduce_max(torch.stack([ax, awg, amax_gu[0], ax, awu, amax_gu[1], aa, awd, ay]).view(3, 3), ctx.group)
         for (history, steps, uid), three in zip(ctx.entries, amaxes, strict=True):
-            advance_(history, steps, uid, torch.stack(three), ctx.group)
+            advance_(history, steps, uid, three, None)
         return (dx, d_gate, d_up, d_down, None, None) + (None,) * 21
 
 
