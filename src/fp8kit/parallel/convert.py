@@ -72,6 +72,10 @@ class ConversionOptions:
     grouped: GroupedGemmConfig = field(default_factory=GroupedGemmConfig)
     delayed: DelayedScalingState = field(default_factory=DelayedScalingState)
 
+    def fuses_mlps(self, recipe: str) -> bool:
+        """Whether SwiGLU MLPs of ``recipe``'s projections run fused (``fused_mlp`` / ``delayed_fused_mlp``)."""
+        return {"blockwise": self.fused_mlp, "delayed": self.delayed_fused_mlp}.get(recipe, False)
+
 
 #: fp8kit's own FP8 linear modules (recipes whose engine is fp8kit).
 FP8_LINEARS = (Float8BlockwiseLinear, Float8DelayedLinear)
@@ -135,7 +139,7 @@ def apply_fp8(model: nn.Module, decisions: list[Decision], options: ConversionOp
     for recipe, todo in by_recipe.items():
         if recipe_info(recipe).engine == "fp8kit":
             count += _swap_own(model, todo, recipe, options)
-            if recipe == "blockwise" and options.fused_mlp or recipe == "delayed" and options.delayed_fused_mlp:
+            if options.fuses_mlps(recipe):
                 install_fused_mlps(model, recipe)
             continue
         config = float8_linear_config(

@@ -207,13 +207,13 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     if options.fp8:
         apply_fp8(model, decisions, conversion)  # skips what tensor parallel converted already
         done.steps.append("fp8")
-        if conversion.delayed_fused_mlp and options.recipe == "delayed" and options.param_dtype == torch.float32:
-            done.notes.append("fp8.delayed_fused_mlp: the SwiGLU MLPs run as their three linears in this run: FP32 "
-                              "weights (train.param_dtype = fp32) give float32 activations, which the fused "
-                              "MLP's kernel does not take (fp8kit.fp8.delayed_mlp)")
-        elif conversion.fused_mlp and options.recipe == "blockwise" or (
-                conversion.delayed_fused_mlp and options.recipe == "delayed"):
-            done.notes.extend(fused_mlp_notes(model, options.recipe))
+        if conversion.fuses_mlps(options.recipe):
+            if options.recipe == "delayed" and options.param_dtype == torch.float32:
+                done.notes.append("fp8.delayed_fused_mlp: the SwiGLU MLPs run as their three linears in this run: "
+                                  "FP32 weights (train.param_dtype = fp32) give float32 activations, which the fused "
+                                  "MLP's kernel does not take (fp8kit.fp8.delayed_mlp)")
+            else:
+                done.notes.extend(fused_mlp_notes(model, options.recipe))
         done.fp8_all_gather = conversion.fsdp_float8_all_gather
         if options.fp8_all_gather and not fsdp:
             done.notes.append("fp8.enable_fsdp_float8_all_gather = true has no effect: no FSDP2 (dp_shard = 1)")

@@ -410,8 +410,8 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
         },
     }
     setup.warnings.extend(prepared.notes)
-    fused_key = {"blockwise": "blockwise_fused_mlp", "delayed": "delayed_fused_mlp"}.get(cfg.fp8.recipe)
-    if fused_key and getattr(cfg.fp8, fused_key) and cfg.fp8.stats_every:  # any precision phase
+    fused_key = f"{cfg.fp8.recipe}_fused_mlp"  # fp8.blockwise_fused_mlp / fp8.delayed_fused_mlp
+    if getattr(cfg.fp8, fused_key, False) and cfg.fp8.stats_every:  # any precision phase
         setup.warnings.append(f"fp8.{fused_key}: the SwiGLU MLPs run unfused in this run: fp8.stats_every hooks "
                               "each projection to measure its operands (fp8kit.train.health)")
     return setup

@@ -13,7 +13,8 @@ projection's input scale: the down projection's wgrad operand, which the forward
 One program per ``BM x BN`` tile: three tile loads (2 bytes each), up to five 1-byte stores (the transposed ones
 staged through shared memory by ``tl.trans``), two tile amaxes into a zero-filled ``partial[programs, 2]``, reduced
 by ``torch.amax`` (NaN-propagating). The sigmoid uses the hardware's ``exp`` and division, as Inductor's SiLU
-does. Autotuned over the tile and warps (key ``M``, ``I``); every configuration computes the same bits.
+does. Autotuned over the tile and warps (key: ``M``'s power-of-two bucket, ``I``); every configuration computes
+the same bits.
 ``WRITE_VALUES`` (tests only) also stores ``dg``, ``du`` and ``a`` in the input dtype.
 
 Imported only on CUDA (triton is absent from CPU installs).
@@ -25,16 +26,17 @@ import torch
 import triton
 import triton.language as tl
 
+from fp8kit.fp8.kernels.cast_transpose_triton import _max_nan
+from fp8kit.fp8.scaling import DTYPE_MAX
+
+_E4M3_MAX = tl.constexpr(DTYPE_MAX[torch.float8_e4m3fn])
+_E5M2_MAX = tl.constexpr(DTYPE_MAX[torch.float8_e5m2])
+
 _CONFIGS = [
     triton.Config({"BM": bm, "BN": bn}, num_warps=w)
     for bm, bn, w in ((64, 64, 4), (64, 128, 4), (128, 64, 4), (64, 128, 8), (128, 128, 8), (32, 128, 4),
                       (128, 64, 8), (64, 256, 8), (32, 256, 4))
 ]
-
-
-@triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -81,17 +83,17 @@ def _swiglu_bwd_cast_kernel(
     duf = du.to(tl.float32)
     # Convert once, then move bits (as the cast-transpose kernel: the transposed store of FP8 values could be
     # lowered to a second conversion).
-    qg = _sat(dgf, tl.load(sg_ptr), 57344.0).to(tl.float8e5).to(tl.uint8, bitcast=True)
+    qg = _sat(dgf, tl.load(sg_ptr), _E5M2_MAX).to(tl.float8e5).to(tl.uint8, bitcast=True)
     tl.store(qg_ptr + rm, qg, mask=mask)
     tl.store(qgt_ptr + tm, tl.trans(qg), mask=tmask)
-    qu = _sat(duf, tl.load(su_ptr), 57344.0).to(tl.float8e5).to(tl.uint8, bitcast=True)
+    qu = _sat(duf, tl.load(su_ptr), _E5M2_MAX).to(tl.float8e5).to(tl.uint8, bitcast=True)
     tl.store(qu_ptr + rm, qu, mask=mask)
     tl.store(qut_ptr + tm, tl.trans(qu), mask=tmask)
     if WITH_A:
         a = (g * s * u).to(g_in.dtype)
         if WRITE_VALUES:
             tl.store(va_ptr + rm, a, mask=mask)
-        qa = _sat(a.to(tl.float32), tl.load(sa_ptr), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        qa = _sat(a.to(tl.float32), tl.load(sa_ptr), _E4M3_MAX).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         tl.store(qat_ptr + tm, tl.trans(qa), mask=tmask)
     pid = pid_m * tl.num_programs(1) + pid_n
     tl.store(partial_ptr + 2 * pid, tl.reduce(tl.reduce(tl.abs(dgf), 1, _max_nan), 0, _max_nan))
