@@ -78,9 +78,10 @@ def test_fused_mlp_trains_like_the_three_delayed_linears():
     fused_model, done = _llama(True)
     mlps = [m for m in fused_model.modules() if type(m).__name__ == "LlamaMLP"]
     assert len(mlps) == 2 and all(fused_mlp_blocker(m) is None for m in mlps)
-    assert any("fp8.delayed_fused_mlp: 2 of 2 SwiGLU MLPs run" in n for n in done.notes), done.notes
+    assert any("fp8.delayed_fused_mlp: 2 of 2 SwiGLU MLPs run" in n for n in done.facts), done.facts
+    assert not any("fused_mlp" in n for n in done.notes), done.notes  # all fused: a fact, not a warning
     plain_model, done_plain = _llama(False)
-    assert not any("fused_mlp" in n for n in done_plain.notes), done_plain.notes
+    assert not any("fused_mlp" in n for n in done_plain.notes + done_plain.facts), done_plain.notes
     calls, (loss_f, grads_f) = _count_fused_calls(lambda: _steps(fused_model, 3))
     assert calls == 4, f"the fused function ran {calls} times in 3 steps of 2 layers (want 2 x 2)"
     loss_p, grads_p = _steps(plain_model, 3)
@@ -230,4 +231,4 @@ def test_fp32_weights_say_the_mlps_run_as_linears():
     instead of claiming fused MLPs."""
     model, done = _llama(True, extra=["train.param_dtype=fp32"])
     assert any("run as their three linears in this run: FP32 weights" in n for n in done.notes), done.notes
-    assert not any("SwiGLU MLPs run with the SwiGLU's FP8 casts fused" in n for n in done.notes), done.notes
+    assert not any("SwiGLU MLPs run with the SwiGLU's FP8 casts fused" in n for n in done.notes + done.facts), done.facts

@@ -85,7 +85,7 @@ def test_compiled_fused_mlp_against_the_compiled_linears():
                                ("bf16", False, ["train.mixed_precision=bf16"])):
         torch._dynamo.reset()
         model, done = _llama(fused, extra=["train.compile=true", *extra])
-        assert any("fp8.delayed_fused_mlp: 2 of 2 SwiGLU MLPs run" in n for n in done.notes) == fused, done.notes
+        assert any("fp8.delayed_fused_mlp: 2 of 2 SwiGLU MLPs run" in n for n in done.facts) == fused, done.facts
         model.cuda()
         for blk in model.model.layers:
             blk.compile()

@@ -145,8 +145,8 @@ def test_fsdp2_runs_the_fused_blockwise_mlps_like_one_process(dist_runs, referen
     import json
 
     summary = json.loads((dist_runs / "fsdp_blockwise_fused" / "summary.json").read_text())
-    assert any("2 of 2 SwiGLU MLPs run with the SwiGLU's FP8 casts fused" in n for n in summary["parallel_notes"]), \
-        summary["parallel_notes"]
+    assert any("2 of 2 SwiGLU MLPs run with the SwiGLU's FP8 casts fused" in n for n in summary["parallel_facts"]), \
+        summary["parallel_facts"]
     got = _losses(dist_runs / "fsdp_blockwise_fused")
     _close(got, references["blockwise_fused"], TOL["fp8"], "fsdp x2 blockwise, fused MLPs vs 1 process")
 

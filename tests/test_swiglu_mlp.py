@@ -148,9 +148,10 @@ def test_config_fuses_every_llama_mlp_and_trains_like_unfused():
     fused_model, done = _llama(True)
     mlps = [m for m in fused_model.modules() if type(m).__name__ == "LlamaMLP"]
     assert len(mlps) == 2 and all(fused_mlp_blocker(m) is None for m in mlps)
-    assert any("2 of 2 SwiGLU MLPs run with the SwiGLU's FP8 casts fused" in n for n in done.notes), done.notes
+    assert any("2 of 2 SwiGLU MLPs run with the SwiGLU's FP8 casts fused" in n for n in done.facts), done.facts
+    assert not any("fused_mlp" in n for n in done.notes), done.notes  # all fused: a fact, not a warning
     plain_model, done_plain = _llama(False)
-    assert not any("blockwise_fused_mlp" in n for n in done_plain.notes), done_plain.notes
+    assert not any("blockwise_fused_mlp" in n for n in done_plain.notes + done_plain.facts), done_plain.notes
     assert not any(hasattr(m, "_fp8kit_unfused_forward") for m in plain_model.modules())
     bf16_model, _ = _llama(False, extra=["train.mixed_precision=bf16"])
     assert not any(isinstance(m, Float8BlockwiseLinear) for m in bf16_model.modules())
@@ -205,5 +206,7 @@ def test_health_statistics_keep_the_mlps_unfused_and_the_run_says_so(cache_dir, 
                                        "fp8.blockwise_fused_mlp=true", "fp8.stats_every=1", "train.eval_every=0",
                                        "train.checkpoint_every=0", "train.final_checkpoint=false"]), tmp_path / "run")
     out = " ".join(buf.getvalue().split())
-    assert "fp8.blockwise_fused_mlp: the SwiGLU MLPs run unfused in this run: fp8.stats_every" in out, out[-3000:]
+    assert "warning: fp8.blockwise_fused_mlp: the SwiGLU MLPs run unfused in this run: fp8.stats_every" in out, \
+        out[-3000:]
+    assert "SwiGLU MLPs run with the SwiGLU's FP8 casts fused" not in out, out[-3000:]  # no contradicting note
     assert any(row["layer"].endswith("mlp.down_proj") for row in res.metrics[-1]["fp8_health"]), res.metrics[-1]

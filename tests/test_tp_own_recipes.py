@@ -182,7 +182,7 @@ def _worker(out: Path) -> None:
             model, done, _ = prepared("delayed", WHOLE_BLOCKS, fsdp_mesh)
             res["fsdp_delayed_mlp"] = {
                 "losses": train_steps(model, dp=2, dp_rank=rank, dp_group=fsdp_mesh["dp_shard"].get_group()),
-                "histories": histories(done), "steps": done.steps, "fused_calls": len(calls), "notes": done.notes}
+                "histories": histories(done), "steps": done.steps, "fused_calls": len(calls), "facts": done.facts}
         finally:
             dm._DelayedSwiGLUMLPFn.apply = orig
         tp_mesh = mesh["tp"]
@@ -293,7 +293,7 @@ def test_fsdp2_delayed_fused_mlps_match_one_process(ranks, references):
     both ranks), and the losses follow the one process's within the tolerance of the 4-rank case."""
     r = [run["fsdp_delayed_mlp"] for run in ranks]
     assert r[0]["steps"] == ["fp8", "fsdp2"], r[0]["steps"]
-    assert any("fp8.delayed_fused_mlp: 2 of 2 SwiGLU MLPs run" in n for n in r[0]["notes"]), r[0]["notes"]
+    assert any("fp8.delayed_fused_mlp: 2 of 2 SwiGLU MLPs run" in n for n in r[0]["facts"]), r[0]["facts"]
     assert r[0]["fused_calls"] == r[1]["fused_calls"] == 2 * (STEPS - 1), (r[0]["fused_calls"], r[1]["fused_calls"])
     assert r[0]["histories"] == r[1]["histories"], "the ranks' amax histories differ"
     assert r[0]["losses"] == r[1]["losses"], (r[0]["losses"], r[1]["losses"])

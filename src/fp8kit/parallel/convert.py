@@ -147,24 +147,28 @@ def apply_fp8(model: nn.Module, decisions: list[Decision], options: ConversionOp
         )
         float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda _m, fqn, t=todo: fqn in t)
         count += len(todo)
+    link_input_siblings(model)  # delayed q/k/v and gate/up: one cast of their shared input
     return count
 
 
-def fused_mlp_notes(model: nn.Module, recipe: str = "blockwise") -> list[str]:
-    """What ``fp8.<recipe>_fused_mlp`` does in ``model`` now, for the run's notes: how many SwiGLU MLPs run fused,
-    and each reason some run unfused (empty when the model has no MLP of ``swiglu_mlp.FUSABLE_MLPS``)."""
+def fused_mlp_notes(model: nn.Module, recipe: str = "blockwise") -> tuple[list[str], list[str]]:
+    """What ``fp8.<recipe>_fused_mlp`` does in ``model`` now: ``(facts, fallbacks)``.
+
+    ``facts`` says how many SwiGLU MLPs run fused (a note of the run); ``fallbacks`` names each reason some run
+    unfused, with an example (warnings: the user asked for the fusion). Both empty when the model has no MLP of
+    ``swiglu_mlp.FUSABLE_MLPS``."""
     fused, blocked = fused_mlp_report(model)
     if not fused and not blocked:
-        return []
+        return [], []
     key = f"fp8.{recipe}_fused_mlp"
-    notes = [f"{key}: {len(fused)} of {len(fused) + len(blocked)} SwiGLU MLPs run with the SwiGLU's FP8 casts "
+    facts = [f"{key}: {len(fused)} of {len(fused) + len(blocked)} SwiGLU MLPs run with the SwiGLU's FP8 casts "
              f"fused (fp8kit.fp8.{'swiglu_mlp' if recipe == 'blockwise' else 'delayed_mlp'})"]
     by_reason: dict[str, list[str]] = {}
     for name, reason in blocked.items():
         by_reason.setdefault(reason, []).append(name)
-    for reason, names in sorted(by_reason.items()):
-        notes.append(f"{key}: {len(names)} MLP(s) run unfused ({reason}), e.g. {names[0]}")
-    return notes
+    fallbacks = [f"{key}: {len(names)} MLP(s) run unfused ({reason}), e.g. {names[0]}"
+                 for reason, names in sorted(by_reason.items())]
+    return facts, fallbacks
 
 
 def _swap_own(model: nn.Module, todo: set[str], recipe: str, options: ConversionOptions) -> int:

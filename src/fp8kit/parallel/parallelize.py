@@ -72,7 +72,8 @@ class Parallelized:
     Attributes:
         steps: the applied steps, in order, e.g. ``["tp", "fp8", "fsdp2"]``.
         fp8_all_gather: FSDP2 all-gathers FP8 weights (call :func:`after_optimizer_step` each step).
-        notes: loud fallbacks and other facts a user must see.
+        notes: loud fallbacks and settings without effect: printed as the run's warnings.
+        facts: what the run does that is neither (e.g. how many MLPs run fused): printed as notes.
         grad_comm: the ``fp8kit.comm.AutoScaleState`` of FSDP2's FP8 gradient reduce-scatter
             (``distributed.fp8_reduce_scatter``), saved in checkpoints; None when it is off.
     """
@@ -80,6 +81,7 @@ class Parallelized:
     steps: list[str] = field(default_factory=list)
     fp8_all_gather: bool = False
     notes: list[str] = field(default_factory=list)
+    facts: list[str] = field(default_factory=list)
     grad_comm: object = None
 
 

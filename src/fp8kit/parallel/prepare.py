@@ -213,7 +213,9 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
                                   "FP32 weights (train.param_dtype = fp32) give float32 activations, which the fused "
                                   "MLP's kernel does not take (fp8kit.fp8.delayed_mlp)")
             else:
-                done.notes.extend(fused_mlp_notes(model, options.recipe))
+                facts, fallbacks = fused_mlp_notes(model, options.recipe)
+                done.facts.extend(facts)
+                done.notes.extend(fallbacks)
         done.fp8_all_gather = conversion.fsdp_float8_all_gather
         if options.fp8_all_gather and not fsdp:
             done.notes.append("fp8.enable_fsdp_float8_all_gather = true has no effect: no FSDP2 (dp_shard = 1)")

@@ -78,6 +78,7 @@ class Setup:
     info: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     shown_warnings: list[str] = field(default_factory=list)  # those of ``warnings`` already printed by set-up's warn
+    facts: list[str] = field(default_factory=list)  # what the run does that is not a warning (printed as notes)
     loss_fn: object = None  # the token cross-entropy (compiled when train.compile)
     dims: ParallelDims | None = None  # the resolved [distributed] sizes (world size 1: all 1)
     mesh: object = None  # DeviceMesh ("dp_replicate", "dp_shard", "tp") of a distributed run, else None
@@ -407,6 +408,7 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
             "grad_reduce_scatter": prepared.grad_comm.fp8_dtype if prepared.grad_comm is not None else None,
             "meta_init": meta_init,  # built on meta, each rank initialised / loaded its own shards
             "notes": prepared.notes,
+            "facts": prepared.facts,
         },
     }
     setup.warnings.extend(prepared.notes)
@@ -414,6 +416,9 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
     if getattr(cfg.fp8, fused_key, False) and cfg.fp8.stats_every:  # any precision phase
         setup.warnings.append(f"fp8.{fused_key}: the SwiGLU MLPs run unfused in this run: fp8.stats_every hooks "
                               "each projection to measure its operands (fp8kit.train.health)")
+        # prepare_model counted the fused MLPs before the hooks: drop that count from the notes and the run's record
+        prepared.facts[:] = [f for f in prepared.facts if not f.startswith(f"fp8.{fused_key}:")]
+    setup.facts.extend(prepared.facts)
     return setup
 
 

@@ -153,7 +153,8 @@ def train(
         "status": "diverged" if loop.diverged else ("interrupted" if loop.interrupted else "ok"),
         "switches": loop.switches,
         "parallel": _parallel_desc(setup),
-        "parallel_notes": setup.info["parallel"]["notes"],
+        "parallel_notes": setup.info["parallel"]["notes"],  # fallbacks and settings without effect (warnings)
+        "parallel_facts": setup.info["parallel"]["facts"],  # e.g. how many SwiGLU MLPs run fused
         "world_size": setup.info["parallel"]["world_size"],
         "fp8_stats_every": cfg.fp8.stats_every,
         "recoveries": [r for r in read_metrics(out_dir / "metrics.jsonl", events=True) if "event" in r],
@@ -290,6 +291,8 @@ def _print_start(setup: Setup, console: Console) -> None:
     for w in setup.warnings:
         if w not in setup.shown_warnings:  # set-up printed it already, before its long stages
             console.print(f"[bold yellow]warning:[/] {w}")
+    for fact in setup.facts:
+        console.print(f"note: {fact}")
     print_auto_table(info.get("selective_auto", {}), console)  # selective_fp8 = "auto": the measured table
     print_report(setup.decisions, console)
     if setup.resume_from is not None:
