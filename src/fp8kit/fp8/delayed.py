@@ -52,6 +52,10 @@ SwiGLU MLPs (HF Llama / Qwen2 / Qwen3 / Mistral) whose three projections are del
 by default (``fp8.delayed_fused_mlp``, :mod:`fp8kit.fp8.delayed_mlp`): the same formats, scales and histories, with
 the SwiGLU backward's casts in one Triton kernel.
 
+Linears that read one input (q/k/v, and gate/up when unfused, in Llama-family layers) cast it at the smallest
+input scale of their group (:mod:`fp8kit.fp8.delayed_siblings`): equal to each one's own scale in a run, and the
+same expression in each, so ``torch.compile`` makes one cast of the shared input instead of one per module.
+
 Tensor parallel (``fp8kit.parallel.tp_own``): with a DTensor weight the module computes on its local
 shards (``fp8.linear.sharded_linear``); the amaxes of a shard (a column-parallel weight or output
 gradient, a row-parallel input) reduced over a group holding the tp ranks are those of the whole tensor.
@@ -225,6 +229,9 @@ class Float8DelayedLinear(nn.Module):
         self.name = name
         self._state = state
         self._entry = state.entry(name, weight.device)
+        # the entries of the delayed linears that read this module's input tensor, itself included (set by
+        # fp8.delayed_siblings.link_input_siblings): their shared input scale makes one cast of that input
+        self._input_siblings: tuple[DelayedEntry, ...] = ()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, state: DelayedScalingState, name: str) -> Float8DelayedLinear:
@@ -260,6 +267,9 @@ class Float8DelayedLinear(nn.Module):
         # The forward only reads the history (None before the first recorded step: dynamic scales); a
         # training step's backward records it (fp8.delayed_state: why there).
         sx, sw, sg = state.scale_tensors(e) or (None, None, None)
+        if sx is not None and self._input_siblings:
+            shared = state.shared_input_scale(self._input_siblings)
+            sx = sx if shared is None else shared  # None: a sibling has no history yet
         record = self.training and torch.is_grad_enabled()
         n, k = weight.shape
         y = _DelayedLinearFn.apply(x.reshape(-1, k), weight, sx, sw, sg,

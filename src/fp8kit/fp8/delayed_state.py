@@ -196,9 +196,29 @@ class DelayedScalingState:
         in such a view (``CUBLAS_STATUS_NOT_SUPPORTED`` from ``torch._scaled_mm``, seen on the H100)."""
         if not e.started:
             return None
+        return tuple(self._operand_scale(e, i) for i in range(3))
+
+    def _operand_scale(self, e: DelayedEntry, i: int) -> torch.Tensor:
+        """The scale of operand ``i`` (row of :data:`OPERANDS`) from ``e``'s history (the module docstring's
+        formula), float32 ``[]``."""
         # "max": the zeros of steps not recorded yet never win (amax >= 0).
-        amax = e.history.amax(dim=1) if self.config.amax_compute_algo == "max" else e.history[:, 0]
-        return tuple(scale_from_amax(amax[i], DTYPES[i]) / (2.0 ** self.config.margin) for i in range(3))
+        amax = e.history[i].amax() if self.config.amax_compute_algo == "max" else e.history[i, 0]
+        return scale_from_amax(amax, DTYPES[i]) / (2.0 ** self.config.margin)
+
+    def shared_input_scale(self, entries: tuple[DelayedEntry, ...]) -> torch.Tensor | None:
+        """The smallest input scale of ``entries`` (modules that read one input tensor, e.g. q/k/v), float32
+        ``[]``; None while one of them has no history. Every module of the group computes this same expression,
+        so under ``torch.compile`` their casts of the shared input are one cast (CSE). The input histories of
+        such modules hold the same amaxes, so the scales are equal in a run and the bits are those of separate
+        scales; where they differ (a checkpoint that lacked an entry, a projection switched to BF16 and back), the
+        smallest scale is the one no module's history saturates."""
+        if not all(e.started for e in entries):
+            return None
+        scales = [self._operand_scale(e, 0) for e in entries]
+        out = scales[0]
+        for s in scales[1:]:
+            out = torch.minimum(out, s)
+        return out
 
     def state_dict(self) -> dict:
         """Histories and step counts (CPU copies: the live history changes in place), for the training

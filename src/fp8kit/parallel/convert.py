@@ -24,6 +24,7 @@ from torch import nn
 from fp8kit.base.errors import Fp8kitError
 from fp8kit.base.torchao_lib import torchao_float8
 from fp8kit.fp8.delayed import DelayedScalingState, Float8DelayedLinear
+from fp8kit.fp8.delayed_siblings import link_input_siblings
 from fp8kit.fp8.linear import Float8BlockwiseLinear
 from fp8kit.fp8.recipes import float8_linear_config, recipe_info
 from fp8kit.fp8.swiglu_mlp import fused_mlp_report, install_fused_mlps
@@ -230,6 +231,7 @@ def restore_bf16(model: nn.Module, fqns: set[str] | None = None) -> int:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, plain)
         count += 1
+    link_input_siblings(model)  # the delayed linears left in FP8 share their inputs' scales without those swapped out
     return count
 
 
