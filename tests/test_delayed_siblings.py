@@ -74,6 +74,9 @@ def test_unequal_histories_cast_at_the_smallest_scale():
         attn.q_proj._entry.history[0] *= 100.0  # q's input scale 100x smaller
         shared = attn.k_proj(x)
         assert not torch.equal(shared, own)  # k now casts at q's scale
+        # the scale the health statistics read (fp8.stats_every) is the one the casts used
+        q_scale = attn.q_proj.state.scale_tensors(attn.q_proj._entry)[0]
+        assert all(torch.equal(p.cast_scales()[0], q_scale) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
         _unlink(model)
         attn.k_proj._entry.history[0] *= 100.0  # k's own scale made q's: the same cast
         assert torch.equal(attn.k_proj(x), shared)

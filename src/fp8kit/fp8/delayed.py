@@ -259,17 +259,27 @@ class Float8DelayedLinear(nn.Module):
             return sharded_linear(x, self.weight, self.bias, self._local_forward, f"Float8DelayedLinear {self.name}")
         return self._local_forward(x, self.weight, self.bias)
 
+    def cast_scales(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The scales (input, weight, output gradient; float32 ``[]`` each) this module's next casts use, from the
+        histories: the input's is its group's smallest input scale when it has siblings
+        (:mod:`fp8kit.fp8.delayed_siblings`; its own while a sibling has no history). None before the first
+        recorded step (dynamic scales)."""
+        state = self._state
+        scales = state.scale_tensors(self._entry)
+        if scales is None or not self._input_siblings:
+            return scales
+        shared = state.shared_input_scale(self._input_siblings)
+        return scales if shared is None else (shared, scales[1], scales[2])
+
     def _local_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``[..., k] x [n, k] (+ [n]) -> [..., n]`` on plain tensors (a whole weight or a TP shard)."""
         state, e = self._state, self._entry
-        if e.history.device != x.device:  # not moved with the module (``_apply``): once, before the first step
-            state.place(e, x.device)
+        for entry in (e, *self._input_siblings):
+            if entry.history.device != x.device:  # not moved with its module (``_apply``): once, before the first step
+                state.place(entry, x.device)
         # The forward only reads the history (None before the first recorded step: dynamic scales); a
         # training step's backward records it (fp8.delayed_state: why there).
-        sx, sw, sg = state.scale_tensors(e) or (None, None, None)
-        if sx is not None and self._input_siblings:
-            shared = state.shared_input_scale(self._input_siblings)
-            sx = sx if shared is None else shared  # None: a sibling has no history yet
+        sx, sw, sg = self.cast_scales() or (None, None, None)
         record = self.training and torch.is_grad_enabled()
         n, k = weight.shape
         y = _DelayedLinearFn.apply(x.reshape(-1, k), weight, sx, sw, sg,

@@ -321,8 +321,8 @@ class FP8HealthMonitor:
             if monitor.active:
                 g_scale = None
                 if delayed:  # after the forward: the history scales its casts used (None: first step, dynamic)
-                    scales = mod._state.scales(mod._entry)
-                    sx, sw, g_scale = (None, None, None) if scales is None else tuple(scales)
+                    scales = mod.cast_scales()
+                    sx, sw, g_scale = (None, None, None) if scales is None else scales
                     bufs["input"].copy_(stats(args[0], casts["input"], sx))
                     bufs["weight"].copy_(stats(mod.weight, casts["weight"], sw))
                 if "grad_output" in bufs and out.requires_grad:
