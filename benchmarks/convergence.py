@@ -82,7 +82,7 @@ MODELS = {
     "moe-qwen3": [f"model.hf_config={Path(__file__).resolve().parent / 'configs' / 'qwen3-moe-small.json'}"],
 }
 TITLES = {
-    "recipes": "llama-125m on the stdlib corpus: FP8 recipes vs BF16 (FP32 master, AdamW)",
+    "recipes": "llama-125m on the stdlib corpus: FP8 recipes vs BF16 (AdamW, FP32 master; *-default-optim: FP8AdamW)",
     "moe-tiny": "tiny-moe (8 experts x 128, top-2) on the stdlib corpus: FP8 experts vs BF16",
     "moe-qwen3": "Qwen3-MoE-shaped (16 experts x 768, hidden 2048, top-4) on the stdlib corpus: FP8 experts vs BF16",
     "optimizers": "llama-125m on the stdlib corpus, FP8 matmuls: optimizer state precision",
@@ -133,9 +133,10 @@ def report(out: Path, study: str) -> str:
     runs = {n: read(out, n) for n in [*STUDIES[study], *extra]}
     # the study's baseline, or (a --variants run without it) the first variant that ran
     baseline = next((n for n, recs in runs.items() if recs), STUDIES[study][0])
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.5))
     base_recs = runs.get(baseline) or []
     ref_val = next((r["val_loss"] for r in reversed(base_recs) if r.get("val_loss") is not None), None)
+    base_by_step = {r["step"]: r["val_loss"] for r in base_recs if r.get("val_loss") is not None}
     kept: list[float] = []  # the losses of the runs that did not diverge set the axes
     for name, recs in runs.items():
         if not recs:
@@ -148,13 +149,20 @@ def report(out: Path, study: str) -> str:
         ax1.plot([r["step"] for r in finite], curve, label=label)
         if vals:
             ax2.plot(*zip(*vals, strict=True), marker="o", label=label)
+        # the validation gap to the baseline at each evaluated step, in percent: what the curves above can't show
+        gaps = [(st, 100.0 * (v / base_by_step[st] - 1.0)) for st, v in vals if base_by_step.get(st)]
+        if gaps and not diverged:
+            ax3.plot(*zip(*gaps, strict=True), marker="o", label=label)
         if not diverged:
             kept += curve[len(curve) // 20:] + [v for _, v in vals]
-    for ax, title in ((ax1, "train loss (EMA 0.98)"), (ax2, "validation loss")):
+    ax3.axhspan(-1.0, 1.0, color="green", alpha=0.08, label="within 1% of the baseline")
+    ax3.axhline(0.0, color="gray", lw=0.8)
+    for ax, title in ((ax1, "train loss (EMA 0.98)"), (ax2, "validation loss"),
+                      (ax3, f"validation loss vs {baseline}, %")):
         ax.set_xlabel("step")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
     if kept:
         lo, hi = min(kept), min(8.0, max(kept))
         for ax in (ax1, ax2):
