@@ -135,3 +135,15 @@ def prepared_llama(sets: list[str], emulate: bool = False):
     done = prepare_model(model, decide(find_sites(model), options_from_config(cfg, hf_cfg, "cpu")),
                          prepare_options(cfg, fp8_now=True, emulate=emulate), None, hf_cfg=hf_cfg)
     return model, done
+
+
+def llama_steps(model, n: int, seed: int = 0):
+    """``n`` forward + backward passes of a :func:`prepared_llama` model on random tokens (delayed histories advance;
+    no optimizer step, so the weights stay): the last step's loss and parameter gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        ids = torch.randint(0, 1024, (2, 64), generator=gen)
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]

@@ -13,7 +13,7 @@ from fp8kit.fp8.scaling import quantize
 from fp8kit.fp8.swiglu import swiglu_backward_ref, swiglu_ref
 from fp8kit.fp8.swiglu_delayed import swiglu_backward_cast
 from fp8kit.fp8.swiglu_mlp import fused_mlp_blocker, fused_mlp_report
-from tests.conftest import prepared_llama, sqnr
+from tests.conftest import llama_steps, prepared_llama, sqnr
 from tests.conftest import randn_outliers as _real
 
 
@@ -54,18 +54,6 @@ def _llama(fused: bool, extra=()):
     return prepared_llama(["fp8.recipe=delayed", f"fp8.delayed_fused_mlp={str(fused).lower()}", *extra])
 
 
-def _steps(model, n: int, seed: int = 0):
-    """``n`` forward + backward passes (histories advance; no optimizer step, so the weights stay): the last
-    step's loss and parameter gradients."""
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        ids = torch.randint(0, 1024, (2, 64), generator=gen)
-        model.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()]
-
-
 def _histories(model) -> dict[str, torch.Tensor]:
     state = next(m for m in model.modules() if type(m).__name__ == "Float8DelayedLinear").state
     return {n: e.history.clone() for n, e in state.entries.items()} | {
@@ -82,11 +70,11 @@ def test_fused_mlp_trains_like_the_three_delayed_linears():
     assert not any("fused_mlp" in n for n in done.notes), done.notes  # all fused: a fact, not a warning
     plain_model, done_plain = _llama(False)
     assert not any("fused_mlp" in n for n in done_plain.notes + done_plain.facts), done_plain.notes
-    calls, (loss_f, grads_f) = _count_fused_calls(lambda: _steps(fused_model, 3))
+    calls, (loss_f, grads_f) = _count_fused_calls(lambda: llama_steps(fused_model, 3))
     assert calls == 4, f"the fused function ran {calls} times in 3 steps of 2 layers (want 2 x 2)"
-    loss_p, grads_p = _steps(plain_model, 3)
+    loss_p, grads_p = llama_steps(plain_model, 3)
     bf16_model, _ = _llama(False, extra=["train.mixed_precision=bf16"])
-    loss_b, grads_b = _steps(bf16_model, 3)
+    loss_b, grads_b = llama_steps(bf16_model, 3)
     assert abs(loss_f.item() - loss_p.item()) <= 2e-3 * abs(loss_p.item()), (loss_f.item(), loss_p.item())
     # against the BF16 model's gradients, parameter by parameter: the fused model is as close as the unfused one
     # (E5M2 output gradients: a bf16 ulp of dg / du that moves an E5M2 rounding moves the gradients by more)

@@ -10,7 +10,7 @@ import torch
 from fp8kit.fp8.delayed import Float8DelayedLinear
 from fp8kit.fp8.delayed_siblings import link_input_siblings
 from fp8kit.parallel.convert import restore_bf16
-from tests.conftest import prepared_llama
+from tests.conftest import llama_steps, prepared_llama
 from tests.conftest import randn_outliers as _real
 
 
@@ -22,16 +22,6 @@ def _unlink(model) -> None:
     for m in model.modules():
         if isinstance(m, Float8DelayedLinear):
             m._input_siblings = ()
-
-
-def _steps(model, n: int, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        ids = torch.randint(0, 1024, (2, 64), generator=gen)
-        model.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
 def test_the_groups_are_qkv_and_gate_up_and_follow_the_fp8_modules():
@@ -54,8 +44,8 @@ def test_shared_scales_train_bit_for_bit_like_separate_ones():
     linked, unlinked = _llama(), _llama()
     _unlink(unlinked)
     assert link_input_siblings(linked) == 2 * (3 + 2)
-    loss_a, grads_a = _steps(linked, 3)
-    loss_b, grads_b = _steps(unlinked, 3)
+    loss_a, grads_a = llama_steps(linked, 3)
+    loss_b, grads_b = llama_steps(unlinked, 3)
     assert torch.equal(loss_a, loss_b), (loss_a, loss_b)
     assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b, strict=True))
     state_a = linked.model.layers[0].self_attn.q_proj.state
@@ -66,7 +56,7 @@ def test_shared_scales_train_bit_for_bit_like_separate_ones():
 
 def test_unequal_histories_cast_at_the_smallest_scale():
     model = _llama()
-    _steps(model, 1)  # the histories start
+    llama_steps(model, 1)  # the histories start
     attn = model.model.layers[0].self_attn
     x = _real(1, 40, attn.k_proj.in_features, seed=3)
     with torch.no_grad():
@@ -119,7 +109,7 @@ def test_compiled_step_casts_each_shared_input_once():
         model = _llama()
         if not linked:
             _unlink(model)
-        _steps(model, 1)  # the histories start (scales known: the delayed casts)
+        llama_steps(model, 1)  # the histories start (scales known: the delayed casts)
         counts[linked] = _e4m3_casts(model, ids)
     (fw_l, bw_l), (fw_u, bw_u) = counts[True], counts[False]
     assert fw_u - fw_l == 6, counts
