@@ -25,7 +25,7 @@ def _unlink(model) -> None:
 
 
 def test_the_groups_are_qkv_and_gate_up_and_follow_the_fp8_modules():
-    model = _llama()
+    model, done = prepared_llama(["fp8.recipe=delayed", "fp8.delayed_fused_mlp=false"])
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     qkv = tuple(p._entry for p in (attn.q_proj, attn.k_proj, attn.v_proj))
     assert all(p._input_siblings == qkv for p in (attn.q_proj, attn.k_proj, attn.v_proj))
@@ -37,6 +37,21 @@ def test_the_groups_are_qkv_and_gate_up_and_follow_the_fp8_modules():
     assert attn.q_proj._input_siblings == attn.v_proj._input_siblings == (attn.q_proj._entry, attn.v_proj._entry)
     assert restore_bf16(model, {"model.layers.0.self_attn.v_proj"}) == 1
     assert attn.q_proj._input_siblings == ()  # a group of one is no group
+    # back to FP8 (the guard's window ends, a precision phase switches back): one group of three again, with the
+    # histories the returning modules kept (the state's entries by name)
+    from fp8kit.config import load_config
+    from fp8kit.config.options import options_from_config
+    from fp8kit.models.build import build_hf_config
+    from fp8kit.parallel.convert import apply_fp8
+    from fp8kit.selective.decide import decide
+    from fp8kit.selective.sites import find_sites
+
+    cfg = load_config(None, ["model.preset=llama-125m", "model.num_layers=2", "data.vocab_size=1024",
+                             "train.mixed_precision=fp8", "fp8.recipe=delayed"])
+    decisions = decide(find_sites(model), options_from_config(cfg, build_hf_config(cfg.model, 1024), "cpu"))
+    assert apply_fp8(model, decisions, done.conversion) == 2
+    qkv_again = tuple(p._entry for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    assert qkv_again == qkv and all(p._input_siblings == qkv for p in (attn.q_proj, attn.k_proj, attn.v_proj))
 
 
 def test_shared_scales_train_bit_for_bit_like_separate_ones():

@@ -264,12 +264,11 @@ class Float8DelayedLinear(nn.Module):
         histories: the input's is its group's smallest input scale when it has siblings
         (:mod:`fp8kit.fp8.delayed_siblings`; its own while a sibling has no history). None before the first
         recorded step (dynamic scales)."""
-        state = self._state
-        scales = state.scale_tensors(self._entry)
-        if scales is None or not self._input_siblings:
-            return scales
-        shared = state.shared_input_scale(self._input_siblings)
-        return scales if shared is None else (shared, scales[1], scales[2])
+        state, e = self._state, self._entry
+        if not self._input_siblings or not all(s.started for s in self._input_siblings):
+            return state.scale_tensors(e)
+        # the own input scale is not computed: eagerly (no CSE) it would be work thrown away
+        return state.shared_input_scale(self._input_siblings), state.operand_scale(e, 1), state.operand_scale(e, 2)
 
     def _local_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``[..., k] x [n, k] (+ [n]) -> [..., n]`` on plain tensors (a whole weight or a TP shard)."""

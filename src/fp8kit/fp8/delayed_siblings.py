@@ -12,6 +12,11 @@ are those of separate scales in a run (Transformer Engine's fused ``LayerNormLin
 scale for the same reason). The delayed fused SwiGLU MLP (:mod:`fp8kit.fp8.delayed_mlp`) applies the same rule
 to gate and up on its own.
 
+Where the histories differ the smallest scale wins, which no sibling's history saturates but which is coarser for
+the others: after the divergence guard (``fp8kit.train.guard``) kept one projection in BF16 for a while, its
+history still holds the amaxes from before that window when it returns, and its group casts at the smaller of
+the scales until those leave the history (``fp8.amax_history_len`` steps at most).
+
 Only the module classes below are linked: in other models (encoder-decoder cross-attention, for one) ``k_proj``
 may read another tensor than ``q_proj``.
 """

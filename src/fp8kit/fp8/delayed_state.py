@@ -196,11 +196,11 @@ class DelayedScalingState:
         in such a view (``CUBLAS_STATUS_NOT_SUPPORTED`` from ``torch._scaled_mm``, seen on the H100)."""
         if not e.started:
             return None
-        return tuple(self._operand_scale(e, i) for i in range(3))
+        return tuple(self.operand_scale(e, i) for i in range(3))
 
-    def _operand_scale(self, e: DelayedEntry, i: int) -> torch.Tensor:
+    def operand_scale(self, e: DelayedEntry, i: int) -> torch.Tensor:
         """The scale of operand ``i`` (row of :data:`OPERANDS`) from ``e``'s history (the module docstring's
-        formula), float32 ``[]``."""
+        formula), float32 ``[]``; ``e`` must have started (:attr:`DelayedEntry.started`)."""
         # "max": the zeros of steps not recorded yet never win (amax >= 0).
         amax = e.history[i].amax() if self.config.amax_compute_algo == "max" else e.history[i, 0]
         return scale_from_amax(amax, DTYPES[i]) / (2.0 ** self.config.margin)
@@ -214,7 +214,7 @@ class DelayedScalingState:
         smallest scale is the one no module's history saturates."""
         if not all(e.started for e in entries):
             return None
-        scales = [self._operand_scale(e, 0) for e in entries]
+        scales = [self.operand_scale(e, 0) for e in entries]
         out = scales[0]
         for s in scales[1:]:
             out = torch.minimum(out, s)

@@ -156,7 +156,8 @@ def fused_mlp_notes(model: nn.Module, recipe: str = "blockwise") -> tuple[list[s
     """What ``fp8.<recipe>_fused_mlp`` does in ``model`` now: ``(facts, fallbacks)``.
 
     ``facts`` says how many SwiGLU MLPs run fused (a note of the run); ``fallbacks`` names each reason some run
-    unfused, with an example (warnings: the user asked for the fusion). Both empty when the model has no MLP of
+    unfused, with an example (warnings: the setting, asked for or on by default, does not apply to them, so those
+    MLPs run slower than the setting promises). Both empty when the model has no MLP of
     ``swiglu_mlp.FUSABLE_MLPS``."""
     fused, blocked = fused_mlp_report(model)
     if not fused and not blocked:

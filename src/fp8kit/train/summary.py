@@ -71,7 +71,8 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
         ("final val loss", _fmt(s["final_val_loss"])),
         *([("chat records", _chat_row(s["chat"]))] if s.get("chat") else []),
         ("parallel", s.get("parallel", "single process")),
-        *[("parallel warning", n) for n in s.get("parallel_notes", [])],
+        # summaries written before parallel_facts existed kept facts among the notes: their old label
+        *[("parallel warning" if "parallel_facts" in s else "parallel note", n) for n in s.get("parallel_notes", [])],
         *[("parallel note", n) for n in s.get("parallel_facts", [])],
         ("tokens/s (median)", _fmt(s["tokens_per_s"], ",.0f")),
         ("tokens/s per GPU (median)", _fmt(s.get("tokens_per_s_per_gpu"), ",.0f")),
