@@ -168,6 +168,8 @@ def _worker(out: Path) -> None:
         model, done, _ = prepared(recipe, WHOLE_BLOCKS, mesh, sequence_parallel=sp, tp=2)
         res[name] = {"losses": train_steps(model, **dp_kw), "histories": histories(done), "steps": done.steps,
                      "fp8": sum(type(m).__name__.startswith("Float8") for m in model.modules()),
+                     # delayed linears that cast a shared input at their group's scale (fp8.delayed_siblings)
+                     "linked": sum(bool(getattr(m, "_input_siblings", ())) for m in model.modules()),
                      "keep_weight_copy": sorted({getattr(m, "keep_weight_copy", None) for m in model.modules()
                                                  if type(m).__name__ == "Float8BlockwiseLinear"})}
     if dp == 1:
@@ -256,6 +258,8 @@ def test_delayed_histories_equal_on_every_rank_and_match_one_process(ranks, refe
     weights' exactly (same weights, whole-tensor amax), inputs and output gradients to bf16 rounding."""
     h0, h1 = ranks[0][scenario]["histories"], ranks[1][scenario]["histories"]
     assert len(h0) == 14 and h0 == h1, f"{scenario}: the tp ranks' amax histories differ"
+    # q/k/v and gate/up (unfused under TP) of both layers cast their shared inputs once: 2 x (3 + 2) linked
+    assert ranks[0][scenario]["linked"] == 10, ranks[0][scenario]["linked"]
     ref = references["delayed"]["histories"]
     worst = 0.0
     for name, h in h0.items():
