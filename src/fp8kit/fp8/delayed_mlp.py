@@ -5,7 +5,8 @@ SwiGLU backward's casts in one kernel (``fp8.delayed_fused_mlp``).
 scales, GEMMs and the amax histories are those of the three delayed linears (:mod:`fp8kit.fp8.delayed`); what
 changes is where the casts happen:
 
-- forward: ``x`` is cast once for gate and up, at the smaller of their two input scales. The two input histories
+- forward: ``x`` is cast once for gate and up, at the smaller of their two input scales (the rule of
+  :mod:`fp8kit.fp8.delayed_siblings`, which the unfused projections follow too). The two input histories
   record the same ``max |x|`` every step, so the scales are equal in a run; they can differ for a while after a
   checkpoint that lacked one of the entries, or precision phases that switched only one projection, and then the
   smaller scale saturates neither (the larger one's projection gets coarser steps). ``a = silu(g) * u`` and its
@@ -49,7 +50,8 @@ _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 class _DelayedSwiGLUMLPFn(torch.autograd.Function):
     """Inputs: ``x`` ``[M, H]``, weights gate / up ``[I, H]``, down ``[H_out, I]``, ``group``, ``fused``
     (``fp8.delayed_fused_cast``'s operands), then 21 state tensors: the nine float32 ``[]`` scales (per projection
-    gate, up, down: input, weight, output gradient; ``x`` is cast at the smaller of gate's and up's input scale),
+    gate, up, down: input, weight, output gradient, as ``Float8DelayedLinear.cast_scales`` gives them: gate's and up's
+    input scale is their group's, the smaller of the two, at which ``x`` is cast once: fp8.delayed_siblings),
     the three entries' ``history``, ``steps``, ``uid``, and their three ``forward_amax`` ``[2]``. Output
     ``[M, H_out]`` in ``x``'s dtype."""
 
@@ -57,7 +59,7 @@ class _DelayedSwiGLUMLPFn(torch.autograd.Function):
     def forward(ctx, x, w_gate, w_up, w_down, group, fused, *state):
         sx_gate, swg, sgg, sx_up, swu, sgu, sa, swd, sy = state[:9]
         entries, forward_amax = (state[9:12], state[12:15], state[15:18]), state[18:21]
-        sx = torch.minimum(sx_gate, sx_up)  # equal in a run (module docstring)
+        sx = sx_gate  # == sx_up: gate and up share their input's scale (fp8.delayed_siblings)
         dgrad, wgrad_x = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         recast_x = wgrad_x and "input" not in fused and torch.compiler.is_compiling()
         x8, x8_cm, _, ax = _cast_both(x, sx, E4M3, None, wgrad_x and not recast_x, "input" in fused)
@@ -140,7 +142,7 @@ def delayed_swiglu_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     for p in projs:
         if p._entry.history.device != x.device:
             state.place(p._entry, x.device)
-    scales = [s for p in projs for s in state.scale_tensors(p._entry)]
+    scales = [s for p in projs for s in p.cast_scales()]  # started: can_run_fused
     entries = [t for p in projs for t in (p._entry.history, p._entry.steps, p._entry.uid)]
     forward_amax = [p._entry.forward_amax for p in projs]
     y = _DelayedSwiGLUMLPFn.apply(x.reshape(-1, h), projs[0].weight, projs[1].weight, projs[2].weight, state.group,
