@@ -1,13 +1,15 @@
-"""Launch settings of the FP8AdamW Triton step: time ``opt.step()`` per ``num_warps`` and gradient load width
-(run on a GPU).
+"""Launch settings of the FP8AdamW Triton step: time ``opt.step()`` per ``num_warps``, blocks per program and
+gradient load width (run on a GPU).
 
 The optimizer is the one ``fp8kit train`` builds (``train.setup.build_optimizer``, ``optim.name = "fp8_adamw"``
 with the ``[optim]`` defaults) on the real parameters of a preset (default: Llama-3-8B layer shapes x 8 and
 a 32000 vocabulary, 2.0B parameters, bf16), with ``randn * 1e-3`` gradients handed over as autograd does.
-For each value of ``--num-warps`` (``fp8kit.optim.triton_step.NUM_WARPS``, a launch setting: the states are
+For each value of ``--num-warps`` (the second of ``fp8kit.optim.triton_step.LAUNCH[granularity]``, a launch setting: the states are
 the same bits for any value; ``tests/test_fp8_adamw_gpu.py`` checks the kernel against the reference) it
 times ``--iters`` back-to-back steps with CUDA events after ``--warmup``, interleaving the settings over
 ``--repeats`` rounds, and reports the median, the bytes per parameter the kernels move and the bandwidth.
+``--rows`` varies the blocks each program takes (the first of ``LAUNCH[granularity]``, also a launch setting; values
+that do not divide the layout's alignment of ``FlatLayout.build``, 8 blocks, are skipped with a message).
 ``--grad-vec`` also varies how ``param.grad`` is read: ``auto`` (16-byte vector loads, what the optimizer does:
 ``FlatGroup.update_grad_table`` pads the gradients that are not whole aligned vectors) or ``1`` (element loads in
 every group, forced after the table is built; the kernel before session 25 also read by element). The copy
@@ -15,6 +17,7 @@ reference is ``Tensor.copy_`` (up to 4 GiB, scaled to the step's bytes: the band
 every setting's states after one step from the same start are compared bit for bit with the first setting's.
 
     python benchmarks/fp8_adamw_launch.py --num-warps 1,2,4,8 --out /tmp/fp8_adamw_launch.json
+    python benchmarks/fp8_adamw_launch.py --num-warps 2,4,8 --rows 2,4,8 --out /tmp/fp8_adamw_rows.json
     python benchmarks/fp8_adamw_launch.py --num-warps 4 --grad-vec 1,auto \
         --set model.preset=qwen3-30b-a3b --set model.num_layers=4 --set data.vocab_size=151936
 """
@@ -44,6 +47,8 @@ def main() -> int:
     ap.add_argument("--num-warps", default="1,2,4,8")
     ap.add_argument("--set", dest="sets", action="append", default=[],
                     help="config override (default model: llama3-8b, 8 layers, vocab 32000)")
+    ap.add_argument("--rows", default=None, help="comma-separated blocks per program (divisors of 8; default: the "
+                    "shipped setting of the granularity)")
     ap.add_argument("--grad-vec", default="auto", help="comma-separated: auto (vector loads where aligned), 1")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -71,10 +76,12 @@ def main() -> int:
             p.grad = gr
         opt.step()
 
-    def use(w: int, vec: str) -> None:
-        """Set the launch setting: every group's gradient table is rebuilt at the next step, with the width asked
+    shipped = triton_step.LAUNCH[granularity]
+
+    def use(w: int, vec: str, r: int) -> None:
+        """Set the launch setting (warps, gradient width, blocks per program ``r``): every group's gradient table is rebuilt at the next step, with the width asked
         for ("auto": what the optimizer chooses; "1": element loads forced after the optimizer built its table)."""
-        triton_step.NUM_WARPS = w
+        triton_step.LAUNCH[granularity] = (r, w)
         for fg in groups:
             fg._table_host = None
             fg.__dict__.pop("update_grad_table", None)
@@ -96,8 +103,13 @@ def main() -> int:
         torch.cuda.synchronize()
         return a.elapsed_time(b) / args.iters
 
-    settings = [(int(w), v) for w in args.num_warps.split(",") for v in args.grad_vec.split(",")]
-    if any(v not in ("auto", "1") for _, v in settings):
+    rows_asked = [int(r) for r in (args.rows or str(shipped[0])).split(",")]
+    for r in rows_asked:
+        if 8 % r:
+            print(f"--rows {r}: skipped, does not divide the layout's 8-block alignment (FlatLayout.build)")
+    settings = [(int(w), v, r) for w in args.num_warps.split(",") for v in args.grad_vec.split(",")
+                for r in rows_asked if 8 % r == 0]
+    if any(v not in ("auto", "1") for _, v, _ in settings):
         raise SystemExit(f"--grad-vec: auto or 1, got {args.grad_vec!r}")
     # the copy reference: up to 4 GiB each way (its bandwidth does not depend on the size there), scaled to the bytes
     copy_bytes = min(int(n * bpp / 2), 4 << 30)
@@ -126,7 +138,7 @@ def main() -> int:
         out = {(i, k): getattr(groups[i], k).view(torch.uint8).cpu() for i, k in start}
         first = first or out
         same[st] = all(torch.equal(out[key], first[key]) for key in start)
-    use(4, "auto")
+    use(shipped[1], "auto", shipped[0])
     for fg in groups:
         fg.update_grad_table(fg.param_grads())
     auto_vec = [fg.grad_vec for fg in groups]
@@ -137,11 +149,11 @@ def main() -> int:
           f"gradient vector width per group (auto) {auto_vec}")
     print(f"copy of the same bytes: {copy:.2f} ms, {n * bpp / copy / 1e9:.2f} TB/s")
     for st in settings:
-        w, v = st
+        w, v, r = st
         ms = statistics.median(times[st])
-        rows.append({"num_warps": w, "grad_vec": v, "step_ms": ms, "runs_ms": times[st],
+        rows.append({"num_warps": w, "grad_vec": v, "rows_per_program": r, "step_ms": ms, "runs_ms": times[st],
                      "tb_s": n * bpp / ms / 1e9, "same_bits_as_first": same[st]})
-        print(f"num_warps {w}, grad_vec {v}: {ms:.2f} ms ({', '.join(f'{t:.2f}' for t in times[st])}), "
+        print(f"num_warps {w}, grad_vec {v}, rows {r}: {ms:.2f} ms ({', '.join(f'{t:.2f}' for t in times[st])}), "
               f"{rows[-1]['tb_s']:.2f} TB/s, {copy / ms:.0%} of copy; same bits as the first: {same[st]}")
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -3,7 +3,7 @@
 Why our own kernel: ``torch.compile`` of ``numerics.adamw_update`` is several times slower than
 ``torch.optim.AdamW(fused=True)`` (figures in docs/benchmarks.md, "FP8AdamW"): inductor splits the three
 scaled stores (m, v, master) into separate reduction and pointwise kernels that each re-read the inputs.
-Here each program loads ``ROWS`` blocks of every state once, computes the AdamW update in registers and:
+Here each program loads ``rows`` blocks of every state once (:data:`LAUNCH`), computes the AdamW update in registers and:
 
 - ``granularity="block"``: takes each block's amax in registers and stores the quantized states (1 pass);
 - ``granularity="tensor"``: pass 1 reduces the amax of the new m, v and master over the program's
@@ -39,9 +39,13 @@ import triton.language as tl
 from fp8kit.fp8.scaling import DTYPE_MAX, is_scaled, scale_from_amax
 from fp8kit.optim.numerics import HP_FIELDS, SR_FORMATS, StateSpec
 
-ROWS = 8  # blocks per program
-#: Warps per program of both passes (a launch setting: the results are the same bits for any value).
-NUM_WARPS = 4
+#: ``(blocks per program, warps per program)`` of each granularity's launch. Launch settings: the states are the
+#: same bits for any value (``benchmarks/fp8_adamw_launch.py`` checks). Measured on the H100 at Llama-3-8B x 8
+#: (docs/benchmarks.md section 4, "FP8AdamW: launch setting", sessions 12 and 34): per block (one pass) 4 blocks
+#: x 2 warps took 12.03 ms against 12.30 ms for 8 x 4 (both 8 elements per thread; 4 per thread was 11-60%
+#: slower); per tensor (two passes) 8 x 4 was the best of the warps tried. ``rows`` divides the layout's 8-block
+#: alignment (``FlatLayout.build``).
+LAUNCH: dict[str, tuple[int, int]] = {"block": (4, 2), "tensor": (8, 4)}
 # the kernels read hp by position
 if HP_FIELDS != ("lr", "beta1", "beta2", "eps", "weight_decay", "step", "clip", "step_size", "inv_bc2", "salt"):
     raise RuntimeError(f"fp8kit.optim.triton_step: hp layout changed ({HP_FIELDS}); update _update/_round_stochastic")
@@ -231,15 +235,16 @@ def adamw_update_triton(
             checks); 1 otherwise (element loads). A launch setting: the same bits either way.
 
     Raises:
-        ValueError: when the flat length is not a multiple of ``ROWS`` blocks (``FlatLayout`` aligns it),
+        ValueError: when the flat length is not a multiple of the launch's blocks per program (``FlatLayout`` aligns it),
             with COAT's ``m_k``, with neither a gradient nor a table, or a ``grad_vec`` other than 1 or 16 bytes.
     """
     nb = work.numel() // spec.block
     if grad_vec not in (1, 16 // work.element_size()):
         raise ValueError(f"FP8AdamW Triton step: grad_vec = {grad_vec}; 1 or {16 // work.element_size()} "
                          f"(16 bytes of {work.dtype})")
-    if nb % ROWS:
-        raise ValueError(f"FP8AdamW Triton step: {nb} blocks is not a multiple of {ROWS}")
+    rows, warps = LAUNCH[spec.granularity]
+    if nb % rows:
+        raise ValueError(f"FP8AdamW Triton step: {nb} blocks is not a multiple of {rows}")
     if m_k is not None or (grad is None) == (grad_table is None):
         raise ValueError("FP8AdamW Triton step: needs exactly one of grad / grad_table, and no m_k")
     per_tensor = spec.granularity == "tensor"
@@ -247,12 +252,12 @@ def adamw_update_triton(
     m_sr = m_scaled and spec.m_rounding == "stochastic"
     mant, emin = SR_FORMATS.get(m.dtype, (0, 0))
     consts = dict(
-        BLOCK=spec.block, ROWS_=ROWS, PER_TENSOR=per_tensor, AMAX_EPS=spec.eps, M_SCALED=m_scaled,
+        BLOCK=spec.block, ROWS_=rows, PER_TENSOR=per_tensor, AMAX_EPS=spec.eps, M_SCALED=m_scaled,
         W_SCALED=w_scaled, M_MAX=DTYPE_MAX.get(m.dtype, 1.0), V_MAX=DTYPE_MAX[v.dtype],
         W_MAX=DTYPE_MAX.get(master.dtype, 1.0), GRAD_TABLE=grad_table is not None, NUM_T=spec.num_tensors,
         M_SR=m_sr, M_MANT=mant, M_EMIN=emin, NOISE_DELTA=noise_delta is not None, enable_fp_fusion=False,
         GRAD_VEC=grad_vec if grad_table is not None else 1,
-        num_warps=NUM_WARPS,
+        num_warps=warps,
     )
     ms = m_scale if m_scaled else hp  # hp: a placeholder for pointers a configuration never touches
     ws = master_scale if w_scaled else hp
@@ -262,7 +267,7 @@ def adamw_update_triton(
         args = [grad, grad_scale, owner, owner]
     args += [m, ms, v, v_scale, master, ws, work, hp, owner]
     nd = noise_delta if noise_delta is not None else owner  # placeholder when unused
-    grid = (nb // ROWS,)
+    grid = (nb // rows,)
     if per_tensor:
         amax = torch.zeros(3, spec.num_tensors, device=work.device, dtype=torch.float32)
         _fp8_adamw_kernel[grid](*args, amax[0], amax[1], amax[2], nd, PASS=1, **consts)
