@@ -41,7 +41,7 @@ from fp8kit.optim.numerics import HP_FIELDS, SR_FORMATS, StateSpec
 
 #: ``(blocks per program, warps per program)`` of each granularity's launch. Launch settings: the states are the
 #: same bits for any value (``benchmarks/fp8_adamw_launch.py`` checks). Measured on the H100 at Llama-3-8B x 8
-#: (docs/benchmarks.md section 4, "FP8AdamW: launch setting", sessions 12 and 34): per block (one pass) 4 blocks
+#: (docs/benchmarks.md section 6, "FP8AdamW: launch setting", sessions 12 and 34): per block (one pass) 4 blocks
 #: x 2 warps took 12.03 ms against 12.30 ms for 8 x 4 (both 8 elements per thread; 4 per thread was 11-60%
 #: slower); per tensor (two passes) 8 x 4 was the best of the warps tried. ``rows`` divides the layout's 8-block
 #: alignment (``FlatLayout.build``).
