@@ -129,3 +129,46 @@ def test_compiled_step_casts_each_shared_input_once():
     (fw_l, bw_l), (fw_u, bw_u) = counts[True], counts[False]
     assert fw_u - fw_l == 6, counts
     assert bw_u - bw_l == 6, counts
+
+
+def _fp8_again(model, done) -> int:
+    """Every candidate linear back to FP8 (the end of the guard's BF16 window, a precision phase switching back)."""
+    from fp8kit.config import load_config
+    from fp8kit.config.options import options_from_config
+    from fp8kit.models.build import build_hf_config
+    from fp8kit.parallel.convert import apply_fp8
+    from fp8kit.selective.decide import decide
+    from fp8kit.selective.sites import find_sites
+
+    cfg = load_config(None, ["model.preset=llama-125m", "model.num_layers=2", "data.vocab_size=1024",
+                             "train.mixed_precision=fp8", "fp8.recipe=delayed"])
+    return apply_fp8(model, decide(find_sites(model), options_from_config(cfg, build_hf_config(cfg.model, 1024), "cpu")),
+                     done.conversion)
+
+
+def test_a_projection_back_from_bf16_takes_its_siblings_input_history():
+    """q_proj kept in BF16 for 3 steps while k and v record: back in FP8 its input row and step count are k's (what
+    it would have recorded: the same input), its weight and gradient rows its own, so the group's shared scale is
+    k's own, not coarsened by q's stale amaxes. Then k and v leave for 2 steps while q alone records: back, they take
+    q's row (the freshest: counts stay equal within a group after each link)."""
+    model, done = prepared_llama(["fp8.recipe=delayed", "fp8.delayed_fused_mlp=false"])
+    attn = model.model.layers[0].self_attn
+    q, k, v = attn.q_proj._entry, attn.k_proj._entry, attn.v_proj._entry
+    llama_steps(model, 2)
+    restore_bf16(model, {"model.layers.0.self_attn.q_proj"})
+    own_rows = q.history[1:].clone()
+    q.history[0] *= 100.0  # stale amaxes that would coarsen the group's scale (as before a divergence)
+    llama_steps(model, 3, seed=1)
+    assert int(q.steps) == 2 and int(k.steps) == 5
+    assert _fp8_again(model, done) == 1
+    assert torch.equal(q.history[0], k.history[0]) and int(q.steps) == int(k.steps) == 5, (q.history[0], k.history[0])
+    assert torch.equal(q.history[1:], own_rows), "the weight / output-gradient rows must stay q's own"
+    state = attn.q_proj.state
+    assert torch.equal(state.shared_input_scale((q, k, v)), state.operand_scale(k, 0))
+    # k and v leave while q records; back, the freshest row is q's
+    restore_bf16(model, {"model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"})
+    llama_steps(model, 2, seed=2)
+    assert int(q.steps) == 7 and int(k.steps) == int(v.steps) == 5
+    assert _fp8_again(model, done) == 2
+    assert torch.equal(k.history[0], q.history[0]) and torch.equal(v.history[0], q.history[0])
+    assert int(k.steps) == int(v.steps) == 7

@@ -12,10 +12,13 @@ are those of separate scales in a run (Transformer Engine's fused ``LayerNormLin
 scale for the same reason). The delayed fused SwiGLU MLP (:mod:`fp8kit.fp8.delayed_mlp`) applies the same rule
 to gate and up on its own.
 
-Where the histories differ the smallest scale wins, which no sibling's history saturates but which is coarser for
-the others: after the divergence guard (``fp8kit.train.guard``) kept one projection in BF16 for a while, its
-history still holds the amaxes from before that window when it returns, and its group casts at the smaller of
-the scales until those leave the history (``fp8.amax_history_len`` steps at most).
+Where the histories differ the smallest scale wins, which no sibling's history saturates. A projection that comes
+back from BF16 (the divergence guard's window, ``fp8kit.train.guard``; a precision phase) would bring the input
+amaxes from before it left, and coarsen its group's scale until they leave the history. So when the group is linked
+again its members that recorded fewer steps take the input history (row 0) and step count of the member that recorded
+the most: they read the same tensor, so that row is what they would have recorded. Members of a group advance
+together, so after each link their counts are equal, and the largest count is always the freshest input history.
+Their own weight and output-gradient rows stay theirs.
 
 Only the module classes below are linked: in other models (encoder-decoder cross-attention, for one) ``k_proj``
 may read another tensor than ``q_proj``.
@@ -23,9 +26,11 @@ may read another tensor than ``q_proj``.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from fp8kit.fp8.delayed import Float8DelayedLinear
+from fp8kit.fp8.delayed_state import DelayedEntry
 
 #: parent module class -> the projections that read one input tensor
 SIBLINGS: dict[str, tuple[str, ...]] = {
@@ -39,7 +44,8 @@ SIBLINGS: dict[str, tuple[str, ...]] = {
 def link_input_siblings(model: nn.Module) -> int:
     """Set ``_input_siblings`` on every :class:`Float8DelayedLinear` projection of a :data:`SIBLINGS` parent in
     ``model`` to the entries of its group's projections that are delayed linears of the same state now (a group
-    of one is no group: ``()``). Call after every change of which modules are FP8 (``apply_fp8``,
+    of one is no group: ``()``), and bring the input histories of members that missed steps up to date
+    (:func:`align_input_histories`). Call after every change of which modules are FP8 (``apply_fp8``,
     ``restore_bf16`` do). Returns the number of linked modules."""
     linked = 0
     for parent in model.modules():
@@ -52,5 +58,26 @@ def link_input_siblings(model: nn.Module) -> int:
         entries = tuple(m._entry for m in group) if len(group) > 1 else ()
         for m in delayed:
             m._input_siblings = entries if m in group else ()
-        linked += len(group) if entries else 0
+        if entries:
+            linked += len(group)
+            align_input_histories(entries)
     return linked
+
+
+@torch.no_grad()
+def align_input_histories(entries: tuple[DelayedEntry, ...]) -> int:
+    """Give every entry of one group (modules that read one input tensor) that recorded fewer steps than the group's
+    most the input-history row (``history[0]``) and step count of the entry that recorded the most (the module
+    docstring says why that one is the freshest). Entries still on ``meta`` (meta-device initialisation) are left
+    alone. One host read of each step count: call on precision switches, not in the step. Returns how many entries
+    were updated."""
+    if any(e.steps.is_meta or e.history.is_meta for e in entries):
+        return 0
+    counts = [int(e.steps) for e in entries]
+    top = max(counts)
+    newest = entries[counts.index(top)]
+    behind = [e for e, c in zip(entries, counts, strict=True) if c < top]
+    for e in behind:
+        e.history[0].copy_(newest.history[0])
+        e.steps.fill_(top)
+    return len(behind)

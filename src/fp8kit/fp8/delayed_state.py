@@ -91,7 +91,9 @@ class DelayedEntry:
     Attributes:
         history: ``[3, L]`` float32 amax per operand (rows :data:`OPERANDS`) of the last ``L`` training
             steps, column 0 the most recent; zeros where no step was recorded yet.
-        steps: ``[]`` int64, training steps recorded (rolled into ``history``).
+        steps: ``[]`` int64, training steps recorded (rolled into ``history``); for a projection that shares its
+            input with siblings, those of its input row, which ``fp8.delayed_siblings.align_input_histories`` sets
+            to a sibling's when it comes back from BF16.
         started: ``history`` holds at least one step (``steps > 0``), so its scales exist.
         forward_amax: ``[2]`` float32, this rank's input and weight amax of the latest training forward (not
             reduced over a group), written by that forward (``fp8.delayed._DelayedLinearFn``: why), read by
@@ -210,8 +212,8 @@ class DelayedScalingState:
         ``[]``; None while one of them has no history. Every module of the group computes this same expression,
         so under ``torch.compile`` their casts of the shared input are one cast (CSE). The input histories of
         such modules hold the same amaxes, so the scales are equal in a run and the bits are those of separate
-        scales; where they differ (a checkpoint that lacked an entry, a projection switched to BF16 and back), the
-        smallest scale is the one no module's history saturates."""
+        scales; where they differ (a checkpoint that lacked an entry; a projection back from BF16 is aligned when
+        it is linked again, ``fp8.delayed_siblings``), the smallest scale is the one no module's history saturates."""
         if not all(e.started for e in entries):
             return None
         scales = [self.operand_scale(e, 0) for e in entries]
