@@ -9,7 +9,7 @@ the same bits for any value; ``tests/test_fp8_adamw_gpu.py`` checks the kernel a
 times ``--iters`` back-to-back steps with CUDA events after ``--warmup``, interleaving the settings over
 ``--repeats`` rounds, and reports the median, the bytes per parameter the kernels move and the bandwidth.
 ``--rows`` varies the blocks each program takes (the first of ``LAUNCH[granularity]``, also a launch setting; values
-that do not divide the layout's alignment of ``FlatLayout.build``, 8 blocks, are skipped with a message).
+that do not divide the layout's alignment, ``fp8kit.optim.layout.ALIGN_BLOCKS``, are skipped with a message).
 ``--grad-vec`` also varies how ``param.grad`` is read: ``auto`` (16-byte vector loads, what the optimizer does:
 ``FlatGroup.update_grad_table`` pads the gradients that are not whole aligned vectors) or ``1`` (element loads in
 every group, forced after the table is built; the kernel before session 25 also read by element). The copy
@@ -39,6 +39,7 @@ from fp8kit.config.optim_choice import resolve_optimizer  # noqa: E402
 from fp8kit.models.build import build_model  # noqa: E402
 from fp8kit.optim import triton_step  # noqa: E402
 from fp8kit.optim.flat_group import FlatGroup  # noqa: E402
+from fp8kit.optim.layout import ALIGN_BLOCKS  # noqa: E402
 from fp8kit.train.setup import build_optimizer  # noqa: E402
 
 
@@ -47,7 +48,7 @@ def main() -> int:
     ap.add_argument("--num-warps", default="1,2,4,8")
     ap.add_argument("--set", dest="sets", action="append", default=[],
                     help="config override (default model: llama3-8b, 8 layers, vocab 32000)")
-    ap.add_argument("--rows", default=None, help="comma-separated blocks per program (divisors of 8; default: the "
+    ap.add_argument("--rows", default=None, help="comma-separated blocks per program (divisors of ALIGN_BLOCKS; default: the "
                     "shipped setting of the granularity)")
     ap.add_argument("--grad-vec", default="auto", help="comma-separated: auto (vector loads where aligned), 1")
     ap.add_argument("--iters", type=int, default=10)
@@ -105,10 +106,10 @@ def main() -> int:
 
     rows_asked = [int(r) for r in (args.rows or str(shipped[0])).split(",")]
     for r in rows_asked:
-        if 8 % r:
-            print(f"--rows {r}: skipped, does not divide the layout's 8-block alignment (FlatLayout.build)")
+        if ALIGN_BLOCKS % r:
+            print(f"--rows {r}: skipped, does not divide the layout's {ALIGN_BLOCKS}-block alignment (ALIGN_BLOCKS)")
     settings = [(int(w), v, r) for w in args.num_warps.split(",") for v in args.grad_vec.split(",")
-                for r in rows_asked if 8 % r == 0]
+                for r in rows_asked if ALIGN_BLOCKS % r == 0]
     if any(v not in ("auto", "1") for _, v, _ in settings):
         raise SystemExit(f"--grad-vec: auto or 1, got {args.grad_vec!r}")
     # the copy reference: up to 4 GiB each way (its bandwidth does not depend on the size there), scaled to the bytes

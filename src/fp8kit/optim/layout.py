@@ -13,6 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+#: Blocks the flat length is a multiple of: the FP8AdamW kernels' blocks per program divide it
+#: (``fp8kit.optim.triton_step.LAUNCH``).
+ALIGN_BLOCKS = 8
+
 
 @dataclass
 class FlatLayout:
@@ -36,10 +40,11 @@ class FlatLayout:
     block_owner: torch.Tensor
 
     @classmethod
-    def build(cls, numels: list[int], block: int, device: torch.device, align_blocks: int = 8) -> FlatLayout:
+    def build(cls, numels: list[int], block: int, device: torch.device,
+              align_blocks: int | None = None) -> FlatLayout:
         """Lay out tensors of ``numels`` elements in order, each padded to ``block``; the last one is
-        padded further so that ``total`` is a multiple of ``align_blocks`` blocks (kernels take blocks in
-        groups of that many).
+        padded further so that ``total`` is a multiple of ``align_blocks`` blocks (default :data:`ALIGN_BLOCKS`;
+        kernels take blocks in groups that divide it).
 
         Raises:
             ValueError: for ``block < 1`` or an empty tensor list.
@@ -48,6 +53,7 @@ class FlatLayout:
             raise ValueError(f"FlatLayout: block must be >= 1, got {block}")
         if not numels:
             raise ValueError("FlatLayout: no tensors to lay out")
+        align_blocks = ALIGN_BLOCKS if align_blocks is None else align_blocks
         padded = [max(block, -(-n // block) * block) for n in numels]
         padded[-1] += (-sum(padded) // block % align_blocks) * block
         offsets, pos = [], 0

@@ -37,15 +37,18 @@ import triton
 import triton.language as tl
 
 from fp8kit.fp8.scaling import DTYPE_MAX, is_scaled, scale_from_amax
+from fp8kit.optim.layout import ALIGN_BLOCKS
 from fp8kit.optim.numerics import HP_FIELDS, SR_FORMATS, StateSpec
 
 #: ``(blocks per program, warps per program)`` of each granularity's launch. Launch settings: the states are the
 #: same bits for any value (``benchmarks/fp8_adamw_launch.py`` checks). Measured on the H100 at Llama-3-8B x 8
 #: (docs/benchmarks.md section 6, "FP8AdamW: launch setting", sessions 12 and 34): per block (one pass) 4 blocks
 #: x 2 warps took 12.03 ms against 12.30 ms for 8 x 4 (both 8 elements per thread; 4 per thread was 11-60%
-#: slower); per tensor (two passes) 8 x 4 was the best of the warps tried. ``rows`` divides the layout's 8-block
-#: alignment (``FlatLayout.build``).
+#: slower); per tensor (two passes) 8 x 4 was the best of the warps tried. ``rows`` divides the layout's alignment
+#: (``optim.layout.ALIGN_BLOCKS``).
 LAUNCH: dict[str, tuple[int, int]] = {"block": (4, 2), "tensor": (8, 4)}
+if any(ALIGN_BLOCKS % rows for rows, _ in LAUNCH.values()):
+    raise RuntimeError(f"fp8kit.optim.triton_step: LAUNCH {LAUNCH} has blocks per program not dividing {ALIGN_BLOCKS}")
 # the kernels read hp by position
 if HP_FIELDS != ("lr", "beta1", "beta2", "eps", "weight_decay", "step", "clip", "step_size", "inv_bc2", "salt"):
     raise RuntimeError(f"fp8kit.optim.triton_step: hp layout changed ({HP_FIELDS}); update _update/_round_stochastic")
