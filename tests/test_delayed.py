@@ -91,11 +91,16 @@ def test_scale_tensors_are_separate_aligned_tensors():
     H100 when inductor computed a reciprocal in place in such a view)."""
     layer, state = _layer()
     layer(torch.randn(64, 256)).sum().backward()
-    parts = state.scale_tensors(state.entries["l"])
-    assert len(parts) == 3 and all(t.dim() == 0 and t.dtype == torch.float32 for t in parts)
-    assert [t.storage_offset() for t in parts] == [0, 0, 0], [t.storage_offset() for t in parts]
-    assert len({t.untyped_storage().data_ptr() for t in parts}) == 3, "the scales share one allocation"
-    assert torch.equal(torch.stack(parts), state.scales(state.entries["l"]))
+    assert state.scale_tensors(state.entries["l"]) is None, "started before its first step was rolled in"
+    state.roll()
+    e = state.entries["l"]
+    parts = state.scale_tensors(e)
+    everything = (*parts, *e.inv_scale, e.group_scale, e.group_inv_scale)
+    assert len(parts) == 3 and all(t.dim() == 0 and t.dtype == torch.float32 for t in everything)
+    assert [t.storage_offset() for t in everything] == [0] * 8, [t.storage_offset() for t in everything]
+    assert len({t.untyped_storage().data_ptr() for t in everything}) == 8, "the scales share one allocation"
+    assert torch.equal(torch.stack(parts), state.scales(e))
+    assert torch.equal(torch.stack(e.inv_scale), torch.stack(parts).reciprocal())
 
 
 def test_state_dict_round_trip_and_length_mismatch():
@@ -126,15 +131,19 @@ def test_checkpoint_of_the_previous_format_loads_with_its_pending_step_rolled_in
 def test_eval_forward_records_nothing():
     layer, state = _layer()
     layer(torch.randn(64, 256)).sum().backward()
+    state.roll()
     e = state.entries["l"]
     before, hist = int(e.steps), e.history.clone()
+    assert before == 1
     layer.eval()
     with torch.no_grad():
         layer(torch.randn(64, 256) * 1000)
     layer(torch.randn(64, 256) * 1000).sum().backward()  # eval mode with grad: still not recorded
+    state.roll()
     assert int(e.steps) == before and torch.equal(e.history, hist)
     layer.train()
     layer(torch.randn(64, 256)).sum().backward()
+    state.roll()
     assert int(e.steps) == before + 1 and e.history[0, 0] < 100, e.history[0]
 
 
@@ -145,8 +154,10 @@ def test_frozen_weight_still_records_and_no_backward_records_nothing():
     layer.weight.requires_grad_(False)
     x = torch.randn(64, 256, requires_grad=True)
     layer(x).sum().backward()
+    state.roll()
     assert x.grad is not None and layer.weight.grad is None and int(state.entries["l"].steps) == 1
-    layer(torch.randn(64, 256))  # neither operand requires grad
+    layer(torch.randn(64, 256))  # neither operand requires grad: its record is never completed
+    state.roll()
     assert int(state.entries["l"].steps) == 1
 
 
@@ -160,7 +171,7 @@ def test_meta_entry_is_materialised_by_to_empty():
     layer.to_empty(device="cpu")
     e = state.entries["l"]
     assert e.history.device.type == "cpu" and not e.history.any() and int(e.steps) == 0
-    assert e.forward_amax.device.type == "cpu", e.forward_amax.device
+    assert e.forward_amax.device.type == "cpu" and e.scale[0].device.type == "cpu", e.forward_amax.device
     # a state loaded onto a device before the model moves there: every tensor of the entry lands on that device
     with torch.device("meta"):
         lin = nn.Linear(32, 16, bias=False)
@@ -169,6 +180,68 @@ def test_meta_entry_is_materialised_by_to_empty():
     state2.load_state_dict(state.state_dict(), "cpu")
     devices = {k: t.device.type for k, t in state2.entries["l"].tensors().items()}
     assert set(devices.values()) == {"cpu"}, devices
+
+
+def test_one_roll_per_forward_of_the_attached_model_takes_every_record():
+    """Attached to a model, the state rolls once before each of its forwards (not per module): a step's forward and
+    backward write each module's record (input and weight amax, then the output gradient's) and leave the history;
+    the next forward rolls every record in at once. Evaluation forwards after the first roll nothing."""
+    torch.manual_seed(0)
+    state = DelayedScalingState(DelayedScaling(amax_history_len=4))
+    model = nn.Sequential(*(Float8DelayedLinear.from_linear(nn.Linear(32, 32, bias=False), state, f"l{i}")
+                            for i in range(3)))
+    state.attach(model)
+    rolls, roll = [], state.roll
+    state.roll = lambda *a, **k: rolls.append(1) or roll(*a, **k)
+    x = torch.randn(16, 32, requires_grad=True)
+    model(x).sum().backward()
+    e = state.entries["l0"]
+    assert len(rolls) == 1 and int(e.steps) == 0 and not e.history.any(), (len(rolls), e.history)
+    want = [x.detach().abs().amax().item(), model[0].weight.detach().abs().amax().item()]
+    assert e.forward_amax.tolist() == want and e.grad_amax.item() > 0, (e.forward_amax, want)
+    model(x).sum().backward()
+    assert len(rolls) == 2 and all(int(v.steps) == 1 for v in state.entries.values())
+    assert e.history[:, 0].tolist() == [*want, e.history[2, 0].item()] and e.started
+    with torch.no_grad():
+        for _ in range(3):
+            model(x)
+    assert len(rolls) == 3, f"{len(rolls)} rolls: evaluation forwards after the first must not roll"
+    assert all(int(v.steps) == 2 for v in state.entries.values())
+    model(x).sum().backward()  # nothing to roll before it (evaluation recorded nothing); the next forward rolls
+    model(x)
+    assert len(rolls) == 4 and all(int(v.steps) == 3 for v in state.entries.values()), len(rolls)
+
+
+def test_compiled_graphs_take_precomputed_scales_and_no_history():
+    """The steady-state forward and backward graphs of a compiled delayed linear read its scales and their
+    reciprocals (no reciprocal, no history, no custom op in the graphs: the roll computes them once per step for
+    the whole model) and write only its two records."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def capture(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=capture, bw_compiler=capture)
+    model, state = _make(block=True)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    state.attach(compiled)
+    for _ in range(2):
+        compiled(torch.randn(2, 16, 64).bfloat16().requires_grad_(True)).sum().backward()
+    fw, bw = graphs[-2].graph, graphs[-1].graph
+    length = state.config.amax_history_len
+    for name, g in (("forward", fw), ("backward", bw)):
+        targets = [str(n.target) for n in g.nodes if n.op == "call_function"]
+        assert not [t for t in targets if "reciprocal" in t or "fp8kit" in t], (name, targets)
+        shapes = [tuple(n.meta["val"].shape) for n in g.nodes if n.op == "placeholder" and "val" in n.meta
+                  and hasattr(n.meta["val"], "shape")]
+        assert (3, length) not in shapes, (name, shapes)
+    scaled = [n for n in fw.nodes if n.op == "call_function" and "_scaled_mm" in str(n.target)]
+    assert len(scaled) == 2 and all(a.op == "placeholder" for n in scaled for a in n.args[2:4]), \
+        "the forward GEMMs' dequantization scales must be graph inputs (precomputed reciprocals)"
 
 
 def test_bad_settings_are_one_line_errors():
@@ -204,8 +277,10 @@ def _make(block: bool):
 
 
 def _steps(model, state, fn, n, start=0):
-    """``n`` training steps of ``fn`` (``model`` or its compiled form) on inputs whose range grows 1x..nx;
-    per step: output, input grad, parameter grads and every history / step count."""
+    """``n`` training steps of ``fn`` (``model`` or its compiled form, to which ``state`` is attached here: it rolls
+    before each call, outside the compiled graph) on inputs whose range grows 1x..nx; per step: output, input grad,
+    parameter grads and every tensor of the state (histories, step counts, records, scales)."""
+    state.attach(fn)
     out = []
     for i in range(start, start + n):
         g = torch.Generator().manual_seed(i)
@@ -233,6 +308,7 @@ def test_compiled_linear_equals_eager_bit_for_bit_and_compiles_twice():
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     _assert_same(_steps(eager_model, eager_state, eager_model, 5), _steps(model, state, compiled, 5))
+    state.roll()
     assert int(state.entries["l"].steps) == 5, "the history must advance once per training step"
     assert counter.frame_count == 2, f"{counter.frame_count} compilations for 5 steps (expected 2)"
 
@@ -241,6 +317,7 @@ def test_compiled_block_has_no_graph_break_equals_eager_and_eval_records_nothing
     """RMSNorm + SwiGLU-style producers and two delayed linears in one graph. Inductor keeps bf16
     intermediates in float32 unless ``emulate_precision_casts`` rounds them as eager does: with it, bit for bit."""
     model, state = _make(block=True)
+    state.attach(model)  # the roll runs before the graph (a disabled call at its start: no graph break)
     x = torch.randn(2, 16, 64).bfloat16().requires_grad_(True)
     for _ in range(2):  # first-step graph and steady-state graph
         explained = torch._dynamo.explain(model)(x)
@@ -252,6 +329,7 @@ def test_compiled_block_has_no_graph_break_equals_eager_and_eval_records_nothing
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     with torch._inductor.config.patch(emulate_precision_casts=True):
         _assert_same(_steps(eager_model, eager_state, eager_model, 4), _steps(model, state, compiled, 4))
+        state.roll()
         assert [int(e.steps) for e in state.entries.values()] == [4, 4]
         hist = [e.history.clone() for e in state.entries.values()]
         model.eval()
@@ -287,6 +365,8 @@ def test_compiled_block_saves_for_backward_what_bf16_saves():
         if name == "bf16":
             model.gate, model.up, model.down = (m.to_linear() for m in (model.gate, model.up, model.down))
         compiled = torch.compile(model, fullgraph=True)
+        if name == "delayed":
+            next(model.modules()).down.state.attach(compiled)
         x = torch.randn(2, 16, 64).bfloat16().requires_grad_(True)
         for _ in range(2):  # the first-step graph, then the history graph (the one counted)
             got, y = saved_for_backward(lambda: compiled(x))  # noqa: B023
@@ -303,7 +383,7 @@ def test_compiled_forward_takes_the_input_and_weight_amax_and_the_backward_only_
     cast them) and saved, not left to the backward, where the partitioner read the weight and the recomputed
     input once more (8B step: 24 weight-amax kernels per step, 1.4 ms, docs/benchmarks.md section 6, session 31).
     So every amax of the steady-state backward graph descends from the output gradient (``tangents``), and
-    ``forward_amax`` holds the latest training forward's two amaxes, compiled as eagerly."""
+    the record holds the latest training forward's two amaxes, compiled as eagerly."""
     from functorch.compile import min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
@@ -321,6 +401,7 @@ def test_compiled_forward_takes_the_input_and_weight_amax_and_the_backward_only_
     lin = Float8DelayedLinear.from_linear(nn.Linear(64, 96, bias=False), state, "lin")
     model = nn.Sequential(norm, lin).bfloat16()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
+    state.attach(compiled)
     for _ in range(2):  # the first-step graph, then the history graph (the one checked)
         x = torch.randn(32, 64).bfloat16()
         compiled(x).float().sum().backward()
@@ -336,7 +417,7 @@ def test_compiled_forward_takes_the_input_and_weight_amax_and_the_backward_only_
         return seen
 
     history = state.entries["lin"].history.numel()
-    # the amaxes of tensors, not of the [3, L] history (the output gradient's scale is taken in the backward)
+    # the amaxes of tensors (no [3, L] history reaches a compiled graph any more; kept as a floor)
     amaxes = [n for n in bw.nodes if n.op == "call_function" and "amax" in str(n.target)
               and n.args[0].meta["val"].numel() > history]
     assert amaxes, "no amax of the output gradient in the backward graph"
@@ -347,7 +428,7 @@ def test_compiled_forward_takes_the_input_and_weight_amax_and_the_backward_only_
         h = norm(x)
     want = torch.stack([h.abs().amax().float(), lin.weight.abs().amax().float()])
     got = state.entries["lin"].forward_amax
-    assert torch.equal(got, want), f"forward_amax {got.tolist()} != {want.tolist()}"
+    assert torch.equal(got, want), f"record {got.tolist()} != {want.tolist()}"
 
 
 def test_activation_checkpointing_eager_and_compiled_equal_plain_eager():
@@ -415,6 +496,7 @@ def _rank_worker(out: Path) -> None:
         layer(x.requires_grad_(True)).backward(dy)
         local.append([x.float().abs().max().item(), layer.weight.float().abs().max().item(),
                       dy.float().abs().max().item()])
+    state.roll()  # the third step's record (every rank rolls: one all-reduce)
     res = {"history": state.entries["l"].history.tolist(), "local": local}
     (out / f"rank{rank}.json").write_text(json.dumps(res))
     dist.destroy_process_group()

@@ -52,6 +52,7 @@ def _make(fused_cast: str = "all"):
 
 
 def _steps(model, state, fn, n):
+    state.attach(fn)  # the roll before each call (outside the compiled graph), as apply_fp8 attaches the model
     out = []
     for i in range(n):
         g = torch.Generator(device="cuda").manual_seed(i)
@@ -67,7 +68,8 @@ def _steps(model, state, fn, n):
 
 
 def test_compiled_block_no_graph_break_and_equals_eager():
-    model, _ = _make()
+    model, state = _make()
+    state.attach(model)  # its roll runs before the graph (a disabled call: no graph break)
     x = torch.randn(4, 1024, 512, device="cuda").bfloat16().requires_grad_(True)
     for _ in range(2):  # the first-step graph (dynamic warm start) and the steady-state graph
         ex = torch._dynamo.explain(model)(x)
@@ -90,14 +92,16 @@ def test_compiled_block_no_graph_break_and_equals_eager():
                 torch.testing.assert_close(b[name], a[name], rtol=2e-2, atol=0)
             else:
                 assert db >= MIN_DB_VS_EAGER, f"step {step} {name}: compiled vs eager {db:.1f} dB"
+    state.roll()
     assert all(int(e.steps) == 4 for e in state.entries.values())
 
 
 def test_compiled_block_against_float64():
     model, state = _make()
     compiled = torch.compile(model, fullgraph=True)
+    state.attach(compiled)
     x = torch.randn(4, 1024, 512, device="cuda").bfloat16()
-    for _ in range(3):  # step 0 dynamic, then history scales of the same distribution
+    for _ in range(4):  # steps 0-1 dynamic (``started`` is read a roll late), then history scales
         y = compiled(x.requires_grad_(True))
         y.float().pow(2).mean().backward()
     with torch.no_grad():
@@ -118,10 +122,12 @@ def test_cast_is_fused_into_the_rmsnorm_kernel(fused_cast):
     materialises the RMSNorm output in bf16 and casts it in the next kernel: 0 fused, H100 2026-11-24.)"""
     from torch._inductor.utils import run_and_get_code
 
-    model, _ = _make(fused_cast)
+    model, state = _make(fused_cast)
     compiled = torch.compile(model, fullgraph=True)
+    state.attach(compiled)
     x = torch.randn(4, 1024, 512, device="cuda").bfloat16().requires_grad_(True)
     compiled(x).sum().backward()  # step 0: warm start; the next call compiles the steady-state graph
+    state.roll(sync=True)
     _, codes = run_and_get_code(lambda: compiled(x))
     src = "\n".join(codes)
     kernels = src.split("@triton.jit")[1:]
@@ -131,3 +137,28 @@ def test_cast_is_fused_into_the_rmsnorm_kernel(fused_cast):
         name = k.split("def ", 1)[1].split("(", 1)[0] if "def " in k else "?"
         print(f"  {name}: rsqrt {'rsqrt' in k}, e4m3 {'float8e4nv' in k}")
     assert fused, "no kernel computes RMSNorm and writes E4M3: the cast was not fused into its producer"
+
+
+def test_steps_and_rolls_never_wait_for_the_gpu_and_started_follows_a_roll_late():
+    """The roll (``DelayedScalingState.roll``) and the compiled steps make no host sync (CUDA sync debug mode
+    "error" raises on one): the step counts reach the host by a copy started at one roll and read at the next.
+    So the first history scales come at the third step, and every module's record and history stay exact."""
+    model, state = _make()
+    compiled = torch.compile(model, fullgraph=True)
+    state.attach(compiled)
+    x = torch.randn(4, 1024, 512, device="cuda").bfloat16().requires_grad_(True)
+    started = []
+    for step in range(5):
+        if step >= 1:  # step 0 compiles (its autotuning may sync), as does the first history step (2)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if step != 2 else "default")
+        try:
+            compiled(x).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        started.append([e.started for e in state.entries.values()])
+    print("started per step:", started)
+    assert started[1] == [False] * 3 and started[2] == [True] * 3, started
+    state.roll(sync=True)
+    e = state.entries["gate"]
+    assert int(e.steps) == 5 and bool((e.history[:, :5] > 0).all()) and not e.history[:, 5:].any(), e.history

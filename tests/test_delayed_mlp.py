@@ -56,6 +56,7 @@ def _llama(fused: bool, extra=()):
 
 def _histories(model) -> dict[str, torch.Tensor]:
     state = next(m for m in model.modules() if type(m).__name__ == "Float8DelayedLinear").state
+    state.roll()  # the last step's records (its next forward has not run)
     return {n: e.history.clone() for n, e in state.entries.items()} | {
         n + ".steps": e.steps.clone() for n, e in state.entries.items()}
 
@@ -99,6 +100,8 @@ def test_compiled_fused_mlp_equals_eager_without_graph_breaks():
     x = _real(1, 48, mlp.gate_proj.in_features, seed=7).requires_grad_()
     dy = _real(1, 48, mlp.down_proj.out_features, seed=8)
     (mlp(x) * dy).sum().backward()  # the first recorded step: the linears, the histories start
+    state = mlp.gate_proj.state
+    state.roll()  # the model's forward rolls; this test calls the MLP itself
     assert all(p._entry.started for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
     saved = {k: v.clone() for k, v in _histories(model).items()}
     params = [p for p in mlp.parameters()]
@@ -108,6 +111,7 @@ def test_compiled_fused_mlp_equals_eager_without_graph_breaks():
     for n, e in next(iter(mlp.modules())).gate_proj.state.entries.items():  # back to the state before that step
         e.history.copy_(saved[n])
         e.steps.copy_(saved[n + ".steps"])
+    state.roll()  # their scales
     from torch._dynamo.utils import counters
 
     counters.clear()
@@ -172,6 +176,8 @@ def test_the_linears_run_where_the_fused_function_would_record_otherwise():
     h = mlp.gate_proj.in_features
     x = _real(1, 40, h, seed=10)
     (mlp(x.requires_grad_()).float().sum()).backward()  # first recorded step: the linears, histories start
+    state = mlp.gate_proj.state
+    state.roll()  # the model's forward rolls; this test calls the MLP itself
     for why, run in (
         ("eval", lambda: mlp.eval()(x.detach())),
         ("no_grad", lambda: torch.no_grad()(mlp.train())(x.detach())),
@@ -184,9 +190,11 @@ def test_the_linears_run_where_the_fused_function_would_record_otherwise():
     steps = mlp.up_proj._entry.steps.clone()
     n, y = _count_fused_calls(lambda: mlp(x.detach()))
     y.float().sum().backward()
+    state.roll()
     assert n == 0 and torch.equal(mlp.up_proj._entry.steps, steps), "frozen up_proj on a frozen input: recorded"
     n, y = _count_fused_calls(lambda: mlp(x.detach().requires_grad_()))
     y.float().sum().backward()
+    state.roll()
     assert n == 1 and int(mlp.up_proj._entry.steps) == int(steps) + 1, (n, int(mlp.up_proj._entry.steps))
     with pytest.raises(ValueError, match=r"input of shape \(1, 40, 700\) does not match gate_proj \(768 input"):
         delayed_swiglu_mlp_forward(mlp, x[..., :700])
@@ -201,11 +209,13 @@ def test_gate_and_up_input_scales_that_differ_take_the_smaller_one():
     x = _real(1, 64, mlp.gate_proj.in_features, seed=11, scale=4.0).requires_grad_()
     dy = _real(1, 64, mlp.down_proj.out_features, seed=12)
     (mlp(x) * dy).float().sum().backward()  # histories start
+    mlp.gate_proj.state.roll()  # the model's forward rolls; this test calls the MLP itself
     with torch.no_grad():
         bf16 = mlp.down_proj.to_linear()(torch.nn.functional.silu(mlp.gate_proj.to_linear()(x))
                                          * mlp.up_proj.to_linear()(x))
     mlp.gate_proj._entry.history[0].mul_(0.01)  # gate's input scale 100x too large: x saturates there
     state = mlp.gate_proj.state
+    state.roll()  # the scales of the changed history
     s_gate, s_up = state.scale_tensors(mlp.gate_proj._entry)[0], state.scale_tensors(mlp.up_proj._entry)[0]
     assert s_gate > 50 * s_up
     n, fused = _count_fused_calls(lambda: mlp(x))

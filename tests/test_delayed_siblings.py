@@ -22,6 +22,7 @@ def _unlink(model) -> None:
     for m in model.modules():
         if isinstance(m, Float8DelayedLinear):
             m._input_siblings = ()
+            m._entry.leader, m._entry.members, m._entry.group_ready = None, (), False
 
 
 def test_the_groups_are_qkv_and_gate_up_and_follow_the_fp8_modules():
@@ -73,10 +74,13 @@ def test_unequal_histories_cast_at_the_smallest_scale():
     model = _llama()
     llama_steps(model, 1)  # the histories start
     attn = model.model.layers[0].self_attn
+    state = attn.q_proj.state
+    state.roll()  # the model's forward rolls; this test calls the projections themselves
     x = _real(1, 40, attn.k_proj.in_features, seed=3)
     with torch.no_grad():
         own = attn.k_proj(x)  # k's own scale (the group's are equal)
         attn.q_proj._entry.history[0] *= 100.0  # q's input scale 100x smaller
+        state.roll()
         shared = attn.k_proj(x)
         assert not torch.equal(shared, own)  # k now casts at q's scale
         # the scale the health statistics read (fp8.stats_every) is the one the casts used
@@ -84,6 +88,7 @@ def test_unequal_histories_cast_at_the_smallest_scale():
         assert all(torch.equal(p.cast_scales()[0], q_scale) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
         _unlink(model)
         attn.k_proj._entry.history[0] *= 100.0  # k's own scale made q's: the same cast
+        state.roll()
         assert torch.equal(attn.k_proj(x), shared)
 
 
@@ -159,15 +164,18 @@ def test_a_projection_back_from_bf16_takes_its_siblings_input_history():
     own_rows = q.history[1:].clone()
     q.history[0] *= 100.0  # stale amaxes that would coarsen the group's scale (as before a divergence)
     llama_steps(model, 3, seed=1)
+    state = attn.k_proj.state
+    state.roll()  # the third step's records (the next forward would roll them)
     assert int(q.steps) == 2 and int(k.steps) == 5
     assert _fp8_again(model, done) == 1
     assert torch.equal(q.history[0], k.history[0]) and int(q.steps) == int(k.steps) == 5, (q.history[0], k.history[0])
     assert torch.equal(q.history[1:], own_rows), "the weight / output-gradient rows must stay q's own"
-    state = attn.q_proj.state
-    assert torch.equal(state.shared_input_scale((q, k, v)), state.operand_scale(k, 0))
+    state.roll()  # the scales of the aligned histories (the next forward would compute them)
+    assert q.leader is q and k.leader is q and torch.equal(q.group_scale, k.scale[0]), (q.group_scale, k.scale)
     # k and v leave while q records; back, the freshest row is q's
     restore_bf16(model, {"model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"})
     llama_steps(model, 2, seed=2)
+    state.roll()
     assert int(q.steps) == 7 and int(k.steps) == int(v.steps) == 5
     assert _fp8_again(model, done) == 2
     assert torch.equal(k.history[0], q.history[0]) and torch.equal(v.history[0], q.history[0])

@@ -142,7 +142,10 @@ def linear_pair(recipe: str, mesh) -> dict[str, float]:
 
 
 def histories(done) -> dict[str, list]:
-    return {n: e.history.tolist() for n, e in done.conversion.delayed.entries.items()}
+    """The delayed histories after the last step's records are rolled in (every rank calls this: one all-reduce)."""
+    state = done.conversion.delayed
+    state.roll()
+    return {n: e.history.tolist() for n, e in state.entries.items()}
 
 
 # -- the torchrun worker ------------------------------------------------------------------------------------

@@ -205,6 +205,10 @@ def build_site_module(
 
             # under real TP one scale per whole tensor: amaxes MAX-reduced over the tp ranks (parallel/tp_own.py)
             state = DelayedScalingState(group=mesh.get_group() if mesh is not None else None)
+            # the timer rolls once, after a first step, then times steps on those history scales: in a model one
+            # roll per step serves every module, a share of it per site too small to time
+            state.manual = True
+            module.delayed_state = state
         for i, lin in enumerate(module.linears):
             try:
                 if state is not None:
@@ -313,6 +317,7 @@ class _Timer:
         self.tp = mesh.size() if mesh is not None else 1
         self.module = build_site_module(site, precision, args.recipe, device, mesh, wgrad_x=args.blockwise_wgrad_x)
         self.scaling = float8_linear_scaling(self.module) if precision == "fp8" else None
+        self.delayed = getattr(self.module, "delayed_state", None)  # rolled by the timer (build_site_module)
         self.fn, self._static_rows = self.module, None
         if _compile(args, device) and args.dynamic:
             # Every site compiles SiteModule.forward: drop earlier entries so dynamo's per-code-object
@@ -358,6 +363,10 @@ class _Timer:
         def step() -> None:
             torch.autograd.backward(self.fn(x), grads)
 
+        if self.delayed is not None and not self.delayed.entries[next(iter(self.delayed.entries))].started:
+            reset()  # a first step on dynamic scales, rolled in: the timed steps cast with history scales
+            step()
+            self.delayed.roll(sync=True)
         if fresh:  # compile here, not in time_ms's untimed call, whose host time sizes the GPU hold (--warmup 0)
             reset()
             step()

@@ -51,7 +51,7 @@ class FP8Config(ConfigModel):
         "(torchao Float8Linear; E4M3 forward, E5M2 gradients), blockwise (fp8kit's own: 1x128 activation "
         "and gradient blocks, 128x128 weight blocks, E4M3 throughout, DeepSeek-V3; layers whose dims are "
         "not multiples of 128 stay BF16) or delayed (fp8kit's own: Transformer Engine's delayed scaling "
-        "from an amax history, see amax_history_len; the fastest on Llama-3-8B layers, 1.30x bf16, but about 0.5x "
+        "from an amax history, see amax_history_len; the fastest on Llama-3-8B layers, 1.29-1.30x bf16, but 0.76x "
         "in full FP8 on llama-125m, where selective_fp8 = auto keeps the layers bf16; speeds: docs/benchmarks.md "
         "section 6).",
     )

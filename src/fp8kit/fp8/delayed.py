@@ -36,17 +36,19 @@ State (:mod:`fp8kit.fp8.delayed_state`): the histories live in a :class:`Delayed
 keyed by the module's plain FQN, outside the modules: a precision switch to BF16 and back keeps them, and
 checkpoints save them with the training state, so ``--resume`` continues bit for bit. The history
 advances once per training step of each module (forward in ``module.training`` with grad enabled, then
-its backward) with no call the user must make: the forward only reads the history; the backward rolls
-the step's three amaxes in, in place (``fp8.delayed_state`` says why there: it keeps every recomputation
-of the forward, as activation checkpointing does, on this step's scales). All of it is traceable by
-``torch.compile`` with no graph break and no host sync. Evaluation forwards use the current scales and
-record nothing; so does a training forward without a backward (e.g. neither the input nor the weight
+its backward) with no call the user must make: the forward reads its scales and writes its input and weight
+amax into the module's record, the backward writes the output gradient's, and before the next forward of the
+model (``DelayedScalingState.attach``, which ``apply_fp8`` calls) one roll takes every complete record of the step
+into the histories and computes every scale (``fp8.delayed_state`` says why there: a fixed number of kernels per
+step for the whole model, and every recomputation of the forward, as activation checkpointing does, on this
+step's scales). The compiled graphs have no graph break and no host sync. Evaluation forwards use the current
+scales and record nothing; so does a training forward without a backward (e.g. neither the input nor the weight
 requires grad: its scales then stay dynamic). Under data parallelism each rank records its own amax;
 with ``DelayedScalingState.group`` set (``prepare_model`` sets the data-parallel group under FSDP2, and the
-group of all data- and tensor-parallel ranks with ``tp > 1``) the step's amaxes are all-reduced (MAX, a
-functional collective) before they join the history, so every rank computes the same scales, as TE
-reduces amax over the data-parallel group (one 3-float all-reduce per module and training step, in the
-same order on every rank). The first recorded step's dynamic scales are reduced over the group too.
+group of all data- and tensor-parallel ranks with ``tp > 1``) the roll all-reduces every record of the step
+(MAX, one all-reduce for the whole model) before they join the histories, so every rank computes the same
+scales, as TE reduces amax over the data-parallel group. The first recorded step's dynamic scales are reduced
+over the group in the step.
 
 SwiGLU MLPs (HF Llama / Qwen2 / Qwen3 / Mistral) whose three projections are delayed linears run as one function
 by default (``fp8.delayed_fused_mlp``, :mod:`fp8kit.fp8.delayed_mlp`): the same formats, scales and histories, with
@@ -77,7 +79,7 @@ from fp8kit.fp8.delayed_state import (
     DelayedEntry,
     DelayedScaling,
     DelayedScalingState,
-    advance_,
+    record_,
     reduce_max,
 )
 from fp8kit.fp8.kernels.cast_ops import cast_transpose
@@ -146,21 +148,21 @@ def _cast_both(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, 
 
 
 class _DelayedLinearFn(torch.autograd.Function):
-    """``y = x @ w.T`` in FP8. Inputs: ``x`` ``[M, K]``, ``weight`` ``[N, K]``, the scales ``sx``, ``sw``, ``sg``
-    (input, weight, output gradient: separate float32 ``[]`` tensors, ``DelayedScalingState.scale_tensors``;
-    None: dynamic, from the tensors themselves), and the entry to record this step in from the backward
-    (``history`` ``[3, L]``, ``steps``, ``uid``, ``group``; ``history`` None: nothing recorded), ``fused`` (the
-    operands cast by ``fp8kit::cast_transpose``) and ``forward_amax`` ``[2]`` (written with the input and weight
-    amax of a recorded step). Output ``y`` ``[M, N]`` in ``x``'s dtype.
+    """``y = x @ w.T`` in FP8. Inputs: ``x`` ``[M, K]``, ``weight`` ``[N, K]``, the scales and their reciprocals
+    ``sx, ix, sw, iw, sg, ig`` (input, weight, output gradient: float32 ``[]`` tensors of the entry,
+    ``DelayedEntry.scale`` / ``inv_scale``, the input's its group's; None: dynamic, from the tensors themselves),
+    ``records`` (the entry's ``(forward_amax, grad_amax)``, written with this step's input and weight amax here
+    and the output gradient's in the backward; None: nothing recorded), ``group`` (reduces the dynamic scales of a recorded
+    step) and ``fused`` (the operands cast by ``fp8kit::cast_transpose``). Output ``y`` ``[M, N]`` in ``x``'s dtype.
 
     Under activation checkpointing with ``torch.compile`` the recomputed forward takes the two amaxes again in
     the backward, so there the forward's fused row amaxes are extra work (small: they ride on the casts)."""
 
     @staticmethod
-    def forward(ctx, x, weight, sx, sw, sg, history, steps, uid, group, fused, forward_amax):
-        # The warm-start (dynamic) scales of a recorded step are reduced over the group like the history's
-        # amaxes; an unrecorded forward (evaluation) communicates nothing: not every rank may run it.
-        warm = group if history is not None else None
+    def forward(ctx, x, weight, sx, ix, sw, iw, sg, ig, records, group, fused):
+        # The warm-start (dynamic) scales of a recorded step are reduced over the group as the roll reduces the
+        # records; an unrecorded forward (evaluation) communicates nothing: not every rank may run it.
+        warm = group if records is not None else None
         dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # x8 [M, K] for fprop and, for wgrad, x8 column-major; w8 [N, K] and, for dgrad, w8 column-major.
         # Under torch.compile (without the fused op) the wgrad copy of x is cast again in the backward from
@@ -169,45 +171,46 @@ class _DelayedLinearFn(torch.autograd.Function):
         recast_x = wgrad and "input" not in fused and torch.compiler.is_compiling()
         x8, x8_cm, sx, ax = _cast_both(x, sx, E4M3, warm, wgrad and not recast_x, "input" in fused)
         w8, w8_cm, sw, aw = _cast_both(weight, sw, E4M3, warm, dgrad, "weight" in fused)
-        if history is not None:
-            # Under torch.compile this write keeps the two amaxes in the forward, fused into the kernels
-            # that cast x and the weight (one row reduction each), saved (two scalars) for the backward that
-            # records them. Were the backward their only reader, the partitioner would move them there,
-            # reading x (recomputed from its producer) and the weight once more.
-            forward_amax.copy_(torch.stack([ax, aw]))
+        ix = sx.reciprocal() if ix is None else ix
+        iw = sw.reciprocal() if iw is None else iw
+        if records is not None:
+            # Under torch.compile these writes keep the two amaxes in the forward, fused into the kernels that
+            # cast x and the weight (one row reduction each). Were the backward their only reader, the
+            # partitioner would move them there, reading x (recomputed from its producer) and the weight again.
+            record_(records[0], 0, ax)
+            record_(records[0], 1, aw)
         # fprop: [M, K] @ [K, N] -> [M, N]
-        y = torch._scaled_mm(x8, w8.t(), scale_a=sx.reciprocal(), scale_b=sw.reciprocal(), out_dtype=x.dtype)
+        y = torch._scaled_mm(x8, w8.t(), scale_a=ix, scale_b=iw, out_dtype=x.dtype)
         # The layouts the backward's GEMMs take were made with the casts (the row-major x8 dies after fprop),
         # or, with recast_x, x itself is kept for the backward's cast.
-        ctx.save_for_backward(x if recast_x else x8_cm, w8_cm, sx, sw, sg, ax, aw)
+        ctx.save_for_backward(x if recast_x else x8_cm, w8_cm, sx, ix, iw, sg, ig)
         ctx.recast_x = recast_x
-        # The entry's tensors are state the backward writes, not saved values (autograd's version check
-        # would refuse a second call's backward after the first one's write).
-        ctx.entry = (history, steps, uid, group)
+        # The record is state the backward writes, not a saved value (autograd's version check would refuse a
+        # second call's backward after the first one's write).
+        ctx.records, ctx.group = records, group
         ctx.dtypes = (x.dtype, weight.dtype)
         ctx.fused = fused
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x8_cm, w8_cm, sx, sw, sg, ax, aw = ctx.saved_tensors
+        x8_cm, w8_cm, sx, ix, iw, sg, ig = ctx.saved_tensors
         if ctx.recast_x:
             x8_cm = _recast_col_major(x8_cm, sx)
         x_dtype, w_dtype = ctx.dtypes
-        history, steps, uid, group = ctx.entry
+        records = ctx.records
         dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # g8 [M, N] for dgrad; g8.T [N, M] row-major for wgrad (its "column-major" copy, transposed).
-        g8, g8_cm, sg, ag = _cast_both(dy, sg, E5M2, group if history is not None else None, wgrad,
+        g8, g8_cm, sg, ag = _cast_both(dy, sg, E5M2, ctx.group if records is not None else None, wgrad,
                                        "grad_output" in ctx.fused)
+        ig = sg.reciprocal() if ig is None else ig
         dx = dw = None
         if dgrad:  # dgrad: [M, N] @ [N, K] -> [M, K]
-            dx = torch._scaled_mm(g8, w8_cm, scale_a=sg.reciprocal(), scale_b=sw.reciprocal(),
-                                  out_dtype=x_dtype)
+            dx = torch._scaled_mm(g8, w8_cm, scale_a=ig, scale_b=iw, out_dtype=x_dtype)
         if wgrad:  # wgrad: [N, M] @ [M, K] -> [N, K]
-            dw = torch._scaled_mm(g8_cm.t(), x8_cm, scale_a=sg.reciprocal(),
-                                  scale_b=sx.reciprocal(), out_dtype=w_dtype)
-        if history is not None:  # this training step's amaxes join the history (the next step's scales)
-            advance_(history, steps, uid, torch.stack([ax, aw, ag]), group)
+            dw = torch._scaled_mm(g8_cm.t(), x8_cm, scale_a=ig, scale_b=ix, out_dtype=w_dtype)
+        if records is not None:  # the step's record is complete: the next roll takes it into the history
+            record_(records[1], 0, ag)
         return dx, dw, None, None, None, None, None, None, None, None, None
 
 
@@ -262,28 +265,38 @@ class Float8DelayedLinear(nn.Module):
     def cast_scales(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The scales (input, weight, output gradient; float32 ``[]`` each) this module's next casts use, from the
         histories: the input's is its group's smallest input scale when it has siblings
-        (:mod:`fp8kit.fp8.delayed_siblings`; its own while a sibling has no history). None before the first
-        recorded step (dynamic scales)."""
-        state, e = self._state, self._entry
-        if not self._input_siblings or not all(s.started for s in self._input_siblings):
-            return state.scale_tensors(e)
-        # the own input scale is not computed: eagerly (no CSE) it would be work thrown away
-        return state.shared_input_scale(self._input_siblings), state.operand_scale(e, 1), state.operand_scale(e, 2)
+        (:mod:`fp8kit.fp8.delayed_siblings`; its own while a sibling has not started). None before the first
+        recorded step is rolled in (dynamic scales)."""
+        scales = self._scales_and_inverses()
+        return None if scales is None else scales[0::2]
+
+    def _scales_and_inverses(self) -> tuple[torch.Tensor, ...] | None:
+        """``(sx, ix, sw, iw, sg, ig)``: :meth:`cast_scales` each followed by its reciprocal, or None."""
+        # Plain attribute reads only (no generator, no identity test): what Dynamo traces in every version we run.
+        e = self._entry
+        if not e.started:
+            return None
+        if e.group_ready:  # every sibling started: the group leader's (the first sibling's) shared scale
+            lead = self._input_siblings[0]
+            sx, ix = lead.group_scale, lead.group_inv_scale
+        else:
+            sx, ix = e.scale[0], e.inv_scale[0]
+        return sx, ix, e.scale[1], e.inv_scale[1], e.scale[2], e.inv_scale[2]
 
     def _local_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``[..., k] x [n, k] (+ [n]) -> [..., n]`` on plain tensors (a whole weight or a TP shard)."""
         state, e = self._state, self._entry
-        for entry in (e, *self._input_siblings):
-            if entry.history.device != x.device:  # not moved with its module (``_apply``): once, before the first step
-                state.place(entry, x.device)
-        # The forward only reads the history (None before the first recorded step: dynamic scales); a
-        # training step's backward records it (fp8.delayed_state: why there).
-        sx, sw, sg = self.cast_scales() or (None, None, None)
+        if e.history.device != x.device:  # not moved with its module (``_apply``): once, before the first step
+            state.place(e, x.device)
+        if not (state.attached or state.manual):  # no model rolls the state: roll here (fp8.delayed_state)
+            state.roll()
+        # The forward reads the scales (None before the first recorded step: dynamic) and writes its record;
+        # the roll before the next forward takes the step into the history (fp8.delayed_state: why there).
+        scales = self._scales_and_inverses() or (None,) * 6
         record = self.training and torch.is_grad_enabled()
         n, k = weight.shape
-        y = _DelayedLinearFn.apply(x.reshape(-1, k), weight, sx, sw, sg,
-                                   e.history if record else None, e.steps, e.uid, state.group,
-                                   FUSED_CASTS[state.config.fused_cast], e.forward_amax)
+        y = _DelayedLinearFn.apply(x.reshape(-1, k), weight, *scales, (e.forward_amax, e.grad_amax) if record else None, state.group,
+                                   FUSED_CASTS[state.config.fused_cast])
         y = y.reshape(*x.shape[:-1], n)
         return y if bias is None else y + bias.to(y.dtype)
 

@@ -30,9 +30,9 @@ come from its own tensors, runs the three linears), in training with grad enable
 same scales, nothing recorded), on bf16 / fp16 activations (float32 ones, from FP32 weights under autocast, run the
 linears: the kernel takes no float32), and when every projection's history would advance in the backward as its
 linear's would (``x`` requires grad, or all three weights do) (:func:`can_run_fused`);
-:func:`fp8kit.fp8.swiglu_mlp.fused_mlp_blocker` lists what else keeps an MLP unfused. The history
-of each projection advances in the backward exactly as its linear's would, reduced over the state's group (one
-all-reduce of the nine amaxes per MLP, where the linears make three).
+:func:`fp8kit.fp8.swiglu_mlp.fused_mlp_blocker` lists what else keeps an MLP unfused. Each projection's record
+is written as its linear's would be (input and weight amax in the forward, output gradient's in the backward), and
+the state's roll takes it into the history.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from fp8kit.fp8.delayed import Float8DelayedLinear, _cast_both, _recast_col_major
-from fp8kit.fp8.delayed_state import E4M3, E5M2, FUSED_CASTS, advance_, reduce_max
+from fp8kit.fp8.delayed_state import E4M3, E5M2, FUSED_CASTS, record_
 from fp8kit.fp8.swiglu_delayed import swiglu_backward_cast
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -49,17 +49,17 @@ _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 class _DelayedSwiGLUMLPFn(torch.autograd.Function):
     """Inputs: ``x`` ``[M, H]``, weights gate / up ``[I, H]``, down ``[H_out, I]``, ``group``, ``fused``
-    (``fp8.delayed_fused_cast``'s operands), then 21 state tensors: the nine float32 ``[]`` scales (per projection
-    gate, up, down: input, weight, output gradient, as ``Float8DelayedLinear.cast_scales`` gives them: gate's and up's
-    input scale is their group's, the smaller of the two, at which ``x`` is cast once: fp8.delayed_siblings),
-    the three entries' ``history``, ``steps``, ``uid``, and their three ``forward_amax`` ``[2]``. Output
-    ``[M, H_out]`` in ``x``'s dtype."""
+    (``fp8.delayed_fused_cast``'s operands), then 22 state tensors: 16 float32 ``[]`` scales and reciprocals, as
+    ``Float8DelayedLinear._scales_and_inverses`` gives them (gate: input, weight, output gradient; up: weight, output
+    gradient, its input scale being gate's, the group's smaller one, at which ``x`` is cast once:
+    fp8.delayed_siblings; down: input, weight, output gradient), then the three entries' ``forward_amax`` ``[2]``
+    and their three ``grad_amax`` ``[1]``. Output ``[M, H_out]`` in ``x``'s
+    dtype."""
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, group, fused, *state):
-        sx_gate, swg, sgg, sx_up, swu, sgu, sa, swd, sy = state[:9]
-        entries, forward_amax = (state[9:12], state[12:15], state[15:18]), state[18:21]
-        sx = sx_gate  # == sx_up: gate and up share their input's scale (fp8.delayed_siblings)
+        sx, ix, swg, iwg, sgg, igg, swu, iwu, sgu, igu, sa, ia, swd, iwd, sy, iy = state[:16]
+        records, grad_records = state[16:19], state[19:22]
         dgrad, wgrad_x = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         recast_x = wgrad_x and "input" not in fused and torch.compiler.is_compiling()
         x8, x8_cm, _, ax = _cast_both(x, sx, E4M3, None, wgrad_x and not recast_x, "input" in fused)
@@ -67,53 +67,50 @@ class _DelayedSwiGLUMLPFn(torch.autograd.Function):
         wg8, wg8_cm, _, awg = _cast_both(w_gate, swg, E4M3, None, dgrad, w_fused)
         wu8, wu8_cm, _, awu = _cast_both(w_up, swu, E4M3, None, dgrad, w_fused)
         wd8, wd8_cm, _, awd = _cast_both(w_down, swd, E4M3, None, True, w_fused)
-        g = torch._scaled_mm(x8, wg8.t(), scale_a=sx.reciprocal(), scale_b=swg.reciprocal(), out_dtype=x.dtype)
-        u = torch._scaled_mm(x8, wu8.t(), scale_a=sx.reciprocal(), scale_b=swu.reciprocal(), out_dtype=x.dtype)
+        g = torch._scaled_mm(x8, wg8.t(), scale_a=ix, scale_b=iwg, out_dtype=x.dtype)
+        u = torch._scaled_mm(x8, wu8.t(), scale_a=ix, scale_b=iwu, out_dtype=x.dtype)
         gf = g.float()
         a = (gf * torch.sigmoid(gf) * u.float()).to(x.dtype)  # fp8.swiglu.swiglu_ref
         a8, _, _, aa = _cast_both(a, sa, E4M3, None, False, False)
-        y = torch._scaled_mm(a8, wd8.t(), scale_a=sa.reciprocal(), scale_b=swd.reciprocal(), out_dtype=x.dtype)
+        y = torch._scaled_mm(a8, wd8.t(), scale_a=ia, scale_b=iwd, out_dtype=x.dtype)
         # as in the delayed linear: these writes keep the amaxes in the forward under torch.compile
-        for fa, pair in zip(forward_amax, ((ax, awg), (ax, awu), (aa, awd)), strict=True):
-            fa.copy_(torch.stack(pair))
-        ctx.save_for_backward(x if recast_x else x8_cm, g, u, wg8_cm, wu8_cm, wd8_cm, sx, swg, sgg, swu, sgu, sa,
-                              swd, sy, ax, awg, awu, aa, awd)
+        for rec, (a_in, a_w) in zip(records, ((ax, awg), (ax, awu), (aa, awd)), strict=True):
+            record_(rec, 0, a_in)
+            record_(rec, 1, a_w)
+        ctx.save_for_backward(x if recast_x else x8_cm, g, u, wg8_cm, wu8_cm, wd8_cm, sx, ix, iwg, sgg, igg, iwu,
+                              sgu, igu, sa, ia, iwd, sy, iy)
         ctx.recast_x = recast_x
         # state the backward writes, not saved values (as in the delayed linear)
-        ctx.entries, ctx.group, ctx.fused = entries, group, fused
+        ctx.records, ctx.group, ctx.fused = grad_records, group, fused
         ctx.dtypes = (x.dtype, w_gate.dtype, w_up.dtype, w_down.dtype)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        (x8_cm, g, u, wg8_cm, wu8_cm, wd8_cm, sx, swg, sgg, swu, sgu, sa, swd, sy,
-         ax, awg, awu, aa, awd) = ctx.saved_tensors
+        x8_cm, g, u, wg8_cm, wu8_cm, wd8_cm, sx, ix, iwg, sgg, igg, iwu, sgu, igu, sa, ia, iwd, sy, iy = ctx.saved_tensors
         x_dtype, dt_gate, dt_up, dt_down = ctx.dtypes
         need_x, need_gate, need_up, need_down = ctx.needs_input_grad[:4]
         dy8, dy8_cm, _, ay = _cast_both(dy, sy, E5M2, None, True, "grad_output" in ctx.fused)
-        inv = torch.Tensor.reciprocal
         # the down projection's dgrad: [M, H_out] @ [H_out, I] -> da [M, I]
-        da = torch._scaled_mm(dy8, wd8_cm, scale_a=inv(sy), scale_b=inv(swd), out_dtype=x_dtype)
+        da = torch._scaled_mm(dy8, wd8_cm, scale_a=iy, scale_b=iwd, out_dtype=x_dtype)
         qg, qgt, qu, qut, qat, amax_gu = swiglu_backward_cast(g, u, da, sgg, sgu, sa)
         dx = d_gate = d_up = d_down = None
         if need_down:  # [H_out, M] @ [M, I]
-            d_down = torch._scaled_mm(dy8_cm.t(), qat.t(), scale_a=inv(sy), scale_b=inv(sa), out_dtype=dt_down)
+            d_down = torch._scaled_mm(dy8_cm.t(), qat.t(), scale_a=iy, scale_b=ia, out_dtype=dt_down)
         if need_x:  # dgrad of gate and up: [M, I] @ [I, H], summed
-            dx = (torch._scaled_mm(qg, wg8_cm, scale_a=inv(sgg), scale_b=inv(swg), out_dtype=x_dtype)
-                  + torch._scaled_mm(qu, wu8_cm, scale_a=inv(sgu), scale_b=inv(swu), out_dtype=x_dtype))
+            dx = (torch._scaled_mm(qg, wg8_cm, scale_a=igg, scale_b=iwg, out_dtype=x_dtype)
+                  + torch._scaled_mm(qu, wu8_cm, scale_a=igu, scale_b=iwu, out_dtype=x_dtype))
         if need_gate or need_up:  # wgrad of gate and up: [I, M] @ [M, H]
             if ctx.recast_x:
                 x8_cm = _recast_col_major(x8_cm, sx)
             if need_gate:
-                d_gate = torch._scaled_mm(qgt, x8_cm, scale_a=inv(sgg), scale_b=inv(sx), out_dtype=dt_gate)
+                d_gate = torch._scaled_mm(qgt, x8_cm, scale_a=igg, scale_b=ix, out_dtype=dt_gate)
             if need_up:
-                d_up = torch._scaled_mm(qut, x8_cm, scale_a=inv(sgu), scale_b=inv(sx), out_dtype=dt_up)
-        # the three projections' (input, weight, output gradient) amaxes, MAX-reduced over the group in one
-        # all-reduce (the three linears make three), then rolled into each history
-        amaxes = reduce_max(torch.stack([ax, awg, amax_gu[0], ax, awu, amax_gu[1], aa, awd, ay]).view(3, 3), ctx.group)
-        for (history, steps, uid), three in zip(ctx.entries, amaxes, strict=True):
-            advance_(history, steps, uid, three, None)
-        return (dx, d_gate, d_up, d_down, None, None) + (None,) * 21
+                d_up = torch._scaled_mm(qut, x8_cm, scale_a=igu, scale_b=ix, out_dtype=dt_up)
+        # the three projections' output-gradient amaxes complete their records (the roll reduces them)
+        for rec, a_out in zip(ctx.records, (amax_gu[0], amax_gu[1], ay), strict=True):
+            record_(rec, 0, a_out)
+        return (dx, d_gate, d_up, d_down, None, None) + (None,) * 22
 
 
 def can_run_fused(projections: list[Float8DelayedLinear], x: torch.Tensor) -> bool:
@@ -142,9 +139,11 @@ def delayed_swiglu_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     for p in projs:
         if p._entry.history.device != x.device:
             state.place(p._entry, x.device)
-    scales = [s for p in projs for s in p.cast_scales()]  # started: can_run_fused
-    entries = [t for p in projs for t in (p._entry.history, p._entry.steps, p._entry.uid)]
-    forward_amax = [p._entry.forward_amax for p in projs]
+    if not (state.attached or state.manual):  # no model rolls the state (fp8.delayed_state)
+        state.roll()
+    gate, up, down = (p._scales_and_inverses() for p in projs)  # started: can_run_fused
+    scales = [*gate, *up[2:], *down]  # up's input scale is gate's (one tensor: passed once)
+    records = [p._entry.forward_amax for p in projs] + [p._entry.grad_amax for p in projs]
     y = _DelayedSwiGLUMLPFn.apply(x.reshape(-1, h), projs[0].weight, projs[1].weight, projs[2].weight, state.group,
-                                  FUSED_CASTS[state.config.fused_cast], *scales, *entries, *forward_amax)
+                                  FUSED_CASTS[state.config.fused_cast], *scales, *records)
     return y.reshape(*x.shape[:-1], projs[2].out_features)

@@ -6,8 +6,8 @@ MLP do (the post-attention RMSNorm's output). With the delayed recipe each keeps
 would cast that tensor at its own scale: three E4M3 copies of the attention input for fprop and three transposed
 copies for wgrad per layer, where one of each serves all. :func:`link_input_siblings` gives every such linear
 the entries of its group; :class:`fp8kit.fp8.delayed.Float8DelayedLinear` then casts at the group's smallest
-input scale (``DelayedScalingState.shared_input_scale``), the same expression in every module of the group, which
-``torch.compile`` merges into one cast (CSE). The histories record the same amaxes, so the scales, and the bits,
+input scale (the group leader's ``group_scale``, computed by the state's roll), one tensor read by every module of
+the group, so ``torch.compile`` merges their casts into one (CSE). The histories record the same amaxes, so the scales, and the bits,
 are those of separate scales in a run (Transformer Engine's fused ``LayerNormLinear`` over q/k/v has one input
 scale for the same reason). The delayed fused SwiGLU MLP (:mod:`fp8kit.fp8.delayed_mlp`) applies the same rule
 to gate and up on its own.
@@ -44,10 +44,18 @@ SIBLINGS: dict[str, tuple[str, ...]] = {
 def link_input_siblings(model: nn.Module) -> int:
     """Set ``_input_siblings`` on every :class:`Float8DelayedLinear` projection of a :data:`SIBLINGS` parent in
     ``model`` to the entries of its group's projections that are delayed linears of the same state now (a group
-    of one is no group: ``()``), and bring the input histories of members that missed steps up to date
-    (:func:`align_input_histories`). Call after every change of which modules are FP8 (``apply_fp8``,
-    ``restore_bf16`` do). Returns the number of linked modules."""
+    of one is no group: ``()``), make the first of them the group's ``leader`` (whose ``group_scale`` every member's
+    input cast reads), bring the input histories of members that missed steps up to date
+    (:func:`align_input_histories`), and attach every delayed state of ``model`` to it
+    (``DelayedScalingState.attach``: its roll runs before each forward of ``model``). Call after every change of
+    which modules are FP8 (``apply_fp8``, ``restore_bf16`` do). Returns the number of linked modules."""
     linked = 0
+    delayed_all = [m for m in model.modules() if isinstance(m, Float8DelayedLinear)]
+    states = {id(m.state): m.state for m in delayed_all}.values()
+    for state in states:  # the last step's records into the histories first: the counts below include it
+        state.roll()
+    for m in delayed_all:
+        m._entry.leader, m._entry.members, m._entry.group_ready = None, (), False
     for parent in model.modules():
         names = SIBLINGS.get(type(parent).__name__)
         if names is None:
@@ -58,9 +66,18 @@ def link_input_siblings(model: nn.Module) -> int:
         entries = tuple(m._entry for m in group) if len(group) > 1 else ()
         for m in delayed:
             m._input_siblings = entries if m in group else ()
+        for e in entries:
+            e.leader = entries[0]
+        if entries:
+            entries[0].members = entries
+            ready = all(e.started for e in entries)
+            for e in entries:
+                e.group_ready = ready
         if entries:
             linked += len(group)
             align_input_histories(entries)
+    for state in states:
+        state.attach(model)  # the next forward recomputes the scales (the groups, the aligned histories)
     return linked
 
 

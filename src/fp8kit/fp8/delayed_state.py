@@ -1,27 +1,34 @@
 """The amax-history state of delayed scaling (``fp8.recipe = "delayed"``): settings, per-module tensors, the
-in-place history update and the checkpoint format. The numerics are documented in :mod:`fp8kit.fp8.delayed`.
+once-per-step update of every history and scale, and the checkpoint format. The numerics are documented in
+:mod:`fp8kit.fp8.delayed`.
 
-When the state changes, and why there (``torch.compile`` without graph breaks or host syncs):
+When the state changes, and why there (``torch.compile`` without graph breaks, host syncs or per-module work):
 
-- The **forward only reads** the history (its scales); the **backward** of a training step rolls that
-  step's amaxes (input and weight from the forward, output gradient from the backward) into the history,
-  in place (``copy_``). A forward that changed state it reads would be wrong under ``torch.compile``
-  whenever AOTAutograd recomputes a read of that state in the backward (activation checkpointing always
-  does; the min-cut partitioner may, pytorch/pytorch#197039): the recomputation would see the new value.
-  Written only in the backward, the state every recomputation reads is still this step's. (The forward
-  also writes ``forward_amax``, which nothing reads: it only makes ``torch.compile`` compute those two
-  amaxes in the forward, fused into the casts.)
-- AOTAutograd functionalizes the backward's in-place update of these graph inputs and writes the result
-  back once per call; under FSDP2 the amaxes are all-reduced (MAX) with a functional collective first.
+- A module's **training forward** reads its scales (and their reciprocals, the GEMMs' dequantization scales),
+  float32 ``[]`` tensors that nothing in its graph writes, and writes this step's input and weight amaxes into
+  its ``forward_amax`` record; its **backward** writes the output gradient's amax into ``grad_amax``. These are the only
+  writes in compiled graphs: no scale is computed from the history there and nothing reads the record.
+- **Once per step**, before the next forward of the model the state is attached to
+  (:meth:`DelayedScalingState.attach`: a forward pre-hook, run eagerly), :meth:`DelayedScalingState.roll` takes
+  every record of the step that has its backward's amax, MAX-reduces them over :attr:`DelayedScalingState.group`
+  in one all-reduce, rolls them into the histories, counts the steps, and computes every module's scales, in a
+  fixed number of kernels for the whole model (Transformer Engine likewise reduces every amax of a step at once
+  and updates all scales in one fused kernel, ``amax_and_scale_update``). Before, each module rolled its own
+  history and recomputed its scales inside its compiled graphs: about 13 more small kernels per module and step
+  and a Python custom op, which left a llama-125m step waiting on the host (docs/benchmarks.md section 6,
+  session 35).
+- Since the forward only reads state that nothing in the step writes, every recomputation of the forward
+  (activation checkpointing, the partitioner's) sees this step's scales.
 - One Python flag per module, ``started`` (the history holds a step), picks the forward's code: dynamic
-  warm-start scales for the first step, history scales after it. It changes once in a run and never in
-  traced code: the custom op ``fp8kit::delayed_advanced`` sets it when it runs (eagerly or inside a
-  compiled backward), so Dynamo only reads it (a guard: a compiled block compiles once for the first
-  training step and once for every later one).
+  warm-start scales for the first steps, history scales after. The roll sets it from the step counts, read
+  with a copy to the host that it starts and reads at the next roll (no host sync in the step), so a module
+  runs a step or two more on dynamic scales than it must. Dynamo only reads it (a guard: a compiled block
+  compiles once for the warm-start steps and once for every later one).
 
-The schedule is the same as advancing the history at the next training forward (Transformer Engine
-updates after the step too): step t casts with the history of steps < t. With gradient accumulation every
-micro-batch is a step of the history.
+The schedule is the one of rolling the history in at the end of the backward: step t casts with the history of
+steps < t. With gradient accumulation every micro-batch is a step of the history (each is a forward of the
+attached model). A module's record is written by its forward and completed by its backward; one without its
+backward (an evaluation forward with grad enabled, a forward whose output needs no gradient) is dropped.
 
 One :class:`DelayedScalingState` per run owns the tensors, keyed by the module's plain FQN, outside the
 modules: the FP8 module holds a reference to its :class:`DelayedEntry`, so a precision switch to BF16 and
@@ -33,8 +40,6 @@ existing entries (the modules keep their references).
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -81,54 +86,74 @@ class DelayedScaling:
             raise ValueError(f"fp8.delayed_fused_cast: unknown {self.fused_cast!r}; choose {', '.join(FUSED_CASTS)}")
 
 
-_UIDS = itertools.count()
-_LIVE: weakref.WeakValueDictionary[int, DelayedEntry] = weakref.WeakValueDictionary()
+#: The value of an amax record not written this step (amaxes are >= 0).
+UNRECORDED = -1.0
+
+
+def _scalar(device: torch.device | str, value: float = 1.0) -> torch.Tensor:
+    """A float32 ``[]`` tensor of its own (an allocation of its own: a 16-byte-aligned pointer for cuBLASLt)."""
+    return torch.full((), value, dtype=torch.float32, device=device)
 
 
 class DelayedEntry:
     """One module's delayed-scaling state.
 
     Attributes:
-        history: ``[3, L]`` float32 amax per operand (rows :data:`OPERANDS`) of the last ``L`` training
-            steps, column 0 the most recent; zeros where no step was recorded yet.
-        steps: ``[]`` int64, training steps recorded (rolled into ``history``); for a projection that shares its
-            input with siblings, those of its input row, which ``fp8.delayed_siblings.align_input_histories`` sets
-            to a sibling's when it comes back from BF16.
-        started: ``history`` holds at least one step (``steps > 0``), so its scales exist.
-        forward_amax: ``[2]`` float32, this rank's input and weight amax of the latest training forward (not
-            reduced over a group), written by that forward (``fp8.delayed._DelayedLinearFn``: why), read by
-            nothing in fp8kit; not checkpointed.
-        uid: ``[]`` int64 CPU tensor naming this entry for ``fp8kit::delayed_advanced``: compiled graphs
-            take it as an input shared by every block, not as a per-module constant they would guard on.
+        history: ``[3, L]`` float32 amax per operand (rows :data:`OPERANDS`) of the last ``L`` recorded steps,
+            column 0 the most recent; zeros where no step was recorded yet. Written by
+            :meth:`DelayedScalingState.roll` only.
+        steps: ``[]`` int64, steps recorded (rolled into ``history``); for a projection that shares its input with
+            siblings, those of its input row, which ``fp8.delayed_siblings.align_input_histories`` sets to a
+            sibling's when it comes back from BF16.
+        forward_amax: ``[2]`` float32, this step's record of the input and weight amax, written by the training
+            forward (not reduced over a group); :data:`UNRECORDED` where not written since the last roll.
+        grad_amax: ``[1]`` float32, the output gradient's, written by that forward's backward. Two tensors, so that
+            no tensor is written by both the forward and the backward graph of one compiled region (AOTAutograd's
+            partitioner refuses a forward's write of an input that its backward writes again).
+        scale: three float32 ``[]`` tensors, the scales of the next casts (input, weight, output gradient), from
+            ``history`` (:meth:`DelayedScalingState.roll`); meaningful once ``started``.
+        inv_scale: their reciprocals (the GEMMs' dequantization scales), three float32 ``[]`` tensors.
+        group_scale, group_inv_scale: float32 ``[]``: the smallest input scale of this entry's sibling group and its
+            reciprocal, when this entry leads a group (``fp8.delayed_siblings``); every member's forward reads these
+            two tensors, so ``torch.compile`` makes one cast of the shared input.
+        leader: the entry whose ``group_scale`` this one's input cast uses (itself when it leads), or None (no group).
+        members: the entries of the group this entry leads (``()`` unless it leads one).
+        started: ``history`` holds at least one step, and the scales are those of the history.
+        group_ready: this entry has a group whose members have all started, so its input is cast at the group's
+            scale (kept by ``fp8.delayed_siblings.link_input_siblings`` and :meth:`DelayedScalingState.roll`).
     """
 
     def __init__(self, length: int, device: torch.device | str) -> None:
         self.history = torch.zeros(3, length, dtype=torch.float32, device=device)
         self.steps = torch.zeros((), dtype=torch.int64, device=device)
-        self.forward_amax = torch.zeros(2, dtype=torch.float32, device=device)
+        self._scalars(device)
+        self.leader: DelayedEntry | None = None
+        self.members: tuple[DelayedEntry, ...] = ()
         self.started = False
-        uid = next(_UIDS)
-        self.uid = torch.tensor(uid, dtype=torch.int64)
-        _LIVE[uid] = self
+        self.group_ready = False
+
+    def _scalars(self, device: torch.device | str) -> None:
+        """Fresh record and scale tensors on ``device`` (unrecorded; scales 1 until the first roll)."""
+        self.forward_amax = torch.full((2,), UNRECORDED, dtype=torch.float32, device=device)
+        self.grad_amax = torch.full((1,), UNRECORDED, dtype=torch.float32, device=device)
+        self.scale = tuple(_scalar(device) for _ in OPERANDS)
+        self.inv_scale = tuple(_scalar(device) for _ in OPERANDS)
+        self.group_scale, self.group_inv_scale = _scalar(device), _scalar(device)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The device tensors of this entry by attribute name."""
-        return {"history": self.history, "steps": self.steps, "forward_amax": self.forward_amax}
+        """The device tensors of this entry by attribute name (``scale.<i>`` / ``inv_scale.<i>`` per operand)."""
+        out = {"history": self.history, "steps": self.steps, "forward_amax": self.forward_amax,
+               "grad_amax": self.grad_amax, "group_scale": self.group_scale,
+               "group_inv_scale": self.group_inv_scale}
+        for i, op in enumerate(OPERANDS):
+            out[f"scale.{op}"], out[f"inv_scale.{op}"] = self.scale[i], self.inv_scale[i]
+        return out
 
-
-@torch.library.custom_op("fp8kit::delayed_advanced", mutates_args=("steps",))
-def _delayed_advanced(steps: torch.Tensor, uid: torch.Tensor) -> None:
-    """Count a recorded step (``steps += 1``) and mark entry ``uid`` (a CPU int64 scalar) started. An
-    opaque call in compiled graphs: the Python flag changes when the graph runs, never while tracing."""
-    steps.add_(1)
-    e = _LIVE.get(int(uid))
-    if e is not None:
-        e.started = True
-
-
-@_delayed_advanced.register_fake
-def _(steps, uid) -> None:
-    return None
+    def input_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scale, reciprocal)`` of this entry's input casts: its group's when ``group_ready``, else its own."""
+        if self.group_ready:
+            return self.leader.group_scale, self.leader.group_inv_scale
+        return self.scale[0], self.inv_scale[0]
 
 
 def reduce_max(amax: torch.Tensor, group=None) -> torch.Tensor:
@@ -141,14 +166,59 @@ def reduce_max(amax: torch.Tensor, group=None) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_reduce(amax, "max", group))
 
 
-def advance_(history: torch.Tensor, steps: torch.Tensor, uid: torch.Tensor, amax: torch.Tensor, group=None) -> None:
-    """Roll one training step's amaxes ``amax`` ``[3]`` float32 (input, weight, output gradient) into
-    ``history`` ``[3, L]`` (newest in column 0) and count the step, in place, after the MAX all-reduce over
-    ``group`` when one is given (a functional collective: traced into a compiled graph; eagerly it waits
-    on first use). Traceable by ``torch.compile``; called by the backward of that step."""
-    amax = reduce_max(amax, group)
-    history.copy_(torch.cat([amax[:, None], history[:, :-1]], dim=1))
-    torch.ops.fp8kit.delayed_advanced(steps, uid)
+def record_(amax: torch.Tensor, index: int, value: torch.Tensor) -> None:
+    """Write ``value`` (float32 ``[]``) into slot ``index`` of an entry's ``forward_amax`` / ``grad_amax`` record, in
+    place (a graph input written by a compiled forward / backward: Inductor stores it from the reduction that
+    computes it)."""
+    amax[index:index + 1].copy_(value.reshape(1))
+
+
+class _Layout:
+    """The state of the live entries stacked for :meth:`DelayedScalingState.roll` (host bookkeeping, built once per
+    change of the entries): ``history`` ``[N, 3, L]`` and ``steps`` ``[N]``, which the entries' own ``history`` /
+    ``steps`` become views of (only eager code reads them); ``forward_local`` ``[N, 2]`` / ``grad_local`` ``[N, 1]``,
+    where the records are gathered; ``scales`` ``[N, 6]`` (scales, then reciprocals) with the entries' scale tensors
+    it is copied into (``scale_tensors``, one ``_foreach_copy_`` from the kept views ``scale_views``: the scales that
+    compiled graphs read stay allocations of their own, see ``DelayedScalingState.scale_tensors``), and the same for
+    the group leaders' shared input scale (``group`` ``[G, 2]``; ``members`` / ``lead`` / ``picked``: int64 rows of
+    the grouped entries, of their leaders, of the leaders). Index tensors are made here once: one made from a list at
+    every roll would be a host-to-device copy that waits."""
+
+    def __init__(self, live: list[DelayedEntry]) -> None:
+        device = live[0].history.device
+        n = len(live)
+        self.history = torch.stack([e.history for e in live])
+        self.steps = torch.stack([e.steps for e in live])
+        for i, e in enumerate(live):
+            e.history, e.steps = self.history[i], self.steps[i]
+        self.forward_local = torch.empty(n, 2, dtype=torch.float32, device=device)
+        self.grad_local = torch.empty(n, 1, dtype=torch.float32, device=device)
+        self.forward_records = [e.forward_amax for e in live]
+        self.grad_records = [e.grad_amax for e in live]
+        self.unrecorded = [torch.full((1,), UNRECORDED, dtype=torch.float32, device=device)] * n
+        self.scales = torch.empty(n, 6, dtype=torch.float32, device=device)
+        self.scale_tensors = [t for e in live for t in (*e.scale, *e.inv_scale)]
+        self.scale_views = list(self.scales.view(-1).unbind(0))
+        index = {id(e): i for i, e in enumerate(live)}
+        grouped = [i for i, e in enumerate(live) if e.leader is not None and id(e.leader) in index]
+        self.leaders = [e for e in live if e.leader is e]
+
+        def rows(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        self.members = rows(grouped)
+        self.lead = rows([index[id(live[i].leader)] for i in grouped])
+        self.picked = rows([index[id(e)] for e in self.leaders])
+        self.group = torch.empty(len(self.leaders), 2, dtype=torch.float32, device=device)
+        self.group_tensors = [t for e in self.leaders for t in (e.group_scale, e.group_inv_scale)]
+        self.group_views = list(self.group.view(-1).unbind(0))
+        self.key = self.key_of(live)
+
+    @staticmethod
+    def key_of(live: list[DelayedEntry]) -> tuple:
+        """What the layout depends on: the entries, their tensors' identities and their leaders."""
+        return tuple((id(e), id(e.history), id(e.steps), id(e.forward_amax), id(e.grad_amax), id(e.scale),
+                      id(e.inv_scale), id(e.group_scale), id(e.leader)) for e in live)
 
 
 class DelayedScalingState:
@@ -159,12 +229,26 @@ class DelayedScalingState:
         group: process group whose ranks share one scale per tensor (``prepare_model`` sets the
             data-parallel group under FSDP2, and the group of all data- and tensor-parallel ranks with
             ``tp > 1``: ``fp8kit.parallel.tp_own.amax_group``); None: no reduction.
+
+    Who rolls: once :meth:`attach` has hooked a model, the roll runs before each of its forwards; until then each
+    :class:`~fp8kit.fp8.delayed.Float8DelayedLinear` rolls at its own forward (eagerly; under ``torch.compile`` a
+    graph break), which is correct but costs a roll per module; ``manual = True`` leaves every roll to the caller
+    (``bench-layers`` times steps on fixed scales that way).
     """
 
     def __init__(self, config: DelayedScaling | None = None, group=None) -> None:
         self.config = config or DelayedScaling()
         self.entries: dict[str, DelayedEntry] = {}
         self.group = group
+        self.manual = False
+        #: a model's forward rolls this state (:meth:`attach`); a plain flag, read by compiled forwards
+        self.attached = False
+        self._hooks: dict[int, object] = {}  # id(model) -> handle of the roll's forward pre-hook
+        self._armed = True  # a forward since the last roll may have recorded (grad enabled)
+        self._steps_copy: tuple[list[DelayedEntry], torch.Tensor, object] | None = None
+        self._lay: _Layout | None = None
+
+    # -- entries ---------------------------------------------------------------------------------------
 
     def entry(self, name: str, device: torch.device | str) -> DelayedEntry:
         """The entry of module ``name``, created (empty, on ``device``) on first use."""
@@ -176,55 +260,159 @@ class DelayedScalingState:
     @staticmethod
     @torch.compiler.disable
     def place(e: DelayedEntry, device: torch.device) -> None:
-        """Move ``e``'s tensors to ``device`` (an entry created on ``meta`` starts empty there)."""
-        for k, t in e.tensors().items():
-            setattr(e, k, torch.zeros_like(t, device=device) if t.is_meta else t.to(device))
+        """Move ``e``'s tensors to ``device`` (an entry created on ``meta`` starts empty there; its record and
+        scales start fresh: :meth:`roll` computes the scales)."""
+        e.history = torch.zeros_like(e.history, device=device) if e.history.is_meta else e.history.to(device)
+        e.steps = torch.zeros_like(e.steps, device=device) if e.steps.is_meta else e.steps.to(device)
+        scales = None if e.history.is_meta or not e.started else [t.to(device) for t in (*e.scale, *e.inv_scale)]
+        group = None if e.group_scale.is_meta else (e.group_scale.to(device), e.group_inv_scale.to(device))
+        e._scalars(device)
+        if scales is not None:
+            e.scale, e.inv_scale = tuple(scales[:3]), tuple(scales[3:])
+        if group is not None:
+            e.group_scale, e.group_inv_scale = group
+
+    # -- the roll --------------------------------------------------------------------------------------
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Roll before every forward of ``model`` (a forward pre-hook; idempotent; ``link_input_siblings`` calls it
+        after every FP8 swap). The roll never enters a graph: fp8kit compiles the blocks, not the root, so the hook
+        runs eagerly; under ``torch.compile(model)`` the roll is a ``torch.compiler.disable`` call at the start of the
+        frame (no break inside the graph, but ``fullgraph=True`` refuses it: compile the blocks, or attach the state
+        to a module outside the compiled one)."""
+        if id(model) not in self._hooks:
+            self._hooks[id(model)] = model.register_forward_pre_hook(self._pre_forward)
+        self.attached = True
+        self._armed = True  # groups may have changed: the next forward recomputes the scales
+
+    def _pre_forward(self, _module, _args) -> None:
+        if self._armed:
+            self.roll()
+        # only a forward with grad enabled can record: evaluation forwards after the first roll nothing
+        self._armed = torch.is_grad_enabled()
+
+    def _live(self) -> list[DelayedEntry]:
+        """The entries not on ``meta``, all on one device: an entry left on the CPU while the others are on an
+        accelerator (a state loaded onto the CPU, a module not moved yet) joins them there, as its module's first
+        forward would move it."""
+        live = [e for e in self.entries.values() if not e.history.is_meta]
+        devices = {e.history.device for e in live}
+        if len(devices) > 1:
+            target = next(d for d in devices if d.type != "cpu")
+            for e in live:
+                if e.history.device != target:
+                    self.place(e, target)
+        return live
+
+    @torch.no_grad()
+    @torch.compiler.disable
+    def roll(self, sync: bool = False) -> None:
+        """Fold every complete record of the last step into its history and recompute every scale (module
+        docstring): one MAX all-reduce over :attr:`group` of all records, then a fixed number of kernels for the
+        whole model, on stacked copies of the state (:class:`_Layout`) that the entries' histories and step counts
+        are views of. Runs by itself before each forward of an :meth:`attach`-ed model; call it to read the
+        histories of steps whose next forward has not run. Every output-gradient record is reset, so call it
+        between steps (a forward whose backward has not run yet would lose its record).
+
+        Args:
+            sync: read the step counts now (a host sync) to set ``started``, instead of at the next roll.
+        """
+        live = self._live()
+        if not live:
+            return
+        self._armed = False
+        lay = self._layout(live)
+        length = self.config.amax_history_len
+        torch.stack(lay.forward_records, out=lay.forward_local)
+        torch.stack(lay.grad_records, out=lay.grad_local)
+        amax = reduce_max(torch.cat([lay.forward_local, lay.grad_local], dim=1), self.group)  # [N, 3]
+        done = amax[:, 2] >= 0  # the backward wrote its amax: a complete step
+        rolled = torch.cat([amax[:, :, None], lay.history[:, :, :length - 1]], dim=2)
+        lay.history.copy_(torch.where(done[:, None, None], rolled, lay.history))
+        lay.steps.add_(done)
+        torch._foreach_copy_(lay.grad_records, lay.unrecorded)
+        self._write_scales(lay)
+        self._update_started(live, lay.steps, sync)
+
+    def _write_scales(self, lay: _Layout) -> None:
+        """Every entry's scales and reciprocals from the histories (the module docstring's formula of
+        :mod:`fp8kit.fp8.delayed`), and each group leader's smallest input scale of its group."""
+        amax = lay.history.amax(dim=2) if self.config.amax_compute_algo == "max" else lay.history[:, :, 0]
+        margin = 2.0 ** self.config.margin
+        scales = torch.stack([scale_from_amax(amax[:, i], dt) for i, dt in enumerate(DTYPES)], dim=1) / margin
+        lay.scales.copy_(torch.cat([scales, scales.reciprocal()], dim=1))  # [N, 6]: scales, then reciprocals
+        torch._foreach_copy_(lay.scale_tensors, lay.scale_views)
+        if lay.leaders:
+            group = torch.full((lay.steps.numel(),), float("inf"), device=scales.device).scatter_reduce(
+                0, lay.lead, scales[:, 0].index_select(0, lay.members), "amin").index_select(0, lay.picked)
+            lay.group.copy_(torch.stack([group, group.reciprocal()], dim=1))
+            torch._foreach_copy_(lay.group_tensors, lay.group_views)
+
+    def _layout(self, live: list[DelayedEntry]) -> _Layout:
+        """The :class:`_Layout` of ``live``, built when the entries, their tensors or their groups change."""
+        if self._lay is None or self._lay.key != _Layout.key_of(live):
+            self._lay = _Layout(live)
+        return self._lay
+
+    @staticmethod
+    def update_groups(live: list[DelayedEntry]) -> None:
+        """Set every entry's ``group_ready`` from its group's ``started`` flags (host only)."""
+        for e in live:
+            lead = e.leader
+            e.group_ready = lead is not None and all(m.started for m in lead.members)
+
+    def _update_started(self, live: list[DelayedEntry], steps: torch.Tensor, sync: bool) -> None:
+        """Set ``started`` of entries whose step count is > 0, from a copy of the counts made at the previous roll
+        (or now, with ``sync`` or on the CPU), so the step never waits for the device."""
+        if all(e.started for e in live):
+            self._steps_copy = None
+            return
+        if sync or steps.device.type != "cuda":
+            for e, n in zip(live, steps.tolist(), strict=True):
+                e.started = e.started or n > 0
+            self._steps_copy = None
+            self.update_groups(live)
+            return
+        prev = self._steps_copy
+        if prev is not None and prev[2].query():
+            for e, n in zip(prev[0], prev[1].tolist(), strict=True):
+                e.started = e.started or n > 0
+            self.update_groups(live)
+        host = torch.empty(steps.shape, dtype=steps.dtype, pin_memory=True)
+        host.copy_(steps, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._steps_copy = (live, host, event)
+
+    # -- reads -----------------------------------------------------------------------------------------
 
     def advance(self, e: DelayedEntry, amax: torch.Tensor) -> None:
-        """Roll one training step's amaxes ``[3]`` float32 (input, weight, output gradient) into
-        ``e.history``: :func:`advance_` with this state's :attr:`group`."""
-        advance_(e.history, e.steps, e.uid, amax, self.group)
+        """Record one complete step of ``e`` (amaxes ``[3]`` float32: input, weight, output gradient) and roll it
+        in now (with every other complete record), setting ``started`` at once."""
+        e.forward_amax.copy_(amax[:2])
+        e.grad_amax.copy_(amax[2:])
+        self.roll(sync=True)
 
     def scales(self, e: DelayedEntry) -> torch.Tensor | None:
-        """``[3]`` float32 scales (input, weight, output gradient) from ``e.history``, or None while it is
-        empty (``scale = fp8_max / max(amax, eps) / 2 ** margin``, ``fp8.scaling.scale_from_amax``)."""
+        """``[3]`` float32 scales (input, weight, output gradient) of ``e``'s next casts from its history, or None
+        while it has not started (``scale = fp8_max / max(amax, eps) / 2 ** margin``,
+        ``fp8.scaling.scale_from_amax``)."""
         parts = self.scale_tensors(e)
         return None if parts is None else torch.stack(parts)
 
     def scale_tensors(self, e: DelayedEntry) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The three scales of :meth:`scales` as separate float32 ``[]`` tensors, or None while the history is
-        empty. Separate tensors, not views of one ``[3]`` tensor: a view at an offset of 4 or 8 bytes is no
-        16-byte-aligned scale pointer for cuBLASLt, and inductor may compute a scale's reciprocal in place
-        in such a view (``CUBLAS_STATUS_NOT_SUPPORTED`` from ``torch._scaled_mm``, seen on the H100)."""
-        if not e.started:
-            return None
-        return tuple(self.operand_scale(e, i) for i in range(3))
+        """The three scales of :meth:`scales` as the entry's own float32 ``[]`` tensors (what its casts read), or
+        None while it has not started. Separate allocations, not views of one ``[3]`` tensor: a view at an offset
+        of 4 or 8 bytes is no 16-byte-aligned scale pointer for cuBLASLt (``CUBLAS_STATUS_NOT_SUPPORTED`` from
+        ``torch._scaled_mm``, seen on the H100)."""
+        return e.scale if e.started else None
 
-    def operand_scale(self, e: DelayedEntry, i: int) -> torch.Tensor:
-        """The scale of operand ``i`` (row of :data:`OPERANDS`) from ``e``'s history (the module docstring's
-        formula), float32 ``[]``; ``e`` must have started (:attr:`DelayedEntry.started`)."""
-        # "max": the zeros of steps not recorded yet never win (amax >= 0).
-        amax = e.history[i].amax() if self.config.amax_compute_algo == "max" else e.history[i, 0]
-        return scale_from_amax(amax, DTYPES[i]) / (2.0 ** self.config.margin)
-
-    def shared_input_scale(self, entries: tuple[DelayedEntry, ...]) -> torch.Tensor | None:
-        """The smallest input scale of ``entries`` (modules that read one input tensor, e.g. q/k/v), float32
-        ``[]``; None while one of them has no history. Every module of the group computes this same expression,
-        so under ``torch.compile`` their casts of the shared input are one cast (CSE). The input histories of
-        such modules hold the same amaxes, so the scales are equal in a run and the bits are those of separate
-        scales; where they differ (a checkpoint that lacked an entry; a projection back from BF16 is aligned when
-        it is linked again, ``fp8.delayed_siblings``), the smallest scale is the one no module's history saturates."""
-        if not all(e.started for e in entries):
-            return None
-        scales = [self.operand_scale(e, 0) for e in entries]
-        out = scales[0]
-        for s in scales[1:]:
-            out = torch.minimum(out, s)
-        return out
+    # -- checkpoints -----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Histories and step counts (CPU copies: the live history changes in place), for the training
-        checkpoint (one host sync per entry)."""
+        """Histories and step counts (CPU copies), for the training checkpoint, after rolling in the last step's
+        records (one host sync per entry)."""
+        self.roll(sync=True)
         return {
             "config": {"amax_history_len": self.config.amax_history_len,
                        "amax_compute_algo": self.config.amax_compute_algo, "margin": self.config.margin},
@@ -233,9 +421,10 @@ class DelayedScalingState:
 
     def load_state_dict(self, sd: dict, device: torch.device | str = "cpu") -> None:
         """Restore :meth:`state_dict` into the existing entries (modules keep their references); entries the
-        checkpoint lacks start empty. A history of another length is refused (it changes every scale).
-        Checkpoints of fp8kit versions that rolled the last step in at the next forward (``pending``,
-        ``has_pending``) load with that step rolled in, as that forward would have.
+        checkpoint lacks start empty; records of steps not rolled in are dropped, and the scales are recomputed.
+        A history of another length is refused (it changes every scale). Checkpoints of fp8kit versions that
+        rolled the last step in at the next forward (``pending``, ``has_pending``) load with that step rolled in,
+        as that forward would have.
 
         Raises:
             ValueError: the saved ``amax_history_len`` differs from this state's.
@@ -257,5 +446,7 @@ class DelayedScalingState:
                     history = torch.cat([v["pending"].to(device)[:, None], history[:, :-1]], dim=1)
                     steps += 1
             e.history, e.steps = history, torch.tensor(steps, dtype=torch.int64, device=device)
-            e.forward_amax = torch.zeros(2, dtype=torch.float32, device=device)  # with the others, on ``device``
+            e._scalars(device)  # with the others, on ``device``; fresh record
             e.started = steps > 0
+        self._steps_copy = None
+        self.roll(sync=True)  # the scales of the loaded histories
