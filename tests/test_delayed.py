@@ -183,9 +183,10 @@ def test_meta_entry_is_materialised_by_to_empty():
 
 
 def test_one_roll_per_forward_of_the_attached_model_takes_every_record():
-    """Attached to a model, the state rolls once before each of its forwards (not per module): a step's forward and
-    backward write each module's record (input and weight amax, then the output gradient's) and leave the history;
-    the next forward rolls every record in at once. Evaluation forwards after the first roll nothing."""
+    """Attached to a model, the state rolls once before each of its forwards with grad enabled (not per module;
+    the first has nothing to roll): a step's forward and backward write each module's record (input and weight
+    amax, then the output gradient's) and leave the history; the next forward rolls every record in at once.
+    Forwards without grad (evaluation, a probe between a forward and its backward) roll nothing and lose nothing."""
     torch.manual_seed(0)
     state = DelayedScalingState(DelayedScaling(amax_history_len=4))
     model = nn.Sequential(*(Float8DelayedLinear.from_linear(nn.Linear(32, 32, bias=False), state, f"l{i}")
@@ -196,20 +197,57 @@ def test_one_roll_per_forward_of_the_attached_model_takes_every_record():
     x = torch.randn(16, 32, requires_grad=True)
     model(x).sum().backward()
     e = state.entries["l0"]
-    assert len(rolls) == 1 and int(e.steps) == 0 and not e.history.any(), (len(rolls), e.history)
+    assert len(rolls) == 0 and int(e.steps) == 0 and not e.history.any(), (len(rolls), e.history)
     want = [x.detach().abs().amax().item(), model[0].weight.detach().abs().amax().item()]
     assert e.forward_amax.tolist() == want and e.grad_amax.item() > 0, (e.forward_amax, want)
-    model(x).sum().backward()
-    assert len(rolls) == 2 and all(int(v.steps) == 1 for v in state.entries.values())
+    y = model(x)
+    assert len(rolls) == 1 and all(int(v.steps) == 1 for v in state.entries.values())
     assert e.history[:, 0].tolist() == [*want, e.history[2, 0].item()] and e.started
     with torch.no_grad():
-        for _ in range(3):
+        for _ in range(3):  # evaluation / a probe between this step's forward and its backward
             model(x)
-    assert len(rolls) == 3, f"{len(rolls)} rolls: evaluation forwards after the first must not roll"
-    assert all(int(v.steps) == 2 for v in state.entries.values())
-    model(x).sum().backward()  # nothing to roll before it (evaluation recorded nothing); the next forward rolls
-    model(x)
-    assert len(rolls) == 4 and all(int(v.steps) == 3 for v in state.entries.values()), len(rolls)
+    y.sum().backward()
+    assert len(rolls) == 1, f"{len(rolls)} rolls: forwards without grad must not roll"
+    model(x).sum().backward()
+    assert len(rolls) == 2 and all(int(v.steps) == 2 for v in state.entries.values()), "the step before the probe"
+    model(x)  # a training forward without a backward: its record is dropped at the next roll
+    model(x).sum().backward()
+    state.roll()
+    assert all(int(v.steps) == 4 for v in state.entries.values()), [int(v.steps) for v in state.entries.values()]
+
+
+def test_a_roll_between_a_compiled_forward_and_its_backward_leaves_its_scales():
+    """A checkpoint (``state_dict`` rolls) or a precision switch between a forward and its backward writes the other
+    of the entry's two scale sets: the backward's saved scales are untouched (no in-place error, the same
+    gradients as without the roll)."""
+    grads = []
+    for between in (False, True):
+        model, state = _make(block=True)
+        compiled = torch.compile(model, fullgraph=True)
+        state.attach(compiled)
+        for i in range(4):
+            g = torch.Generator().manual_seed(i)
+            x = (torch.randn(2, 16, 64, generator=g) * (1 + i)).bfloat16().requires_grad_(True)
+            y = compiled(x)
+            if between and i == 3:
+                state.state_dict()
+            y.backward(torch.randn(y.shape, generator=g).bfloat16())
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def test_a_state_never_attached_attaches_to_its_first_module():
+    """Modules made with ``from_linear`` and used as they are: the first to run attaches the state to itself, so
+    the roll runs once per step before it (not once per module)."""
+    torch.manual_seed(0)
+    state = DelayedScalingState()
+    model = nn.Sequential(*(Float8DelayedLinear.from_linear(nn.Linear(32, 32, bias=False), state, f"l{i}")
+                            for i in range(3)))
+    for _ in range(4):
+        model(torch.randn(8, 32, requires_grad=True)).sum().backward()
+    assert state.attached and list(model[0]._forward_pre_hooks) and not model[1]._forward_pre_hooks
+    state.roll()
+    assert [int(e.steps) for e in state.entries.values()] == [4, 4, 4]
 
 
 def test_compiled_graphs_take_precomputed_scales_and_no_history():

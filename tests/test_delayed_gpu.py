@@ -140,9 +140,10 @@ def test_cast_is_fused_into_the_rmsnorm_kernel(fused_cast):
 
 
 def test_steps_and_rolls_never_wait_for_the_gpu_and_started_follows_a_roll_late():
-    """The roll (``DelayedScalingState.roll``) and the compiled steps make no host sync (CUDA sync debug mode
-    "error" raises on one): the step counts reach the host by a copy started at one roll and read at the next.
-    So the first history scales come at the third step, and every module's record and history stay exact."""
+    """The roll (``DelayedScalingState.roll``) and the compiled steps make no host sync once the warm start is over
+    (CUDA sync debug mode "error" raises on one): the step counts reach the host by a copy started at one roll and
+    waited for at the next (a step old), so the first history scales come at the third step (the roll before it is
+    left unchecked: it waits on that copy, and the step compiles), and every module's record and history stay exact."""
     model, state = _make()
     compiled = torch.compile(model, fullgraph=True)
     state.attach(compiled)

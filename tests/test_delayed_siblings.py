@@ -180,3 +180,27 @@ def test_a_projection_back_from_bf16_takes_its_siblings_input_history():
     assert _fp8_again(model, done) == 2
     assert torch.equal(k.history[0], q.history[0]) and torch.equal(v.history[0], q.history[0])
     assert int(k.steps) == int(v.steps) == 7
+
+
+def test_a_projection_in_bf16_leaves_its_group_and_a_resumed_state_casts_shared_inputs():
+    """k_proj swapped to BF16 (the guard's single-layer switch) no longer takes part in q/v's shared input scale,
+    whatever its frozen history holds; and a state loaded from a checkpoint (``--resume``) casts each shared input at
+    its group's scale at once, as the run that saved it did."""
+    model, done = prepared_llama(["fp8.recipe=delayed", "fp8.delayed_fused_mlp=false"])
+    attn = model.model.layers[0].self_attn
+    q, k, v = attn.q_proj._entry, attn.k_proj._entry, attn.v_proj._entry
+    llama_steps(model, 2)
+    state = attn.q_proj.state
+    restore_bf16(model, {"model.layers.0.self_attn.k_proj"})
+    k.history[0] *= 100.0  # k's frozen input amaxes, 100x: its input scale 100x smaller
+    state.roll()
+    assert k.leader is None and not k.active and q.leader is q and q.members == (q, v)
+    want = torch.minimum(q.scale[0], v.scale[0])
+    assert torch.equal(q.group_scale, want) and q.group_scale > 10 * k.scale[0], (q.group_scale, k.scale[0])
+    saved = state.state_dict()
+    fresh, _ = prepared_llama(["fp8.recipe=delayed", "fp8.delayed_fused_mlp=false"])
+    fa = fresh.model.layers[0].self_attn
+    fa.q_proj.state.load_state_dict(saved)
+    assert all(p._entry.started and p._entry.group_ready for p in (fa.q_proj, fa.k_proj, fa.v_proj))
+    scales = [p.cast_scales()[0] for p in (fa.q_proj, fa.k_proj, fa.v_proj)]
+    assert all(t is fa.q_proj._entry.group_scale for t in scales), "the group's cast must read one tensor"

@@ -14,8 +14,9 @@ Numerics (Transformer Engine ``recipe.DelayedScaling``; Micikevicius et al. 2022
   So the cast is one pass over the tensor (multiply by a known scale, saturate, convert) that also
   records this step's amax for the history: no amax pass before the cast. Under ``torch.compile`` the
   cast and the amax are plain tensor ops in the block's graph, so inductor fuses them into the kernel
-  that produces the tensor (RMSNorm, SwiGLU, the residual add). The first training step has no history
-  and takes its scales from its own tensors (dynamic), as a warm start.
+  that produces the tensor (RMSNorm, SwiGLU, the residual add). Until a module's first recorded step is in its
+  history (the first step on the CPU, the first two on CUDA: ``fp8.delayed_state`` says why), it takes its scales
+  from its own tensors (dynamic), as a warm start.
   ``fp8.delayed_fused_cast`` can route casts through fp8kit's Triton cast-transpose op instead
   (``fp8kit::cast_transpose``: one read, both FP8 layouts, the amax; same bits); it is faster on a lone linear
   but not in a model, where it stops that fusion, so the default leaves every cast to ``torch.compile``.
@@ -47,7 +48,7 @@ requires grad: its scales then stay dynamic). Under data parallelism each rank r
 with ``DelayedScalingState.group`` set (``prepare_model`` sets the data-parallel group under FSDP2, and the
 group of all data- and tensor-parallel ranks with ``tp > 1``) the roll all-reduces every record of the step
 (MAX, one all-reduce for the whole model) before they join the histories, so every rank computes the same
-scales, as TE reduces amax over the data-parallel group. The first recorded step's dynamic scales are reduced
+scales, as TE reduces amax over the data-parallel group. The warm-start steps' dynamic scales are reduced
 over the group in the step.
 
 SwiGLU MLPs (HF Llama / Qwen2 / Qwen3 / Mistral) whose three projections are delayed linears run as one function
@@ -221,7 +222,9 @@ class Float8DelayedLinear(nn.Module):
     it replaces (:meth:`from_linear` / :meth:`to_linear`), so optimizer state and ``state_dict`` keys are
     unchanged; the scaling state is the :class:`DelayedEntry` ``name`` of the shared
     :class:`DelayedScalingState`. Input ``[..., in_features]`` bf16 -> output ``[..., out_features]`` bf16;
-    the bias is added in bf16. Traceable by ``torch.compile`` with ``fullgraph=True``.
+    the bias is added in bf16. Traceable by ``torch.compile`` with ``fullgraph=True`` once its state is attached to
+    a model outside the compiled one (``apply_fp8`` attaches it; otherwise the module attaches it to itself on its
+    first forward, ``DelayedScalingState.attach_first``, a call Dynamo does not trace).
     """
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, state: DelayedScalingState, name: str):
@@ -276,7 +279,7 @@ class Float8DelayedLinear(nn.Module):
         e = self._entry
         if not e.started:
             return None
-        if e.group_ready:  # every sibling started: the group leader's (the first sibling's) shared scale
+        if e.group_ready and self._input_siblings:  # every sibling started: the leader's (first sibling's) scale
             lead = self._input_siblings[0]
             sx, ix = lead.group_scale, lead.group_inv_scale
         else:
@@ -288,8 +291,8 @@ class Float8DelayedLinear(nn.Module):
         state, e = self._state, self._entry
         if e.history.device != x.device:  # not moved with its module (``_apply``): once, before the first step
             state.place(e, x.device)
-        if not (state.attached or state.manual):  # no model rolls the state: roll here (fp8.delayed_state)
-            state.roll()
+        if not (state.attached or state.manual):  # no model rolls the state: this module's forwards will
+            state.attach_first(self)
         # The forward reads the scales (None before the first recorded step: dynamic) and writes its record;
         # the roll before the next forward takes the step into the history (fp8.delayed_state: why there).
         scales = self._scales_and_inverses() or (None,) * 6

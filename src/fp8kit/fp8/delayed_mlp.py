@@ -5,7 +5,8 @@ SwiGLU backward's casts in one kernel (``fp8.delayed_fused_mlp``).
 scales, GEMMs and the amax histories are those of the three delayed linears (:mod:`fp8kit.fp8.delayed`); what
 changes is where the casts happen:
 
-- forward: ``x`` is cast once for gate and up, at the smaller of their two input scales (the rule of
+- forward: ``x`` is cast once for gate and up, at gate's input scale, which once both have started is the smaller
+  of their two input scales (the group's, ``DelayedEntry.group_scale``; the rule of
   :mod:`fp8kit.fp8.delayed_siblings`, which the unfused projections follow too). The two input histories
   record the same ``max |x|`` every step, so the scales are equal in a run; they can differ for a while after a
   checkpoint that lacked one of the entries, or precision phases that switched only one projection, and then the
@@ -25,7 +26,7 @@ the hardware's, so a value can differ from the reference by a bf16 ulp before it
 wgrad copy of ``a``, made by the kernel, from the forward's fprop copy by one E4M3 step in such an element; the
 unfused linear under ``torch.compile`` recomputes its wgrad copy too).
 
-The function runs when all three projections have a recorded history (the first training step, whose scales
+The function runs when all three projections have a recorded history (the warm-start steps, whose scales
 come from its own tensors, runs the three linears), in training with grad enabled (evaluation runs the linears:
 same scales, nothing recorded), on bf16 / fp16 activations (float32 ones, from FP32 weights under autocast, run the
 linears: the kernel takes no float32), and when every projection's history would advance in the backward as its
@@ -139,8 +140,8 @@ def delayed_swiglu_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     for p in projs:
         if p._entry.history.device != x.device:
             state.place(p._entry, x.device)
-    if not (state.attached or state.manual):  # no model rolls the state (fp8.delayed_state)
-        state.roll()
+    if not (state.attached or state.manual):  # no model rolls the state: this MLP's forwards will
+        state.attach_first(mlp)
     gate, up, down = (p._scales_and_inverses() for p in projs)  # started: can_run_fused
     scales = [*gate, *up[2:], *down]  # up's input scale is gate's (one tensor: passed once)
     records = [p._entry.forward_amax for p in projs] + [p._entry.grad_amax for p in projs]

@@ -54,8 +54,10 @@ def link_input_siblings(model: nn.Module) -> int:
     states = {id(m.state): m.state for m in delayed_all}.values()
     for state in states:  # the last step's records into the histories first: the counts below include it
         state.roll()
+        for e in state.entries.values():  # a projection swapped to BF16 leaves its group and is not waited for
+            e.leader, e.members, e.group_ready, e.active = None, (), False, False
     for m in delayed_all:
-        m._entry.leader, m._entry.members, m._entry.group_ready = None, (), False
+        m._entry.active = True
     for parent in model.modules():
         names = SIBLINGS.get(type(parent).__name__)
         if names is None:
@@ -77,7 +79,8 @@ def link_input_siblings(model: nn.Module) -> int:
             linked += len(group)
             align_input_histories(entries)
     for state in states:
-        state.attach(model)  # the next forward recomputes the scales (the groups, the aligned histories)
+        state.attach(model)
+        state.roll()  # the scales of the new groups and of the aligned histories, before any forward reads them
     return linked
 
 

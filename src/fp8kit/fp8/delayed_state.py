@@ -8,7 +8,7 @@ When the state changes, and why there (``torch.compile`` without graph breaks, h
   float32 ``[]`` tensors that nothing in its graph writes, and writes this step's input and weight amaxes into
   its ``forward_amax`` record; its **backward** writes the output gradient's amax into ``grad_amax``. These are the only
   writes in compiled graphs: no scale is computed from the history there and nothing reads the record.
-- **Once per step**, before the next forward of the model the state is attached to
+- **Once per step**, before the next forward with grad enabled of the model the state is attached to
   (:meth:`DelayedScalingState.attach`: a forward pre-hook, run eagerly), :meth:`DelayedScalingState.roll` takes
   every record of the step that has its backward's amax, MAX-reduces them over :attr:`DelayedScalingState.group`
   in one all-reduce, rolls them into the histories, counts the steps, and computes every module's scales, in a
@@ -21,9 +21,13 @@ When the state changes, and why there (``torch.compile`` without graph breaks, h
   (activation checkpointing, the partitioner's) sees this step's scales.
 - One Python flag per module, ``started`` (the history holds a step), picks the forward's code: dynamic
   warm-start scales for the first steps, history scales after. The roll sets it from the step counts, read
-  with a copy to the host that it starts and reads at the next roll (no host sync in the step), so a module
-  runs a step or two more on dynamic scales than it must. Dynamo only reads it (a guard: a compiled block
-  compiles once for the warm-start steps and once for every later one).
+  with a copy to the host that it starts and waits for at the next roll (a step old: no wait in practice, and
+  every rank flips the same flags at the same roll), so on CUDA a module runs one step more on dynamic scales
+  than it must. Dynamo only reads it (a guard: a compiled block compiles once for the warm-start steps and once
+  for every later one).
+- The scales a forward reads are one of two sets per module; each roll writes the other and binds it, so a roll
+  between a forward and its backward (a checkpoint, a precision switch) leaves the scales that backward saved.
+  Forwards without grad (evaluation) roll nothing: they cast with the scales of the last roll.
 
 The schedule is the one of rolling the history in at the end of the backward: step t casts with the history of
 steps < t. With gradient accumulation every micro-batch is a step of the history (each is a forward of the
@@ -40,6 +44,7 @@ existing entries (the modules keep their references).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -100,8 +105,8 @@ class DelayedEntry:
 
     Attributes:
         history: ``[3, L]`` float32 amax per operand (rows :data:`OPERANDS`) of the last ``L`` recorded steps,
-            column 0 the most recent; zeros where no step was recorded yet. Written by
-            :meth:`DelayedScalingState.roll` only.
+            column 0 the most recent; zeros where no step was recorded yet. Rolled by
+            :meth:`DelayedScalingState.roll` (and set by checkpoint loads and ``fp8.delayed_siblings``).
         steps: ``[]`` int64, steps recorded (rolled into ``history``); for a projection that shares its input with
             siblings, those of its input row, which ``fp8.delayed_siblings.align_input_histories`` sets to a
             sibling's when it comes back from BF16.
@@ -116,11 +121,16 @@ class DelayedEntry:
         group_scale, group_inv_scale: float32 ``[]``: the smallest input scale of this entry's sibling group and its
             reciprocal, when this entry leads a group (``fp8.delayed_siblings``); every member's forward reads these
             two tensors, so ``torch.compile`` makes one cast of the shared input.
+            These eight tensors are one of two sets the entry owns (``sets``, ``bound``): each roll writes the
+            other set and binds it, so a roll between a forward and its backward (a checkpoint, a precision switch,
+            a second forward) never writes a scale that backward saved.
         leader: the entry whose ``group_scale`` this one's input cast uses (itself when it leads), or None (no group).
         members: the entries of the group this entry leads (``()`` unless it leads one).
         started: ``history`` holds at least one step, and the scales are those of the history.
         group_ready: this entry has a group whose members have all started, so its input is cast at the group's
-            scale (kept by ``fp8.delayed_siblings.link_input_siblings`` and :meth:`DelayedScalingState.roll`).
+            scale (set by ``fp8.delayed_siblings.link_input_siblings`` and whenever ``started`` flags change).
+        active: a module of the model the state is attached to uses this entry (False for a projection swapped to
+            BF16: its entry keeps its history but is not waited for to start).
     """
 
     def __init__(self, length: int, device: torch.device | str) -> None:
@@ -131,14 +141,22 @@ class DelayedEntry:
         self.members: tuple[DelayedEntry, ...] = ()
         self.started = False
         self.group_ready = False
+        self.active = True
 
     def _scalars(self, device: torch.device | str) -> None:
-        """Fresh record and scale tensors on ``device`` (unrecorded; scales 1 until the first roll)."""
+        """Fresh record and scale tensors on ``device`` (unrecorded; scales 1 until the first roll), set 0 bound."""
         self.forward_amax = torch.full((2,), UNRECORDED, dtype=torch.float32, device=device)
         self.grad_amax = torch.full((1,), UNRECORDED, dtype=torch.float32, device=device)
-        self.scale = tuple(_scalar(device) for _ in OPERANDS)
-        self.inv_scale = tuple(_scalar(device) for _ in OPERANDS)
-        self.group_scale, self.group_inv_scale = _scalar(device), _scalar(device)
+        #: two sets of (3 scales, 3 reciprocals, group scale, its reciprocal)
+        self.sets = tuple(tuple(_scalar(device) for _ in range(8)) for _ in range(2))
+        self.bind(0)
+
+    def bind(self, k: int) -> None:
+        """Make set ``k`` of :attr:`sets` the entry's ``scale``, ``inv_scale``, ``group_scale``, ``group_inv_scale``."""
+        s = self.sets[k]
+        self.bound = k
+        self.scale, self.inv_scale = s[0:3], s[3:6]
+        self.group_scale, self.group_inv_scale = s[6], s[7]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The device tensors of this entry by attribute name (``scale.<i>`` / ``inv_scale.<i>`` per operand)."""
@@ -178,8 +196,9 @@ class _Layout:
     change of the entries): ``history`` ``[N, 3, L]`` and ``steps`` ``[N]``, which the entries' own ``history`` /
     ``steps`` become views of (only eager code reads them); ``forward_local`` ``[N, 2]`` / ``grad_local`` ``[N, 1]``,
     where the records are gathered; ``scales`` ``[N, 6]`` (scales, then reciprocals) with the entries' scale tensors
-    it is copied into (``scale_tensors``, one ``_foreach_copy_`` from the kept views ``scale_views``: the scales that
-    compiled graphs read stay allocations of their own, see ``DelayedScalingState.scale_tensors``), and the same for
+    it is copied into (``scale_tensors``, per set of ``DelayedEntry.sets``; one ``_foreach_copy_`` from the kept views
+    ``scale_views``: the scales that compiled graphs read stay allocations of their own, see
+    ``DelayedScalingState.scale_tensors``; ``next``: the set the next roll writes), and the same for
     the group leaders' shared input scale (``group`` ``[G, 2]``; ``members`` / ``lead`` / ``picked``: int64 rows of
     the grouped entries, of their leaders, of the leaders). Index tensors are made here once: one made from a list at
     every roll would be a host-to-device copy that waits."""
@@ -197,8 +216,10 @@ class _Layout:
         self.grad_records = [e.grad_amax for e in live]
         self.unrecorded = [torch.full((1,), UNRECORDED, dtype=torch.float32, device=device)] * n
         self.scales = torch.empty(n, 6, dtype=torch.float32, device=device)
-        self.scale_tensors = [t for e in live for t in (*e.scale, *e.inv_scale)]
+        self.scale_tensors = [[t for e in live for t in e.sets[k][:6]] for k in (0, 1)]
         self.scale_views = list(self.scales.view(-1).unbind(0))
+        self.live = live
+        self.next = 1 - live[0].bound  # the set the next roll writes and binds
         index = {id(e): i for i, e in enumerate(live)}
         grouped = [i for i, e in enumerate(live) if e.leader is not None and id(e.leader) in index]
         self.leaders = [e for e in live if e.leader is e]
@@ -210,15 +231,15 @@ class _Layout:
         self.lead = rows([index[id(live[i].leader)] for i in grouped])
         self.picked = rows([index[id(e)] for e in self.leaders])
         self.group = torch.empty(len(self.leaders), 2, dtype=torch.float32, device=device)
-        self.group_tensors = [t for e in self.leaders for t in (e.group_scale, e.group_inv_scale)]
+        self.group_tensors = [[t for e in self.leaders for t in e.sets[k][6:]] for k in (0, 1)]
         self.group_views = list(self.group.view(-1).unbind(0))
         self.key = self.key_of(live)
 
     @staticmethod
     def key_of(live: list[DelayedEntry]) -> tuple:
         """What the layout depends on: the entries, their tensors' identities and their leaders."""
-        return tuple((id(e), id(e.history), id(e.steps), id(e.forward_amax), id(e.grad_amax), id(e.scale),
-                      id(e.inv_scale), id(e.group_scale), id(e.leader)) for e in live)
+        return tuple((id(e), id(e.history), id(e.steps), id(e.forward_amax), id(e.grad_amax), id(e.sets),
+                      id(e.leader)) for e in live)
 
 
 class DelayedScalingState:
@@ -230,10 +251,9 @@ class DelayedScalingState:
             data-parallel group under FSDP2, and the group of all data- and tensor-parallel ranks with
             ``tp > 1``: ``fp8kit.parallel.tp_own.amax_group``); None: no reduction.
 
-    Who rolls: once :meth:`attach` has hooked a model, the roll runs before each of its forwards; until then each
-    :class:`~fp8kit.fp8.delayed.Float8DelayedLinear` rolls at its own forward (eagerly; under ``torch.compile`` a
-    graph break), which is correct but costs a roll per module; ``manual = True`` leaves every roll to the caller
-    (``bench-layers`` times steps on fixed scales that way).
+    Who rolls: once :meth:`attach` has hooked a model, the roll runs before each of its forwards with grad enabled;
+    a state never attached is attached to the first of its modules that runs a forward (:meth:`attach_first`);
+    ``manual = True`` leaves every roll to the caller (``bench-layers`` times steps on fixed scales that way).
     """
 
     def __init__(self, config: DelayedScaling | None = None, group=None) -> None:
@@ -243,8 +263,9 @@ class DelayedScalingState:
         self.manual = False
         #: a model's forward rolls this state (:meth:`attach`); a plain flag, read by compiled forwards
         self.attached = False
-        self._hooks: dict[int, object] = {}  # id(model) -> handle of the roll's forward pre-hook
-        self._armed = True  # a forward since the last roll may have recorded (grad enabled)
+        # model -> handle of the roll's forward pre-hook (weak: a model freed leaves no stale entry)
+        self._hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._armed = False  # a forward with grad enabled ran since the last roll: it may have recorded
         self._steps_copy: tuple[list[DelayedEntry], torch.Tensor, object] | None = None
         self._lay: _Layout | None = None
 
@@ -262,15 +283,13 @@ class DelayedScalingState:
     def place(e: DelayedEntry, device: torch.device) -> None:
         """Move ``e``'s tensors to ``device`` (an entry created on ``meta`` starts empty there; its record and
         scales start fresh: :meth:`roll` computes the scales)."""
+        bound = None if e.history.is_meta else [t.to(device) for t in e.sets[e.bound]]
         e.history = torch.zeros_like(e.history, device=device) if e.history.is_meta else e.history.to(device)
         e.steps = torch.zeros_like(e.steps, device=device) if e.steps.is_meta else e.steps.to(device)
-        scales = None if e.history.is_meta or not e.started else [t.to(device) for t in (*e.scale, *e.inv_scale)]
-        group = None if e.group_scale.is_meta else (e.group_scale.to(device), e.group_inv_scale.to(device))
         e._scalars(device)
-        if scales is not None:
-            e.scale, e.inv_scale = tuple(scales[:3]), tuple(scales[3:])
-        if group is not None:
-            e.group_scale, e.group_inv_scale = group
+        if bound is not None:
+            for dst, src in zip(e.sets[0], bound, strict=True):
+                dst.copy_(src)
 
     # -- the roll --------------------------------------------------------------------------------------
 
@@ -280,16 +299,31 @@ class DelayedScalingState:
         runs eagerly; under ``torch.compile(model)`` the roll is a ``torch.compiler.disable`` call at the start of the
         frame (no break inside the graph, but ``fullgraph=True`` refuses it: compile the blocks, or attach the state
         to a module outside the compiled one)."""
-        if id(model) not in self._hooks:
-            self._hooks[id(model)] = model.register_forward_pre_hook(self._pre_forward)
+        handle = self._hooks.get(model)
+        if handle is None or handle.id not in model._forward_pre_hooks:
+            self._hooks[model] = model.register_forward_pre_hook(self._pre_forward)
         self.attached = True
-        self._armed = True  # groups may have changed: the next forward recomputes the scales
+
+    @torch.compiler.disable
+    def attach_first(self, module: torch.nn.Module) -> None:
+        """For a state no model was attached to (modules made with ``Float8DelayedLinear.from_linear`` and used
+        as they are): attach it to ``module``, the first of its modules to run a forward, and roll as the hook
+        would have before this forward. The roll then runs before each forward of that module: right for a lone
+        linear or a stack of them called in order; a model should be attached instead (``apply_fp8`` does)."""
+        if not self.attached:
+            self.attach(module)
+            self._pre_forward(module, ())
 
     def _pre_forward(self, _module, _args) -> None:
+        """Before a forward with grad enabled: roll the records of the forwards with grad enabled since the last
+        roll (the first such forward has nothing to roll). A forward without grad (evaluation) records nothing and
+        rolls nothing: it casts with the scales of the last roll, and a training step's record it falls between
+        (a probe between a forward and its backward) stays for the next training forward."""
+        if not torch.is_grad_enabled():
+            return
         if self._armed:
             self.roll()
-        # only a forward with grad enabled can record: evaluation forwards after the first roll nothing
-        self._armed = torch.is_grad_enabled()
+        self._armed = True
 
     def _live(self) -> list[DelayedEntry]:
         """The entries not on ``meta``, all on one device: an entry left on the CPU while the others are on an
@@ -311,8 +345,10 @@ class DelayedScalingState:
         docstring): one MAX all-reduce over :attr:`group` of all records, then a fixed number of kernels for the
         whole model, on stacked copies of the state (:class:`_Layout`) that the entries' histories and step counts
         are views of. Runs by itself before each forward of an :meth:`attach`-ed model; call it to read the
-        histories of steps whose next forward has not run. Every output-gradient record is reset, so call it
-        between steps (a forward whose backward has not run yet would lose its record).
+        histories of steps whose next forward has not run. Call it between steps: it resets every output-gradient
+        record, so a record whose backward has not run yet is dropped (and, compiled, that backward finds its record
+        written in place). The scales it writes are the set not bound (``DelayedEntry.sets``): the scales a pending
+        backward saved stay as they were.
 
         Args:
             sync: read the step counts now (a host sync) to set ``started``, instead of at the next roll.
@@ -341,12 +377,16 @@ class DelayedScalingState:
         margin = 2.0 ** self.config.margin
         scales = torch.stack([scale_from_amax(amax[:, i], dt) for i, dt in enumerate(DTYPES)], dim=1) / margin
         lay.scales.copy_(torch.cat([scales, scales.reciprocal()], dim=1))  # [N, 6]: scales, then reciprocals
-        torch._foreach_copy_(lay.scale_tensors, lay.scale_views)
+        k = lay.next  # the set not bound now: a backward pending from the last forward holds the bound one
+        torch._foreach_copy_(lay.scale_tensors[k], lay.scale_views)
         if lay.leaders:
             group = torch.full((lay.steps.numel(),), float("inf"), device=scales.device).scatter_reduce(
                 0, lay.lead, scales[:, 0].index_select(0, lay.members), "amin").index_select(0, lay.picked)
             lay.group.copy_(torch.stack([group, group.reciprocal()], dim=1))
-            torch._foreach_copy_(lay.group_tensors, lay.group_views)
+            torch._foreach_copy_(lay.group_tensors[k], lay.group_views)
+        for e in lay.live:
+            e.bind(k)
+        lay.next = 1 - k
 
     def _layout(self, live: list[DelayedEntry]) -> _Layout:
         """The :class:`_Layout` of ``live``, built when the entries, their tensors or their groups change."""
@@ -362,27 +402,29 @@ class DelayedScalingState:
             e.group_ready = lead is not None and all(m.started for m in lead.members)
 
     def _update_started(self, live: list[DelayedEntry], steps: torch.Tensor, sync: bool) -> None:
-        """Set ``started`` of entries whose step count is > 0, from a copy of the counts made at the previous roll
-        (or now, with ``sync`` or on the CPU), so the step never waits for the device."""
-        if all(e.started for e in live):
+        """Set ``started`` of the active entries whose step count is > 0, from a copy of the counts started at the
+        previous roll and waited for now (a step old, so the wait is over at once: the GPU has long passed it; and
+        every rank flips the same flags at the same roll), or from the counts now with ``sync`` or on the CPU."""
+        waiting = [i for i, e in enumerate(live) if e.active and not e.started]
+        if not waiting:
             self._steps_copy = None
             return
         if sync or steps.device.type != "cuda":
-            for e, n in zip(live, steps.tolist(), strict=True):
-                e.started = e.started or n > 0
-            self._steps_copy = None
+            counts = steps.tolist()
+        else:
+            prev, counts = self._steps_copy, None
+            if prev is not None and prev[0] is self._lay:
+                prev[2].synchronize()
+                counts = prev[1].tolist()
+            host = torch.empty(steps.shape, dtype=steps.dtype, pin_memory=True)
+            host.copy_(steps, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._steps_copy = (self._lay, host, event)
+        if counts is not None and any(counts[i] > 0 for i in waiting):
+            for i in waiting:
+                live[i].started = counts[i] > 0
             self.update_groups(live)
-            return
-        prev = self._steps_copy
-        if prev is not None and prev[2].query():
-            for e, n in zip(prev[0], prev[1].tolist(), strict=True):
-                e.started = e.started or n > 0
-            self.update_groups(live)
-        host = torch.empty(steps.shape, dtype=steps.dtype, pin_memory=True)
-        host.copy_(steps, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._steps_copy = (live, host, event)
 
     # -- reads -----------------------------------------------------------------------------------------
 
@@ -411,12 +453,13 @@ class DelayedScalingState:
 
     def state_dict(self) -> dict:
         """Histories and step counts (CPU copies), for the training checkpoint, after rolling in the last step's
-        records (one host sync per entry)."""
+        records (every rank of :attr:`group` must call it: the roll all-reduces)."""
         self.roll(sync=True)
+        cpu = {n: (e.history.to("cpu", copy=True), e.steps.to("cpu", copy=True)) for n, e in self.entries.items()}
         return {
             "config": {"amax_history_len": self.config.amax_history_len,
                        "amax_compute_algo": self.config.amax_compute_algo, "margin": self.config.margin},
-            "entries": {n: {"history": e.history.to("cpu", copy=True), "steps": int(e.steps)} for n, e in self.entries.items()},
+            "entries": {n: {"history": h, "steps": int(c)} for n, (h, c) in cpu.items()},
         }
 
     def load_state_dict(self, sd: dict, device: torch.device | str = "cpu") -> None:
@@ -449,4 +492,5 @@ class DelayedScalingState:
             e._scalars(device)  # with the others, on ``device``; fresh record
             e.started = steps > 0
         self._steps_copy = None
+        self.update_groups(list(self.entries.values()))
         self.roll(sync=True)  # the scales of the loaded histories
