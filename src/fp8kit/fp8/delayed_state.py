@@ -167,12 +167,6 @@ class DelayedEntry:
             out[f"scale.{op}"], out[f"inv_scale.{op}"] = self.scale[i], self.inv_scale[i]
         return out
 
-    def input_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(scale, reciprocal)`` of this entry's input casts: its group's when ``group_ready``, else its own."""
-        if self.group_ready:
-            return self.leader.group_scale, self.leader.group_inv_scale
-        return self.scale[0], self.inv_scale[0]
-
 
 def reduce_max(amax: torch.Tensor, group=None) -> torch.Tensor:
     """``amax`` (float32, any shape) MAX-reduced over ``group`` (a functional all-reduce, traceable by
@@ -266,7 +260,8 @@ class DelayedScalingState:
         # model -> handle of the roll's forward pre-hook (weak: a model freed leaves no stale entry)
         self._hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._armed = False  # a forward with grad enabled ran since the last roll: it may have recorded
-        self._steps_copy: tuple[list[DelayedEntry], torch.Tensor, object] | None = None
+        # (layout, pinned host copy of its step counts, event recorded after the copy): read at the next roll
+        self._steps_copy: tuple[_Layout, torch.Tensor, torch.cuda.Event] | None = None
         self._lay: _Layout | None = None
 
     # -- entries ---------------------------------------------------------------------------------------
