@@ -188,8 +188,8 @@ def record_(amax: torch.Tensor, index: int, value: torch.Tensor) -> None:
 class _Layout:
     """The state of the live entries stacked for :meth:`DelayedScalingState.roll` (host bookkeeping, built once per
     change of the entries): ``history`` ``[N, 3, L]`` and ``steps`` ``[N]``, which the entries' own ``history`` /
-    ``steps`` become views of (only eager code reads them); ``forward_local`` ``[N, 2]`` / ``grad_local`` ``[N, 1]``,
-    where the records are gathered; ``scales`` ``[N, 6]`` (scales, then reciprocals) with the entries' scale tensors
+    ``steps`` become views of (only eager code reads them); ``local`` ``[N, 3]``, where the records are gathered
+    (one ``_foreach_copy_`` into the kept views ``local_views``: fewer host microseconds than a stack); ``scales`` ``[N, 6]`` (scales, then reciprocals) with the entries' scale tensors
     it is copied into (``scale_tensors``, per set of ``DelayedEntry.sets``; one ``_foreach_copy_`` from the kept views
     ``scale_views``: the scales that compiled graphs read stay allocations of their own, see
     ``DelayedScalingState.scale_tensors``; ``next``: the set the next roll writes), and the same for
@@ -204,10 +204,10 @@ class _Layout:
         self.steps = torch.stack([e.steps for e in live])
         for i, e in enumerate(live):
             e.history, e.steps = self.history[i], self.steps[i]
-        self.forward_local = torch.empty(n, 2, dtype=torch.float32, device=device)
-        self.grad_local = torch.empty(n, 1, dtype=torch.float32, device=device)
-        self.forward_records = [e.forward_amax for e in live]
-        self.grad_records = [e.grad_amax for e in live]
+        self.local = torch.empty(n, 3, dtype=torch.float32, device=device)
+        self.records = [t for e in live for t in (e.forward_amax, e.grad_amax)]
+        self.local_views = [v for row in self.local.unbind(0) for v in (row[:2], row[2:])]
+        self.grad_records = self.records[1::2]
         self.unrecorded = [torch.full((1,), UNRECORDED, dtype=torch.float32, device=device)] * n
         self.scales = torch.empty(n, 6, dtype=torch.float32, device=device)
         self.scale_tensors = [[t for e in live for t in e.sets[k][:6]] for k in (0, 1)]
@@ -354,9 +354,8 @@ class DelayedScalingState:
         self._armed = False
         lay = self._layout(live)
         length = self.config.amax_history_len
-        torch.stack(lay.forward_records, out=lay.forward_local)
-        torch.stack(lay.grad_records, out=lay.grad_local)
-        amax = reduce_max(torch.cat([lay.forward_local, lay.grad_local], dim=1), self.group)  # [N, 3]
+        torch._foreach_copy_(lay.local_views, lay.records)
+        amax = reduce_max(lay.local, self.group)  # [N, 3]
         done = amax[:, 2] >= 0  # the backward wrote its amax: a complete step
         rolled = torch.cat([amax[:, :, None], lay.history[:, :, :length - 1]], dim=2)
         lay.history.copy_(torch.where(done[:, None, None], rolled, lay.history))
