@@ -363,7 +363,7 @@ class _Timer:
         def step() -> None:
             torch.autograd.backward(self.fn(x), grads)
 
-        if self.delayed is not None and not self.delayed.entries[next(iter(self.delayed.entries))].started:
+        if self.delayed is not None and not all(e.started for e in self.delayed.entries.values()):
             reset()  # a first step on dynamic scales, rolled in: the timed steps cast with history scales
             step()
             self.delayed.roll(sync=True)

@@ -291,8 +291,7 @@ class Float8DelayedLinear(nn.Module):
         state, e = self._state, self._entry
         if e.history.device != x.device:  # not moved with its module (``_apply``): once, before the first step
             state.place(e, x.device)
-        if not (state.attached or state.manual):  # no model rolls the state: this module's forwards will
-            state.attach_first(self)
+        state.ensure_rolled(self)
         # The forward reads the scales (None before the first recorded step: dynamic) and writes its record;
         # the roll before the next forward takes the step into the history (fp8.delayed_state: why there).
         scales = self._scales_and_inverses() or (None,) * 6

@@ -140,8 +140,7 @@ def delayed_swiglu_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     for p in projs:
         if p._entry.history.device != x.device:
             state.place(p._entry, x.device)
-    if not (state.attached or state.manual):  # no model rolls the state: this MLP's forwards will
-        state.attach_first(mlp)
+    state.ensure_rolled(mlp)
     gate, up, down = (p._scales_and_inverses() for p in projs)  # started: can_run_fused
     scales = [*gate, *up[2:], *down]  # up's input scale is gate's (one tensor: passed once)
     records = [p._entry.forward_amax for p in projs] + [p._entry.grad_amax for p in projs]

@@ -299,6 +299,13 @@ class DelayedScalingState:
             self._hooks[model] = model.register_forward_pre_hook(self._pre_forward)
         self.attached = True
 
+    def ensure_rolled(self, module: torch.nn.Module) -> None:
+        """Called by every delayed forward: when neither a model nor the caller rolls this state (not
+        :attr:`attached`, not :attr:`manual`), :meth:`attach_first` to ``module``. Plain attribute reads, which
+        Dynamo traces without a break; the attaching call itself runs once, outside the graph."""
+        if not (self.attached or self.manual):
+            self.attach_first(module)
+
     @torch.compiler.disable
     def attach_first(self, module: torch.nn.Module) -> None:
         """For a state no model was attached to (modules made with ``Float8DelayedLinear.from_linear`` and used
