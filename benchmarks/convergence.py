@@ -45,6 +45,9 @@ VARIANTS = {
     "tensorwise": [*FULL_FP8, "fp8.recipe=tensorwise", *FP32_MASTER],
     "blockwise": [*FULL_FP8, "fp8.recipe=blockwise", *FP32_MASTER],
     "delayed": [*FULL_FP8, "fp8.recipe=delayed", *FP32_MASTER],
+    # the compiled blocks replayed as CUDA graphs (train.cuda_graphs): same kernels, no launch overhead
+    "bf16-cuda-graphs": ["train.mixed_precision=bf16", "train.cuda_graphs=true", *FP32_MASTER],
+    "delayed-cuda-graphs": [*FULL_FP8, "fp8.recipe=delayed", "train.cuda_graphs=true", *FP32_MASTER],
     # delayed with the three MLP linears run separately (the fused SwiGLU MLP off)
     "delayed-unfused": [*FULL_FP8, "fp8.recipe=delayed", "fp8.delayed_fused_mlp=false", *FP32_MASTER],
     # blockwise keeping no FP8 copy from forward to backward (the per-tensor recipes' peak memory)

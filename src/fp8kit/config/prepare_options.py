@@ -45,6 +45,7 @@ def prepare_options(cfg: RunConfig, *, fp8_now: bool, emulate: bool) -> PrepareO
         delayed=delayed_scaling_for(cfg.fp8),
         activation_checkpointing=t.activation_checkpointing,
         compile=t.compile,
+        cuda_graphs=t.cuda_graphs,
         sequence_parallel=d.sequence_parallel,
         ep=d.ep,
         ep_fp8_dispatch=d.ep_fp8_dispatch,

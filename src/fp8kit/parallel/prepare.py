@@ -60,6 +60,7 @@ class PrepareOptions:
         delayed: the ``delayed`` recipe's amax-history settings.
         activation_checkpointing: recompute each block in backward.
         compile: ``torch.compile`` each block.
+        cuda_graphs: with ``compile``, compile each block with ``mode="reduce-overhead"`` (CUDA graph trees).
         sequence_parallel: with tp > 1, split norms and the residual stream over tokens.
         ep: expert-parallel size.
         ep_fp8_dispatch: with ``ep > 1``, the dispatch all-to-all sends E4M3 (``fp8kit.moe.fp8_dispatch``: the
@@ -91,6 +92,7 @@ class PrepareOptions:
     delayed: DelayedScaling = field(default_factory=DelayedScaling)
     activation_checkpointing: bool = False
     compile: bool = False
+    cuda_graphs: bool = False
     sequence_parallel: bool = False
     ep: int = 1
     ep_fp8_dispatch: bool = False
@@ -169,6 +171,8 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
         delayed=DelayedScalingState(options.delayed),
     )
     done = Prepared(conversion=conversion)
+    if options.cuda_graphs:
+        _check_cuda_graphs(model, options)
     if tp > 1 or fsdp:  # one delayed scale per tensor across the data- and tensor-parallel ranks
         conversion.delayed.group = amax_group(mesh)
 
@@ -238,10 +242,23 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     if options.compile:
         from fp8kit.models.build import transformer_blocks
 
+        mode = "reduce-overhead" if options.cuda_graphs else None
         for block in transformer_blocks(model):
-            block.compile()
+            block.compile(mode=mode)
         done.steps.append("compile")
     return done
+
+
+def _check_cuda_graphs(model: nn.Module, options: PrepareOptions) -> None:
+    """``train.cuda_graphs``: compiled blocks on a CUDA device (a distributed run is refused earlier, by
+    ``fp8kit.train.setup.check_distributed_config``)."""
+    if not options.compile:
+        raise ConfigError("train.cuda_graphs = true needs train.compile = true (the CUDA graphs are of the "
+                          "compiled blocks)")
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        raise ConfigError(f"train.cuda_graphs = true on {device}: CUDA graphs need a CUDA device; set "
+                          "train.cuda_graphs = false")
 
 
 def _fp8_reduce_scatter(model: nn.Module, fmt: str, done: Prepared, dp_shard: int, dp_replicate: int) -> None:

@@ -101,6 +101,9 @@ def _loss(setup: Setup, batch) -> torch.Tensor:
     else:
         batch = batch.to(setup.device)
         x, y, extra = batch.input_ids, batch.labels, batch.model_kwargs()
+    if setup.cfg.train.cuda_graphs:
+        # a new iteration of the CUDA graph trees: the previous forward's outputs may be overwritten from here
+        torch.compiler.cudagraph_mark_step_begin()
     # train.param_dtype = fp32: FP32 master weights, bf16 matmuls through autocast (standard AMP)
     with torch.autocast(setup.device.type, dtype=torch.bfloat16, enabled=setup.cfg.train.param_dtype == "fp32"):
         logits = setup.model(input_ids=x, **extra).logits  # [B, T, V]

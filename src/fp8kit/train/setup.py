@@ -437,7 +437,8 @@ def check_distributed_config(cfg: RunConfig) -> None:
             FSDP2 / HSDP shards, ``Shard(0)``, only), or with ``optim.granularity = "block"`` or FP8
             gradients (``fp8kit.optim.sharded``), a precision schedule (it swaps modules that FSDP2/TP have wrapped),
             ``train.on_divergence = "recover"`` or ``fp8.stats_every > 0`` (single-process features),
-            ``distributed.fp8_reduce_scatter`` with HSDP (``dp_replicate > 1``).
+            ``distributed.fp8_reduce_scatter`` with HSDP (``dp_replicate > 1``), ``train.cuda_graphs``
+            (one process only).
     """
     if cfg.optim.name == "fp8_adamw":
         d, o = cfg.distributed, cfg.optim
@@ -453,6 +454,12 @@ def check_distributed_config(cfg: RunConfig) -> None:
                 f"and FSDP2 already holds the reduce-scattered gradient shard"
             )
     d = cfg.distributed
+    if cfg.train.cuda_graphs:
+        raise ConfigError(
+            f"train.cuda_graphs = true in a distributed run ({launched_world_size()} ranks): the CUDA graphs of the "
+            "compiled blocks are supported in one process only (FSDP2's, TP's and EP's collectives run between and "
+            "inside the blocks); set train.cuda_graphs = false"
+        )
     if d.fp8_reduce_scatter != "off" and d.dp_replicate > 1:
         raise ConfigError(
             f"distributed.fp8_reduce_scatter = {d.fp8_reduce_scatter!r} with dp_replicate = {d.dp_replicate} (HSDP): "

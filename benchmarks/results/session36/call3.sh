@@ -1,0 +1,12 @@
+# session 36, call 3: the train.cuda_graphs GPU test, and llama-125m convergence (1200 steps) of bf16, delayed and delayed with CUDA graphs
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
+mkdir -p $OUT/keep
+(timeout 420 python3 benchmarks/convergence.py --study recipes --variants bf16,delayed,delayed-cuda-graphs --parallel --out /tmp/conv > $OUT/keep/convergence.log 2>&1; echo conv rc $? >> $OUT/keep/convergence.log) &
+sleep 1
+timeout 400 python3 -m pytest -m gpu -q -rA -s -p no:cacheprovider tests/test_cuda_graphs_gpu.py > $OUT/keep/cuda_graphs_gpu_tests.log 2>&1; echo tests rc $?
+grep -E "captured|passed|failed|Error" $OUT/keep/cuda_graphs_gpu_tests.log | tail -12
+wait
+tail -15 $OUT/keep/convergence.log
+cp /tmp/conv/*.md /tmp/conv/*.png $OUT/keep/ 2>/dev/null
+for v in bf16 delayed delayed-cuda-graphs; do cp /tmp/conv/$v/metrics.jsonl $OUT/keep/conv_${v//-/_}_metrics.jsonl 2>/dev/null; cp /tmp/conv/$v.log $OUT/keep/conv_${v//-/_}.log; done
+ls $OUT/keep

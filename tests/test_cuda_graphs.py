@@ -1,0 +1,60 @@
+"""``train.cuda_graphs`` on the CPU: what it refuses, each as one clear error before anything is written.
+
+The option itself (the blocks replayed as CUDA graphs, the same losses bit for bit) runs on the GPU:
+``tests/test_cuda_graphs_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fp8kit.base.errors import ConfigError
+from fp8kit.cli.main import main
+from fp8kit.config import load_config
+from fp8kit.parallel.prepare import PrepareOptions
+from fp8kit.train.setup import build_setup
+
+
+def _one_error(capsys, out, sets: list[str]) -> str:
+    code = main(["train", "--out", str(out), *[a for s in sets for a in ("--set", s)]])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, f"exit {code}, stderr: {err}"
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1, err
+    assert not out.exists(), "a refused run wrote its directory"
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "sets, expected",
+    [
+        (["train.cuda_graphs=true"], "captures the compiled blocks, so it needs train.compile = true"),
+        (["train.compile=true", "train.cuda_graphs=true", "train.grad_accum=2"],
+         "not with train.grad_accum = 2: a micro-batch's weight gradients are outputs of the backward's CUDA graphs"),
+    ],
+)
+def test_config_errors(capsys, tmp_path, sets, expected):
+    line = _one_error(capsys, tmp_path / "run", sets)
+    assert "train.cuda_graphs" in line and expected in line, line
+
+
+def test_on_the_cpu_it_is_refused_not_dropped(capsys, tmp_path, small_run):
+    line = _one_error(capsys, tmp_path / "run", [*small_run, "train.compile=true", "train.cuda_graphs=true",
+                                                  "train.device=cpu"])
+    assert "train.cuda_graphs = true on cpu: CUDA graphs need a CUDA device" in line, line
+
+
+def test_a_distributed_run_is_refused(monkeypatch, small_run):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"train.cuda_graphs = true in a distributed run \(2 ranks\)"):
+        build_setup(load_config(None, [*small_run, "train.compile=true", "train.cuda_graphs=true",
+                                       "distributed.dp_shard=2"]))
+
+
+def test_the_option_reaches_the_preparation():
+    from fp8kit.config.prepare_options import prepare_options
+
+    cfg = load_config(None, ["train.compile=true", "train.cuda_graphs=true"])
+    opts = prepare_options(cfg, fp8_now=True, emulate=False)
+    assert isinstance(opts, PrepareOptions) and opts.compile and opts.cuda_graphs
+    assert not prepare_options(load_config(None, ["train.compile=true"]), fp8_now=True, emulate=False).cuda_graphs

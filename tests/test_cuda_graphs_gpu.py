@@ -1,0 +1,71 @@
+"""``train.cuda_graphs`` on a CUDA GPU (marker ``gpu``; skipped without an FP8 GPU): each recipe's compiled blocks
+replay as CUDA graphs (graphs captured, none skipped), and the run's losses are those of the same run without them.
+
+Run on the H100: ``pytest -m gpu -s tests/test_cuda_graphs_gpu.py`` (``-s`` prints the measured differences). The
+CPU side (the config check and the errors) is in ``tests/test_cuda_graphs.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from fp8kit.config import load_config
+from fp8kit.train.trainer import train
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                       reason="needs a CUDA GPU with FP8 tensor cores (sm89+)"),
+]
+
+#: Relative loss difference allowed per step between the run with CUDA graphs and without. The graphs replay the
+#: kernels Inductor generated for the run without them, on the same inputs, so the losses are expected to agree to
+#: the last bit; the margin only admits kernels whose reduction order is not fixed between launches.
+MAX_REL_DIFF = 1e-3
+STEPS = 6
+
+
+def _run(tmp_path, cache, recipe: str, graphs: bool) -> tuple[list[float], int, int]:
+    """Train the ``tiny`` preset ``STEPS`` steps, compiled; returns the losses, the CUDA graphs captured and
+    Inductor's count of graphs it refused to capture (``cudagraph_skips``)."""
+    torch._dynamo.reset()
+    counters.clear()
+    captured = [0]
+    begin = torch.cuda.CUDAGraph.capture_begin
+
+    def counting(self, *args, **kwargs):
+        captured[0] += 1
+        return begin(self, *args, **kwargs)
+
+    prec = ["train.mixed_precision=bf16"] if recipe == "bf16" else [
+        "train.mixed_precision=fp8", f"fp8.recipe={recipe}", "selective.selective_fp8=false"]
+    cfg = load_config(None, [
+        "model.preset=tiny", "data.vocab_size=4096", "data.seq_length=256", "train.micro_batch_size=8",
+        f"train.steps={STEPS}", "train.compile=true", f"train.cuda_graphs={str(graphs).lower()}", "train.eval_every=3",
+        "train.eval_batches=2", "train.checkpoint_every=0", "train.final_checkpoint=false",
+        f"data.cache_dir={cache}", *prec,
+    ])
+    torch.cuda.CUDAGraph.capture_begin = counting
+    try:
+        metrics = train(cfg, tmp_path / f"{recipe}-{graphs}").metrics
+    finally:
+        torch.cuda.CUDAGraph.capture_begin = begin
+    losses = [r["loss"] for r in metrics if "loss" in r]
+    return losses, captured[0], counters["inductor"]["cudagraph_skips"]
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "tensorwise", "delayed", "blockwise"])
+def test_cuda_graphs_replay_the_blocks_and_train_to_the_same_losses(tmp_path, recipe):
+    cache = tmp_path / "cache"
+    ref, ref_graphs, _ = _run(tmp_path, cache, recipe, graphs=False)
+    got, graphs, skips = _run(tmp_path, cache, recipe, graphs=True)
+    diffs = [abs(a - b) / abs(a) for a, b in zip(ref, got, strict=True)]
+    print(f"\n{recipe}: {graphs} CUDA graphs captured ({ref_graphs} without the option), {skips} skipped; "
+          f"max relative loss difference {max(diffs):.2e} over {len(diffs)} steps; bit-equal: {ref == got}")
+    assert ref_graphs == 0, f"{ref_graphs} CUDA graphs captured with train.cuda_graphs = false"
+    assert skips == 0, f"Inductor skipped {skips} graph(s) for CUDA graphs (TORCH_LOGS=perf_hints names why)"
+    # 4 blocks, forward and backward, in training and in evaluation: at least one graph per block and pass
+    assert graphs >= 8, f"only {graphs} CUDA graphs captured"
+    assert max(diffs) <= MAX_REL_DIFF, f"losses differ by up to {max(diffs):.2e} (relative): {ref} vs {got}"
