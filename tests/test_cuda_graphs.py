@@ -58,3 +58,27 @@ def test_the_option_reaches_the_preparation():
     opts = prepare_options(cfg, fp8_now=True, emulate=False)
     assert isinstance(opts, PrepareOptions) and opts.compile and opts.cuda_graphs
     assert not prepare_options(load_config(None, ["train.compile=true"]), fp8_now=True, emulate=False).cuda_graphs
+
+
+def test_graphs_inductor_skips_are_warned_once_each_and_counted_for_the_summary():
+    """The loop's watch (``train/cuda_graphs.py``) against Inductor's own counter. On the CPU Inductor never tries
+    CUDA graphs, so the skips are added to that counter here as Inductor's ``log_cudagraph_skip`` adds them; the
+    GPU twin (``tests/test_cuda_graphs_gpu.py``) compares the summary's count with real skips."""
+    from torch._dynamo.utils import counters
+
+    from fp8kit.train.cuda_graphs import poll_skips, start_watch, summary_row
+
+    counters["inductor"]["cudagraph_skips"] += 3  # skips of earlier runs in this process: not this run's
+    info: dict = {}
+    start_watch(info)
+    assert poll_skips(info) is None and summary_row(info["cuda_graphs"]) == "on; none skipped by Inductor"
+    counters["inductor"]["cudagraph_skips"] += 2
+    msg = poll_skips(info)
+    assert msg is not None and "Inductor ran 2 compiled graph(s) without CUDA graphs (2 in this run)" in msg, msg
+    assert poll_skips(info) is None, "the same skips warned twice"
+    start_watch(info)  # a divergence-guard rollback starts the loop again: the count goes on
+    counters["inductor"]["cudagraph_skips"] += 1
+    assert "ran 1 compiled graph(s) without CUDA graphs (3 in this run)" in poll_skips(info)
+    assert info["cuda_graphs"]["graphs_skipped"] == 3
+    assert summary_row(info["cuda_graphs"]) == "on; 3 compiled graph(s) ran without (see the warnings)"
+    assert summary_row(None) is None

@@ -7,6 +7,8 @@ CPU side (the config check and the errors) is in ``tests/test_cuda_graphs.py``.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -27,9 +29,9 @@ MAX_REL_DIFF = 1e-3
 STEPS = 6
 
 
-def _run(tmp_path, cache, recipe: str, graphs: bool) -> tuple[list[float], int, int]:
-    """Train the ``tiny`` preset ``STEPS`` steps, compiled; returns the losses, the CUDA graphs captured and
-    Inductor's count of graphs it refused to capture (``cudagraph_skips``)."""
+def _run(tmp_path, cache, recipe: str, graphs: bool, preset: str = "tiny") -> tuple[list[float], int, int, dict]:
+    """Train ``preset`` ``STEPS`` steps, compiled; returns the losses, the CUDA graphs captured, Inductor's count of
+    graphs it refused to capture (``cudagraph_skips``) and the run's summary."""
     torch._dynamo.reset()
     counters.clear()
     captured = [0]
@@ -42,25 +44,26 @@ def _run(tmp_path, cache, recipe: str, graphs: bool) -> tuple[list[float], int, 
     prec = ["train.mixed_precision=bf16"] if recipe == "bf16" else [
         "train.mixed_precision=fp8", f"fp8.recipe={recipe}", "selective.selective_fp8=false"]
     cfg = load_config(None, [
-        "model.preset=tiny", "data.vocab_size=4096", "data.seq_length=256", "train.micro_batch_size=8",
+        f"model.preset={preset}", "data.vocab_size=4096", "data.seq_length=256", "train.micro_batch_size=8",
         f"train.steps={STEPS}", "train.compile=true", f"train.cuda_graphs={str(graphs).lower()}", "train.eval_every=3",
         "train.eval_batches=2", "train.checkpoint_every=0", "train.final_checkpoint=false",
         f"data.cache_dir={cache}", *prec,
     ])
     torch.cuda.CUDAGraph.capture_begin = counting
     try:
-        metrics = train(cfg, tmp_path / f"{recipe}-{graphs}").metrics
+        run = train(cfg, tmp_path / f"{preset}-{recipe}-{graphs}")
     finally:
         torch.cuda.CUDAGraph.capture_begin = begin
-    losses = [r["loss"] for r in metrics if "loss" in r]
-    return losses, captured[0], counters["inductor"]["cudagraph_skips"]
+    losses = [r["loss"] for r in run.metrics if "loss" in r]
+    summary = json.loads((run.out_dir / "summary.json").read_text())
+    return losses, captured[0], counters["inductor"]["cudagraph_skips"], summary
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "tensorwise", "delayed", "blockwise"])
 def test_cuda_graphs_replay_the_blocks_and_train_to_the_same_losses(tmp_path, recipe):
     cache = tmp_path / "cache"
-    ref, ref_graphs, _ = _run(tmp_path, cache, recipe, graphs=False)
-    got, graphs, skips = _run(tmp_path, cache, recipe, graphs=True)
+    ref, ref_graphs, _, ref_summary = _run(tmp_path, cache, recipe, graphs=False)
+    got, graphs, skips, summary = _run(tmp_path, cache, recipe, graphs=True)
     diffs = [abs(a - b) / abs(a) for a, b in zip(ref, got, strict=True)]
     print(f"\n{recipe}: {graphs} CUDA graphs captured ({ref_graphs} without the option), {skips} skipped; "
           f"max relative loss difference {max(diffs):.2e} over {len(diffs)} steps; bit-equal: {ref == got}")
@@ -68,4 +71,23 @@ def test_cuda_graphs_replay_the_blocks_and_train_to_the_same_losses(tmp_path, re
     assert skips == 0, f"Inductor skipped {skips} graph(s) for CUDA graphs (TORCH_LOGS=perf_hints names why)"
     # 4 blocks, forward and backward, in training and in evaluation: at least one graph per block and pass
     assert graphs >= 8, f"only {graphs} CUDA graphs captured"
+    assert max(diffs) <= MAX_REL_DIFF, f"losses differ by up to {max(diffs):.2e} (relative): {ref} vs {got}"
+    assert ref_summary.get("cuda_graphs") is None and summary["cuda_graphs"]["graphs_skipped"] == 0, summary
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "tensorwise"])
+def test_an_moe_run_reports_the_graphs_inductor_skipped(tmp_path, capfd, recipe):
+    """``tiny-moe`` (8 experts, top-2): whatever Inductor cannot capture in the expert blocks (host syncs for the
+    group sizes, ops unsafe to capture) is warned about and counted in the summary, never dropped in silence; the
+    losses are those of the run without graphs."""
+    cache = tmp_path / "cache"
+    ref, _, _, _ = _run(tmp_path, cache, recipe, graphs=False, preset="tiny-moe")
+    capfd.readouterr()
+    got, graphs, skips, summary = _run(tmp_path, cache, recipe, graphs=True, preset="tiny-moe")
+    out = capfd.readouterr().out
+    diffs = [abs(a - b) / abs(a) for a, b in zip(ref, got, strict=True)]
+    print(f"\ntiny-moe {recipe}: {graphs} CUDA graphs captured, {skips} skipped; summary "
+          f"{summary['cuda_graphs']}; max relative loss difference {max(diffs):.2e}")
+    assert summary["cuda_graphs"]["graphs_skipped"] == skips, (summary["cuda_graphs"], skips)
+    assert (skips > 0) == ("without CUDA graphs" in out), out[-3000:]
     assert max(diffs) <= MAX_REL_DIFF, f"losses differ by up to {max(diffs):.2e} (relative): {ref} vs {got}"

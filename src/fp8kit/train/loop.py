@@ -56,6 +56,7 @@ from fp8kit.parallel.parallelize import after_optimizer_step
 from fp8kit.train import checkpoint as ckpt
 from fp8kit.train.async_checkpoint import AsyncCheckpointer
 from fp8kit.train.clip import clip_grad_norm
+from fp8kit.train.cuda_graphs import poll_skips, start_watch
 from fp8kit.train.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
 from fp8kit.train.preempt import StopSignals, agreed_stop, signal_name
 from fp8kit.train.setup import Setup, global_batch, phase_at
@@ -309,6 +310,8 @@ def run_loop(
     # the phase prepare_model converted for (the resume step's phase); switches happen below
     phase = phase_at(cfg, setup.start_step)
     model.train()
+    if t.cuda_graphs:
+        start_watch(setup.info)  # graphs Inductor runs without CUDA graphs: warned about below
     start = time.perf_counter()
     progress = Progress(
         TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
@@ -392,6 +395,8 @@ def run_loop(
             loss, grad_norm, lr, probe = train_step(setup, params, micro, scales, saver=saver, health=health,
                                                     read=False)
             done = step + 1
+            if t.cuda_graphs and (skipped := poll_skips(setup.info)):
+                progress.console.print(f"[bold yellow]warning:[/] {skipped}")
             stats = _StepStats(done, t0, loss, grad_norm, lr, probe, phase, supervised,
                                count_fp8_modules(model) if phase == "fp8" else 0, setup.data.packed.epoch_fraction)
             if pending is not None:  # the previous step, read now that this one is queued on the device

@@ -14,6 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from fp8kit.train.cuda_graphs import summary_row
 from fp8kit.train.health import health_markdown, worst_layers
 
 
@@ -50,6 +51,7 @@ def summarize_run(records: list[dict], *, switches: list[int], info: dict, setup
         "fp8_health_worst": worst_layers(records),  # fp8.stats_every: each layer's worst operand, worst first
         "chat": info.get("chat"),  # data.format = "chat": record counts (skipped, truncated), packing
         "supervised_tokens": sum(r.get("supervised_tokens") or 0 for r in records),
+        "cuda_graphs": info.get("cuda_graphs"),  # train.cuda_graphs: how many compiled graphs Inductor ran without
     }
 
 
@@ -71,6 +73,7 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
         ("final val loss", _fmt(s["final_val_loss"])),
         *([("chat records", _chat_row(s["chat"]))] if s.get("chat") else []),
         ("parallel", s.get("parallel", "single process")),
+        *([("CUDA graphs", summary_row(s["cuda_graphs"]))] if s.get("cuda_graphs") else []),
         # summaries written before parallel_facts existed kept facts among the notes: their old label
         *[("parallel warning" if "parallel_facts" in s else "parallel note", n) for n in s.get("parallel_notes", [])],
         *[("parallel note", n) for n in s.get("parallel_facts", [])],
