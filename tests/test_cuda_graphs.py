@@ -60,25 +60,31 @@ def test_the_option_reaches_the_preparation():
     assert not prepare_options(load_config(None, ["train.compile=true"]), fp8_now=True, emulate=False).cuda_graphs
 
 
-def test_graphs_inductor_skips_are_warned_once_each_and_counted_for_the_summary():
-    """The loop's watch (``train/cuda_graphs.py``) against Inductor's own counter. On the CPU Inductor never tries
-    CUDA graphs, so the skips are added to that counter here as Inductor's ``log_cudagraph_skip`` adds them; the
-    GPU twin (``tests/test_cuda_graphs_gpu.py``) compares the summary's count with real skips."""
+def test_skipped_graphs_and_graph_breaks_are_warned_once_each_and_counted_for_the_summary():
+    """The loop's watch (``train/cuda_graphs.py``) against Inductor's and Dynamo's own counters. On the CPU Inductor
+    never tries CUDA graphs, so skips are added to its counter here as ``log_cudagraph_skip`` adds them (and a graph
+    break as Dynamo counts one, by reason); the GPU twin (``tests/test_cuda_graphs_gpu.py``, ``tiny-moe``) compares
+    the summary's counts with a real run's."""
     from torch._dynamo.utils import counters
 
     from fp8kit.train.cuda_graphs import poll_skips, start_watch, summary_row
 
     counters["inductor"]["cudagraph_skips"] += 3  # skips of earlier runs in this process: not this run's
+    counters["graph_break"]["an earlier run's break"] += 1
     info: dict = {}
     start_watch(info)
-    assert poll_skips(info) is None and summary_row(info["cuda_graphs"]) == "on; none skipped by Inductor"
+    assert poll_skips(info) == []
+    assert summary_row(info["cuda_graphs"]) == "on; no graph skipped by Inductor, no graph break"
     counters["inductor"]["cudagraph_skips"] += 2
-    msg = poll_skips(info)
-    assert msg is not None and "Inductor ran 2 compiled graph(s) without CUDA graphs (2 in this run)" in msg, msg
-    assert poll_skips(info) is None, "the same skips warned twice"
-    start_watch(info)  # a divergence-guard rollback starts the loop again: the count goes on
+    (msg,) = poll_skips(info)
+    assert "Inductor ran 2 compiled graph(s) without CUDA graphs (2 in this run)" in msg, msg
+    assert poll_skips(info) == [], "the same skips warned twice"
+    start_watch(info)  # a divergence-guard rollback starts the loop again: the counts go on
     counters["inductor"]["cudagraph_skips"] += 1
-    assert "ran 1 compiled graph(s) without CUDA graphs (3 in this run)" in poll_skips(info)
-    assert info["cuda_graphs"]["graphs_skipped"] == 3
-    assert summary_row(info["cuda_graphs"]) == "on; 3 compiled graph(s) ran without (see the warnings)"
+    counters["graph_break"]["Tensor.tolist"] += 2
+    skipped, broken = poll_skips(info)
+    assert "ran 1 compiled graph(s) without CUDA graphs (3 in this run)" in skipped, skipped
+    assert "split the compiled code at 2 graph break(s) (2 in this run)" in broken, broken
+    assert (info["cuda_graphs"]["graphs_skipped"], info["cuda_graphs"]["graph_breaks"]) == (3, 2)
+    assert summary_row(info["cuda_graphs"]) == "on; 3 compiled graph(s) ran without them, 2 graph break(s) (see the warnings)"
     assert summary_row(None) is None

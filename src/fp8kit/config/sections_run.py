@@ -170,9 +170,9 @@ class TrainConfig(ConfigModel):
         "so its forward and backward replay as CUDA graphs instead of launching kernels one by one from the host. "
         "For small models whose step waits on the host (llama-125m on the H100: BF16 1.14x, full FP8 1.3-1.5x "
         "faster; docs/benchmarks.md section 6, session 36). One process only (not with FSDP2, TP or EP) and "
-        "train.grad_accum = 1. Each new input shape records new graphs (more memory), so it suits fixed-length "
-        "pretraining windows more than variable-length fine-tuning rows. A block Inductor cannot capture (a host sync "
-        "inside it) runs without graphs: the run warns and its summary counts them.",
+        "train.grad_accum = 1. The graphs hold a private memory pool, and each new input shape records new ones. Code "
+        "that cannot be captured (a host sync or graph break inside a block, as in MoE experts' loop kernels) runs "
+        "without graphs: the run warns and its summary counts it.",
     )
     activation_checkpointing: bool = Field(
         False, description="Recompute each transformer block in backward instead of keeping its activations."

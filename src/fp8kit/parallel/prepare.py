@@ -172,7 +172,7 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     )
     done = Prepared(conversion=conversion)
     if options.cuda_graphs:
-        _check_cuda_graphs(model, options)
+        _check_cuda_graphs(options, mesh)
     if tp > 1 or fsdp:  # one delayed scale per tensor across the data- and tensor-parallel ranks
         conversion.delayed.group = amax_group(mesh)
 
@@ -249,16 +249,15 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     return done
 
 
-def _check_cuda_graphs(model: nn.Module, options: PrepareOptions) -> None:
-    """``train.cuda_graphs``: compiled blocks on a CUDA device (a distributed run is refused earlier, by
-    ``fp8kit.train.setup.check_distributed_config``)."""
+def _check_cuda_graphs(options: PrepareOptions, mesh) -> None:
+    """``train.cuda_graphs``: compiled blocks of one process (``fp8kit train`` refuses a distributed run and a device
+    other than CUDA earlier, in ``fp8kit.train.setup.build_setup``; this guards direct callers)."""
     if not options.compile:
         raise ConfigError("train.cuda_graphs = true needs train.compile = true (the CUDA graphs are of the "
                           "compiled blocks)")
-    device = next(model.parameters()).device
-    if device.type != "cuda":
-        raise ConfigError(f"train.cuda_graphs = true on {device}: CUDA graphs need a CUDA device; set "
-                          "train.cuda_graphs = false")
+    if mesh is not None:
+        raise ConfigError("train.cuda_graphs = true with a device mesh: the CUDA graphs of the compiled blocks are "
+                          "supported in one process only; set train.cuda_graphs = false")
 
 
 def _fp8_reduce_scatter(model: nn.Module, fmt: str, done: Prepared, dp_shard: int, dp_replicate: int) -> None:

@@ -1,10 +1,13 @@
-"""``train.cuda_graphs``: the training loop's watch on compiled graphs that Inductor ran without CUDA graphs.
+"""``train.cuda_graphs``: the training loop's watch on compiled code that runs without CUDA graphs.
 
-With ``mode="reduce-overhead"`` Inductor captures a compiled graph only where it can replay it safely; it skips the
-others (a CPU tensor or a host sync inside the graph, an input mutated in place that is not a static address, an op
-tagged ``cudagraph_unsafe``) and counts each skip in ``torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]``,
-saying why only through the ``perf_hints`` log. Those blocks then launch their kernels one by one, which is what the
-user turned the option on to avoid, so the loop reports every new skip as a warning and the summary keeps the count.
+Two things keep a block's kernels from replaying as CUDA graphs, both silent unless a ``TORCH_LOGS`` log is on:
+Inductor declines to capture a compiled graph it cannot replay safely (a CPU tensor inside it, an input mutated in
+place that is not a fixed address, an op tagged ``cudagraph_unsafe``), counted in
+``torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]`` (reason in the ``perf_hints`` log); and Dynamo splits a
+block at a graph break (a host sync such as ``.tolist()``, a ``torch.compiler.disable`` region, as in the MoE experts'
+loop kernels), whose eager code between the graphs launches kernel by kernel, counted in ``counters["graph_break"]``
+(reasons in the ``graph_breaks`` log). Either loses what the user turned the option on for, so the loop warns about
+each new one and the summary keeps the counts.
 """
 
 from __future__ import annotations
@@ -12,38 +15,56 @@ from __future__ import annotations
 _KEY = "cuda_graphs"
 
 
-def _inductor_skips() -> int:
+def _counts() -> tuple[int, int]:
+    """(Inductor's CUDA graph skips, Dynamo's graph breaks) of this process so far."""
     from torch._dynamo.utils import counters  # imported when a run asks for CUDA graphs, not by the summary
 
-    return int(counters["inductor"]["cudagraph_skips"])
+    return int(counters["inductor"]["cudagraph_skips"]), int(sum(counters["graph_break"].values()))
+
+
+def reset_compiled_code() -> None:
+    """Drop the compiled code and CUDA graph trees an earlier run of this process left (``fp8kit compare`` trains
+    BF16 then FP8 in one process), so that a run with ``train.cuda_graphs`` records its own graphs."""
+    import torch
+
+    torch._dynamo.reset()
 
 
 def start_watch(info: dict) -> None:
-    """Start counting (once per run: a divergence-guard rollback's second loop keeps the count): records
-    ``info["cuda_graphs"] = {"graphs_skipped": 0, "inductor_skips_before": N}`` (N: the process's count so far)."""
-    info.setdefault(_KEY, {"graphs_skipped": 0, "inductor_skips_before": _inductor_skips()})
+    """Start counting (once per run: a divergence-guard rollback's second loop keeps the counts): records
+    ``info["cuda_graphs"] = {"graphs_skipped": 0, "graph_breaks": 0, "before": [skips, breaks]}`` (the process's
+    counts so far)."""
+    info.setdefault(_KEY, {"graphs_skipped": 0, "graph_breaks": 0, "before": list(_counts())})
 
 
-def poll_skips(info: dict) -> str | None:
-    """The warning for graphs skipped since the last poll (None if none); updates ``info["cuda_graphs"]``.
+def poll_skips(info: dict) -> list[str]:
+    """The warnings for graphs skipped and graph breaks since the last poll (empty if none); updates
+    ``info["cuda_graphs"]``.
 
     Raises:
         KeyError: :func:`start_watch` was not called for ``info``.
     """
     w = info[_KEY]
-    total = _inductor_skips() - w["inductor_skips_before"]
-    new = total - w["graphs_skipped"]
-    if new <= 0:
-        return None
-    w["graphs_skipped"] = total
-    return (f"train.cuda_graphs: Inductor ran {new} compiled graph(s) without CUDA graphs ({total} in this run), "
-            "so their kernels launch one by one from the host; TORCH_LOGS=perf_hints names the reason (a host sync, "
-            "a CPU tensor or an op unsafe to capture inside a block)")
+    skips, breaks = (now - before for now, before in zip(_counts(), w["before"], strict=True))
+    out = []
+    if skips > w["graphs_skipped"]:
+        out.append(f"train.cuda_graphs: Inductor ran {skips - w['graphs_skipped']} compiled graph(s) without CUDA "
+                   f"graphs ({skips} in this run), so their kernels launch one by one from the host; "
+                   "TORCH_LOGS=perf_hints names the reason (a CPU tensor or an op unsafe to capture inside a block)")
+    if breaks > w["graph_breaks"]:
+        out.append(f"train.cuda_graphs: torch.compile split the compiled code at {breaks - w['graph_breaks']} graph "
+                   f"break(s) ({breaks} in this run); the eager code between the graphs runs without CUDA graphs "
+                   "(a host sync or a torch.compiler.disable region inside a block, e.g. the MoE experts' loop "
+                   "kernels); TORCH_LOGS=graph_breaks names them")
+    w["graphs_skipped"], w["graph_breaks"] = max(skips, w["graphs_skipped"]), max(breaks, w["graph_breaks"])
+    return out
 
 
 def summary_row(w: dict | None) -> str | None:
     """The summary's ``CUDA graphs`` line, or None when the run did not ask for them."""
     if w is None:
         return None
-    n = w["graphs_skipped"]
-    return "on; none skipped by Inductor" if n == 0 else f"on; {n} compiled graph(s) ran without (see the warnings)"
+    n, b = w["graphs_skipped"], w.get("graph_breaks", 0)
+    if n == 0 and b == 0:
+        return "on; no graph skipped by Inductor, no graph break"
+    return f"on; {n} compiled graph(s) ran without them, {b} graph break(s) (see the warnings)"

@@ -395,8 +395,8 @@ def run_loop(
             loss, grad_norm, lr, probe = train_step(setup, params, micro, scales, saver=saver, health=health,
                                                     read=False)
             done = step + 1
-            if t.cuda_graphs and (skipped := poll_skips(setup.info)):
-                progress.console.print(f"[bold yellow]warning:[/] {skipped}")
+            for lost in poll_skips(setup.info) if t.cuda_graphs else ():
+                progress.console.print(f"[bold yellow]warning:[/] {lost}")
             stats = _StepStats(done, t0, loss, grad_norm, lr, probe, phase, supervised,
                                count_fp8_modules(model) if phase == "fp8" else 0, setup.data.packed.epoch_fraction)
             if pending is not None:  # the previous step, read now that this one is queued on the device

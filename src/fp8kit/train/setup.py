@@ -257,6 +257,9 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
     if cfg.selective.selective_fp8 == "policy":  # a missing or bad policy file: the first error, before the data
         load_policies(cfg.selective)
     device = resolve_device(cfg.train.device)
+    if cfg.train.cuda_graphs and device.type != "cuda":
+        raise ConfigError(f"train.cuda_graphs = true on {device}: CUDA graphs need a CUDA device; set "
+                          "train.cuda_graphs = false")
     capability = check_fp8_capability(cfg, device)
     mesh = None
     if dims.distributed:

@@ -20,6 +20,7 @@ from fp8kit.moe.expert_parallel import dispatch_format
 from fp8kit.optim.memory import format_state_bytes
 from fp8kit.selective.decide import summarize
 from fp8kit.selective.report import auto_summary, print_auto_table, print_report, save_report
+from fp8kit.train.cuda_graphs import reset_compiled_code
 from fp8kit.train.export import save_run_files
 from fp8kit.train.guard import LrSpike, run_training
 from fp8kit.train.loggers import RunLoggers, check_loggers
@@ -90,6 +91,8 @@ def train(
     resuming_here = resume_run is not None and out_dir.resolve() == resume_run.resolve()
     check_writable(out_dir, resuming_here=resuming_here)
 
+    if cfg.train.cuda_graphs:
+        reset_compiled_code()  # an earlier run of this process (fp8kit compare's BF16 run) left its graph trees
     with stage_status(console, "setting up") as (update, warn):
         setup = build_setup(cfg, resume=resume_path, status=update, warn=warn)
     asked_granularity = cfg.optim.granularity
