@@ -67,14 +67,21 @@ def test_skipped_graphs_and_graph_breaks_are_warned_once_each_and_counted_for_th
     the summary's counts with a real run's."""
     from torch._dynamo.utils import counters
 
-    from fp8kit.train.cuda_graphs import poll_skips, start_watch, summary_row
+    from fp8kit.train.cuda_graphs import poll_skips, start_watch
+    from fp8kit.train.summary import summarize_run, summary_rows
+
+    def summary_row(info: dict) -> str | None:
+        """The run summary's "CUDA graphs" row for a run whose set-up info is ``info``."""
+        desc = {"model": "tiny", "params_m": 1.0, "precision": "bf16", "fp8_sites": "0 of 0", "wall_s": 1.0}
+        rows = dict(summary_rows(summarize_run([], switches=[], info=info, setup_desc=desc)))
+        return rows.get("CUDA graphs")
 
     counters["inductor"]["cudagraph_skips"] += 3  # skips of earlier runs in this process: not this run's
     counters["graph_break"]["an earlier run's break"] += 1
     info: dict = {}
     start_watch(info)
     assert poll_skips(info) == []
-    assert summary_row(info["cuda_graphs"]) == "on; no graph skipped by Inductor, no graph break"
+    assert summary_row(info) == "on; no graph skipped by Inductor, no graph break"
     counters["inductor"]["cudagraph_skips"] += 2
     (msg,) = poll_skips(info)
     assert "Inductor ran 2 compiled graph(s) without CUDA graphs (2 in this run)" in msg, msg
@@ -86,5 +93,5 @@ def test_skipped_graphs_and_graph_breaks_are_warned_once_each_and_counted_for_th
     assert "ran 1 compiled graph(s) without CUDA graphs (3 in this run)" in skipped, skipped
     assert "split the compiled code at 2 graph break(s) (2 in this run)" in broken, broken
     assert (info["cuda_graphs"]["graphs_skipped"], info["cuda_graphs"]["graph_breaks"]) == (3, 2)
-    assert summary_row(info["cuda_graphs"]) == "on; 3 compiled graph(s) ran without them, 2 graph break(s) (see the warnings)"
-    assert summary_row(None) is None
+    assert summary_row(info) == "on; 3 compiled graph(s) ran without them, 2 graph break(s) (see the warnings)"
+    assert summary_row({}) is None, "a run without train.cuda_graphs has no CUDA graphs row"

@@ -60,7 +60,9 @@ class PrepareOptions:
         delayed: the ``delayed`` recipe's amax-history settings.
         activation_checkpointing: recompute each block in backward.
         compile: ``torch.compile`` each block.
-        cuda_graphs: with ``compile``, compile each block with ``mode="reduce-overhead"`` (CUDA graph trees).
+        cuda_graphs: with ``compile``, compile each block with ``mode="reduce-overhead"`` (CUDA graph trees); what it
+            needs (compile, one process, CUDA, no gradient accumulation) is checked by the config and
+            ``fp8kit.train.setup.build_setup``.
         sequence_parallel: with tp > 1, split norms and the residual stream over tokens.
         ep: expert-parallel size.
         ep_fp8_dispatch: with ``ep > 1``, the dispatch all-to-all sends E4M3 (``fp8kit.moe.fp8_dispatch``: the
@@ -171,8 +173,6 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
         delayed=DelayedScalingState(options.delayed),
     )
     done = Prepared(conversion=conversion)
-    if options.cuda_graphs:
-        _check_cuda_graphs(options, mesh)
     if tp > 1 or fsdp:  # one delayed scale per tensor across the data- and tensor-parallel ranks
         conversion.delayed.group = amax_group(mesh)
 
@@ -247,17 +247,6 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
             block.compile(mode=mode)
         done.steps.append("compile")
     return done
-
-
-def _check_cuda_graphs(options: PrepareOptions, mesh) -> None:
-    """``train.cuda_graphs``: compiled blocks of one process (``fp8kit train`` refuses a distributed run and a device
-    other than CUDA earlier, in ``fp8kit.train.setup.build_setup``; this guards direct callers)."""
-    if not options.compile:
-        raise ConfigError("train.cuda_graphs = true needs train.compile = true (the CUDA graphs are of the "
-                          "compiled blocks)")
-    if mesh is not None:
-        raise ConfigError("train.cuda_graphs = true with a device mesh: the CUDA graphs of the compiled blocks are "
-                          "supported in one process only; set train.cuda_graphs = false")
 
 
 def _fp8_reduce_scatter(model: nn.Module, fmt: str, done: Prepared, dp_shard: int, dp_replicate: int) -> None:

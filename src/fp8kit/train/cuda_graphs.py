@@ -7,27 +7,19 @@ place that is not a fixed address, an op tagged ``cudagraph_unsafe``), counted i
 block at a graph break (a host sync such as ``.tolist()``, a ``torch.compiler.disable`` region, as in the MoE experts'
 loop kernels), whose eager code between the graphs launches kernel by kernel, counted in ``counters["graph_break"]``
 (reasons in the ``graph_breaks`` log). Either loses what the user turned the option on for, so the loop warns about
-each new one and the summary keeps the counts.
+each new one and the summary keeps the counts (``fp8kit.train.summary``'s "CUDA graphs" row).
 """
 
 from __future__ import annotations
+
+from torch._dynamo.utils import counters
 
 _KEY = "cuda_graphs"
 
 
 def _counts() -> tuple[int, int]:
     """(Inductor's CUDA graph skips, Dynamo's graph breaks) of this process so far."""
-    from torch._dynamo.utils import counters  # imported when a run asks for CUDA graphs, not by the summary
-
     return int(counters["inductor"]["cudagraph_skips"]), int(sum(counters["graph_break"].values()))
-
-
-def reset_compiled_code() -> None:
-    """Drop the compiled code and CUDA graph trees an earlier run of this process left (``fp8kit compare`` trains
-    BF16 then FP8 in one process), so that a run with ``train.cuda_graphs`` records its own graphs."""
-    import torch
-
-    torch._dynamo.reset()
 
 
 def start_watch(info: dict) -> None:
@@ -56,15 +48,5 @@ def poll_skips(info: dict) -> list[str]:
                    f"break(s) ({breaks} in this run); the eager code between the graphs runs without CUDA graphs "
                    "(a host sync or a torch.compiler.disable region inside a block, e.g. the MoE experts' loop "
                    "kernels); TORCH_LOGS=graph_breaks names them")
-    w["graphs_skipped"], w["graph_breaks"] = max(skips, w["graphs_skipped"]), max(breaks, w["graph_breaks"])
+    w["graphs_skipped"], w["graph_breaks"] = skips, breaks
     return out
-
-
-def summary_row(w: dict | None) -> str | None:
-    """The summary's ``CUDA graphs`` line, or None when the run did not ask for them."""
-    if w is None:
-        return None
-    n, b = w["graphs_skipped"], w.get("graph_breaks", 0)
-    if n == 0 and b == 0:
-        return "on; no graph skipped by Inductor, no graph break"
-    return f"on; {n} compiled graph(s) ran without them, {b} graph break(s) (see the warnings)"

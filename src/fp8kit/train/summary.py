@@ -14,7 +14,6 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from fp8kit.train.cuda_graphs import summary_row
 from fp8kit.train.health import health_markdown, worst_layers
 
 
@@ -73,7 +72,7 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
         ("final val loss", _fmt(s["final_val_loss"])),
         *([("chat records", _chat_row(s["chat"]))] if s.get("chat") else []),
         ("parallel", s.get("parallel", "single process")),
-        *([("CUDA graphs", summary_row(s["cuda_graphs"]))] if s.get("cuda_graphs") else []),
+        *([("CUDA graphs", _cuda_graphs_row(s["cuda_graphs"]))] if s.get("cuda_graphs") else []),
         # summaries written before parallel_facts existed kept facts among the notes: their old label
         *[("parallel warning" if "parallel_facts" in s else "parallel note", n) for n in s.get("parallel_notes", [])],
         *[("parallel note", n) for n in s.get("parallel_facts", [])],
@@ -87,6 +86,14 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
         *([("FP8 health, worst layer", _worst_row(s["fp8_health_worst"][0]))] if s.get("fp8_health_worst") else []),
         *([("divergence events", _events_row(s["recoveries"]))] if s.get("recoveries") else []),
     ]
+
+
+def _cuda_graphs_row(w: dict) -> str:
+    """``train.cuda_graphs``: what ran without graphs (``fp8kit.train.cuda_graphs`` counts it)."""
+    n, b = w["graphs_skipped"], w["graph_breaks"]
+    if n == 0 and b == 0:
+        return "on; no graph skipped by Inductor, no graph break"
+    return f"on; {n} compiled graph(s) ran without them, {b} graph break(s) (see the warnings)"
 
 
 def _chat_row(c: dict) -> str:

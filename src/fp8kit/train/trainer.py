@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from rich.console import Console
 
 from fp8kit.base.console import make_console, stage_status
@@ -20,7 +21,6 @@ from fp8kit.moe.expert_parallel import dispatch_format
 from fp8kit.optim.memory import format_state_bytes
 from fp8kit.selective.decide import summarize
 from fp8kit.selective.report import auto_summary, print_auto_table, print_report, save_report
-from fp8kit.train.cuda_graphs import reset_compiled_code
 from fp8kit.train.export import save_run_files
 from fp8kit.train.guard import LrSpike, run_training
 from fp8kit.train.loggers import RunLoggers, check_loggers
@@ -92,7 +92,7 @@ def train(
     check_writable(out_dir, resuming_here=resuming_here)
 
     if cfg.train.cuda_graphs:
-        reset_compiled_code()  # an earlier run of this process (fp8kit compare's BF16 run) left its graph trees
+        torch._dynamo.reset()  # an earlier run of this process (fp8kit compare's BF16 run) left its graph trees
     with stage_status(console, "setting up") as (update, warn):
         setup = build_setup(cfg, resume=resume_path, status=update, warn=warn)
     asked_granularity = cfg.optim.granularity
