@@ -29,8 +29,6 @@ def _one_error(capsys, out, sets: list[str]) -> str:
     "sets, expected",
     [
         (["train.cuda_graphs=true"], "captures the compiled blocks, so it needs train.compile = true"),
-        (["train.compile=true", "train.cuda_graphs=true", "train.grad_accum=2"],
-         "not with train.grad_accum = 2: a micro-batch's weight gradients are outputs of the backward's CUDA graphs"),
     ],
 )
 def test_config_errors(capsys, tmp_path, sets, expected):
@@ -95,3 +93,23 @@ def test_skipped_graphs_and_graph_breaks_are_warned_once_each_and_counted_for_th
     assert (info["cuda_graphs"]["graphs_skipped"], info["cuda_graphs"]["graph_breaks"]) == (3, 2)
     assert summary_row(info) == "on; 3 compiled graph(s) ran without them, 2 graph break(s) (see the warnings)"
     assert summary_row({}) is None, "a run without train.cuda_graphs has no CUDA graphs row"
+
+
+def test_gradient_accumulation_is_accepted():
+    cfg = load_config(None, ["train.compile=true", "train.cuda_graphs=true", "train.grad_accum=4"])
+    assert cfg.train.cuda_graphs and cfg.train.grad_accum == 4
+
+
+def test_keep_gradients_gives_each_gradient_memory_of_its_own():
+    import torch
+
+    from fp8kit.train.cuda_graphs import keep_gradients
+
+    a, b = torch.nn.Parameter(torch.randn(4, 8)), torch.nn.Parameter(torch.randn(3))
+    (a.sum() * 2).backward()
+    before = a.grad
+    assert keep_gradients([a, b]) == 1
+    assert b.grad is None
+    assert a.grad.data_ptr() != before.data_ptr() and torch.equal(a.grad, before)
+    (a.sum() * 3).backward()  # AccumulateGrad adds in place into the copy
+    assert torch.equal(a.grad, torch.full((4, 8), 5.0)), a.grad

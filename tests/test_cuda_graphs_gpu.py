@@ -29,10 +29,11 @@ MAX_REL_DIFF = 1e-3
 STEPS = 6
 
 
-def _run(tmp_path, cache, recipe: str, graphs: bool, preset: str = "tiny") -> tuple[list[float], int, int, dict]:
-    """Train ``preset`` ``STEPS`` steps, compiled; returns the losses, the CUDA graphs captured, Inductor's count of
-    graphs it refused to capture (``cudagraph_skips``) and the run's summary. The losses: each step's training loss,
-    then the validation losses (evaluation runs graphs of its own)."""
+def _run(tmp_path, cache, recipe: str, graphs: bool, preset: str = "tiny",
+         extra: tuple[str, ...] = ()) -> tuple[list[float], int, int, dict]:
+    """Train ``preset`` ``STEPS`` steps, compiled (with the config overrides ``extra``); returns the losses, the CUDA
+    graphs captured, Inductor's count of graphs it refused to capture (``cudagraph_skips``) and the run's summary.
+    The losses: each step's training loss, then the validation losses (evaluation runs graphs of its own)."""
     torch._dynamo.reset()
     counters.clear()
     captured = [0]
@@ -48,11 +49,11 @@ def _run(tmp_path, cache, recipe: str, graphs: bool, preset: str = "tiny") -> tu
         f"model.preset={preset}", "data.vocab_size=4096", "data.seq_length=256", "train.micro_batch_size=8",
         f"train.steps={STEPS}", "train.compile=true", f"train.cuda_graphs={str(graphs).lower()}", "train.eval_every=3",
         "train.eval_batches=2", "train.checkpoint_every=0", "train.final_checkpoint=false",
-        f"data.cache_dir={cache}", *prec,
+        f"data.cache_dir={cache}", *prec, *extra,
     ])
     torch.cuda.CUDAGraph.capture_begin = counting
     try:
-        run = train(cfg, tmp_path / f"{preset}-{recipe}-{graphs}")
+        run = train(cfg, tmp_path / f"{preset}-{recipe}-{graphs}-{len(extra)}")
     finally:
         torch.cuda.CUDAGraph.capture_begin = begin
     losses = [r["loss"] for r in run.metrics if "loss" in r] + [r["val_loss"] for r in run.metrics
@@ -92,6 +93,39 @@ def test_an_moe_run_reports_the_graphs_inductor_skipped(tmp_path, capfd, recipe)
     print(f"\ntiny-moe {recipe}: {graphs} CUDA graphs captured, {skips} skipped; summary "
           f"{summary['cuda_graphs']}; max relative loss difference {max(diffs):.2e}")
     w = summary["cuda_graphs"]
+    assert w["graphs_skipped"] == skips, (w, skips)
+    assert (skips > 0) == ("without CUDA graphs (" in out), out[-3000:]
+    assert (w["graph_breaks"] > 0) == ("split the compiled code at" in out), out[-3000:]
+    assert max(diffs) <= MAX_REL_DIFF, f"losses differ by up to {max(diffs):.2e} (relative): {ref} vs {got}"
+
+
+@pytest.mark.parametrize("recipe, extra", [
+    # the first micro-batch's weight gradients copied out of the graph pool (fp8kit.train.cuda_graphs.keep_gradients)
+    ("bf16", ("train.grad_accum=2",)),
+    ("tensorwise", ("train.grad_accum=2",)),
+    ("delayed", ("train.grad_accum=2",)),
+    # with grad_accum > 1 the blockwise weight cache's op (tagged cudagraph_unsafe) runs between graph partitions
+    ("blockwise", ("train.grad_accum=2",)),
+    ("delayed", ("train.activation_checkpointing=true",)),
+    # the precision switch at step 2 resets the compiled code: the FP8 blocks are compiled and recorded again
+    ("tensorwise", ("fp8.bf16_warmup_steps=2",)),
+    # the FP8 health hooks on the stats steps
+    ("delayed", ("fp8.stats_every=2",)),
+    ("tensorwise", ("train.async_loss=true",)),
+], ids=lambda v: v if isinstance(v, str) else "+".join(v))
+def test_cuda_graphs_with_the_loops_other_options(tmp_path, capfd, recipe, extra):
+    """The options the loop combines with ``train.cuda_graphs``: the losses are those of the same run without
+    graphs, graphs are captured, and whatever runs without them is warned about and counted (never silent)."""
+    cache = tmp_path / "cache"
+    ref, _, _, _ = _run(tmp_path, cache, recipe, graphs=False, extra=extra)
+    capfd.readouterr()
+    got, graphs, skips, summary = _run(tmp_path, cache, recipe, graphs=True, extra=extra)
+    out = capfd.readouterr().out
+    diffs = [abs(a - b) / abs(a) for a, b in zip(ref, got, strict=True)]
+    w = summary["cuda_graphs"]
+    print(f"\n{recipe} {' '.join(extra)}: {graphs} CUDA graphs captured, {w['graphs_skipped']} skipped, "
+          f"{w['graph_breaks']} graph breaks; max relative loss difference {max(diffs):.2e}; bit-equal: {ref == got}")
+    assert graphs >= 8, f"only {graphs} CUDA graphs captured"
     assert w["graphs_skipped"] == skips, (w, skips)
     assert (skips > 0) == ("without CUDA graphs (" in out), out[-3000:]
     assert (w["graph_breaks"] > 0) == ("split the compiled code at" in out), out[-3000:]

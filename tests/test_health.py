@@ -133,7 +133,12 @@ def test_delayed_scaling_saturates_after_a_jump():
         model(x * mult).sum().backward()
         rows = {r["operand"]: r for r in mon.collect().rows()}
         sat.append(rows["input"]["saturation"])
+    # the scales the step's casts used (the module's probe gets them from its forward; no roll since)
+    used = [float(s) for s in model[0].cast_scales()]
+    got = [rows[op]["scale"] for op in ("input", "weight", "grad_output")]
+    assert got == used, f"scales in the stats {got} vs the casts' {used}"
     mon.close()
+    assert model[0].health_probe is None, "the delayed module's probe is left after close()"
     assert sat[0] == 0.0 and sat[1] > 0.5, f"saturation before / after the jump: {sat}"
     assert rows["grad_output"]["dtype"] == "e5m2" and rows["input"]["granularity"] == "tensorwise"
 
@@ -152,8 +157,10 @@ def test_hooks_only_on_stats_steps_and_removed_on_close():
 
 
 @pytest.mark.slow
-def test_same_numbers_inside_compiled_blocks_without_recompiling():
-    """Per-block torch.compile (train.compile): the stats variant is compiled once, numbers equal eager's."""
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_same_numbers_inside_compiled_blocks_without_recompiling(recipe):
+    """Per-block torch.compile (train.compile): the stats variant is compiled once, numbers equal eager's. Delayed:
+    the module's probe and the gradient-scale buffer traced into the compiled forward and backward."""
     from torch._dynamo.utils import counters
 
     class Block(nn.Module):
@@ -167,7 +174,14 @@ def test_same_numbers_inside_compiled_blocks_without_recompiling():
     def run(compiled):
         torch.manual_seed(0)
         model = nn.Sequential(Block(), Block()).to(torch.bfloat16)
-        torchao_float8().convert_to_float8_training(model, config=float8_linear_config("tensorwise"))
+        if recipe == "delayed":
+            state = DelayedScalingState()
+            for i, block in enumerate(model):
+                block.a = Float8DelayedLinear.from_linear(block.a, state, f"{i}.a")
+                block.b = Float8DelayedLinear.from_linear(block.b, state, f"{i}.b")
+            state.attach(model)  # rolled before the model's forward, outside the compiled blocks
+        else:
+            torchao_float8().convert_to_float8_training(model, config=float8_linear_config("tensorwise"))
         mon = FP8HealthMonitor(model, 2)
         mon.arm(1)  # hooks registered before the first compile, as the training loop does
         mon.collect()
@@ -192,7 +206,11 @@ def test_same_numbers_inside_compiled_blocks_without_recompiling():
     torch._dynamo.reset()
     assert [r is None for r in compiled] == [True, False, True, False]
     assert compiled[1] == eager[1] and compiled[3] == eager[3], "compiled stats differ from eager"
-    assert graphs[1] == graphs[3], f"a stats step after the first recompiled: unique graphs {graphs}"
+    # step 4 (stats) reuses what steps 1-3 compiled; delayed compiles once more at step 3: each roll switches to the
+    # other of its two scale sets, fixed-address graph inputs, so each set has its graphs (fp8.delayed_state)
+    assert graphs[3] == graphs[2], f"a stats step after the first recompiled: unique graphs {graphs}"
+    if recipe == "tensorwise":
+        assert graphs[1] == graphs[3], f"a step after the first stats step recompiled: unique graphs {graphs}"
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 

@@ -169,8 +169,9 @@ class TrainConfig(ConfigModel):
         description="With train.compile on CUDA: compile each block with mode=\"reduce-overhead\" (CUDA graph trees), "
         "so its forward and backward replay as CUDA graphs instead of launching kernels one by one from the host. "
         "For small models whose step waits on the host (llama-125m on the H100: BF16 1.14x, full FP8 1.3-1.5x "
-        "faster; docs/benchmarks.md section 6, session 36). One process only (not with FSDP2, TP or EP) and "
-        "train.grad_accum = 1. The graphs hold a private memory pool, and each new input shape records new ones. Code "
+        "faster; docs/benchmarks.md section 6, session 36). One process only (not with FSDP2, TP or EP). With "
+        "train.grad_accum > 1 the first micro-batch's weight gradients are copied out of the graphs' memory (one copy "
+        "of the gradients per optimizer step), since the next replay would overwrite them. The graphs hold a private memory pool, and each new input shape records new ones. Code "
         "that cannot be captured (a host sync or graph break inside a block, as in MoE experts' loop kernels) runs "
         "without graphs: the run warns and its summary counts it.",
     )
@@ -252,13 +253,6 @@ class TrainConfig(ConfigModel):
     def _cuda_graphs_need_compile(self) -> "TrainConfig":
         if self.cuda_graphs and not self.compile:
             raise FieldProblem("train.cuda_graphs", "captures the compiled blocks, so it needs train.compile = true")
-        if self.cuda_graphs and self.grad_accum > 1:
-            raise FieldProblem(
-                "train.cuda_graphs",
-                f"not with train.grad_accum = {self.grad_accum}: a micro-batch's weight gradients are outputs of the "
-                "backward's CUDA graphs, which the next micro-batch's replay overwrites before they are accumulated; "
-                "set train.grad_accum = 1 (a larger train.micro_batch_size) or train.cuda_graphs = false",
-            )
         return self
 
     @model_validator(mode="after")

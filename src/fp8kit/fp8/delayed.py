@@ -66,6 +66,8 @@ gradient, a row-parallel input) reduced over a group holding the tp ranks are th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -238,6 +240,9 @@ class Float8DelayedLinear(nn.Module):
         # the entries of the delayed linears that read this module's input tensor, itself included (set by
         # fp8.delayed_siblings.link_input_siblings): their shared input scale makes one cast of that input
         self._input_siblings: tuple[DelayedEntry, ...] = ()
+        # fp8.stats_every (fp8kit.train.health): called after each forward with the scales its casts used,
+        # ``probe(x [..., k], weight [n, k], (sx, ix, sw, iw, sg, ig) or six Nones, y [..., n])``; None: off
+        self.health_probe: Callable | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, state: DelayedScalingState, name: str) -> Float8DelayedLinear:
@@ -300,6 +305,8 @@ class Float8DelayedLinear(nn.Module):
         y = _DelayedLinearFn.apply(x.reshape(-1, k), weight, *scales, (e.forward_amax, e.grad_amax) if record else None, state.group,
                                    FUSED_CASTS[state.config.fused_cast])
         y = y.reshape(*x.shape[:-1], n)
+        if self.health_probe is not None:  # the scales passed to the casts above, not a second read of the entry
+            self.health_probe(x, weight, scales, y)
         return y if bias is None else y + bias.to(y.dtype)
 
     def _apply(self, fn, recurse=True):

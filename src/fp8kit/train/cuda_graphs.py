@@ -1,4 +1,5 @@
-"""``train.cuda_graphs``: the training loop's watch on compiled code that runs without CUDA graphs.
+"""``train.cuda_graphs``: the training loop's watch on compiled code that runs without CUDA graphs, and the
+gradients kept across gradient-accumulation micro-batches.
 
 Two things keep a block's kernels from replaying as CUDA graphs, both silent unless a ``TORCH_LOGS`` log is on:
 Inductor declines to capture a compiled graph it cannot replay safely (a CPU tensor inside it, an input mutated in
@@ -8,10 +9,18 @@ block at a graph break (a host sync such as ``.tolist()``, a ``torch.compiler.di
 loop kernels), whose eager code between the graphs launches kernel by kernel, counted in ``counters["graph_break"]``
 (reasons in the ``graph_breaks`` log). Either loses what the user turned the option on for, so the loop warns about
 each new one and the summary keeps the counts (``fp8kit.train.summary``'s "CUDA graphs" row).
+
+Gradient accumulation (:func:`keep_gradients`): the weight gradients of a block are outputs of its backward's CUDA
+graph, in the graph trees' private memory pool. A parameter without a gradient takes that output as its ``.grad``
+(AccumulateGrad steals it), and the next micro-batch's replay writes the same memory, so the gradient would be
+overwritten before it is accumulated (torch raises "accessing tensor output of CUDAGraphs that has been
+overwritten"). Copying the first micro-batch's gradients out of the pool makes every later micro-batch add into
+memory of its own (AccumulateGrad adds in place into an existing ``.grad``).
 """
 
 from __future__ import annotations
 
+import torch
 from torch._dynamo.utils import counters
 
 _KEY = "cuda_graphs"
@@ -50,3 +59,16 @@ def poll_skips(info: dict) -> list[str]:
                    "kernels); TORCH_LOGS=graph_breaks names them")
     w["graphs_skipped"], w["graph_breaks"] = skips, breaks
     return out
+
+
+def keep_gradients(params: list[torch.Tensor]) -> int:
+    """Give each parameter's ``.grad`` memory of its own: ``p.grad = p.grad.clone()`` (module docstring). Called once
+    per optimizer step, after the first micro-batch's backward when ``train.grad_accum > 1``; costs one copy of the
+    gradients (a read and a write of their bytes). Returns how many gradients it copied (parameters without a
+    gradient are left alone)."""
+    n = 0
+    for p in params:
+        if p.grad is not None:
+            p.grad = p.grad.clone()
+            n += 1
+    return n

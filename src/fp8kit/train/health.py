@@ -28,7 +28,9 @@ dimension) are not measured.
 
 How it is measured. Hooks on the FP8 modules (registered when the monitor starts and on modules swapped
 in later, before the next forward): a forward pre-hook (input, weight), and a forward hook that registers
-a tensor hook on the module output (its gradient is the ``grad_output`` operand). The hooks do nothing
+a tensor hook on the module output (its gradient is the ``grad_output`` operand). A delayed-scaling module is
+probed from inside its forward instead (``Float8DelayedLinear.health_probe``), with the scale tensors its casts
+were given: the same numbers, and no second read of its scaling entry inside a compiled block. The hooks do nothing
 unless the step is a stats step. The amax and the scale are a **re-computation** from the hooked tensor
 with the recipe's own functions (torchao's ``tensor_to_amax`` / ``amax_to_scale``, fp8kit's
 ``scale_from_amax``), not a read of the scale the GEMM used: torchao does not keep it. For dynamic scaling
@@ -302,7 +304,7 @@ class FP8HealthMonitor:
             return fn(x, cast, scale)
 
         def pre_hook(mod, args):
-            if monitor.active and not delayed:
+            if monitor.active:
                 x = args[0]
                 if autocast and torch.is_autocast_enabled():  # what torchao's Float8Linear.forward casts
                     x = x.to(torch.get_autocast_gpu_dtype())
@@ -318,18 +320,49 @@ class FP8HealthMonitor:
                 monitor._pending.append((bufs["grad_output"], grad, casts["grad_output"], scale))
 
         def post_hook(mod, args, out):
-            if monitor.active:
-                g_scale = None
-                if delayed:  # after the forward: the history scales its casts used (None: first step, dynamic)
-                    scales = mod.cast_scales()
-                    sx, sw, g_scale = (None, None, None) if scales is None else scales
-                    bufs["input"].copy_(stats(args[0], casts["input"], sx))
-                    bufs["weight"].copy_(stats(mod.weight, casts["weight"], sw))
-                if "grad_output" in bufs and out.requires_grad:
-                    out.register_hook(functools.partial(grad_hook, g_scale))
+            if monitor.active and "grad_output" in bufs and out.requires_grad:
+                out.register_hook(functools.partial(grad_hook, None))
 
+        # the output gradient's history scale, copied in the forward for the gradient hook (below)
+        g_scale = torch.ones((), dtype=torch.float32, device=device) if delayed else None
+
+        def delayed_grad_hook(grad):
+            grad_hook(g_scale if torch.compiler.is_compiling() else g_scale.clone(), grad)
+
+        def delayed_probe(x, weight, scales, out):
+            """Called by the delayed module's forward with the scales its casts used (None: first step, dynamic).
+            Under ``train.compile`` on CUDA, Inductor's pre-grad pass failed ("graph input used before it has been
+            defined") whenever the history's output-gradient scale tensor itself reached the gradient hook, read
+            from the module's entry in a forward hook or passed from the forward (docs/benchmarks.md, session 37):
+            the hook reads a copy of it in a buffer of its own."""
+            if monitor.active:
+                sx, _, sw, _, sg, _ = scales
+                bufs["input"].copy_(stats(x, casts["input"], sx))
+                bufs["weight"].copy_(stats(weight, casts["weight"], sw))
+                if out.requires_grad:
+                    if sg is None:  # before the first roll: dynamic scales
+                        out.register_hook(functools.partial(grad_hook, None))
+                    else:
+                        g_scale.copy_(sg)
+                        out.register_hook(delayed_grad_hook)
+
+        if delayed:
+            module.health_probe = delayed_probe
+            return [_ProbeHandle(module)], [(name, op, casts[op], bufs[op]) for op in casts]
         handles = [module.register_forward_pre_hook(pre_hook), module.register_forward_hook(post_hook)]
         return handles, [(name, op, casts[op], bufs[op]) for op in casts]
+
+
+class _ProbeHandle:
+    """What ``remove()`` takes off a delayed module: its ``health_probe`` (a hook handle's interface)."""
+
+    def __init__(self, module: nn.Module):
+        self._module = weakref.ref(module)
+
+    def remove(self) -> None:
+        module = self._module()
+        if module is not None:
+            module.health_probe = None
 
 
 # -- reading the records --------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ from fp8kit.parallel.parallelize import after_optimizer_step
 from fp8kit.train import checkpoint as ckpt
 from fp8kit.train.async_checkpoint import AsyncCheckpointer
 from fp8kit.train.clip import clip_grad_norm
-from fp8kit.train.cuda_graphs import poll_skips, start_watch
+from fp8kit.train.cuda_graphs import keep_gradients, poll_skips, start_watch
 from fp8kit.train.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
 from fp8kit.train.preempt import StopSignals, agreed_stop, signal_name
 from fp8kit.train.setup import Setup, global_batch, phase_at
@@ -276,6 +276,8 @@ def train_step(
         loss = _loss(setup, batch)
         (loss / t.grad_accum if scales is None else loss * scales[i]).backward()
         loss_sum += loss.detach() if scales is None else loss.detach() * scales[i]
+        if i == 0 and len(micro) > 1 and t.cuda_graphs:
+            keep_gradients(params)  # out of the graphs' pool, which the next micro-batch's replay overwrites
         if i == 0 and health is not None:
             probe = health.collect()  # FP8 health of the first micro-batch (None off stats steps)
     if saver is not None:
