@@ -107,9 +107,14 @@ def test_keep_gradients_gives_each_gradient_memory_of_its_own():
 
     a, b = torch.nn.Parameter(torch.randn(4, 8)), torch.nn.Parameter(torch.randn(3))
     (a.sum() * 2).backward()
-    before = a.grad
-    assert keep_gradients([a, b]) == 1
+    before, kept = a.grad, set()
+    assert keep_gradients([a, b], kept) == 1
     assert b.grad is None
     assert a.grad.data_ptr() != before.data_ptr() and torch.equal(a.grad, before)
-    (a.sum() * 3).backward()  # AccumulateGrad adds in place into the copy
-    assert torch.equal(a.grad, torch.full((4, 8), 5.0)), a.grad
+    copy = a.grad
+    (a.sum() * 3 + b.sum()).backward()  # AccumulateGrad adds in place into the copy
+    assert a.grad is copy and torch.equal(a.grad, torch.full((4, 8), 5.0)), a.grad
+    # the next micro-batch: only the gradient that first appeared in this one (b's) is copied
+    b_first = b.grad
+    assert keep_gradients([a, b], kept) == 1 and a.grad is copy
+    assert b.grad.data_ptr() != b_first.data_ptr() and torch.equal(b.grad, b_first)

@@ -205,6 +205,8 @@ def test_same_numbers_inside_compiled_blocks_without_recompiling(recipe):
     compiled, graphs = run(True)
     torch._dynamo.reset()
     assert [r is None for r in compiled] == [True, False, True, False]
+    # every operand of every linear measured (rows() leaves out a buffer no hook or probe wrote)
+    assert len(compiled[1]) == len(compiled[3]) == 2 * 2 * 3, compiled[1]
     assert compiled[1] == eager[1] and compiled[3] == eager[3], "compiled stats differ from eager"
     # step 4 (stats) reuses what steps 1-3 compiled; delayed compiles once more at step 3: each roll switches to the
     # other of its two scale sets, fixed-address graph inputs, so each set has its graphs (fp8.delayed_state)

@@ -189,9 +189,11 @@ def test_recompute_and_other_recipes_leave_the_mlps_alone():
     assert not any(hasattr(m, "_fp8kit_unfused_forward") for m in model.modules())
 
 
-def test_health_statistics_keep_the_mlps_unfused_and_the_run_says_so(cache_dir, tmp_path):
-    """fp8.stats_every hooks every FP8 projection (its operands are measured per linear), so the fused MLPs run their
-    own forward; the run's warnings say so rather than leaving the user to believe the MLPs were fused."""
+@pytest.mark.parametrize("recipe", ["blockwise", "delayed"])
+def test_health_statistics_keep_the_mlps_unfused_and_the_run_says_so(cache_dir, tmp_path, recipe):
+    """fp8.stats_every hooks (or, delayed, probes) every FP8 projection (its operands are measured per linear), so the
+    fused MLPs run their own forward; the run's warnings say so rather than leaving the user to believe the MLPs were
+    fused. The last step is measured too (the delayed MLP fuses only once its histories have started)."""
     import contextlib
     import io
 
@@ -201,12 +203,14 @@ def test_health_statistics_keep_the_mlps_unfused_and_the_run_says_so(cache_dir, 
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        res = train(load_config(None, [*small_run_overrides(cache_dir), "model.preset=llama-125m", "train.steps=2",
-                                       "train.mixed_precision=fp8", "fp8.recipe=blockwise", "fp8.emulate=true",
-                                       "fp8.blockwise_fused_mlp=true", "fp8.stats_every=1", "train.eval_every=0",
+        res = train(load_config(None, [*small_run_overrides(cache_dir), "model.preset=llama-125m", "train.steps=3",
+                                       "train.mixed_precision=fp8", f"fp8.recipe={recipe}", "fp8.emulate=true",
+                                       f"fp8.{recipe}_fused_mlp=true", "fp8.stats_every=1", "train.eval_every=0",
                                        "train.checkpoint_every=0", "train.final_checkpoint=false"]), tmp_path / "run")
     out = " ".join(buf.getvalue().split())
-    assert "warning: fp8.blockwise_fused_mlp: the SwiGLU MLPs run unfused in this run: fp8.stats_every" in out, \
+    assert f"warning: fp8.{recipe}_fused_mlp: the SwiGLU MLPs run unfused in this run: fp8.stats_every" in out, \
         out[-3000:]
     assert "SwiGLU MLPs run with the SwiGLU's FP8 casts fused" not in out, out[-3000:]  # no contradicting note
-    assert any(row["layer"].endswith("mlp.down_proj") for row in res.metrics[-1]["fp8_health"]), res.metrics[-1]
+    for record in res.metrics:
+        mlp = {row["layer"].rsplit(".", 1)[-1] for row in record["fp8_health"] if ".mlp." in row["layer"]}
+        assert mlp == {"gate_proj", "up_proj", "down_proj"}, (record["step"], mlp)

@@ -158,8 +158,8 @@ def fused_mlp_blocker(mlp: nn.Module) -> str | None:
         return "a projection has a bias"
     if any(isinstance(p.weight, DTensor) for p in projs):
         return "tensor-parallel (DTensor) weights"
-    if any(p._forward_hooks or p._forward_pre_hooks for p in projs):
-        return "a projection has forward hooks (e.g. fp8.stats_every)"
+    if any(p._forward_hooks or p._forward_pre_hooks or getattr(p, "health_probe", None) is not None for p in projs):
+        return "a projection has forward hooks or a health probe (e.g. fp8.stats_every)"
     if delayed:
         if len({id(p.state) for p in projs}) > 1:
             return "the projections keep their histories in different DelayedScalingStates"

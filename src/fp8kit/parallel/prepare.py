@@ -61,7 +61,7 @@ class PrepareOptions:
         activation_checkpointing: recompute each block in backward.
         compile: ``torch.compile`` each block.
         cuda_graphs: with ``compile``, compile each block with ``mode="reduce-overhead"`` (CUDA graph trees); what it
-            needs (compile, one process, CUDA, no gradient accumulation) is checked by the config and
+            needs (compile, one process, CUDA) is checked by the config and
             ``fp8kit.train.setup.build_setup``.
         sequence_parallel: with tp > 1, split norms and the residual stream over tokens.
         ep: expert-parallel size.

@@ -14,8 +14,8 @@ Gradient accumulation (:func:`keep_gradients`): the weight gradients of a block 
 graph, in the graph trees' private memory pool. A parameter without a gradient takes that output as its ``.grad``
 (AccumulateGrad steals it), and the next micro-batch's replay writes the same memory, so the gradient would be
 overwritten before it is accumulated (torch raises "accessing tensor output of CUDAGraphs that has been
-overwritten"). Copying the first micro-batch's gradients out of the pool makes every later micro-batch add into
-memory of its own (AccumulateGrad adds in place into an existing ``.grad``).
+overwritten"). Copying each gradient out of the pool after the micro-batch that made it makes every later
+micro-batch add into memory of its own (AccumulateGrad adds in place into an existing ``.grad``).
 """
 
 from __future__ import annotations
@@ -61,14 +61,16 @@ def poll_skips(info: dict) -> list[str]:
     return out
 
 
-def keep_gradients(params: list[torch.Tensor]) -> int:
-    """Give each parameter's ``.grad`` memory of its own: ``p.grad = p.grad.clone()`` (module docstring). Called once
-    per optimizer step, after the first micro-batch's backward when ``train.grad_accum > 1``; costs one copy of the
-    gradients (a read and a write of their bytes). Returns how many gradients it copied (parameters without a
-    gradient are left alone)."""
+def keep_gradients(params: list[torch.Tensor], kept: set[int]) -> int:
+    """Give each parameter's ``.grad`` memory of its own: ``p.grad = p.grad.clone()`` (module docstring), for the
+    parameters not in ``kept`` (ids of those already copied this optimizer step; updated). Called after each
+    micro-batch's backward but the last when ``train.grad_accum > 1``: a parameter whose first gradient of the step
+    comes in a later micro-batch is copied then. Costs one copy of the gradients per optimizer step (a read and a
+    write of their bytes). Returns how many gradients it copied (parameters without a gradient are left alone)."""
     n = 0
     for p in params:
-        if p.grad is not None:
+        if p.grad is not None and id(p) not in kept:
             p.grad = p.grad.clone()
+            kept.add(id(p))
             n += 1
     return n

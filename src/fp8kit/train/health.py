@@ -348,20 +348,21 @@ class FP8HealthMonitor:
 
         if delayed:
             module.health_probe = delayed_probe
-            return [_ProbeHandle(module)], [(name, op, casts[op], bufs[op]) for op in casts]
+            return [_ProbeHandle(module, delayed_probe)], [(name, op, casts[op], bufs[op]) for op in casts]
         handles = [module.register_forward_pre_hook(pre_hook), module.register_forward_hook(post_hook)]
         return handles, [(name, op, casts[op], bufs[op]) for op in casts]
 
 
 class _ProbeHandle:
-    """What ``remove()`` takes off a delayed module: its ``health_probe`` (a hook handle's interface)."""
+    """What ``remove()`` takes off a delayed module: its ``health_probe``, if it is still ``probe`` (a hook handle's
+    interface)."""
 
-    def __init__(self, module: nn.Module):
-        self._module = weakref.ref(module)
+    def __init__(self, module: nn.Module, probe):
+        self._module, self._probe = weakref.ref(module), probe
 
     def remove(self) -> None:
         module = self._module()
-        if module is not None:
+        if module is not None and module.health_probe is self._probe:
             module.health_probe = None
 
 

@@ -272,12 +272,13 @@ def train_step(
     t, opt, sched = setup.cfg.train, setup.optimizer, setup.scheduler
     loss_sum = torch.zeros((), device=setup.device)
     probe = None
+    kept: set[int] = set()  # train.cuda_graphs: parameters whose gradient this step was copied out of the graph pool
     for i, batch in enumerate(micro):
         loss = _loss(setup, batch)
         (loss / t.grad_accum if scales is None else loss * scales[i]).backward()
         loss_sum += loss.detach() if scales is None else loss.detach() * scales[i]
-        if i == 0 and len(micro) > 1 and t.cuda_graphs:
-            keep_gradients(params)  # out of the graphs' pool, which the next micro-batch's replay overwrites
+        if t.cuda_graphs and i < len(micro) - 1:
+            keep_gradients(params, kept)  # out of the graphs' pool, which the next micro-batch's replay overwrites
         if i == 0 and health is not None:
             probe = health.collect()  # FP8 health of the first micro-batch (None off stats steps)
     if saver is not None:
