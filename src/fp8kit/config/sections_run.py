@@ -171,7 +171,8 @@ class TrainConfig(ConfigModel):
         "For small models whose step waits on the host (llama-125m on the H100: BF16 1.14x, full FP8 1.3-1.5x "
         "faster; docs/benchmarks.md section 6, session 36). One process only (not with FSDP2, TP or EP). With "
         "train.grad_accum > 1 each weight gradient is copied out of the graphs' memory after the micro-batch that "
-        "first makes it (one copy of the gradients per optimizer step), since the next replay would overwrite it. The graphs hold a private memory pool, and each new input shape records new ones. Code "
+        "first makes it (one copy of the gradients per optimizer step), since the next replay would overwrite it. "
+        "The graphs hold a private memory pool, and each new input shape records new ones. Code "
         "that cannot be captured (a host sync or graph break inside a block, as in MoE experts' loop kernels) runs "
         "without graphs: the run warns and its summary counts it.",
     )
