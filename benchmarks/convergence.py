@@ -48,6 +48,9 @@ VARIANTS = {
     # the compiled blocks replayed as CUDA graphs (train.cuda_graphs): same kernels, no launch overhead
     "bf16-cuda-graphs": ["train.mixed_precision=bf16", "train.cuda_graphs=true", *FP32_MASTER],
     "delayed-cuda-graphs": [*FULL_FP8, "fp8.recipe=delayed", "train.cuda_graphs=true", *FP32_MASTER],
+    # the output head (lm_head) in FP8 too (fp8.output_head; BF16 in every other variant)
+    "delayed-output-head": [*FULL_FP8, "fp8.recipe=delayed", "fp8.output_head=true", *FP32_MASTER],
+    "tensorwise-output-head": [*FULL_FP8, "fp8.recipe=tensorwise", "fp8.output_head=true", *FP32_MASTER],
     # delayed with the three MLP linears run separately (the fused SwiGLU MLP off)
     "delayed-unfused": [*FULL_FP8, "fp8.recipe=delayed", "fp8.delayed_fused_mlp=false", *FP32_MASTER],
     # blockwise keeping no FP8 copy from forward to backward (the per-tensor recipes' peak memory)

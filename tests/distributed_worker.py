@@ -47,6 +47,9 @@ SCENARIOS = {
                   "distributed.sequence_parallel=true"],
     "tpsp_fp8": ["train.mixed_precision=fp8", "train.micro_batch_size=4", "distributed.tp=2",
                  "distributed.sequence_parallel=true"],
+    # the output head in FP8 too (fp8.output_head): it takes the whole sequence, all-gathered after the final norm
+    "tpsp_fp8_head": ["train.mixed_precision=fp8", "train.micro_batch_size=4", "distributed.tp=2",
+                      "distributed.sequence_parallel=true", "fp8.output_head=true"],
     # blockwise with the fused SwiGLU MLPs (fp8.blockwise_fused_mlp) under FSDP2: the weights re-gathered for the
     # backward, their dgrad copies cast again there (keep_weight_copy = False)
     "fsdp_blockwise_fused": ["train.mixed_precision=fp8", "train.micro_batch_size=2", *BLOCKWISE_FUSED],

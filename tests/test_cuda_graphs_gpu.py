@@ -112,6 +112,9 @@ def test_an_moe_run_reports_the_graphs_inductor_skipped(tmp_path, capfd, recipe)
     # the FP8 health hooks on the stats steps
     ("delayed", ("fp8.stats_every=2",)),
     ("tensorwise", ("train.async_loss=true",)),
+    # the FP8 output head, compiled (and recorded) outside the blocks; with accumulation its weight gradient too
+    ("delayed", ("fp8.output_head=true",)),
+    ("tensorwise", ("fp8.output_head=true", "train.grad_accum=2")),
 ], ids=lambda v: v if isinstance(v, str) else "+".join(v))
 def test_cuda_graphs_with_the_loops_other_options(tmp_path, capfd, recipe, extra):
     """The options the loop combines with ``train.cuda_graphs``: the losses are those of the same run without

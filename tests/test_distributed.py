@@ -91,7 +91,7 @@ def dist_runs(cache_dir, tmp_path_factory, one_thread):
     write_whole_block_config(cache_dir)
     out = tmp_path_factory.mktemp("dist")
     _torchrun(2, [str(ROOT / "tests" / "distributed_worker.py"), str(out), str(cache_dir),
-                  "fsdp_bf16", "fsdp_fp8", "tp_bf16", "tp_fp8", "tpsp_bf16", "tpsp_fp8", "fsdp_moe_fp8", "ep_moe_fp8",
+                  "fsdp_bf16", "fsdp_fp8", "tp_bf16", "tp_fp8", "tpsp_bf16", "tpsp_fp8", "tpsp_fp8_head", "fsdp_moe_fp8", "ep_moe_fp8",
                   "ep_moe_bf16", "fsdp_blockwise_fused"], timeout=600)
     return out
 
@@ -111,6 +111,9 @@ def references(cache_dir, tmp_path_factory, one_thread):
     cfg = load_config(None, small_run_overrides(cache_dir) + BASE + META + [
         "train.mixed_precision=fp8", *(s.format(cache=cache_dir) for s in BLOCKWISE_FUSED)])
     refs["blockwise_fused"] = [r["loss"] for r in train(cfg, out / "blockwise_fused").metrics]
+    cfg = load_config(None, small_run_overrides(cache_dir) + BASE + META + ["train.mixed_precision=fp8",
+                                                                            "fp8.output_head=true"])
+    refs["fp8_head"] = [r["loss"] for r in train(cfg, out / "fp8_head").metrics]
     refs["dir"] = out
     return refs
 
@@ -137,6 +140,15 @@ def test_two_ranks_match_one_process(dist_runs, references, layout, prec):
     _close(got, references[prec], TOL[prec], f"{layout} x2 {prec} vs 1 process")
     # the validation loss (same windows: global batch 4) is averaged over the data-parallel ranks
     _close([records[-1]["val_loss"]], [references[f"{prec}_val"]], TOL[prec], f"{layout} x2 {prec} val loss")
+
+
+def test_sequence_parallel_with_an_fp8_head_matches_one_process(dist_runs, references):
+    """fp8.output_head under TP + SP (2 ranks): the head gets the whole sequence (the final norm's output is
+    all-gathered; a hook on the head itself would be lost when FP8 conversion replaces it), and the losses follow the
+    one-process run with the FP8 head, which differ from those with a BF16 head."""
+    got = _losses(dist_runs / "tpsp_fp8_head")
+    _close(got, references["fp8_head"], TOL["fp8"], "tp+sp x2 fp8 with the FP8 head vs 1 process")
+    assert references["fp8_head"] != references["fp8"]
 
 
 def test_fsdp2_runs_the_fused_blockwise_mlps_like_one_process(dist_runs, references):

@@ -82,8 +82,12 @@ def test_underflow_equals_the_zeros_of_torchaos_own_cast():
 
 def test_rowwise_scales_per_row_keep_small_rows():
     """Rowwise: the outlier's row has its own scale, the other rows' tiny values survive; E4M3 gradients."""
-    tensorwise = _measure(_model("tensorwise"))[("tiny", "input")]["underflow"]
-    rows = _measure(_model("rowwise"))
+    # on a GPU machine the model runs on CUDA: torch 2.11's CPU _scaled_mm takes per-tensor scales only; 16 rows
+    # (the inputs twice: the same fractions), as the CUDA wgrad GEMM's reduction over tokens needs a multiple of 16
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    inputs = tuple(x.repeat(2, 1).to(dev) for x in _inputs())
+    tensorwise = _measure(_model("tensorwise").to(dev), inputs=inputs)[("tiny", "input")]["underflow"]
+    rows = _measure(_model("rowwise").to(dev), inputs=inputs)
     rowwise = rows[("tiny", "input")]["underflow"]
     assert rowwise < 0.2 < 0.99 < tensorwise, f"rowwise {rowwise} vs tensorwise {tensorwise}"
     assert rows[("tiny", "input")]["granularity"] == "rowwise" and rows[("tiny", "grad_output")]["dtype"] == "e4m3"

@@ -15,7 +15,7 @@ from dataclasses import replace
 from fp8kit.base.errors import ConfigError, PolicyError
 from fp8kit.config.schema import FP8Config, RunConfig, SelectiveConfig
 from fp8kit.selective.auto import AutoOptions
-from fp8kit.selective.decide import DecideOptions, Decision, Selective, decide
+from fp8kit.selective.decide import DecideOptions, Decision, Selective, decide, output_head_notes
 from fp8kit.selective.policy import load_policy
 from fp8kit.selective.sites import find_sites
 
@@ -145,6 +145,7 @@ def decide_options(fp8: FP8Config, selective: SelectiveConfig | None, *, mixed_p
         recipe=fp8.recipe,
         include=tuple(fp8.include),
         exclude=tuple(fp8.exclude),
+        output_head=fp8.output_head,
         tp=tp,
         ep=ep,
         num_tokens=tokens_now,
@@ -167,7 +168,10 @@ def decide_for_library(model, fp8: FP8Config, selective: SelectiveConfig | None,
     options = decide_options(fp8, selective, mixed_precision=mixed_precision, num_tokens=num_tokens)
     for message in options.warnings:
         warnings.warn(message, stacklevel=3)
-    return decide(find_sites(model), options)
+    decisions = decide(find_sites(model), options)
+    for message in output_head_notes(decisions, options):
+        warnings.warn(message, stacklevel=3)
+    return decisions
 
 
 def load_policies(sel: SelectiveConfig) -> dict:

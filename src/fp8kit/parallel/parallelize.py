@@ -186,6 +186,7 @@ def apply_tp(model: nn.Module, tp_mesh, decisions: list[Decision], conversion: C
         ColwiseParallel,
         PrepareModuleInput,
         PrepareModuleInputOutput,
+        PrepareModuleOutput,
         RowwiseParallel,
         SequenceParallel,
         parallelize_module,
@@ -253,9 +254,11 @@ def apply_tp(model: nn.Module, tp_mesh, decisions: list[Decision], conversion: C
             input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
         base = model.get_submodule(prefix.rpartition(".")[0]) if "." in prefix else model
         parallelize_module(base, tp_mesh, {"norm": SequenceParallel(use_local_output=True)})
-        head = model.get_output_embeddings()
-        parallelize_module(head, tp_mesh, PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))
+        # The whole sequence for the head: all-gathered as the final norm's output (its hook runs after
+        # SequenceParallel's), not as the head's input: the head is a module FP8 conversion and the precision
+        # schedule replace (fp8.output_head), and a replaced module loses its hooks.
+        parallelize_module(base.get_submodule("norm"), tp_mesh, PrepareModuleOutput(
+            output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))
     return n_fp8
 
 

@@ -32,7 +32,7 @@ from fp8kit.comm import AutoScaleState, apply_fp8_reduce_scatter
 from fp8kit.comm.fsdp_reduce_scatter import fsdp_custom_reduce_scatter_support
 from fp8kit.fp8.delayed import DelayedScaling, DelayedScalingState
 from fp8kit.moe.grouped_mm import GroupedGemmConfig, resolve_wgrad_input
-from fp8kit.parallel.convert import ConversionOptions, apply_fp8, fused_mlp_notes
+from fp8kit.parallel.convert import ConversionOptions, apply_fp8, fused_mlp_notes, plain_named_modules
 from fp8kit.parallel.parallelize import (
     Parallelized,
     apply_ac,
@@ -245,7 +245,32 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
         mode = "reduce-overhead" if options.cuda_graphs else None
         for block in transformer_blocks(model):
             block.compile(mode=mode)
+        if options.fp8:
+            compile_fp8_heads(model, decisions, cuda_graphs=options.cuda_graphs)
         done.steps.append("compile")
+    return done
+
+
+def compile_fp8_heads(model: nn.Module, decisions: list[Decision], *, cuda_graphs: bool) -> list[str]:
+    """``torch.compile`` in place each output head that runs in FP8 now (``fp8.output_head``), as step 6
+    compiles the blocks: the head sits outside them, and run eagerly its casts would be separate passes over
+    the logits' gradient (``[tokens, vocab]``). Called by :func:`prepare_model` and again after the precision
+    schedule swaps the modules in (a swapped-in module is a new, uncompiled one).
+
+    Returns:
+        the FQNs compiled now (heads already compiled, or BF16 now, are left as they are).
+    """
+    mode = "reduce-overhead" if cuda_graphs else None
+    modules = plain_named_modules(model)
+    done = []
+    for d in decisions:
+        if d.site.role != "head" or not d.is_fp8 or d.fqn not in modules:
+            continue
+        real, module = modules[d.fqn]
+        if type(module) is nn.Linear or getattr(module, "_compiled_call_impl", None) is not None:
+            continue  # BF16 now (a BF16 phase of the precision schedule), or compiled already
+        module.compile(mode=mode)
+        done.append(real)
     return done
 
 

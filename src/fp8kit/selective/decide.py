@@ -126,6 +126,7 @@ class DecideOptions:
     recipe: str = "tensorwise"
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
+    output_head: bool = False
     tp: int = 1
     ep: int = 1
     etp: int = 1
@@ -142,7 +143,7 @@ def decide(sites: list[Site], options: DecideOptions) -> list[Decision]:
         ConfigError: an invalid pattern, or ``ep`` that does not divide a site's experts.
     """
     rules = StaticRules.from_lists(list(options.include), list(options.exclude),
-                                   recipe_info(options.recipe).dims_multiple)
+                                   recipe_info(options.recipe).dims_multiple, options.output_head)
     shape_of = _auto_shapes(sites, rules, options)
     out: list[Decision] = []
     for site in sites:
@@ -193,6 +194,16 @@ def decide(sites: list[Site], options: DecideOptions) -> list[Decision]:
             continue
         out.append(Decision(site, "fp8", verdict.rule, verdict.reason, recipe, **ctx))
     return out
+
+
+def output_head_notes(decisions: list[Decision], options: DecideOptions) -> list[str]:
+    """Warnings for ``fp8.output_head = true`` where an output head still stays BF16 (tied to the embedding, dims,
+    ``fp8.exclude``, measured slower by ``auto``, no rule in a policy): the user asked for it, so the run says why
+    it did not happen. Empty when the option is off or the run is not FP8."""
+    if not options.output_head or options.mixed_precision != "fp8":
+        return []
+    return [f"fp8.output_head = true, but {d.fqn} stays BF16: {d.reason}"
+            for d in decisions if d.site.role == "head" and not d.is_fp8]
 
 
 def _auto_shapes(sites: list[Site], rules: StaticRules, options: DecideOptions) -> dict[str, AutoShape]:

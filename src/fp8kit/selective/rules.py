@@ -5,7 +5,10 @@ torchtitan and KempnerForge use it; LLaMA-Factory's ``module_filter_func`` behin
 flags), in this order, the first that applies giving the reason:
 
 1. embeddings are not linear layers;
-2. output heads (``lm_head`` / ``output`` / ``classifier`` ...) stay BF16 for accuracy;
+2. output heads (``lm_head`` / ``output`` / ``classifier`` ...) stay BF16 for accuracy (DeepSeek-V3,
+   arXiv:2412.19437 section 3.3, keeps the output head in BF16; so do torchtitan and torchao), unless
+   ``fp8.output_head`` lets them in, and then a head tied to the input embedding still stays BF16 (its
+   weight is an ``nn.Embedding``'s too); an admitted head goes on through the rules below;
 3. MoE routers / gates stay BF16 (output dim = number of experts: tiny, and routing-critical);
 4. MoE experts: the 3-D expert weights of transformers v5 (``gate_up_proj`` / ``down_proj``) are
    candidates for the FP8 grouped GEMM (``fp8kit.moe``) when K and N are divisible by 16 and the
@@ -46,18 +49,24 @@ class StaticRules:
     include: tuple[FqnPattern, ...] = ()
     exclude: tuple[FqnPattern, ...] = ()
     dims_multiple: int = 16  # the recipe's (linear layers and grouped expert weights alike)
+    output_head: bool = False  # fp8.output_head: an untied output head is a candidate like any linear
 
     @classmethod
-    def from_lists(cls, include: list[str], exclude: list[str], dims_multiple: int = 16) -> StaticRules:
+    def from_lists(cls, include: list[str], exclude: list[str], dims_multiple: int = 16,
+                   output_head: bool = False) -> StaticRules:
         return cls(tuple(compile_patterns(include, "fp8.include")), tuple(compile_patterns(exclude, "fp8.exclude")),
-                   dims_multiple)
+                   dims_multiple, output_head)
 
     def check(self, site: Site) -> StaticVerdict:
         """Apply the rules of the module docstring, in order, to one site."""
         if site.role == "embedding":
             return StaticVerdict(False, "embedding", "embedding: not a linear layer")
-        if site.role == "head":
-            return StaticVerdict(False, "head", "output head: kept in BF16 for accuracy")
+        if site.role == "head" and not self.output_head:
+            return StaticVerdict(False, "head", "output head: kept in BF16 for accuracy (fp8.output_head = true lets "
+                                 "it run in FP8)")
+        if site.role == "head" and site.tied:
+            return StaticVerdict(False, "head-tied", "output head tied to the input embedding (one weight for both): "
+                                 "kept in BF16 although fp8.output_head = true")
         if site.role == "router":
             return StaticVerdict(False, "router", "MoE router: tiny output dim, routing stays in BF16")
         if site.role == "expert" and not site.is_grouped_weight:

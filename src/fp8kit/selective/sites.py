@@ -104,6 +104,7 @@ class Site:
         has_bias: whether the linear layer has a bias.
         unsupported: for a 3-D expert weight whose module layout the FP8 grouped experts cannot run
             (``fp8kit.moe.experts.layout_problem``), the reason; else None.
+        tied: for an output head: its weight is also an ``nn.Embedding``'s (tied word embeddings).
         fused_mlp: for a 3-D expert weight: its module's gate is the one the fused rowwise FP8 MLP computes
             (``fp8kit.moe.experts.fused_gate_problem`` is None), so with both weights in FP8 on the ``fused``
             grouped kernel the two run as one MLP (``moe/fused_experts.py``) and are timed and decided together.
@@ -123,6 +124,7 @@ class Site:
     has_bias: bool = False
     unsupported: str | None = None
     fused_mlp: bool = False
+    tied: bool = False
 
     @property
     def is_grouped(self) -> bool:
@@ -191,6 +193,7 @@ def find_sites(model: nn.Module) -> list[Site]:
     Works on any device including ``meta`` (only shapes are read).
     """
     sites: list[Site] = []
+    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for fqn, module in model.named_modules():
         if not fqn:
             continue
@@ -206,7 +209,7 @@ def find_sites(model: nn.Module) -> list[Site]:
             sites.append(
                 Site(fqn, type(module).__name__, role, kind, ub, tuple(module.weight.shape),
                      module.in_features, module.out_features, layer=layer, component=component,
-                     has_bias=module.bias is not None)
+                     has_bias=module.bias is not None, tied=id(module.weight) in embedding_weights)
             )
         elif "router" in type(module).__name__.lower() or (
             parts[-1] in _ROUTER_NAMES and isinstance(getattr(module, "weight", None), nn.Parameter)

@@ -50,7 +50,7 @@ from rich.console import Console
 from fp8kit.parallel.convert import apply_fp8, restore_bf16
 from fp8kit.train import checkpoint as ckpt
 from fp8kit.train.health import WORST_K, FP8HealthMonitor, badness
-from fp8kit.train.loop import LoopResult, run_loop, set_precision
+from fp8kit.train.loop import LoopResult, modules_swapped, run_loop, set_precision
 from fp8kit.train.setup import Setup, phase_at
 
 #: Losses of the running mean (the spike reference) and how many must be known before spikes count.
@@ -128,8 +128,7 @@ class DivergenceGuard:
             say(f"step {step}: {len(back)} layers back to FP8 after their BF16 window")
         if self.forced:
             n += restore_bf16(s.model, fqns=set(self.forced))
-        if n and s.cfg.train.compile:
-            torch._dynamo.reset()  # the swapped modules live inside compiled blocks
+        modules_swapped(s, n)
 
     def observe(self, done: int, loss: float) -> str | None:
         """After step ``done`` (1-based) with a finite loss and gradient norm: the cause of a loss spike,

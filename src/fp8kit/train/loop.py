@@ -53,6 +53,7 @@ from rich.progress import (
 from fp8kit.base.errors import Fp8kitError
 from fp8kit.parallel.convert import apply_fp8, count_fp8_modules, restore_bf16
 from fp8kit.parallel.parallelize import after_optimizer_step
+from fp8kit.parallel.prepare import compile_fp8_heads
 from fp8kit.train import checkpoint as ckpt
 from fp8kit.train.async_checkpoint import AsyncCheckpointer
 from fp8kit.train.clip import clip_grad_norm
@@ -87,9 +88,18 @@ def set_precision(setup: Setup, phase: str) -> int:
         n = apply_fp8(setup.model, setup.decisions, setup.prepared.conversion)
     else:
         n = restore_bf16(setup.model)
-    if n and setup.cfg.train.compile:
-        torch._dynamo.reset()  # the swapped modules live inside compiled blocks
+    modules_swapped(setup, n)
     return n
+
+
+def modules_swapped(setup: Setup, n: int) -> None:
+    """After ``n`` modules were swapped between FP8 and BF16 (the precision schedule, the divergence guard's BF16
+    windows): under ``train.compile`` the compiled code is dropped (the swapped modules live inside compiled
+    blocks) and an FP8 output head swapped in, which lives outside them, is compiled itself
+    (``parallel.prepare.compile_fp8_heads``)."""
+    if n and setup.cfg.train.compile:
+        torch._dynamo.reset()
+        compile_fp8_heads(setup.model, setup.decisions, cuda_graphs=setup.cfg.train.cuda_graphs)
 
 
 def _loss(setup: Setup, batch) -> torch.Tensor:
@@ -230,6 +240,7 @@ def _save(setup: Setup, out_dir: Path, step: int, phase: str, saver: AsyncCheckp
         "global_batch": global_batch(setup),  # sequences per optimizer step (a resume on another says so)
         "rng": ckpt.rng_state(setup.device),
         "recipe": setup.cfg.fp8.recipe if setup.cfg.train.mixed_precision == "fp8" else None,
+        "output_head": setup.cfg.fp8.output_head,  # a resume that changes it says so (setup.output_head_resume_note)
         # FP8AdamW's state precision (optim.granularity = auto resumes with its scales; the DCP files do not say)
         "fp8adamw_precision": setup.optimizer.precision.as_dict() if setup.cfg.optim.name == "fp8_adamw" else None,
         "fp8_delayed": setup.prepared.conversion.delayed.state_dict(),  # amax histories (recipe delayed)

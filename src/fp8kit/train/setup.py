@@ -47,7 +47,7 @@ from fp8kit.models.pretrained import (
 from fp8kit.optim.memory import training_state_bytes
 from fp8kit.parallel.mesh import ParallelDims, resolve_dims
 from fp8kit.parallel.prepare import Prepared, prepare_model
-from fp8kit.selective.decide import Decision, decide
+from fp8kit.selective.decide import Decision, decide, output_head_notes
 from fp8kit.selective.sites import find_sites
 from fp8kit.train import checkpoint as ckpt
 from fp8kit.train.memory_fit import activation_bytes, check_state_fits, fp8_adamw_precision
@@ -138,6 +138,19 @@ def check_resume_recipe(cfg: RunConfig, resume_ckpt: Path, state: dict) -> None:
             f"--resume {str(resume_ckpt)!r}: the checkpoint was trained with fp8.recipe = {saved!r}, this run asks "
             f"for {cfg.fp8.recipe!r}; resume with --set fp8.recipe={saved}"
         )
+
+
+def output_head_resume_note(cfg: RunConfig, resume_ckpt: Path, state: dict) -> str | None:
+    """The warning for a resume that changes ``fp8.output_head`` in an FP8 run (checkpoints from before the option
+    count as ``false``), or None. Not refused: the head's weights are the same either way; only its matmul's
+    precision changes from here, and with the delayed recipe a head that becomes FP8 starts an empty amax history
+    (its first step scales from its own amax, as any module entering FP8 does)."""
+    saved = bool(state.get("output_head", False))
+    if cfg.train.mixed_precision != "fp8" or saved == cfg.fp8.output_head:
+        return None
+    now = "FP8" if cfg.fp8.output_head else "BF16"
+    return (f"--resume {str(resume_ckpt)!r}: the checkpoint was trained with fp8.output_head = {str(saved).lower()}, "
+            f"this run sets {str(cfg.fp8.output_head).lower()}: the output head's matmul is {now} from here on")
 
 
 def check_resume_data(resume_ckpt: Path, state: dict, data: PreparedData) -> None:
@@ -323,6 +336,9 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
         ckpt.check_compatible(resume_ckpt, model, resume_state)
         ckpt.check_optimizer(resume_ckpt, resume_state, cfg.optim.name)
         check_resume_recipe(cfg, resume_ckpt, resume_state)
+        note = output_head_resume_note(cfg, resume_ckpt, resume_state)
+        if note is not None:
+            early_warnings.append(note)
 
     options = options_from_config(cfg, hf_cfg, device_name(device))
     sites = find_sites(model)
@@ -371,7 +387,7 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
         capability=capability,
         resume_from=resume_ckpt,
         resume_state=resume_state,
-        warnings=early_warnings + list(options.warnings) + auto.warnings,
+        warnings=early_warnings + list(options.warnings) + auto.warnings + output_head_notes(decisions, options),
         shown_warnings=shown_warnings,
         dims=dims,
         mesh=mesh,
