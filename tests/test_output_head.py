@@ -111,7 +111,8 @@ def test_training_with_an_fp8_head_converts_it_and_learns(small_run, tmp_path, r
         assert [s["precision"] for s in sites if s["fqn"] == "lm_head"] == [precision], run
     gaps = [abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(with_head, without, strict=True)]
     assert max(gaps[:4]) < 0.03, f"loss gap with the head in FP8: {gaps}"
-    assert with_head[-1]["loss"] < with_head[0]["loss"] - 0.5, [r["loss"] for r in with_head]
+    losses = [r["loss"] for r in with_head]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses  # it learns (measured: about 0.5 in 12 steps)
 
 
 @pytest.mark.slow
@@ -129,7 +130,7 @@ def test_delayed_head_resumes_bit_exact(small_run, tmp_path):
     train(load_config(None, [*small_run, *base]), tmp_path / "bf16head", resume=tmp_path / "full" / "checkpoints" /
           "step_000003")
     said = json.loads((tmp_path / "bf16head" / "run_info.json").read_text())["warnings"]
-    assert any("trained with fp8.output_head = true, this run sets false: the output head's matmul is BF16" in w
+    assert any("the output head ran in FP8 in the checkpoint's run and runs in BF16 from here on" in w
                for w in said), said
 
 

@@ -257,7 +257,11 @@ def apply_tp(model: nn.Module, tp_mesh, decisions: list[Decision], conversion: C
         # The whole sequence for the head: all-gathered as the final norm's output (its hook runs after
         # SequenceParallel's), not as the head's input: the head is a module FP8 conversion and the precision
         # schedule replace (fp8.output_head), and a replaced module loses its hooks.
-        parallelize_module(base.get_submodule("norm"), tp_mesh, PrepareModuleOutput(
+        if not isinstance(getattr(base, "norm", None), nn.Module):
+            raise ConfigError(f"distributed.sequence_parallel: model {type(model).__name__} has no final norm "
+                              f"{(prefix.rpartition('.')[0] + '.norm').lstrip('.')!r} to all-gather the sequence "
+                              f"after; set distributed.sequence_parallel = false")
+        parallelize_module(base.norm, tp_mesh, PrepareModuleOutput(
             output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))
     return n_fp8
 

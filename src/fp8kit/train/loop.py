@@ -60,7 +60,7 @@ from fp8kit.train.clip import clip_grad_norm
 from fp8kit.train.cuda_graphs import keep_gradients, poll_skips, start_watch
 from fp8kit.train.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
 from fp8kit.train.preempt import StopSignals, agreed_stop, signal_name
-from fp8kit.train.setup import Setup, global_batch, phase_at
+from fp8kit.train.setup import Setup, fp8_head, global_batch, phase_at
 
 if TYPE_CHECKING:  # pragma: no cover
     from fp8kit.train.guard import DivergenceGuard
@@ -240,7 +240,8 @@ def _save(setup: Setup, out_dir: Path, step: int, phase: str, saver: AsyncCheckp
         "global_batch": global_batch(setup),  # sequences per optimizer step (a resume on another says so)
         "rng": ckpt.rng_state(setup.device),
         "recipe": setup.cfg.fp8.recipe if setup.cfg.train.mixed_precision == "fp8" else None,
-        "output_head": setup.cfg.fp8.output_head,  # a resume that changes it says so (setup.output_head_resume_note)
+        # whether the output head was decided FP8 (fp8.output_head): a resume that changes it says so
+        "output_head": fp8_head(setup.decisions),
         # FP8AdamW's state precision (optim.granularity = auto resumes with its scales; the DCP files do not say)
         "fp8adamw_precision": setup.optimizer.precision.as_dict() if setup.cfg.optim.name == "fp8_adamw" else None,
         "fp8_delayed": setup.prepared.conversion.delayed.state_dict(),  # amax histories (recipe delayed)

@@ -140,17 +140,24 @@ def check_resume_recipe(cfg: RunConfig, resume_ckpt: Path, state: dict) -> None:
         )
 
 
-def output_head_resume_note(cfg: RunConfig, resume_ckpt: Path, state: dict) -> str | None:
-    """The warning for a resume that changes ``fp8.output_head`` in an FP8 run (checkpoints from before the option
-    count as ``false``), or None. Not refused: the head's weights are the same either way; only its matmul's
-    precision changes from here, and with the delayed recipe a head that becomes FP8 starts an empty amax history
-    (its first step scales from its own amax, as any module entering FP8 does)."""
-    saved = bool(state.get("output_head", False))
-    if cfg.train.mixed_precision != "fp8" or saved == cfg.fp8.output_head:
+def fp8_head(decisions: list[Decision]) -> bool:
+    """Whether an output head was decided FP8 (``fp8.output_head``, and no rule, ``auto`` measurement or policy kept
+    it BF16); saved in the checkpoint's train state."""
+    return any(d.site.role == "head" and d.is_fp8 for d in decisions)
+
+
+def output_head_resume_note(resume_ckpt: Path, state: dict, decisions: list[Decision]) -> str | None:
+    """The warning for a resume whose output head runs in another precision than in the checkpoint's run
+    (:func:`fp8_head`; checkpoints from before ``fp8.output_head`` count as BF16), or None. Not refused: the head's
+    weights are the same either way, only its matmul's precision changes from here; with the delayed recipe a head
+    that becomes FP8 starts an empty amax history (its first step scales from its own amax, as any module entering
+    FP8 does)."""
+    saved, now = bool(state.get("output_head", False)), fp8_head(decisions)
+    if saved == now:
         return None
-    now = "FP8" if cfg.fp8.output_head else "BF16"
-    return (f"--resume {str(resume_ckpt)!r}: the checkpoint was trained with fp8.output_head = {str(saved).lower()}, "
-            f"this run sets {str(cfg.fp8.output_head).lower()}: the output head's matmul is {now} from here on")
+    was, will = ("FP8", "BF16") if saved else ("BF16", "FP8")
+    return (f"--resume {str(resume_ckpt)!r}: the output head ran in {was} in the checkpoint's run and runs in {will} "
+            f"from here on (fp8.output_head and the FP8 decisions of this run)")
 
 
 def check_resume_data(resume_ckpt: Path, state: dict, data: PreparedData) -> None:
@@ -336,9 +343,6 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
         ckpt.check_compatible(resume_ckpt, model, resume_state)
         ckpt.check_optimizer(resume_ckpt, resume_state, cfg.optim.name)
         check_resume_recipe(cfg, resume_ckpt, resume_state)
-        note = output_head_resume_note(cfg, resume_ckpt, resume_state)
-        if note is not None:
-            early_warnings.append(note)
 
     options = options_from_config(cfg, hf_cfg, device_name(device))
     sites = find_sites(model)
@@ -347,6 +351,10 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
     auto = resolve_auto(cfg, sites, decide(sites, options), options, device, emulated=fp8_emulated(cfg, device),
                         topk=moe_topk(hf_cfg), status=say, accumulate=weight_cast_accumulation(cfg, mesh))
     decisions = auto.decisions
+    if resume_ckpt is not None:
+        note = output_head_resume_note(resume_ckpt, resume_state, decisions)
+        if note is not None:
+            early_warnings.append(note)
     if any(d.is_fp8 and d.site.is_grouped_weight for d in decisions):
         # FP8 MoE experts need an FP8 grouped GEMM on this device (or fp8.emulate): fail now, not mid-run.
         from fp8kit.moe.grouped_mm import resolve_grouped_kernel
