@@ -254,8 +254,9 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
 def compile_fp8_heads(model: nn.Module, decisions: list[Decision], *, cuda_graphs: bool) -> list[str]:
     """``torch.compile`` in place each output head that runs in FP8 now (``fp8.output_head``), as step 6
     compiles the blocks: the head sits outside them, and run eagerly its casts would be separate passes over
-    the logits' gradient (``[tokens, vocab]``). Called by :func:`prepare_model` and again after the precision
-    schedule swaps the modules in (a swapped-in module is a new, uncompiled one).
+    the logits' gradient (``[tokens, vocab]``). Called by :func:`prepare_model` and again after every swap
+    (``train.loop.modules_swapped``: the precision schedule, the divergence guard; a swapped-in module is a new,
+    uncompiled one).
 
     Returns:
         the FQNs compiled now (heads already compiled, or BF16 now, are left as they are).
