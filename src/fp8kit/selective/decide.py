@@ -196,6 +196,12 @@ def decide(sites: list[Site], options: DecideOptions) -> list[Decision]:
     return out
 
 
+def fp8_head(decisions: list[Decision]) -> bool:
+    """Whether an output head was decided FP8 (``fp8.output_head``, and no rule, ``auto`` measurement or policy kept
+    it BF16); ``fp8kit train`` saves it in the checkpoint's train state."""
+    return any(d.site.role == "head" and d.is_fp8 for d in decisions)
+
+
 def output_head_notes(decisions: list[Decision], options: DecideOptions) -> list[str]:
     """Warnings for ``fp8.output_head = true`` where an output head still stays BF16 (tied to the embedding, dims,
     ``fp8.exclude``, measured slower by ``auto``, no rule in a policy): the user asked for it, so the run says why

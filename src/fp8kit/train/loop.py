@@ -54,13 +54,14 @@ from fp8kit.base.errors import Fp8kitError
 from fp8kit.parallel.convert import apply_fp8, count_fp8_modules, restore_bf16
 from fp8kit.parallel.parallelize import after_optimizer_step
 from fp8kit.parallel.prepare import compile_fp8_heads
+from fp8kit.selective.decide import fp8_head
 from fp8kit.train import checkpoint as ckpt
 from fp8kit.train.async_checkpoint import AsyncCheckpointer
 from fp8kit.train.clip import clip_grad_norm
 from fp8kit.train.cuda_graphs import keep_gradients, poll_skips, start_watch
 from fp8kit.train.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
 from fp8kit.train.preempt import StopSignals, agreed_stop, signal_name
-from fp8kit.train.setup import Setup, fp8_head, global_batch, phase_at
+from fp8kit.train.setup import Setup, global_batch, phase_at
 
 if TYPE_CHECKING:  # pragma: no cover
     from fp8kit.train.guard import DivergenceGuard

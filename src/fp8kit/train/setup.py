@@ -47,7 +47,7 @@ from fp8kit.models.pretrained import (
 from fp8kit.optim.memory import training_state_bytes
 from fp8kit.parallel.mesh import ParallelDims, resolve_dims
 from fp8kit.parallel.prepare import Prepared, prepare_model
-from fp8kit.selective.decide import Decision, decide, output_head_notes
+from fp8kit.selective.decide import Decision, decide, fp8_head, output_head_notes
 from fp8kit.selective.sites import find_sites
 from fp8kit.train import checkpoint as ckpt
 from fp8kit.train.memory_fit import activation_bytes, check_state_fits, fp8_adamw_precision
@@ -138,12 +138,6 @@ def check_resume_recipe(cfg: RunConfig, resume_ckpt: Path, state: dict) -> None:
             f"--resume {str(resume_ckpt)!r}: the checkpoint was trained with fp8.recipe = {saved!r}, this run asks "
             f"for {cfg.fp8.recipe!r}; resume with --set fp8.recipe={saved}"
         )
-
-
-def fp8_head(decisions: list[Decision]) -> bool:
-    """Whether an output head was decided FP8 (``fp8.output_head``, and no rule, ``auto`` measurement or policy kept
-    it BF16); saved in the checkpoint's train state."""
-    return any(d.site.role == "head" and d.is_fp8 for d in decisions)
 
 
 def output_head_resume_note(resume_ckpt: Path, state: dict, decisions: list[Decision]) -> str | None:
