@@ -51,7 +51,8 @@ class FP8Config(ConfigModel):
         "(torchao Float8Linear; E4M3 forward, E5M2 gradients), blockwise (fp8kit's own: 1x128 activation "
         "and gradient blocks, 128x128 weight blocks, E4M3 throughout, DeepSeek-V3; layers whose dims are "
         "not multiples of 128 stay BF16) or delayed (fp8kit's own: Transformer Engine's delayed scaling "
-        "from an amax history, see amax_history_len; the fastest on Llama-3-8B layers, 1.29-1.30x bf16, but 0.76x "
+        "from an amax history, see amax_history_len; the fastest on Llama-3-8B layers, 1.31x bf16 and 1.38-1.40x "
+        "with output_head on an H200, but 0.76x "
         "in full FP8 on llama-125m, where selective_fp8 = auto keeps the layers bf16; speeds: docs/benchmarks.md "
         "section 6).",
     )
@@ -73,7 +74,8 @@ class FP8Config(ConfigModel):
         "BF16), and under train.compile it is compiled like a block. A head that stays BF16 although asked for is "
         "warned about, with the reason; a head tied to the input embedding always does. Off by default: "
         "DeepSeek-V3 (arXiv:2412.19437, section 3.3), torchtitan and torchao keep the head in BF16 for accuracy. "
-        "Measured on an H200: Llama-3-8B layers x 8, delayed: 1.307x -> 1.342x BF16; llama-125m: validation loss "
+        "Measured on an H200: Llama-3-8B layers x 8, delayed: 1.307x -> 1.342x BF16 (1.380-1.401x since the delayed "
+        "fprop accumulates fast, session 39); llama-125m: validation loss "
         "+0.24% vs BF16, training loss +2.2% (docs/benchmarks.md section 6, session 38).",
     )
     emulate: bool = Field(

@@ -21,7 +21,9 @@ Numerics (Transformer Engine ``recipe.DelayedScaling``; Micikevicius et al. 2022
   (``fp8kit::cast_transpose``: one read, both FP8 layouts, the amax; same bits); it is faster on a lone linear
   but not in a model, where it stops that fusion, so the default leaves every cast to ``torch.compile``.
 - The three GEMMs of ``y = x @ w.T`` through ``torch._scaled_mm`` (tensorwise): fprop ``x8 @ w8.T``
-  (E4M3 x E4M3), dgrad ``dy8 @ w8`` (E5M2 x E4M3), wgrad ``dy8.T @ x8`` (E5M2 x E4M3). The FP8 copies
+  (E4M3 x E4M3), dgrad ``dy8 @ w8`` (E5M2 x E4M3), wgrad ``dy8.T @ x8`` (E5M2 x E4M3); fprop with the tensor
+  cores' fast accumulation, dgrad and wgrad with the FP32-promoting split accumulator, as Transformer Engine's
+  ``DelayedScaling`` runs them (``Recipe.fast_accum`` in :mod:`fp8kit.fp8.recipes`; :func:`scaled_mm`). The FP8 copies
   ``x8`` and ``w8`` made in forward serve the backward, saved in the column-major layout its GEMMs take;
   under ``torch.compile`` the input is saved in bf16 instead and cast again in the backward with the same
   scale, as torchao's ``Float8Linear`` does, so a compiled model saves for the backward exactly what a bf16
@@ -87,10 +89,34 @@ from fp8kit.fp8.delayed_state import (
 )
 from fp8kit.fp8.kernels.cast_ops import cast_transpose
 from fp8kit.fp8.linear import sharded_linear
+from fp8kit.fp8.recipes import GEMMS, RECIPES
 from fp8kit.fp8.scaling import DTYPE_MAX, scale_from_amax
 
-__all__ = ["AMAX_ALGOS", "OPERANDS", "DelayedEntry", "DelayedScaling", "DelayedScalingState",
-           "Float8DelayedLinear"]
+__all__ = ["AMAX_ALGOS", "FAST_ACCUM", "OPERANDS", "DelayedEntry", "DelayedScaling", "DelayedScalingState",
+           "Float8DelayedLinear", "scaled_mm"]
+
+
+#: The GEMMs of the delayed recipe that run with fast accumulation (the recipe table, ``fp8.recipes``).
+FAST_ACCUM: tuple[str, ...] = RECIPES["delayed"].fast_accum
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              out_dtype: torch.dtype, gemm: str) -> torch.Tensor:
+    """``torch._scaled_mm(a, b)`` of per-tensor-scaled FP8 operands for ``gemm`` (one of ``fp8.recipes.GEMMS``),
+    with the delayed recipe's accumulation for that GEMM (:data:`FAST_ACCUM`).
+
+    Args:
+        a: ``[M, K]`` row-major FP8; b: ``[K, N]`` column-major FP8; scale_a, scale_b: float32 ``[]`` decoding scales.
+        out_dtype: the output's dtype (``[M, N]``).
+        gemm: ``"fprop"``, ``"dgrad"`` or ``"wgrad"``.
+
+    Raises:
+        ValueError: ``gemm`` is not one of the three.
+    """
+    if gemm not in GEMMS:
+        raise ValueError(f"scaled_mm: gemm must be one of {', '.join(GEMMS)}, got {gemm!r}")
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                            use_fast_accum=gemm in FAST_ACCUM)
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
@@ -183,7 +209,7 @@ class _DelayedLinearFn(torch.autograd.Function):
             record_(records[0], 0, ax)
             record_(records[0], 1, aw)
         # fprop: [M, K] @ [K, N] -> [M, N]
-        y = torch._scaled_mm(x8, w8.t(), scale_a=ix, scale_b=iw, out_dtype=x.dtype)
+        y = scaled_mm(x8, w8.t(), ix, iw, x.dtype, "fprop")
         # The layouts the backward's GEMMs take were made with the casts (the row-major x8 dies after fprop),
         # or, with recast_x, x itself is kept for the backward's cast.
         ctx.save_for_backward(x if recast_x else x8_cm, w8_cm, sx, ix, iw, sg, ig)
@@ -209,9 +235,9 @@ class _DelayedLinearFn(torch.autograd.Function):
         ig = sg.reciprocal() if ig is None else ig
         dx = dw = None
         if dgrad:  # dgrad: [M, N] @ [N, K] -> [M, K]
-            dx = torch._scaled_mm(g8, w8_cm, scale_a=ig, scale_b=iw, out_dtype=x_dtype)
+            dx = scaled_mm(g8, w8_cm, ig, iw, x_dtype, "dgrad")
         if wgrad:  # wgrad: [N, M] @ [M, K] -> [N, K]
-            dw = torch._scaled_mm(g8_cm.t(), x8_cm, scale_a=ig, scale_b=ix, out_dtype=w_dtype)
+            dw = scaled_mm(g8_cm.t(), x8_cm, ig, ix, w_dtype, "wgrad")
         if records is not None:  # the step's record is complete: the next roll takes it into the history
             record_(records[1], 0, ag)
         return dx, dw, None, None, None, None, None, None, None, None, None

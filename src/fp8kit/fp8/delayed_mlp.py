@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fp8kit.fp8.delayed import Float8DelayedLinear, _cast_both, _recast_col_major
+from fp8kit.fp8.delayed import Float8DelayedLinear, _cast_both, _recast_col_major, scaled_mm
 from fp8kit.fp8.delayed_state import E4M3, E5M2, FUSED_CASTS, record_
 from fp8kit.fp8.swiglu_delayed import swiglu_backward_cast
 
@@ -68,12 +68,12 @@ class _DelayedSwiGLUMLPFn(torch.autograd.Function):
         wg8, wg8_cm, _, awg = _cast_both(w_gate, swg, E4M3, None, dgrad, w_fused)
         wu8, wu8_cm, _, awu = _cast_both(w_up, swu, E4M3, None, dgrad, w_fused)
         wd8, wd8_cm, _, awd = _cast_both(w_down, swd, E4M3, None, True, w_fused)
-        g = torch._scaled_mm(x8, wg8.t(), scale_a=ix, scale_b=iwg, out_dtype=x.dtype)
-        u = torch._scaled_mm(x8, wu8.t(), scale_a=ix, scale_b=iwu, out_dtype=x.dtype)
+        g = scaled_mm(x8, wg8.t(), ix, iwg, x.dtype, "fprop")
+        u = scaled_mm(x8, wu8.t(), ix, iwu, x.dtype, "fprop")
         gf = g.float()
         a = (gf * torch.sigmoid(gf) * u.float()).to(x.dtype)  # fp8.swiglu.swiglu_ref
         a8, _, _, aa = _cast_both(a, sa, E4M3, None, False, False)
-        y = torch._scaled_mm(a8, wd8.t(), scale_a=ia, scale_b=iwd, out_dtype=x.dtype)
+        y = scaled_mm(a8, wd8.t(), ia, iwd, x.dtype, "fprop")
         # as in the delayed linear: these writes keep the amaxes in the forward under torch.compile
         for rec, (a_in, a_w) in zip(records, ((ax, awg), (ax, awu), (aa, awd)), strict=True):
             record_(rec, 0, a_in)
@@ -93,21 +93,20 @@ class _DelayedSwiGLUMLPFn(torch.autograd.Function):
         need_x, need_gate, need_up, need_down = ctx.needs_input_grad[:4]
         dy8, dy8_cm, _, ay = _cast_both(dy, sy, E5M2, None, True, "grad_output" in ctx.fused)
         # the down projection's dgrad: [M, H_out] @ [H_out, I] -> da [M, I]
-        da = torch._scaled_mm(dy8, wd8_cm, scale_a=iy, scale_b=iwd, out_dtype=x_dtype)
+        da = scaled_mm(dy8, wd8_cm, iy, iwd, x_dtype, "dgrad")
         qg, qgt, qu, qut, qat, amax_gu = swiglu_backward_cast(g, u, da, sgg, sgu, sa)
         dx = d_gate = d_up = d_down = None
         if need_down:  # [H_out, M] @ [M, I]
-            d_down = torch._scaled_mm(dy8_cm.t(), qat.t(), scale_a=iy, scale_b=ia, out_dtype=dt_down)
+            d_down = scaled_mm(dy8_cm.t(), qat.t(), iy, ia, dt_down, "wgrad")
         if need_x:  # dgrad of gate and up: [M, I] @ [I, H], summed
-            dx = (torch._scaled_mm(qg, wg8_cm, scale_a=igg, scale_b=iwg, out_dtype=x_dtype)
-                  + torch._scaled_mm(qu, wu8_cm, scale_a=igu, scale_b=iwu, out_dtype=x_dtype))
+            dx = scaled_mm(qg, wg8_cm, igg, iwg, x_dtype, "dgrad") + scaled_mm(qu, wu8_cm, igu, iwu, x_dtype, "dgrad")
         if need_gate or need_up:  # wgrad of gate and up: [I, M] @ [M, H]
             if ctx.recast_x:
                 x8_cm = _recast_col_major(x8_cm, sx)
             if need_gate:
-                d_gate = torch._scaled_mm(qgt, x8_cm, scale_a=igg, scale_b=ix, out_dtype=dt_gate)
+                d_gate = scaled_mm(qgt, x8_cm, igg, ix, dt_gate, "wgrad")
             if need_up:
-                d_up = torch._scaled_mm(qut, x8_cm, scale_a=igu, scale_b=ix, out_dtype=dt_up)
+                d_up = scaled_mm(qut, x8_cm, igu, ix, dt_up, "wgrad")
         # the three projections' output-gradient amaxes complete their records (the roll reduces them)
         for rec, a_out in zip(ctx.records, (amax_gu[0], amax_gu[1], ay), strict=True):
             record_(rec, 0, a_out)
