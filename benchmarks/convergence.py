@@ -51,6 +51,9 @@ VARIANTS = {
     # the output head (lm_head) in FP8 too (fp8.output_head; BF16 in every other variant)
     "delayed-output-head": [*FULL_FP8, "fp8.recipe=delayed", "fp8.output_head=true", *FP32_MASTER],
     "tensorwise-output-head": [*FULL_FP8, "fp8.recipe=tensorwise", "fp8.output_head=true", *FP32_MASTER],
+    # delayed with fast accumulation in every GEMM (fp8.fast_accum; the default is fprop only), and in none
+    "delayed-fast-accum-all": [*FULL_FP8, "fp8.recipe=delayed", "fp8.fast_accum=all", *FP32_MASTER],
+    "delayed-split-accum": [*FULL_FP8, "fp8.recipe=delayed", "fp8.fast_accum=[]", *FP32_MASTER],
     # delayed with the three MLP linears run separately (the fused SwiGLU MLP off)
     "delayed-unfused": [*FULL_FP8, "fp8.recipe=delayed", "fp8.delayed_fused_mlp=false", *FP32_MASTER],
     # blockwise keeping no FP8 copy from forward to backward (the per-tensor recipes' peak memory)

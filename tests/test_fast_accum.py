@@ -1,8 +1,9 @@
-"""Fast accumulation per GEMM (``Recipe.fast_accum`` in ``fp8kit.fp8.recipes``): the tensorwise-scaled recipes run
-fprop with the tensor cores' fast accumulation and dgrad / wgrad with the split (FP32-promoting) accumulator, as
-Transformer Engine and torchao do. On the CPU ``torch._scaled_mm`` computes the same either way, so these tests
-check what reaches it: every ``aten._scaled_mm`` call of a training step, seen by a dispatch mode, forward ones
-fast and backward ones split. The GPU check of the numbers is tests/test_delayed_gpu.py."""
+"""Fast accumulation per GEMM (``Recipe.fast_accum`` in ``fp8kit.fp8.recipes``, ``fp8.fast_accum``): by default the
+tensorwise-scaled recipes run fprop with the tensor cores' fast accumulation and dgrad / wgrad with the split
+(FP32-promoting) accumulator, as Transformer Engine and torchao do; ``fp8.fast_accum`` chooses other GEMMs. On the
+CPU ``torch._scaled_mm`` computes the same either way, so these tests check what reaches it: every
+``aten._scaled_mm`` call of a training step, seen by a dispatch mode. The GPU check of the numbers is
+tests/test_delayed_gpu.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fp8kit.fp8.recipes import FPROP_FAST_ACCUM, GEMMS, RECIPES, float8_linear_config
+from fp8kit.base.errors import ConfigError
+from fp8kit.fp8.recipes import FPROP_FAST_ACCUM, GEMMS, RECIPES, fast_accum_for, float8_linear_config
 from tests.conftest import prepared_llama
 
 
@@ -37,20 +39,68 @@ def test_the_recipe_table_names_gemms_and_follows_transformer_engine():
     assert RECIPES["blockwise"].fast_accum == ()
 
 
+def _torchao_accum(cfg) -> tuple[bool, bool, bool]:
+    return (cfg.gemm_config_output.use_fast_accum, cfg.gemm_config_grad_input.use_fast_accum,
+            cfg.gemm_config_grad_weight.use_fast_accum)
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_torchao_configs_take_the_table_accumulation(recipe):
-    cfg = float8_linear_config(recipe)
-    got = (cfg.gemm_config_output.use_fast_accum, cfg.gemm_config_grad_input.use_fast_accum,
-           cfg.gemm_config_grad_weight.use_fast_accum)
-    assert got == (True, False, False), got
+def test_torchao_configs_take_the_table_accumulation_or_the_option(recipe):
+    assert _torchao_accum(float8_linear_config(recipe)) == (True, False, False)
+    assert _torchao_accum(float8_linear_config(recipe, fast_accum=("wgrad", "dgrad"))) == (False, True, True)
+    assert _torchao_accum(float8_linear_config(recipe, fast_accum=())) == (False, False, False)
+    cfg = float8_linear_config(recipe, emulate=True, fast_accum=GEMMS)  # the other fields survive
+    assert cfg.emulate and _torchao_accum(cfg) == (True, True, True)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_delayed_forward_gemms_accumulate_fast_and_backward_gemms_split(fused):
+def test_fast_accum_resolves_per_recipe_and_refuses_unknown_gemms():
+    assert fast_accum_for("delayed") == ("fprop",)
+    assert fast_accum_for("delayed", ["wgrad", "fprop"]) == ("fprop", "wgrad")  # GEMMS order
+    assert fast_accum_for("blockwise", ["fprop"]) == ()  # cuBLAS's blockwise GEMMs take none
+    with pytest.raises(ConfigError, match=r"fp8.fast_accum: unknown GEMM\(s\) 'bwd'; choose from fprop, dgrad, wgrad"):
+        fast_accum_for("tensorwise", ["bwd"])
+
+
+def test_the_option_is_validated_and_noted_where_it_does_nothing():
+    from fp8kit.config import load_config
+
+    assert load_config(None, ['fp8.fast_accum=["fprop","wgrad"]']).fp8.fast_accum == ["fprop", "wgrad"]
+    assert load_config(None, []).fp8.fast_accum is None
+    assert load_config(None, ["fp8.fast_accum=all"]).fp8.fast_accum == ["fprop", "dgrad", "wgrad"]
+    assert load_config(None, ["fp8.fast_accum=[]"]).fp8.fast_accum == []
+    with pytest.raises(ConfigError, match="fp8.fast_accum.*lists fprop more than once"):
+        load_config(None, ['fp8.fast_accum=["fprop","fprop"]'])
+    with pytest.raises(ConfigError, match="fp8.fast_accum.*unknown value 'bwd'"):
+        load_config(None, ['fp8.fast_accum=["bwd"]'])
+    _, done = prepared_llama(["fp8.recipe=blockwise", 'fp8.fast_accum=["fprop","dgrad"]'])
+    assert any("fp8.fast_accum = ['fprop', 'dgrad'] has no effect with fp8.recipe = 'blockwise'" in n
+               for n in done.notes), done.notes
+    _, done = prepared_llama(["fp8.recipe=delayed", 'fp8.fast_accum=["fprop","dgrad"]'])
+    assert not any("fast_accum" in n for n in done.notes), done.notes
+
+
+def test_auto_cache_keys_tell_the_accumulations_apart():
+    from fp8kit.bench.auto import shape_recipe_key
+    from fp8kit.selective.auto import AutoShape
+
+    shape = AutoShape(gemms=((4096, 4096),), num_tokens=8192)
+    assert shape_recipe_key(shape, "delayed", None) == "delayed"
+    assert shape_recipe_key(shape, "delayed", None, fast_accum=("fprop",)) == "delayed"  # the default, spelled out
+    assert shape_recipe_key(shape, "delayed", None, fast_accum=GEMMS) == "delayed:fast_accum=fprop+dgrad+wgrad"
+    assert shape_recipe_key(shape, "tensorwise", None, fast_accum=()) == "tensorwise:fast_accum=none"
+    assert shape_recipe_key(shape, "blockwise", None, fast_accum=GEMMS) == "blockwise"  # takes none anyway
+
+
+@pytest.mark.parametrize("fused,option,forward,backward", [
+    (True, None, True, False), (False, None, True, False),  # the default: fprop fast, dgrad / wgrad split
+    (True, '["dgrad","wgrad"]', False, True), (False, '["fprop","dgrad","wgrad"]', True, True),
+])
+def test_delayed_gemms_accumulate_as_configured(fused, option, forward, backward):
     """Three steps of a two-layer llama: the delayed linears (step 1, dynamic scales; every step unfused) and the
-    fused delayed MLP (steps 2-3) call forward GEMMs fast and backward GEMMs split. (torchao's linears call
-    ``_scaled_mm`` from a tensor subclass, below a dispatch mode: their config is checked above.)"""
-    model, _ = prepared_llama(["fp8.recipe=delayed", f"fp8.delayed_fused_mlp={str(fused).lower()}"])
+    fused delayed MLP (steps 2-3) call their forward and backward GEMMs with the accumulation asked for. (torchao's
+    linears call ``_scaled_mm`` from a tensor subclass, below a dispatch mode: their config is checked above.)"""
+    sets = ["fp8.recipe=delayed", f"fp8.delayed_fused_mlp={str(fused).lower()}"]
+    model, _ = prepared_llama(sets + ([f"fp8.fast_accum={option}"] if option else []))
     gen = torch.Generator().manual_seed(0)
     for step in range(3):
         ids = torch.randint(0, 1024, (2, 64), generator=gen)
@@ -60,5 +110,5 @@ def test_delayed_forward_gemms_accumulate_fast_and_backward_gemms_split(fused):
         with _ScaledMMCalls() as bwd:
             loss.backward()
         # 2 layers x 7 linears (the head stays BF16): 14 forward GEMMs, 28 backward (dgrad + wgrad)
-        assert fwd.fast == [True] * 14, f"step {step}: forward use_fast_accum {fwd.fast}"
-        assert bwd.fast == [False] * 28, f"step {step}: backward use_fast_accum {bwd.fast}"
+        assert fwd.fast == [forward] * 14, f"step {step}: forward use_fast_accum {fwd.fast}"
+        assert bwd.fast == [backward] * 28, f"step {step}: backward use_fast_accum {bwd.fast}"

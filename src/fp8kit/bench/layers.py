@@ -57,7 +57,7 @@ from fp8kit.bench.sites import COLUMN_KINDS, ROW_KINDS, BenchSite, layer_sites
 from fp8kit.bench.timing import suspect_points, time_ms
 from fp8kit.config import ModelConfig
 from fp8kit.fp8.linear import Float8BlockwiseLinear
-from fp8kit.fp8.recipes import RECIPE_NAMES, float8_linear_config, recipe_info
+from fp8kit.fp8.recipes import RECIPE_NAMES, fast_accum_for, float8_linear_config, recipe_info
 from fp8kit.moe.grouped_mm import GroupedGemmConfig, bf16_grouped_mm, fp8_grouped_mm, resolve_grouped_kernel
 from fp8kit.selective.auto import unit_topk
 
@@ -100,6 +100,7 @@ class BenchLayersArgs:
             times each, and keep the fastest (``bench/timing.py``, ``suspect_points``); 0 turns it off.
         blockwise_wgrad_x: recipe ``blockwise``: the blocks of the wgrad copy of each linear's input
             (``fp8.blockwise_wgrad_x``; ``Float8BlockwiseLinear(wgrad_x=...)``).
+        fast_accum: the dense linears' GEMMs with fast accumulation (``fp8.fast_accum``; None: the recipe table's).
         grouped: how the run's FP8 experts compute (``config.options.grouped_gemm_config``: ``fp8.grouped_kernel``,
             ``grouped_wgrad``, ``grouped_gemm``); None: ``GroupedGemmConfig.for_fp8_recipe(recipe)``'s defaults.
     """
@@ -120,6 +121,7 @@ class BenchLayersArgs:
     dynamic: bool = False
     retime: int = 2
     blockwise_wgrad_x: str = "128x1"
+    fast_accum: tuple[str, ...] | None = None
     grouped: GroupedGemmConfig | None = None
 
     def grouped_config(self) -> GroupedGemmConfig:
@@ -177,6 +179,7 @@ class SiteModule(nn.Module):
 
 def build_site_module(
     site: BenchSite, precision: str, recipe: str, device: torch.device, mesh=None, *, wgrad_x: str = "128x1",
+    fast_accum: tuple[str, ...] | None = None,
 ) -> SiteModule:
     """The bf16 :class:`SiteModule` of ``site``; for ``precision == "fp8"`` its linears become torchao
     ``Float8Linear`` modules with ``float8_linear_config(recipe)`` (``fp8/recipes.py``), or fp8kit's
@@ -186,7 +189,8 @@ def build_site_module(
     Without ``mesh`` the linears have the per-rank shapes ``site.gemms``; with a 1-D ``("tp",)`` mesh they
     have the whole shapes ``site.full_gemms`` and are parallelized in place (``bench/tensor_parallel.py``).
     Weights: ``nn.Linear`` initialisation with ``torch.manual_seed(0)``, bf16. ``wgrad_x``: the blockwise
-    linears' ``wgrad_x`` (``fp8.blockwise_wgrad_x``).
+    linears' ``wgrad_x`` (``fp8.blockwise_wgrad_x``); ``fast_accum``: the GEMMs with fast accumulation
+    (``fp8.fast_accum``; None: the recipe table's).
 
     Raises:
         ConfigError: ``recipe`` is not a recipe name (FP8 only).
@@ -201,10 +205,11 @@ def build_site_module(
     if own:
         state = None
         if recipe == "delayed":
-            from fp8kit.fp8.delayed import DelayedScalingState
+            from fp8kit.fp8.delayed import DelayedScaling, DelayedScalingState
 
             # under real TP one scale per whole tensor: amaxes MAX-reduced over the tp ranks (parallel/tp_own.py)
-            state = DelayedScalingState(group=mesh.get_group() if mesh is not None else None)
+            state = DelayedScalingState(DelayedScaling(fast_accum=fast_accum_for(recipe, fast_accum)),
+                                        group=mesh.get_group() if mesh is not None else None)
             # the timer rolls once, after a first step, then times steps on those history scales: in a model one
             # roll per step serves every module, a share of it per site too small to time
             state.manual = True
@@ -223,7 +228,7 @@ def build_site_module(
             except ValueError as e:
                 raise CapabilityError(f"bench-layers: {e}") from None
     elif precision == "fp8":
-        torchao_float8().convert_to_float8_training(module, config=float8_linear_config(recipe))
+        torchao_float8().convert_to_float8_training(module, config=float8_linear_config(recipe, fast_accum=fast_accum))
     if mesh is not None and own:
         _parallelize_own_site(module, site, recipe, mesh)
     elif mesh is not None:
@@ -315,7 +320,8 @@ class _Timer:
     ):
         self.site, self.device, self.args, self.mesh = site, device, args, mesh
         self.tp = mesh.size() if mesh is not None else 1
-        self.module = build_site_module(site, precision, args.recipe, device, mesh, wgrad_x=args.blockwise_wgrad_x)
+        self.module = build_site_module(site, precision, args.recipe, device, mesh, wgrad_x=args.blockwise_wgrad_x,
+                                        fast_accum=args.fast_accum)
         self.scaling = float8_linear_scaling(self.module) if precision == "fp8" else None
         self.delayed = getattr(self.module, "delayed_state", None)  # rolled by the timer (build_site_module)
         self.fn, self._static_rows = self.module, None

@@ -284,7 +284,7 @@ def _plan_auto(cfg, sites, decisions, options):
 def _bench(args: argparse.Namespace, console) -> int:
     from fp8kit.bench.layers import BenchLayersArgs, auto_sweep, parse_shape_sweep, run_bench_layers
     from fp8kit.config import load_config
-    from fp8kit.config.options import grouped_for_fp8
+    from fp8kit.config.options import grouped_for_fp8, requested_fast_accum
     from fp8kit.selective.policy import merge_reports
 
     given = _env(args)
@@ -305,7 +305,7 @@ def _bench(args: argparse.Namespace, console) -> int:
         warmup=args.warmup, iters=args.iters, retime=args.retime,
         shape_sweep=parse_shape_sweep(args.shape_sweep) if args.shape_sweep else auto_sweep(args.max_tokens),
         device=args.device, simulate_tp=args.simulate_tp, compile=args.compile, dynamic=args.dynamic,
-        blockwise_wgrad_x=cfg.fp8.blockwise_wgrad_x,
+        blockwise_wgrad_x=cfg.fp8.blockwise_wgrad_x, fast_accum=requested_fast_accum(cfg.fp8),
         grouped=grouped_for_fp8(cfg.fp8.model_copy(update={"recipe": values["recipe"]})),
     )
     recipe_info(values["recipe"], sources["recipe"])  # an unknown recipe: its error before anything is printed

@@ -47,14 +47,23 @@ def conversion_options_for(fp8: FP8Config):
     return ConversionOptions(emulate=fp8.emulate, grouped=replace(grouped_for_fp8(fp8), keep_weight_copies=keep),
                              wgrad_x=fp8.blockwise_wgrad_x, keep_input_copies=keep, keep_weight_copies=keep,
                              fused_mlp=fp8.blockwise_fused_mlp, delayed_fused_mlp=fp8.delayed_fused_mlp,
-                             delayed=DelayedScalingState(delayed_scaling_for(fp8)))
+                             delayed=DelayedScalingState(delayed_scaling_for(fp8)),
+                             fast_accum=requested_fast_accum(fp8))
+
+
+def requested_fast_accum(fp8: FP8Config) -> tuple[str, ...] | None:
+    """``fp8.fast_accum`` as the FP8 modules, timers and cache keys take it: a tuple, or None (the recipe table's;
+    ``fp8.recipes.fast_accum_for`` resolves either)."""
+    return None if fp8.fast_accum is None else tuple(fp8.fast_accum)
 
 
 def delayed_scaling_for(fp8: FP8Config):
     """The ``fp8.delayed_state.DelayedScaling`` settings of an ``fp8`` section (the delayed recipe)."""
     from fp8kit.fp8.delayed_state import DelayedScaling
+    from fp8kit.fp8.recipes import fast_accum_for
 
-    return DelayedScaling(fp8.amax_history_len, fp8.amax_compute_algo, fp8.margin, fp8.delayed_fused_cast)
+    return DelayedScaling(fp8.amax_history_len, fp8.amax_compute_algo, fp8.margin, fp8.delayed_fused_cast,
+                          fast_accum_for("delayed", requested_fast_accum(fp8)))
 
 
 def moe_topk(hf_cfg) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8kit.config.options import delayed_scaling_for, grouped_gemm_config
+from fp8kit.config.options import delayed_scaling_for, grouped_gemm_config, requested_fast_accum
 from fp8kit.config.schema import RunConfig
 from fp8kit.parallel.prepare import PrepareOptions, weight_cache_applies
 
@@ -56,4 +56,5 @@ def prepare_options(cfg: RunConfig, *, fp8_now: bool, emulate: bool) -> PrepareO
         blockwise_wgrad_x=cfg.fp8.blockwise_wgrad_x,
         blockwise_fused_mlp=cfg.fp8.blockwise_fused_mlp,
         delayed_fused_mlp=cfg.fp8.delayed_fused_mlp,
+        fast_accum=requested_fast_accum(cfg.fp8),
     )

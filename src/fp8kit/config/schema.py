@@ -51,8 +51,8 @@ class FP8Config(ConfigModel):
         "(torchao Float8Linear; E4M3 forward, E5M2 gradients), blockwise (fp8kit's own: 1x128 activation "
         "and gradient blocks, 128x128 weight blocks, E4M3 throughout, DeepSeek-V3; layers whose dims are "
         "not multiples of 128 stay BF16) or delayed (fp8kit's own: Transformer Engine's delayed scaling "
-        "from an amax history, see amax_history_len; the fastest on Llama-3-8B layers, 1.31x bf16 and 1.38-1.40x "
-        "with output_head on an H200, but 0.76x "
+        "from an amax history, see amax_history_len; the fastest on Llama-3-8B layers: 1.31x bf16 on an H200 in "
+        "session 38, 1.38-1.40x with output_head in session 39; but 0.76x "
         "in full FP8 on llama-125m, where selective_fp8 = auto keeps the layers bf16; speeds: docs/benchmarks.md "
         "section 6).",
     )
@@ -74,9 +74,22 @@ class FP8Config(ConfigModel):
         "BF16), and under train.compile it is compiled like a block. A head that stays BF16 although asked for is "
         "warned about, with the reason; a head tied to the input embedding always does. Off by default: "
         "DeepSeek-V3 (arXiv:2412.19437, section 3.3), torchtitan and torchao keep the head in BF16 for accuracy. "
-        "Measured on an H200: Llama-3-8B layers x 8, delayed: 1.307x -> 1.342x BF16 (1.380-1.401x since the delayed "
-        "fprop accumulates fast, session 39); llama-125m: validation loss "
-        "+0.24% vs BF16, training loss +2.2% (docs/benchmarks.md section 6, session 38).",
+        "Measured on an H200: Llama-3-8B layers x 8, delayed: 1.307x -> 1.342x BF16 (session 38; 1.380-1.401x in "
+        "session 39's runs); llama-125m: validation loss "
+        "+0.20% vs BF16, training loss +1.4% (session 39; +0.24% / +2.2% in session 38; docs/benchmarks.md section 6).",
+    )
+    fast_accum: list[Literal["fprop", "dgrad", "wgrad"]] | None = Field(
+        None,
+        description="Which GEMMs of each FP8 linear (fprop y = x w^T, dgrad dx, wgrad dw) run with the Hopper tensor "
+        "cores' fast accumulation instead of promoting partial sums to FP32 (torch._scaled_mm use_fast_accum). Unset: "
+        "the recipe table's default, fprop only, as Transformer Engine and torchao run the tensorwise-scaled recipes "
+        "(tensorwise, rowwise, rowwise_with_gw_hp, delayed). \"all\" = all three; [] runs every GEMM with FP32 "
+        "promotion; adding dgrad / "
+        "wgrad is faster (Llama-3-8B linears on an H200: fprop 1.00-1.05x, dgrad 1.01-1.05x, wgrad 1.01-1.03x per "
+        "GEMM; about 1.1 ms of a 125 ms 8B step for dgrad + wgrad) but less accurate on long reductions (DeepSeek-V3, "
+        "arXiv:2412.19437 section 3.3.2: about 2% on single outputs at K = 4096); its convergence is not measured "
+        "yet. No effect with recipe = blockwise (cuBLAS's blockwise GEMMs take none; a note says so); MoE experts' "
+        "grouped GEMMs always accumulate fast (docs/benchmarks.md section 6, session 39).",
     )
     emulate: bool = Field(
         False,
@@ -205,6 +218,22 @@ class FP8Config(ConfigModel):
         "(fp8_health) and as the worst five layers in summary.md (fp8kit.train.health). 0: off (no hooks). "
         "One process only.",
     )
+
+    @field_validator("fast_accum", mode="before")
+    @classmethod
+    def _all(cls, v):
+        """``"all"`` (alone or as the only list item: what a ``--set`` override gives) -> the three GEMMs."""
+        word = v[0] if isinstance(v, list) and len(v) == 1 else v
+        return ["fprop", "dgrad", "wgrad"] if word == "all" else v
+
+    @field_validator("fast_accum")
+    @classmethod
+    def _gemms_once(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None:
+            twice = sorted({g for g in v if v.count(g) > 1})
+            if twice:
+                raise ValueError(f"lists {', '.join(twice)} more than once")
+        return v
 
     @field_validator("include", "exclude")
     @classmethod

@@ -21,9 +21,10 @@ Numerics (Transformer Engine ``recipe.DelayedScaling``; Micikevicius et al. 2022
   (``fp8kit::cast_transpose``: one read, both FP8 layouts, the amax; same bits); it is faster on a lone linear
   but not in a model, where it stops that fusion, so the default leaves every cast to ``torch.compile``.
 - The three GEMMs of ``y = x @ w.T`` through ``torch._scaled_mm`` (tensorwise): fprop ``x8 @ w8.T``
-  (E4M3 x E4M3), dgrad ``dy8 @ w8`` (E5M2 x E4M3), wgrad ``dy8.T @ x8`` (E5M2 x E4M3); fprop with the tensor
-  cores' fast accumulation, dgrad and wgrad with the FP32-promoting split accumulator, as Transformer Engine's
-  ``DelayedScaling`` runs them (``Recipe.fast_accum`` in :mod:`fp8kit.fp8.recipes`; :func:`scaled_mm`). The FP8 copies
+  (E4M3 x E4M3), dgrad ``dy8 @ w8`` (E5M2 x E4M3), wgrad ``dy8.T @ x8`` (E5M2 x E4M3); by default fprop with the
+  tensor cores' fast accumulation, dgrad and wgrad with the FP32-promoting split accumulator, as Transformer
+  Engine's ``DelayedScaling`` runs them (``Recipe.fast_accum`` in :mod:`fp8kit.fp8.recipes`; ``fp8.fast_accum``
+  overrides it through ``DelayedScaling.fast_accum``; :func:`scaled_mm`). The FP8 copies
   ``x8`` and ``w8`` made in forward serve the backward, saved in the column-major layout its GEMMs take;
   under ``torch.compile`` the input is saved in bf16 instead and cast again in the backward with the same
   scale, as torchao's ``Float8Linear`` does, so a compiled model saves for the backward exactly what a bf16
@@ -96,19 +97,21 @@ __all__ = ["AMAX_ALGOS", "FAST_ACCUM", "OPERANDS", "DelayedEntry", "DelayedScali
            "Float8DelayedLinear", "scaled_mm"]
 
 
-#: The GEMMs of the delayed recipe that run with fast accumulation (the recipe table, ``fp8.recipes``).
+#: The GEMMs of the delayed recipe that run with fast accumulation by default (the recipe table, ``fp8.recipes``).
 FAST_ACCUM: tuple[str, ...] = RECIPES["delayed"].fast_accum
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-              out_dtype: torch.dtype, gemm: str) -> torch.Tensor:
+              out_dtype: torch.dtype, gemm: str, fast_accum: tuple[str, ...] = FAST_ACCUM) -> torch.Tensor:
     """``torch._scaled_mm(a, b)`` of per-tensor-scaled FP8 operands for ``gemm`` (one of ``fp8.recipes.GEMMS``),
-    with the delayed recipe's accumulation for that GEMM (:data:`FAST_ACCUM`).
+    with fast accumulation where ``gemm`` is in ``fast_accum`` (``DelayedScaling.fast_accum``; default
+    :data:`FAST_ACCUM`).
 
     Args:
         a: ``[M, K]`` row-major FP8; b: ``[K, N]`` column-major FP8; scale_a, scale_b: float32 ``[]`` decoding scales.
         out_dtype: the output's dtype (``[M, N]``).
         gemm: ``"fprop"``, ``"dgrad"`` or ``"wgrad"``.
+        fast_accum: the GEMMs that accumulate fast.
 
     Raises:
         ValueError: ``gemm`` is not one of the three.
@@ -116,7 +119,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
     if gemm not in GEMMS:
         raise ValueError(f"scaled_mm: gemm must be one of {', '.join(GEMMS)}, got {gemm!r}")
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
-                            use_fast_accum=gemm in FAST_ACCUM)
+                            use_fast_accum=gemm in fast_accum)
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
@@ -182,13 +185,14 @@ class _DelayedLinearFn(torch.autograd.Function):
     ``DelayedEntry.scale`` / ``inv_scale``, the input's its group's; None: dynamic, from the tensors themselves),
     ``records`` (the entry's ``(forward_amax, grad_amax)``, written with this step's input and weight amax here
     and the output gradient's in the backward; None: nothing recorded), ``group`` (reduces the dynamic scales of a recorded
-    step) and ``fused`` (the operands cast by ``fp8kit::cast_transpose``). Output ``y`` ``[M, N]`` in ``x``'s dtype.
+    step), ``fused`` (the operands cast by ``fp8kit::cast_transpose``) and ``fast_accum`` (the GEMMs with fast
+    accumulation, ``DelayedScaling.fast_accum``). Output ``y`` ``[M, N]`` in ``x``'s dtype.
 
     Under activation checkpointing with ``torch.compile`` the recomputed forward takes the two amaxes again in
     the backward, so there the forward's fused row amaxes are extra work (small: they ride on the casts)."""
 
     @staticmethod
-    def forward(ctx, x, weight, sx, ix, sw, iw, sg, ig, records, group, fused):
+    def forward(ctx, x, weight, sx, ix, sw, iw, sg, ig, records, group, fused, fast_accum):
         # The warm-start (dynamic) scales of a recorded step are reduced over the group as the roll reduces the
         # records; an unrecorded forward (evaluation) communicates nothing: not every rank may run it.
         warm = group if records is not None else None
@@ -209,7 +213,7 @@ class _DelayedLinearFn(torch.autograd.Function):
             record_(records[0], 0, ax)
             record_(records[0], 1, aw)
         # fprop: [M, K] @ [K, N] -> [M, N]
-        y = scaled_mm(x8, w8.t(), ix, iw, x.dtype, "fprop")
+        y = scaled_mm(x8, w8.t(), ix, iw, x.dtype, "fprop", fast_accum)
         # The layouts the backward's GEMMs take were made with the casts (the row-major x8 dies after fprop),
         # or, with recast_x, x itself is kept for the backward's cast.
         ctx.save_for_backward(x if recast_x else x8_cm, w8_cm, sx, ix, iw, sg, ig)
@@ -218,7 +222,7 @@ class _DelayedLinearFn(torch.autograd.Function):
         # second call's backward after the first one's write).
         ctx.records, ctx.group = records, group
         ctx.dtypes = (x.dtype, weight.dtype)
-        ctx.fused = fused
+        ctx.fused, ctx.fast_accum = fused, fast_accum
         return y
 
     @staticmethod
@@ -235,12 +239,12 @@ class _DelayedLinearFn(torch.autograd.Function):
         ig = sg.reciprocal() if ig is None else ig
         dx = dw = None
         if dgrad:  # dgrad: [M, N] @ [N, K] -> [M, K]
-            dx = scaled_mm(g8, w8_cm, ig, iw, x_dtype, "dgrad")
+            dx = scaled_mm(g8, w8_cm, ig, iw, x_dtype, "dgrad", ctx.fast_accum)
         if wgrad:  # wgrad: [N, M] @ [M, K] -> [N, K]
-            dw = scaled_mm(g8_cm.t(), x8_cm, ig, ix, w_dtype, "wgrad")
+            dw = scaled_mm(g8_cm.t(), x8_cm, ig, ix, w_dtype, "wgrad", ctx.fast_accum)
         if records is not None:  # the step's record is complete: the next roll takes it into the history
             record_(records[1], 0, ag)
-        return dx, dw, None, None, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None, None, None
 
 
 class Float8DelayedLinear(nn.Module):
@@ -329,7 +333,7 @@ class Float8DelayedLinear(nn.Module):
         record = self.training and torch.is_grad_enabled()
         n, k = weight.shape
         y = _DelayedLinearFn.apply(x.reshape(-1, k), weight, *scales, (e.forward_amax, e.grad_amax) if record else None, state.group,
-                                   FUSED_CASTS[state.config.fused_cast])
+                                   FUSED_CASTS[state.config.fused_cast], state.config.fast_accum)
         y = y.reshape(*x.shape[:-1], n)
         if self.health_probe is not None:  # the scales passed to the casts above, not a second read of the entry
             self.health_probe(x, weight, scales, y)

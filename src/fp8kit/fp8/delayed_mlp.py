@@ -50,7 +50,8 @@ _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 class _DelayedSwiGLUMLPFn(torch.autograd.Function):
     """Inputs: ``x`` ``[M, H]``, weights gate / up ``[I, H]``, down ``[H_out, I]``, ``group``, ``fused``
-    (``fp8.delayed_fused_cast``'s operands), then 22 state tensors: 16 float32 ``[]`` scales and reciprocals, as
+    (``fp8.delayed_fused_cast``'s operands), ``fast_accum`` (the GEMMs with fast accumulation,
+    ``DelayedScaling.fast_accum``), then 22 state tensors: 16 float32 ``[]`` scales and reciprocals, as
     ``Float8DelayedLinear._scales_and_inverses`` gives them (gate: input, weight, output gradient; up: weight, output
     gradient, its input scale being gate's, the group's smaller one, at which ``x`` is cast once:
     fp8.delayed_siblings; down: input, weight, output gradient), then the three entries' ``forward_amax`` ``[2]``
@@ -58,7 +59,7 @@ class _DelayedSwiGLUMLPFn(torch.autograd.Function):
     dtype."""
 
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, group, fused, *state):
+    def forward(ctx, x, w_gate, w_up, w_down, group, fused, fast_accum, *state):
         sx, ix, swg, iwg, sgg, igg, swu, iwu, sgu, igu, sa, ia, swd, iwd, sy, iy = state[:16]
         records, grad_records = state[16:19], state[19:22]
         dgrad, wgrad_x = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
@@ -68,12 +69,12 @@ class _DelayedSwiGLUMLPFn(torch.autograd.Function):
         wg8, wg8_cm, _, awg = _cast_both(w_gate, swg, E4M3, None, dgrad, w_fused)
         wu8, wu8_cm, _, awu = _cast_both(w_up, swu, E4M3, None, dgrad, w_fused)
         wd8, wd8_cm, _, awd = _cast_both(w_down, swd, E4M3, None, True, w_fused)
-        g = scaled_mm(x8, wg8.t(), ix, iwg, x.dtype, "fprop")
-        u = scaled_mm(x8, wu8.t(), ix, iwu, x.dtype, "fprop")
+        g = scaled_mm(x8, wg8.t(), ix, iwg, x.dtype, "fprop", fast_accum)
+        u = scaled_mm(x8, wu8.t(), ix, iwu, x.dtype, "fprop", fast_accum)
         gf = g.float()
         a = (gf * torch.sigmoid(gf) * u.float()).to(x.dtype)  # fp8.swiglu.swiglu_ref
         a8, _, _, aa = _cast_both(a, sa, E4M3, None, False, False)
-        y = scaled_mm(a8, wd8.t(), ia, iwd, x.dtype, "fprop")
+        y = scaled_mm(a8, wd8.t(), ia, iwd, x.dtype, "fprop", fast_accum)
         # as in the delayed linear: these writes keep the amaxes in the forward under torch.compile
         for rec, (a_in, a_w) in zip(records, ((ax, awg), (ax, awu), (aa, awd)), strict=True):
             record_(rec, 0, a_in)
@@ -82,7 +83,7 @@ class _DelayedSwiGLUMLPFn(torch.autograd.Function):
                               sgu, igu, sa, ia, iwd, sy, iy)
         ctx.recast_x = recast_x
         # state the backward writes, not saved values (as in the delayed linear)
-        ctx.records, ctx.group, ctx.fused = grad_records, group, fused
+        ctx.records, ctx.group, ctx.fused, ctx.fast_accum = grad_records, group, fused, fast_accum
         ctx.dtypes = (x.dtype, w_gate.dtype, w_up.dtype, w_down.dtype)
         return y
 
@@ -93,24 +94,26 @@ class _DelayedSwiGLUMLPFn(torch.autograd.Function):
         need_x, need_gate, need_up, need_down = ctx.needs_input_grad[:4]
         dy8, dy8_cm, _, ay = _cast_both(dy, sy, E5M2, None, True, "grad_output" in ctx.fused)
         # the down projection's dgrad: [M, H_out] @ [H_out, I] -> da [M, I]
-        da = scaled_mm(dy8, wd8_cm, iy, iwd, x_dtype, "dgrad")
+        fast = ctx.fast_accum
+        da = scaled_mm(dy8, wd8_cm, iy, iwd, x_dtype, "dgrad", fast)
         qg, qgt, qu, qut, qat, amax_gu = swiglu_backward_cast(g, u, da, sgg, sgu, sa)
         dx = d_gate = d_up = d_down = None
         if need_down:  # [H_out, M] @ [M, I]
-            d_down = scaled_mm(dy8_cm.t(), qat.t(), iy, ia, dt_down, "wgrad")
+            d_down = scaled_mm(dy8_cm.t(), qat.t(), iy, ia, dt_down, "wgrad", fast)
         if need_x:  # dgrad of gate and up: [M, I] @ [I, H], summed
-            dx = scaled_mm(qg, wg8_cm, igg, iwg, x_dtype, "dgrad") + scaled_mm(qu, wu8_cm, igu, iwu, x_dtype, "dgrad")
+            dx = (scaled_mm(qg, wg8_cm, igg, iwg, x_dtype, "dgrad", fast)
+                  + scaled_mm(qu, wu8_cm, igu, iwu, x_dtype, "dgrad", fast))
         if need_gate or need_up:  # wgrad of gate and up: [I, M] @ [M, H]
             if ctx.recast_x:
                 x8_cm = _recast_col_major(x8_cm, sx)
             if need_gate:
-                d_gate = scaled_mm(qgt, x8_cm, igg, ix, dt_gate, "wgrad")
+                d_gate = scaled_mm(qgt, x8_cm, igg, ix, dt_gate, "wgrad", fast)
             if need_up:
-                d_up = scaled_mm(qut, x8_cm, igu, ix, dt_up, "wgrad")
+                d_up = scaled_mm(qut, x8_cm, igu, ix, dt_up, "wgrad", fast)
         # the three projections' output-gradient amaxes complete their records (the roll reduces them)
         for rec, a_out in zip(ctx.records, (amax_gu[0], amax_gu[1], ay), strict=True):
             record_(rec, 0, a_out)
-        return (dx, d_gate, d_up, d_down, None, None) + (None,) * 22
+        return (dx, d_gate, d_up, d_down, None, None, None) + (None,) * 22
 
 
 def can_run_fused(projections: list[Float8DelayedLinear], x: torch.Tensor) -> bool:
@@ -144,5 +147,5 @@ def delayed_swiglu_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     scales = [*gate, *up[2:], *down]  # up's input scale is gate's (one tensor: passed once)
     records = [p._entry.forward_amax for p in projs] + [p._entry.grad_amax for p in projs]
     y = _DelayedSwiGLUMLPFn.apply(x.reshape(-1, h), projs[0].weight, projs[1].weight, projs[2].weight, state.group,
-                                  FUSED_CASTS[state.config.fused_cast], *scales, *records)
+                                  FUSED_CASTS[state.config.fused_cast], state.config.fast_accum, *scales, *records)
     return y.reshape(*x.shape[:-1], projs[2].out_features)

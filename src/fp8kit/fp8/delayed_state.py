@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fp8kit.fp8.recipes import GEMMS, RECIPES
 from fp8kit.fp8.scaling import scale_from_amax
 
 E4M3 = torch.float8_e4m3fn
@@ -68,17 +69,20 @@ FUSED_CASTS = {"all": OPERANDS, "weight_grad": ("weight", "grad_output"), "none"
 @dataclass(frozen=True)
 class DelayedScaling:
     """The delayed-scaling settings (``[fp8]`` ``amax_history_len``, ``amax_compute_algo``, ``margin``,
-    ``delayed_fused_cast``: a key of :data:`FUSED_CASTS`).
+    ``delayed_fused_cast``: a key of :data:`FUSED_CASTS`; ``fast_accum``: the GEMMs of ``fp8.recipes.GEMMS`` that
+    run with fast accumulation, ``fp8.fast_accum`` resolved by ``fp8.recipes.fast_accum_for``, by default the
+    recipe table's: fprop).
 
     Raises:
-        ValueError: ``amax_history_len < 1``, an unknown ``amax_compute_algo`` or ``fused_cast``, or a
-            negative ``margin``.
+        ValueError: ``amax_history_len < 1``, an unknown ``amax_compute_algo`` or ``fused_cast``, a
+            negative ``margin``, or a ``fast_accum`` name that is not a GEMM.
     """
 
     amax_history_len: int = 16
     amax_compute_algo: str = "max"
     margin: int = 0
     fused_cast: str = "none"
+    fast_accum: tuple[str, ...] = RECIPES["delayed"].fast_accum
 
     def __post_init__(self) -> None:
         if self.amax_history_len < 1:
@@ -89,6 +93,8 @@ class DelayedScaling:
             raise ValueError(f"fp8.margin must be >= 0, got {self.margin}")
         if self.fused_cast not in FUSED_CASTS:
             raise ValueError(f"fp8.delayed_fused_cast: unknown {self.fused_cast!r}; choose {', '.join(FUSED_CASTS)}")
+        if not isinstance(self.fast_accum, tuple) or any(g not in GEMMS for g in self.fast_accum):
+            raise ValueError(f"fp8.fast_accum: {self.fast_accum!r} must be a tuple of names from {', '.join(GEMMS)}")
 
 
 #: The value of an amax record not written this step (amaxes are >= 0).

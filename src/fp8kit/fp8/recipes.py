@@ -26,13 +26,17 @@ delayed                fp8kit       one scale per tensor from an amax history of
 Accumulation (``Recipe.fast_accum``): on Hopper an FP8 GEMM either adds the tensor cores' partial products in
 their own reduced-precision accumulator ("fast accumulation", ``torch._scaled_mm(use_fast_accum=True)``) or
 promotes them to an FP32 accumulator every few K steps (Transformer Engine's "split accumulator"; DeepSeek-V3,
-arXiv:2412.19437 section 3.3.2, on why the promotion matters for long reductions). The tensorwise-scaled recipes
-(tensorwise, rowwise, delayed) use fast accumulation in fprop only and the split accumulator in dgrad and wgrad:
-Transformer Engine's default (``fp8_gemm_fprop`` without, ``fp8_gemm_dgrad`` / ``fp8_gemm_wgrad`` with
-``use_split_accumulator``) and torchao's (``Float8LinearConfig.gemm_config_output``). Measured on an H200 at the
-Llama-3-8B linears (8192 tokens; ``benchmarks/experiments/fast_accum/bench.py``): fast accumulation makes fprop
-0-5% faster, and its output stays 50-54 dB from the float64 product of the same FP8 operands (55.6 dB split),
-far below the ~28 dB of the FP8 quantization itself. Blockwise GEMMs apply a scale per 128-wide K block, in FP32.
+arXiv:2412.19437 section 3.3.2, on why the promotion matters for long reductions). The recipes of per-tensor or
+per-row scales (tensorwise, rowwise, rowwise_with_gw_hp, whose wgrad runs in bf16, and delayed) use fast
+accumulation in fprop only and the split accumulator in dgrad and wgrad: Transformer Engine's default for
+delayed scaling (``_2X_ACC_FPROP = False``, ``_2X_ACC_DGRAD = _2X_ACC_WGRAD = True``; ``use_split_accumulator``
+per GEMM in its current-scaling recipe) and torchao's (``Float8LinearConfig.gemm_config_output``). Measured on an
+H200 at the Llama-3-8B linears (8192 tokens; ``benchmarks/experiments/fast_accum/bench.py``): fast accumulation
+makes fprop 0-5% faster; its error against the float64 product of the same FP8 operands is 49.6-53.5 dB below the
+signal (55.6 dB split), far smaller than the FP8 quantization's own (~28 dB). Blockwise GEMMs apply a scale per
+128-wide K block, in FP32, and cuBLAS refuses fast accumulation for them. The table covers dense linears: MoE
+experts' grouped GEMMs accumulate fast in all three GEMMs (``moe.grouped_mm``). ``fp8.fast_accum`` overrides the
+table for the dense linears of every recipe but blockwise (:func:`fast_accum_for`).
 
 torchao's recipes: ``torchao.float8.Float8LinearConfig.from_recipe_name``; FSDP2 FP8 all-gather only for
 tensorwise. fp8kit's blockwise: ``fp8kit.fp8.linear.Float8BlockwiseLinear`` (numerics in
@@ -62,7 +66,9 @@ class Recipe:
         dims_multiple: in_features and out_features must be multiples of this (else the site stays BF16).
         fsdp_fp8_all_gather: FSDP2 can all-gather FP8 weights with this recipe.
         tensor_parallel: the recipe runs under tensor parallel (DTensor styles exist for its module).
-        fast_accum: the GEMMs of :data:`GEMMS` that run with tensor-core fast accumulation (module docstring).
+        fast_accum: the GEMMs of :data:`GEMMS` that run with tensor-core fast accumulation by default (module
+            docstring).
+        takes_fast_accum: the recipe's GEMMs can run with fast accumulation at all (``fp8.fast_accum`` applies).
     """
 
     name: str
@@ -71,6 +77,7 @@ class Recipe:
     fsdp_fp8_all_gather: bool
     tensor_parallel: bool
     fast_accum: tuple[str, ...] = ()
+    takes_fast_accum: bool = True
 
 
 #: The three GEMMs of a linear ``y = x @ w.T``: fprop ``y``, dgrad ``dx = dy @ w``, wgrad ``dw = dy.T @ x``.
@@ -84,7 +91,7 @@ RECIPES: dict[str, Recipe] = {
         Recipe("tensorwise", "torchao", 16, True, True, FPROP_FAST_ACCUM),
         Recipe("rowwise", "torchao", 16, False, True, FPROP_FAST_ACCUM),
         Recipe("rowwise_with_gw_hp", "torchao", 16, False, True, FPROP_FAST_ACCUM),
-        Recipe("blockwise", "fp8kit", 128, False, True),
+        Recipe("blockwise", "fp8kit", 128, False, True, (), takes_fast_accum=False),
         Recipe("delayed", "fp8kit", 16, False, True, FPROP_FAST_ACCUM),
     )
 }
@@ -103,8 +110,39 @@ def recipe_info(recipe: str, where: str = "fp8.recipe") -> Recipe:
         raise ConfigError(f"{where}: unknown recipe {recipe!r}; choose one of {', '.join(RECIPE_NAMES)}") from None
 
 
+def fast_accum_for(recipe: str, requested=None, where: str = "fp8.fast_accum") -> tuple[str, ...]:
+    """The GEMMs of ``recipe`` that run with fast accumulation: ``requested`` (``fp8.fast_accum``: a list of
+    :data:`GEMMS` names) or, when None, the recipe table's default (``Recipe.fast_accum``). A recipe that cannot
+    (``Recipe.takes_fast_accum`` false: blockwise) gets ``()`` whatever is requested; callers say so
+    (:func:`fast_accum_note`).
+
+    Returns:
+        the names in :data:`GEMMS` order, each once.
+
+    Raises:
+        ConfigError: an unknown recipe, or a requested name that is not a GEMM (naming ``where``).
+    """
+    info = recipe_info(recipe)
+    if requested is None:
+        return info.fast_accum
+    bad = [g for g in requested if g not in GEMMS]
+    if bad:
+        raise ConfigError(f"{where}: unknown GEMM(s) {', '.join(map(repr, bad))}; choose from {', '.join(GEMMS)}")
+    return tuple(g for g in GEMMS if g in requested) if info.takes_fast_accum else ()
+
+
+def fast_accum_note(recipe: str, requested) -> str | None:
+    """A note for a run whose ``fp8.fast_accum`` (``requested``; None: the default) does not apply to ``recipe``,
+    or None."""
+    if requested is None or recipe_info(recipe).takes_fast_accum or not requested:
+        return None
+    return (f"fp8.fast_accum = {list(requested)} has no effect with fp8.recipe = {recipe!r}: cuBLAS's blockwise GEMMs "
+            "apply the block scales in FP32 and take no fast accumulation")
+
+
 def float8_linear_config(
-    recipe: str, *, emulate: bool = False, enable_fsdp_float8_all_gather: bool = False
+    recipe: str, *, emulate: bool = False, enable_fsdp_float8_all_gather: bool = False,
+    fast_accum: tuple[str, ...] | None = None,
 ) -> Float8LinearConfig:
     """Build the torchao ``Float8LinearConfig`` of a torchao recipe.
 
@@ -114,6 +152,8 @@ def float8_linear_config(
             tensor cores; numerically FP8, no speed-up).
         enable_fsdp_float8_all_gather: let FSDP2 all-gather FP8 weights plus scales (tensorwise only,
             as in torchao).
+        fast_accum: the GEMMs with fast accumulation (``fp8.fast_accum``, :func:`fast_accum_for`); None: the
+            recipe table's (fprop: torchao's own default).
 
     Raises:
         ConfigError: the recipe is unknown or not a torchao recipe, or FP8 all-gather is asked for a recipe
@@ -133,7 +173,8 @@ def float8_linear_config(
     # Float8LinearConfig is a frozen dataclass: replace() keeps the recipe's cast configs.
     import dataclasses
 
-    gemm = {g: float8.Float8GemmConfig(use_fast_accum=g in info.fast_accum) for g in GEMMS}
+    fast = fast_accum_for(recipe, fast_accum)
+    gemm = {g: float8.Float8GemmConfig(use_fast_accum=g in fast) for g in GEMMS}
     return dataclasses.replace(cfg, emulate=emulate, enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather,
                                gemm_config_output=gemm["fprop"], gemm_config_grad_input=gemm["dgrad"],
                                gemm_config_grad_weight=gemm["wgrad"])

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from torch import nn
 
 from fp8kit.base.errors import ConfigError
-from fp8kit.config.options import decide_for_library
+from fp8kit.config.options import decide_for_library, requested_fast_accum
 from fp8kit.config.schema import FP8Config, SelectiveConfig
 from fp8kit.fp8.recipes import float8_linear_config, recipe_info
 from fp8kit.parallel.convert import fp8_fqns, plain_fqn
@@ -77,5 +77,6 @@ def ao_recipe_kwargs(model: nn.Module, config: FP8Config | None = None, *, selec
     if all_gather is None:
         all_gather = recipe_info(config.recipe).fsdp_fp8_all_gather
     decisions = decide_for_library(model, config, selective, num_tokens=num_tokens)
-    ao_config = float8_linear_config(config.recipe, emulate=config.emulate, enable_fsdp_float8_all_gather=all_gather)
+    ao_config = float8_linear_config(config.recipe, emulate=config.emulate, enable_fsdp_float8_all_gather=all_gather,
+                                     fast_accum=requested_fast_accum(config))
     return AORecipeKwargs(config=ao_config, module_filter_func=fp8kit_module_filter(decisions))

@@ -60,6 +60,8 @@ class ConversionOptions:
             casts fused (``fp8kit.fp8.swiglu_mlp.install_fused_mlps``; ``fp8.blockwise_fused_mlp``).
         delayed_fused_mlp: the same for SwiGLU MLPs whose three projections are delayed-scaling FP8
             (``fp8kit.fp8.delayed_mlp``; ``fp8.delayed_fused_mlp``).
+        fast_accum: torchao linears' GEMMs with fast accumulation (``fp8.fast_accum``; None: the recipe table's;
+            the delayed recipe's are in ``delayed.config.fast_accum``).
     """
 
     emulate: bool = False
@@ -72,6 +74,7 @@ class ConversionOptions:
     fsdp_float8_all_gather: bool = False
     grouped: GroupedGemmConfig = field(default_factory=GroupedGemmConfig)
     delayed: DelayedScalingState = field(default_factory=DelayedScalingState)
+    fast_accum: tuple[str, ...] | None = None
 
     def fuses_mlps(self, recipe: str) -> bool:
         """Whether SwiGLU MLPs of ``recipe``'s projections run fused (``fused_mlp`` / ``delayed_fused_mlp``)."""
@@ -144,7 +147,8 @@ def apply_fp8(model: nn.Module, decisions: list[Decision], options: ConversionOp
                 install_fused_mlps(model, recipe)
             continue
         config = float8_linear_config(
-            recipe, emulate=options.emulate, enable_fsdp_float8_all_gather=options.fsdp_float8_all_gather
+            recipe, emulate=options.emulate, enable_fsdp_float8_all_gather=options.fsdp_float8_all_gather,
+            fast_accum=options.fast_accum,
         )
         float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda _m, fqn, t=todo: fqn in t)
         count += len(todo)

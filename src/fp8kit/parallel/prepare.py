@@ -31,6 +31,7 @@ from fp8kit.base.errors import ConfigError
 from fp8kit.comm import AutoScaleState, apply_fp8_reduce_scatter
 from fp8kit.comm.fsdp_reduce_scatter import fsdp_custom_reduce_scatter_support
 from fp8kit.fp8.delayed import DelayedScaling, DelayedScalingState
+from fp8kit.fp8.recipes import fast_accum_note
 from fp8kit.moe.grouped_mm import GroupedGemmConfig, resolve_wgrad_input
 from fp8kit.parallel.convert import ConversionOptions, apply_fp8, fused_mlp_notes, plain_named_modules
 from fp8kit.parallel.parallelize import (
@@ -84,6 +85,8 @@ class PrepareOptions:
             (``fp8.blockwise_fused_mlp``; ``fp8kit.fp8.swiglu_mlp``).
         delayed_fused_mlp: the same for delayed-scaling projections (``fp8.delayed_fused_mlp``;
             ``fp8kit.fp8.delayed_mlp``).
+        fast_accum: ``fp8.fast_accum`` as given (None: the recipe table's): torchao linears' GEMMs with fast
+            accumulation (the delayed recipe's come resolved in ``delayed``); a note when the recipe takes none.
     """
 
     fp8: bool = True
@@ -105,6 +108,7 @@ class PrepareOptions:
     blockwise_wgrad_x: str = "128x1"
     blockwise_fused_mlp: bool = False
     delayed_fused_mlp: bool = True
+    fast_accum: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -171,6 +175,7 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
         fused_mlp=options.blockwise_fused_mlp,
         delayed_fused_mlp=options.delayed_fused_mlp,
         delayed=DelayedScalingState(options.delayed),
+        fast_accum=options.fast_accum,
     )
     done = Prepared(conversion=conversion)
     if tp > 1 or fsdp:  # one delayed scale per tensor across the data- and tensor-parallel ranks
@@ -198,6 +203,9 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     if options.blockwise_wgrad_x != "128x1" and options.fp8 and options.recipe != "blockwise":
         done.notes.append(f"fp8.blockwise_wgrad_x = {options.blockwise_wgrad_x!r} has no effect: fp8.recipe is "
                           f"{options.recipe!r}")
+    accum_note = fast_accum_note(options.recipe, options.fast_accum) if options.fp8 else None
+    if accum_note:
+        done.notes.append(accum_note)
     if options.blockwise_recompute and options.fp8 and options.recipe != "blockwise":
         done.notes.append(f"fp8.blockwise_recompute = true has no effect: fp8.recipe is {options.recipe!r}")
     elif options.blockwise_recompute and options.fp8 and not options.compile:
