@@ -117,9 +117,10 @@ def saved_for_backward(fn):
     return saved, out
 
 
-def prepared_llama(sets: list[str], emulate: bool = False):
-    """``(model, Prepared)``: a two-layer llama-125m (vocab 1024, bf16, CPU) built and prepared as ``fp8kit train``
-    does (sites, decisions, ``prepare_model``) with the config overrides ``sets`` (e.g. the recipe)."""
+def prepared_llama(sets: list[str], emulate: bool = False, preset: str = "llama-125m"):
+    """``(model, Prepared)``: a two-layer ``preset`` (llama-125m by default; vocab 1024, bf16, CPU) built and prepared
+    as ``fp8kit train`` does (sites, decisions, ``prepare_model``) with the config overrides ``sets`` (e.g. the
+    recipe)."""
     from fp8kit.config import load_config
     from fp8kit.config.options import options_from_config
     from fp8kit.config.prepare_options import prepare_options
@@ -128,7 +129,7 @@ def prepared_llama(sets: list[str], emulate: bool = False):
     from fp8kit.selective.decide import decide
     from fp8kit.selective.sites import find_sites
 
-    cfg = load_config(None, ["model.preset=llama-125m", "model.num_layers=2", "data.vocab_size=1024",
+    cfg = load_config(None, [f"model.preset={preset}", "model.num_layers=2", "data.vocab_size=1024",
                              "train.mixed_precision=fp8", *sets])
     model = build_model(cfg.model, cfg.data.vocab_size, device="cpu", dtype=torch.bfloat16, seed=0)
     hf_cfg = build_hf_config(cfg.model, cfg.data.vocab_size)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fp8kit.base.errors import ConfigError
+from fp8kit.base.errors import ConfigError, PolicyError
 from fp8kit.fp8.recipes import FPROP_FAST_ACCUM, GEMMS, RECIPES, fast_accum_for, float8_linear_config
 from tests.conftest import prepared_llama
 
@@ -61,22 +61,62 @@ def test_fast_accum_resolves_per_recipe_and_refuses_unknown_gemms():
         fast_accum_for("tensorwise", ["bwd"])
 
 
-def test_the_option_is_validated_and_noted_where_it_does_nothing():
+def test_the_option_is_validated():
     from fp8kit.config import load_config
+    from fp8kit.config.schema import FP8Config
 
     assert load_config(None, ['fp8.fast_accum=["fprop","wgrad"]']).fp8.fast_accum == ["fprop", "wgrad"]
     assert load_config(None, []).fp8.fast_accum is None
     assert load_config(None, ["fp8.fast_accum=all"]).fp8.fast_accum == ["fprop", "dgrad", "wgrad"]
     assert load_config(None, ["fp8.fast_accum=[]"]).fp8.fast_accum == []
+    assert FP8Config(fast_accum="dgrad").fast_accum == ["dgrad"] and FP8Config(fast_accum=("fprop",)).fast_accum
     with pytest.raises(ConfigError, match="fp8.fast_accum.*lists fprop more than once"):
         load_config(None, ['fp8.fast_accum=["fprop","fprop"]'])
     with pytest.raises(ConfigError, match="fp8.fast_accum.*unknown value 'bwd'"):
         load_config(None, ['fp8.fast_accum=["bwd"]'])
-    _, done = prepared_llama(["fp8.recipe=blockwise", 'fp8.fast_accum=["fprop","dgrad"]'])
-    assert any("fp8.fast_accum = ['fprop', 'dgrad'] has no effect with fp8.recipe = 'blockwise'" in n
-               for n in done.notes), done.notes
-    _, done = prepared_llama(["fp8.recipe=delayed", 'fp8.fast_accum=["fprop","dgrad"]'])
+    with pytest.raises(ConfigError, match='fp8.fast_accum.*"all" stands alone'):
+        load_config(None, ['fp8.fast_accum=["fprop","all"]'])
+    # --set turns "none" into null, which would read as "the default" (fprop fast): refused, with both spellings
+    with pytest.raises(ConfigError, match=r"fp8.fast_accum.*use \[\] for no fast accumulation.*leave the key out"):
+        load_config(None, ["fp8.fast_accum=none"])
+
+
+@pytest.mark.parametrize("recipe,option,warned", [
+    ("blockwise", '["fprop","dgrad"]', "fp8.fast_accum: fprop, dgrad has no effect with fp8.recipe = 'blockwise'"),
+    ("rowwise_with_gw_hp", "all", "fp8.fast_accum: wgrad has no effect with fp8.recipe = 'rowwise_with_gw_hp': its "
+                                  "wgrad GEMM runs in bf16"),
+    ("delayed", "all", None),
+    ("blockwise", None, None),  # the default: nothing to say
+])
+def test_what_a_recipe_cannot_take_is_warned_about_by_train_plan_and_the_library(recipe, option, warned):
+    from fp8kit.config import load_config
+    from fp8kit.config.options import options_from_config
+
+    cfg = load_config(None, [f"fp8.recipe={recipe}", "train.mixed_precision=fp8"]
+                      + ([f"fp8.fast_accum={option}"] if option else []))
+    got = [w for w in options_from_config(cfg).warnings if "fast_accum" in w]
+    assert got == ([warned] if warned else []) or (warned and len(got) == 1 and got[0].startswith(warned)), got
+    bf16 = load_config(None, [f"fp8.recipe={recipe}", "train.mixed_precision=bf16"]
+                       + ([f"fp8.fast_accum={option}"] if option else []))
+    assert not [w for w in options_from_config(bf16).warnings if "fast_accum" in w]
+
+
+def test_fp8_experts_get_a_note_that_the_option_is_for_dense_linears():
+    _, done = prepared_llama(["fp8.fast_accum=[]"], preset="tiny-moe")
+    assert any("fp8.fast_accum = [] applies to dense linears only" in n for n in done.notes), done.notes
+    _, done = prepared_llama([], preset="tiny-moe")
     assert not any("fast_accum" in n for n in done.notes), done.notes
+
+
+def test_reports_and_policies_carry_the_accumulation():
+    from fp8kit.selective.policy import check_compatible_reports, report_fast_accum
+
+    default = {"device": "H100", "recipe": "delayed"}  # a report written before the key existed
+    assert report_fast_accum(default) == ["fprop"]
+    check_compatible_reports([("a", default), ("b", {**default, "fast_accum": ["fprop"]})])
+    with pytest.raises(PolicyError, match=r"reports differ in fast_accum: a has \['fprop'\], b has \['fprop', 'dgrad', "
+                                        r"'wgrad'\]"):
+        check_compatible_reports([("a", default), ("b", {**default, "fast_accum": list(GEMMS)})])
 
 
 def test_auto_cache_keys_tell_the_accumulations_apart():

@@ -675,6 +675,7 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
         "device_type": device.type,
         "versions": versions(),
         "recipe": args.recipe,
+        "fast_accum": list(fast_accum_for(args.recipe, args.fast_accum)),  # the dense linears' (fp8.fast_accum)
         "grouped": {k: getattr(args.grouped_config(), k) for k in ("kernel", "wgrad", "gemm")},
         "sources": {key: args.source(key) for key in SOURCED},
         "fp8_linear_scaling": scaling,

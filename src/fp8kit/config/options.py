@@ -14,9 +14,10 @@ from dataclasses import replace
 
 from fp8kit.base.errors import ConfigError, PolicyError
 from fp8kit.config.schema import FP8Config, RunConfig, SelectiveConfig
+from fp8kit.fp8.recipes import fast_accum_for, fast_accum_note
 from fp8kit.selective.auto import AutoOptions
 from fp8kit.selective.decide import DecideOptions, Decision, Selective, decide, output_head_notes
-from fp8kit.selective.policy import load_policy
+from fp8kit.selective.policy import load_policy, report_fast_accum
 from fp8kit.selective.sites import find_sites
 
 
@@ -60,7 +61,6 @@ def requested_fast_accum(fp8: FP8Config) -> tuple[str, ...] | None:
 def delayed_scaling_for(fp8: FP8Config):
     """The ``fp8.delayed_state.DelayedScaling`` settings of an ``fp8`` section (the delayed recipe)."""
     from fp8kit.fp8.delayed_state import DelayedScaling
-    from fp8kit.fp8.recipes import fast_accum_for
 
     return DelayedScaling(fp8.amax_history_len, fp8.amax_compute_algo, fp8.margin, fp8.delayed_fused_cast,
                           fast_accum_for("delayed", requested_fast_accum(fp8)))
@@ -130,6 +130,9 @@ def decide_options(fp8: FP8Config, selective: SelectiveConfig | None, *, mixed_p
             "(every eligible layer in FP8). For a measured choice pass a policy (fp8kit bench-layers + "
             "merge-policy, selective_fp8 = 'policy')"
         )
+    accum_note = fast_accum_note(fp8.recipe, fp8.fast_accum) if mixed_precision == "fp8" else None
+    if accum_note:
+        warnings.append(accum_note)
     if sel is not None and sel.selective_fp8 == "policy":
         if tokens_now is None:
             raise ConfigError("selective.selective_fp8: no token count; set selective.fp8_dynamic_num_tokens")
@@ -142,6 +145,11 @@ def decide_options(fp8: FP8Config, selective: SelectiveConfig | None, *, mixed_p
                 warnings.append(
                     f"policy {pol.source} was measured with recipe {meta['recipe']!r}, this run uses {fp8.recipe!r}"
                 )
+            elif meta.get("recipe"):  # a policy's metadata holds its reports' recipe and fast accumulation
+                measured, now = report_fast_accum(meta), list(fast_accum_for(fp8.recipe, fp8.fast_accum))
+                if measured != now:
+                    warnings.append(f"policy {pol.source} was measured with fast accumulation in {measured}, this "
+                                    f"run uses it in {now} (fp8.fast_accum)")
             if meta.get("note"):  # what the policy's own file says about it (a CPU policy, a stale one)
                 warnings.append(f"policy {pol.source}: {meta['note']}")
             if device_name and meta.get("device") and meta["device"] != device_name:

@@ -82,14 +82,15 @@ class FP8Config(ConfigModel):
         None,
         description="Which GEMMs of each FP8 linear (fprop y = x w^T, dgrad dx, wgrad dw) run with the Hopper tensor "
         "cores' fast accumulation instead of promoting partial sums to FP32 (torch._scaled_mm use_fast_accum). Unset: "
-        "the recipe table's default, fprop only, as Transformer Engine and torchao run the tensorwise-scaled recipes "
-        "(tensorwise, rowwise, rowwise_with_gw_hp, delayed). \"all\" = all three; [] runs every GEMM with FP32 "
+        "the recipe table's default, fprop only, as Transformer Engine and torchao run the per-tensor and per-row "
+        "scaled recipes (tensorwise, rowwise, rowwise_with_gw_hp, delayed). \"all\" = all three; [] runs every GEMM with FP32 "
         "promotion; adding dgrad / "
         "wgrad is faster (Llama-3-8B linears on an H200: fprop 1.00-1.05x, dgrad 1.01-1.05x, wgrad 1.01-1.03x per "
         "GEMM; about 1.1 ms of a 125 ms 8B step for dgrad + wgrad) but less accurate on long reductions (DeepSeek-V3, "
         "arXiv:2412.19437 section 3.3.2: about 2% on single outputs at K = 4096); its convergence is not measured "
-        "yet. No effect with recipe = blockwise (cuBLAS's blockwise GEMMs take none; a note says so); MoE experts' "
-        "grouped GEMMs always accumulate fast (docs/benchmarks.md section 6, session 39).",
+        "yet. Dense linears only: no effect with recipe = blockwise (cuBLAS's blockwise GEMMs take none) nor on "
+        "rowwise_with_gw_hp's bf16 wgrad, each warned about; MoE experts accumulate as their kernels do, noted "
+        "(docs/benchmarks.md section 6, session 39).",
     )
     emulate: bool = Field(
         False,
@@ -222,9 +223,14 @@ class FP8Config(ConfigModel):
     @field_validator("fast_accum", mode="before")
     @classmethod
     def _all(cls, v):
-        """``"all"`` (alone or as the only list item: what a ``--set`` override gives) -> the three GEMMs."""
-        word = v[0] if isinstance(v, list) and len(v) == 1 else v
-        return ["fprop", "dgrad", "wgrad"] if word == "all" else v
+        """``"all"`` (alone or as the only list item: what a ``--set`` override gives) -> the three GEMMs; one
+        GEMM's name alone -> a list of it."""
+        word = v[0] if isinstance(v, (list, tuple)) and len(v) == 1 else v
+        if word == "all":
+            return ["fprop", "dgrad", "wgrad"]
+        if isinstance(v, (list, tuple)) and "all" in v:
+            raise ValueError('"all" stands alone (all three GEMMs); otherwise list names of fprop, dgrad, wgrad')
+        return [v] if isinstance(v, str) else list(v) if isinstance(v, tuple) else v
 
     @field_validator("fast_accum")
     @classmethod
@@ -243,6 +249,13 @@ class FP8Config(ConfigModel):
         except ConfigError as e:
             raise ValueError(str(e)) from None
         return v
+
+    @model_validator(mode="after")
+    def _fast_accum_none_is_ambiguous(self) -> "FP8Config":
+        if "fast_accum" in self.model_fields_set and self.fast_accum is None:
+            raise FieldProblem("fp8.fast_accum", "none is ambiguous here: use [] for no fast accumulation in any GEMM, "
+                               "or leave the key out for the recipe's default (fprop)")
+        return self
 
     @model_validator(mode="after")
     def _all_gather_needs_tensorwise(self) -> "FP8Config":

@@ -35,8 +35,9 @@ H200 at the Llama-3-8B linears (8192 tokens; ``benchmarks/experiments/fast_accum
 makes fprop 0-5% faster; its error against the float64 product of the same FP8 operands is 49.6-53.5 dB below the
 signal (55.6 dB split), far smaller than the FP8 quantization's own (~28 dB). Blockwise GEMMs apply a scale per
 128-wide K block, in FP32, and cuBLAS refuses fast accumulation for them. The table covers dense linears: MoE
-experts' grouped GEMMs accumulate fast in all three GEMMs (``moe.grouped_mm``). ``fp8.fast_accum`` overrides the
-table for the dense linears of every recipe but blockwise (:func:`fast_accum_for`).
+experts accumulate as their kernels do (the rowwise grouped GEMMs fast in all three GEMMs, ``moe.grouped_mm``;
+blockwise experts through the blockwise GEMM). ``fp8.fast_accum`` overrides the table for the dense linears of
+every recipe but blockwise (:func:`fast_accum_for`).
 
 torchao's recipes: ``torchao.float8.Float8LinearConfig.from_recipe_name``; FSDP2 FP8 all-gather only for
 tensorwise. fp8kit's blockwise: ``fp8kit.fp8.linear.Float8BlockwiseLinear`` (numerics in
@@ -68,7 +69,9 @@ class Recipe:
         tensor_parallel: the recipe runs under tensor parallel (DTensor styles exist for its module).
         fast_accum: the GEMMs of :data:`GEMMS` that run with tensor-core fast accumulation by default (module
             docstring).
-        takes_fast_accum: the recipe's GEMMs can run with fast accumulation at all (``fp8.fast_accum`` applies).
+        fast_accum_gemms: the GEMMs that can run with fast accumulation at all (FP8 GEMMs through
+            ``torch._scaled_mm``: not blockwise's, not rowwise_with_gw_hp's bf16 wgrad), where ``fp8.fast_accum``
+            applies.
     """
 
     name: str
@@ -77,7 +80,7 @@ class Recipe:
     fsdp_fp8_all_gather: bool
     tensor_parallel: bool
     fast_accum: tuple[str, ...] = ()
-    takes_fast_accum: bool = True
+    fast_accum_gemms: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
 
 
 #: The three GEMMs of a linear ``y = x @ w.T``: fprop ``y``, dgrad ``dx = dy @ w``, wgrad ``dw = dy.T @ x``.
@@ -90,8 +93,8 @@ RECIPES: dict[str, Recipe] = {
     for r in (
         Recipe("tensorwise", "torchao", 16, True, True, FPROP_FAST_ACCUM),
         Recipe("rowwise", "torchao", 16, False, True, FPROP_FAST_ACCUM),
-        Recipe("rowwise_with_gw_hp", "torchao", 16, False, True, FPROP_FAST_ACCUM),
-        Recipe("blockwise", "fp8kit", 128, False, True, (), takes_fast_accum=False),
+        Recipe("rowwise_with_gw_hp", "torchao", 16, False, True, FPROP_FAST_ACCUM, ("fprop", "dgrad")),
+        Recipe("blockwise", "fp8kit", 128, False, True, (), ()),
         Recipe("delayed", "fp8kit", 16, False, True, FPROP_FAST_ACCUM),
     )
 }
@@ -112,9 +115,9 @@ def recipe_info(recipe: str, where: str = "fp8.recipe") -> Recipe:
 
 def fast_accum_for(recipe: str, requested=None, where: str = "fp8.fast_accum") -> tuple[str, ...]:
     """The GEMMs of ``recipe`` that run with fast accumulation: ``requested`` (``fp8.fast_accum``: a list of
-    :data:`GEMMS` names) or, when None, the recipe table's default (``Recipe.fast_accum``). A recipe that cannot
-    (``Recipe.takes_fast_accum`` false: blockwise) gets ``()`` whatever is requested; callers say so
-    (:func:`fast_accum_note`).
+    :data:`GEMMS` names) or, when None, the recipe table's default (``Recipe.fast_accum``). Only the GEMMs that can
+    (``Recipe.fast_accum_gemms``: none for blockwise, fprop and dgrad for rowwise_with_gw_hp) are kept; the run says
+    which were dropped (:func:`fast_accum_note`).
 
     Returns:
         the names in :data:`GEMMS` order, each once.
@@ -128,16 +131,18 @@ def fast_accum_for(recipe: str, requested=None, where: str = "fp8.fast_accum") -
     bad = [g for g in requested if g not in GEMMS]
     if bad:
         raise ConfigError(f"{where}: unknown GEMM(s) {', '.join(map(repr, bad))}; choose from {', '.join(GEMMS)}")
-    return tuple(g for g in GEMMS if g in requested) if info.takes_fast_accum else ()
+    return tuple(g for g in GEMMS if g in requested and g in info.fast_accum_gemms)
 
 
 def fast_accum_note(recipe: str, requested) -> str | None:
-    """A note for a run whose ``fp8.fast_accum`` (``requested``; None: the default) does not apply to ``recipe``,
-    or None."""
-    if requested is None or recipe_info(recipe).takes_fast_accum or not requested:
+    """A warning for a run whose ``fp8.fast_accum`` (``requested``; None: the default) names GEMMs ``recipe`` cannot
+    run with fast accumulation (``Recipe.fast_accum_gemms``), or None."""
+    dropped = [g for g in (requested or ()) if g not in recipe_info(recipe).fast_accum_gemms]
+    if not dropped:
         return None
-    return (f"fp8.fast_accum = {list(requested)} has no effect with fp8.recipe = {recipe!r}: cuBLAS's blockwise GEMMs "
-            "apply the block scales in FP32 and take no fast accumulation")
+    why = ("cuBLAS's blockwise GEMMs apply the block scales in FP32 and take no fast accumulation"
+           if recipe == "blockwise" else "its wgrad GEMM runs in bf16")
+    return f"fp8.fast_accum: {', '.join(dropped)} has no effect with fp8.recipe = {recipe!r}: {why}"
 
 
 def float8_linear_config(

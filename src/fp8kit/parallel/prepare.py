@@ -31,7 +31,6 @@ from fp8kit.base.errors import ConfigError
 from fp8kit.comm import AutoScaleState, apply_fp8_reduce_scatter
 from fp8kit.comm.fsdp_reduce_scatter import fsdp_custom_reduce_scatter_support
 from fp8kit.fp8.delayed import DelayedScaling, DelayedScalingState
-from fp8kit.fp8.recipes import fast_accum_note
 from fp8kit.moe.grouped_mm import GroupedGemmConfig, resolve_wgrad_input
 from fp8kit.parallel.convert import ConversionOptions, apply_fp8, fused_mlp_notes, plain_named_modules
 from fp8kit.parallel.parallelize import (
@@ -86,7 +85,8 @@ class PrepareOptions:
         delayed_fused_mlp: the same for delayed-scaling projections (``fp8.delayed_fused_mlp``;
             ``fp8kit.fp8.delayed_mlp``).
         fast_accum: ``fp8.fast_accum`` as given (None: the recipe table's): torchao linears' GEMMs with fast
-            accumulation (the delayed recipe's come resolved in ``delayed``); a note when the recipe takes none.
+            accumulation (the delayed recipe's come resolved in ``delayed``); a note when FP8 experts, which it does
+            not reach, are in the decisions (the recipe's own limits are warned about by ``decide_options``).
     """
 
     fp8: bool = True
@@ -203,9 +203,10 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     if options.blockwise_wgrad_x != "128x1" and options.fp8 and options.recipe != "blockwise":
         done.notes.append(f"fp8.blockwise_wgrad_x = {options.blockwise_wgrad_x!r} has no effect: fp8.recipe is "
                           f"{options.recipe!r}")
-    accum_note = fast_accum_note(options.recipe, options.fast_accum) if options.fp8 else None
-    if accum_note:
-        done.notes.append(accum_note)
+    if options.fast_accum is not None and any(d.is_fp8 and d.site.is_grouped for d in decisions):
+        done.notes.append(f"fp8.fast_accum = {list(options.fast_accum)} applies to dense linears only: the FP8 MoE "
+                          "experts' GEMMs accumulate as their kernels do (rowwise grouped GEMMs fast in all three, "
+                          "blockwise with FP32 promotion)")
     if options.blockwise_recompute and options.fp8 and options.recipe != "blockwise":
         done.notes.append(f"fp8.blockwise_recompute = true has no effect: fp8.recipe is {options.recipe!r}")
     elif options.blockwise_recompute and options.fp8 and not options.compile:

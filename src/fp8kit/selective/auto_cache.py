@@ -22,7 +22,8 @@ from fp8kit.data.tokenizer import atomic_write_bytes
 from fp8kit.selective.auto import AutoShape, Timing
 
 CACHE_FORMAT = "fp8kit-auto-timing"
-#: 2: the delayed recipe's fprop runs with fast accumulation (session 39), so version-1 timings of its sites are stale.
+#: 2: the delayed recipe's fprop runs with fast accumulation (session 39): version-1 timings of its sites are stale
+#: (those of the other recipes are measured once more with them).
 CACHE_VERSION = 2
 #: The timing method (``bench/timing.py``): changes of it invalidate every entry.
 TIMING_METHOD = "v2: device queue held by torch.cuda._sleep, median of 3 repeats; perf_counter on CPU"

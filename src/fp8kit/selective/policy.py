@@ -283,12 +283,32 @@ def check_compatible_reports(reports: list[tuple[str, dict]], force: bool = Fals
         return
     name0, first = reports[0]
     for name, rep in reports[1:]:
-        for key in ("device", "recipe"):
-            if rep.get(key) != first.get(key):
+        for key in ("device", "recipe", "fast_accum"):
+            a, b = _report_value(first, key), _report_value(rep, key)
+            if a != b:
                 raise PolicyError(
-                    f"reports differ in {key}: {name0} has {first.get(key)!r}, {name} has {rep.get(key)!r}; "
+                    f"reports differ in {key}: {name0} has {a!r}, {name} has {b!r}; "
                     f"a policy must come from one device and recipe (pass --force to merge anyway)"
                 )
+
+
+def report_fast_accum(report: dict) -> list[str] | None:
+    """The GEMMs a bench-layers report (or a merged policy's ``metadata``) timed with fast accumulation
+    (``fp8.fast_accum``, resolved); without the key (written before it existed): its recipe's default
+    (``fp8.recipes.fast_accum_for``); None for an unknown recipe."""
+    if "fast_accum" in report:
+        return list(report["fast_accum"])
+    from fp8kit.base.errors import ConfigError
+    from fp8kit.fp8.recipes import fast_accum_for
+
+    try:
+        return list(fast_accum_for(report.get("recipe")))
+    except ConfigError:
+        return None
+
+
+def _report_value(report: dict, key: str):
+    return report_fast_accum(report) if key == "fast_accum" else report.get(key)
 
 
 def merge_reports(
@@ -326,6 +346,7 @@ def merge_reports(
         "generator": "fp8kit merge-policy",
         "device": reps[0].get("device") if reps else None,
         "recipe": reps[0].get("recipe") if reps else None,
+        "fast_accum": report_fast_accum(reps[0]) if reps else None,
         "versions": reps[0].get("versions") if reps else None,
         "component": component or "all",
         "reports": [
