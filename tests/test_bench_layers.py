@@ -262,6 +262,7 @@ def test_fused_experts_are_timed_as_one_mlp_and_both_grouped_sites_carry_it(caps
         assert up["tflops"] == pytest.approx(unit_tflops) and down["tflops"] == pytest.approx(unit_tflops), (up, down)
         assert up["unit_sites"] == [up["site"], down["site"]], up
     assert rep["grouped"] == {"kernel": "fused", "wgrad": "fp8", "gemm": "auto"}, rep["grouped"]
+    assert rep["fast_accum"] == ["fprop"], rep["fast_accum"]  # the dense linears' (the recipe's default here)
     assert any("timed together as the experts' MLP" in n and "tokens routed top-2" in n for n in rep["notes"]), \
         rep["notes"]
     policy = merge_reports([("unit", rep)], 0.0)

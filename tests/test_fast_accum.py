@@ -69,7 +69,9 @@ def test_the_option_is_validated():
     assert load_config(None, []).fp8.fast_accum is None
     assert load_config(None, ["fp8.fast_accum=all"]).fp8.fast_accum == ["fprop", "dgrad", "wgrad"]
     assert load_config(None, ["fp8.fast_accum=[]"]).fp8.fast_accum == []
-    assert FP8Config(fast_accum="dgrad").fast_accum == ["dgrad"] and FP8Config(fast_accum=("fprop",)).fast_accum
+    assert FP8Config(fast_accum="dgrad").fast_accum == ["dgrad"]
+    assert FP8Config(fast_accum=("fprop",)).fast_accum == ["fprop"]
+    assert FP8Config(**FP8Config().model_dump()).fast_accum is None  # a Python round trip keeps "unset"
     with pytest.raises(ConfigError, match="fp8.fast_accum.*lists fprop more than once"):
         load_config(None, ['fp8.fast_accum=["fprop","fprop"]'])
     with pytest.raises(ConfigError, match="fp8.fast_accum.*unknown value 'bwd'"):
@@ -77,7 +79,8 @@ def test_the_option_is_validated():
     with pytest.raises(ConfigError, match='fp8.fast_accum.*"all" stands alone'):
         load_config(None, ['fp8.fast_accum=["fprop","all"]'])
     # --set turns "none" into null, which would read as "the default" (fprop fast): refused, with both spellings
-    with pytest.raises(ConfigError, match=r"fp8.fast_accum.*use \[\] for no fast accumulation.*leave the key out"):
+    with pytest.raises(ConfigError, match=r"--set fp8.fast_accum=none: fp8.fast_accum: none is ambiguous.*use \[\] "
+                                          r"for no fast accumulation.*leave the key out"):
         load_config(None, ["fp8.fast_accum=none"])
 
 
@@ -87,15 +90,18 @@ def test_the_option_is_validated():
                                   "wgrad GEMM runs in bf16"),
     ("delayed", "all", None),
     ("blockwise", None, None),  # the default: nothing to say
+    ("blockwise", "[]", None),
+    ("rowwise_with_gw_hp", None, None),
 ])
-def test_what_a_recipe_cannot_take_is_warned_about_by_train_plan_and_the_library(recipe, option, warned):
+def test_what_a_recipe_cannot_take_is_warned_about(recipe, option, warned):
+    """In ``decide_options``' warnings, which ``fp8kit train``, ``fp8kit plan`` and the library entry points show."""
     from fp8kit.config import load_config
     from fp8kit.config.options import options_from_config
 
     cfg = load_config(None, [f"fp8.recipe={recipe}", "train.mixed_precision=fp8"]
                       + ([f"fp8.fast_accum={option}"] if option else []))
     got = [w for w in options_from_config(cfg).warnings if "fast_accum" in w]
-    assert got == ([warned] if warned else []) or (warned and len(got) == 1 and got[0].startswith(warned)), got
+    assert (len(got) == 1 and got[0].startswith(warned)) if warned else got == [], got
     bf16 = load_config(None, [f"fp8.recipe={recipe}", "train.mixed_precision=bf16"]
                        + ([f"fp8.fast_accum={option}"] if option else []))
     assert not [w for w in options_from_config(bf16).warnings if "fast_accum" in w]
@@ -109,14 +115,35 @@ def test_fp8_experts_get_a_note_that_the_option_is_for_dense_linears():
 
 
 def test_reports_and_policies_carry_the_accumulation():
-    from fp8kit.selective.policy import check_compatible_reports, report_fast_accum
+    from fp8kit.selective.policy import check_compatible_reports, merge_reports, report_fast_accum
 
-    default = {"device": "H100", "recipe": "delayed"}  # a report written before the key existed
-    assert report_fast_accum(default) == ["fprop"]
-    check_compatible_reports([("a", default), ("b", {**default, "fast_accum": ["fprop"]})])
-    with pytest.raises(PolicyError, match=r"reports differ in fast_accum: a has \['fprop'\], b has \['fprop', 'dgrad', "
-                                        r"'wgrad'\]"):
-        check_compatible_reports([("a", default), ("b", {**default, "fast_accum": list(GEMMS)})])
+    # reports written before the key existed: the delayed recipe promoted every GEMM then, the others as now
+    old_delayed, old_tensorwise = {"device": "H100", "recipe": "delayed"}, {"device": "H100", "recipe": "tensorwise"}
+    assert report_fast_accum(old_delayed) == [] and report_fast_accum(old_tensorwise) == ["fprop"]
+    assert report_fast_accum({**old_delayed, "fast_accum": ["wgrad", "fprop"]}) == ["fprop", "wgrad"]  # GEMMS order
+    assert report_fast_accum({**old_delayed, "fast_accum": None}) == []  # null: as if absent
+    check_compatible_reports([("a", old_delayed), ("b", {**old_delayed, "fast_accum": []})])
+    with pytest.raises(PolicyError, match=r"reports differ in fast_accum: a has \[\], b has \['fprop'\]; a policy "
+                                          r"must come from one device, recipe and fast accumulation"):
+        check_compatible_reports([("a", old_delayed), ("b", {**old_delayed, "fast_accum": ["fprop"]})])
+    report = {**old_tensorwise, "fast_accum": list(GEMMS), "measurements": [], "sites": []}
+    assert merge_reports([("r.json", report)]).metadata["fast_accum"] == list(GEMMS)
+
+
+def test_a_policy_measured_with_another_accumulation_is_warned_about():
+    """The shipped delayed policies were measured before the delayed fprop took fast accumulation: a default run
+    (fprop fast) hears so; a run with every GEMM promoted, as then, does not; a BF16 run has nothing to hear."""
+    from fp8kit.config import load_config
+    from fp8kit.config.options import options_from_config
+
+    base = ["fp8.recipe=delayed", "selective.selective_fp8=policy",
+            "selective.fp8_dynamic_policy_path=builtin:llama3-8b_delayed_h100"]
+    for sets, want in (([], 1), (["fp8.fast_accum=[]"], 0), (["train.mixed_precision=bf16"], 0)):
+        cfg = load_config(None, ["train.mixed_precision=fp8", *base, *sets])
+        got = [w for w in options_from_config(cfg).warnings if "fast accumulation" in w]
+        assert len(got) == want, (sets, got)
+        assert all("was measured with fast accumulation in [], this run uses it in ['fprop'] (fp8.fast_accum)" in w
+                   for w in got), got
 
 
 def test_auto_cache_keys_tell_the_accumulations_apart():

@@ -30,7 +30,7 @@ from fp8kit.config.messages import (
     unwrap_optional,
 )
 from fp8kit.config.pretrained import resolve_pretrained
-from fp8kit.config.schema import RunConfig, SelectiveConfig, section_class, section_names
+from fp8kit.config.schema import NONE_REFUSED, RunConfig, SelectiveConfig, section_class, section_names
 
 #: ``[selective]`` keys that are still accepted under ``[fp8]`` (where they were before the split).
 MOVED_TO_SELECTIVE: tuple[str, ...] = tuple(SelectiveConfig.model_fields)
@@ -226,6 +226,9 @@ def build_config(
     origins: dict[str, Origin] = {}
     for target, (value, origin) in {**in_file.values, **on_line.values}.items():
         tsec, tkey = target.split(".")
+        refused = (section_class(tsec).model_fields[tkey].json_schema_extra or {}).get(NONE_REFUSED)
+        if value is None and refused:  # a written none / null where unset and none mean different things
+            raise ConfigError(f"{origin.where}: {origin.key}: {refused}")
         sections.setdefault(tsec, {})[tkey] = value
         origins[target] = origin
     try:

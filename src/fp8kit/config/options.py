@@ -145,7 +145,7 @@ def decide_options(fp8: FP8Config, selective: SelectiveConfig | None, *, mixed_p
                 warnings.append(
                     f"policy {pol.source} was measured with recipe {meta['recipe']!r}, this run uses {fp8.recipe!r}"
                 )
-            elif meta.get("recipe"):  # a policy's metadata holds its reports' recipe and fast accumulation
+            elif meta.get("recipe") and pol.dense and mixed_precision == "fp8":  # dense rules: fast accumulation
                 measured, now = report_fast_accum(meta), list(fast_accum_for(fp8.recipe, fp8.fast_accum))
                 if measured != now:
                     warnings.append(f"policy {pol.source} was measured with fast accumulation in {measured}, this "

@@ -31,6 +31,10 @@ from fp8kit.fp8.recipes import RECIPE_NAMES
 from fp8kit.selective.auto import DEFAULT_MIN_SPEEDUP
 from fp8kit.selective.patterns import compile_patterns
 
+#: A field's ``json_schema_extra`` key: the message ``config.load`` refuses a written none / null with (a field whose
+#: unset default and an explicit "none" would read differently: ``--set fp8.fast_accum=none`` is not ``[]``).
+NONE_REFUSED = "none_refused"
+
 Recipe = Literal[RECIPE_NAMES]  # the one list of recipes: fp8kit.fp8.recipes
 PositiveInt = Annotated[int, Field(gt=0)]
 #: ``[selective] selective_fp8``: measure at start-up, a policy file, or every candidate in FP8.
@@ -80,6 +84,8 @@ class FP8Config(ConfigModel):
     )
     fast_accum: list[Literal["fprop", "dgrad", "wgrad"]] | None = Field(
         None,
+        json_schema_extra={NONE_REFUSED: "none is ambiguous here: use [] for no fast accumulation in any GEMM, or "
+                                         "leave the key out for the recipe's default (fprop)"},
         description="Which GEMMs of each FP8 linear (fprop y = x w^T, dgrad dx, wgrad dw) run with the Hopper tensor "
         "cores' fast accumulation instead of promoting partial sums to FP32 (torch._scaled_mm use_fast_accum). Unset: "
         "the recipe table's default, fprop only, as Transformer Engine and torchao run the per-tensor and per-row "
@@ -249,13 +255,6 @@ class FP8Config(ConfigModel):
         except ConfigError as e:
             raise ValueError(str(e)) from None
         return v
-
-    @model_validator(mode="after")
-    def _fast_accum_none_is_ambiguous(self) -> "FP8Config":
-        if "fast_accum" in self.model_fields_set and self.fast_accum is None:
-            raise FieldProblem("fp8.fast_accum", "none is ambiguous here: use [] for no fast accumulation in any GEMM, "
-                               "or leave the key out for the recipe's default (fprop)")
-        return self
 
     @model_validator(mode="after")
     def _all_gather_needs_tensorwise(self) -> "FP8Config":

@@ -288,21 +288,31 @@ def check_compatible_reports(reports: list[tuple[str, dict]], force: bool = Fals
             if a != b:
                 raise PolicyError(
                     f"reports differ in {key}: {name0} has {a!r}, {name} has {b!r}; "
-                    f"a policy must come from one device and recipe (pass --force to merge anyway)"
+                    f"a policy must come from one device, recipe and fast accumulation (pass --force to merge anyway)"
                 )
+
+
+#: What a report or policy written before its ``fast_accum`` key existed (before session 39) was timed with, where
+#: that differs from today's default: the delayed recipe ran every GEMM with FP32 promotion then.
+_LEGACY_FAST_ACCUM = {"delayed": []}
 
 
 def report_fast_accum(report: dict) -> list[str] | None:
     """The GEMMs a bench-layers report (or a merged policy's ``metadata``) timed with fast accumulation
-    (``fp8.fast_accum``, resolved); without the key (written before it existed): its recipe's default
-    (``fp8.recipes.fast_accum_for``); None for an unknown recipe."""
-    if "fast_accum" in report:
-        return list(report["fast_accum"])
+    (``fp8.fast_accum``, resolved; in ``fp8.recipes.GEMMS`` order); without the key (written before it existed):
+    what its recipe ran then (:data:`_LEGACY_FAST_ACCUM`, else the recipe's default, ``fp8.recipes.fast_accum_for``);
+    None for an unknown recipe."""
     from fp8kit.base.errors import ConfigError
-    from fp8kit.fp8.recipes import fast_accum_for
+    from fp8kit.fp8.recipes import GEMMS, fast_accum_for
 
+    given = report.get("fast_accum")
+    if given is not None:
+        return [g for g in GEMMS if g in given]
+    recipe = report.get("recipe")
+    if recipe in _LEGACY_FAST_ACCUM:
+        return list(_LEGACY_FAST_ACCUM[recipe])
     try:
-        return list(fast_accum_for(report.get("recipe")))
+        return list(fast_accum_for(recipe))
     except ConfigError:
         return None
 
