@@ -57,6 +57,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from torchao.float8 import Float8LinearConfig
 
 
+#: The three GEMMs of a linear ``y = x @ w.T``: fprop ``y``, dgrad ``dx = dy @ w``, wgrad ``dw = dy.T @ x``.
+GEMMS: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
+#: Fast accumulation in fprop only: Transformer Engine's and torchao's default (module docstring).
+FPROP_FAST_ACCUM: tuple[str, ...] = ("fprop",)
+
+
 @dataclass(frozen=True)
 class Recipe:
     """One row of the recipe table (module docstring).
@@ -80,13 +86,8 @@ class Recipe:
     fsdp_fp8_all_gather: bool
     tensor_parallel: bool
     fast_accum: tuple[str, ...] = ()
-    fast_accum_gemms: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
+    fast_accum_gemms: tuple[str, ...] = GEMMS
 
-
-#: The three GEMMs of a linear ``y = x @ w.T``: fprop ``y``, dgrad ``dx = dy @ w``, wgrad ``dw = dy.T @ x``.
-GEMMS: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
-#: Fast accumulation in fprop only: Transformer Engine's and torchao's default (module docstring).
-FPROP_FAST_ACCUM: tuple[str, ...] = ("fprop",)
 
 RECIPES: dict[str, Recipe] = {
     r.name: r

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8kit.base.errors import PolicyError
+from fp8kit.base.errors import ConfigError, PolicyError
+from fp8kit.fp8.recipes import GEMMS, fast_accum_for
 from fp8kit.selective.sites import DENSE_KINDS, GROUPED_KINDS, MODULE_KINDS
 
 POLICY_VERSION = 1
@@ -302,9 +303,6 @@ def report_fast_accum(report: dict) -> list[str] | None:
     (``fp8.fast_accum``, resolved; in ``fp8.recipes.GEMMS`` order); without the key (written before it existed):
     what its recipe ran then (:data:`_LEGACY_FAST_ACCUM`, else the recipe's default, ``fp8.recipes.fast_accum_for``);
     None for an unknown recipe."""
-    from fp8kit.base.errors import ConfigError
-    from fp8kit.fp8.recipes import GEMMS, fast_accum_for
-
     given = report.get("fast_accum")
     if given is not None:
         return [g for g in GEMMS if g in given]
