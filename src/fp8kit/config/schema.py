@@ -27,7 +27,7 @@ from fp8kit.base.errors import ConfigError
 from fp8kit.config.messages import FieldProblem
 from fp8kit.config.section_base import ConfigModel
 from fp8kit.config.sections_run import DataConfig, ModelConfig, TrainConfig
-from fp8kit.fp8.recipes import RECIPE_NAMES
+from fp8kit.fp8.recipes import GEMMS, RECIPE_NAMES
 from fp8kit.selective.auto import DEFAULT_MIN_SPEEDUP
 from fp8kit.selective.patterns import compile_patterns
 
@@ -82,7 +82,7 @@ class FP8Config(ConfigModel):
         "session 39's runs); llama-125m: validation loss "
         "+0.20% vs BF16, training loss +1.4% (session 39; +0.24% / +2.2% in session 38; docs/benchmarks.md section 6).",
     )
-    fast_accum: list[Literal["fprop", "dgrad", "wgrad"]] | None = Field(
+    fast_accum: list[Literal[GEMMS]] | None = Field(
         None,
         json_schema_extra={NONE_REFUSED: "none is ambiguous here: use [] for no fast accumulation in any GEMM, or "
                                          "leave the key out for the recipe's default (fprop)"},
@@ -233,7 +233,7 @@ class FP8Config(ConfigModel):
         GEMM's name alone -> a list of it."""
         word = v[0] if isinstance(v, (list, tuple)) and len(v) == 1 else v
         if word == "all":
-            return ["fprop", "dgrad", "wgrad"]
+            return list(GEMMS)
         if isinstance(v, (list, tuple)) and "all" in v:
             raise ValueError('"all" stands alone (all three GEMMs); otherwise list names of fprop, dgrad, wgrad')
         return [v] if isinstance(v, str) else list(v) if isinstance(v, tuple) else v

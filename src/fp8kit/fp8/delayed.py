@@ -90,22 +90,18 @@ from fp8kit.fp8.delayed_state import (
 )
 from fp8kit.fp8.kernels.cast_ops import cast_transpose
 from fp8kit.fp8.linear import sharded_linear
-from fp8kit.fp8.recipes import GEMMS, RECIPES
+from fp8kit.fp8.recipes import GEMMS
 from fp8kit.fp8.scaling import DTYPE_MAX, scale_from_amax
 
-__all__ = ["AMAX_ALGOS", "FAST_ACCUM", "OPERANDS", "DelayedEntry", "DelayedScaling", "DelayedScalingState",
+__all__ = ["AMAX_ALGOS", "OPERANDS", "DelayedEntry", "DelayedScaling", "DelayedScalingState",
            "Float8DelayedLinear", "scaled_mm"]
 
 
-#: The GEMMs of the delayed recipe that run with fast accumulation by default (the recipe table, ``fp8.recipes``).
-FAST_ACCUM: tuple[str, ...] = RECIPES["delayed"].fast_accum
-
-
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-              out_dtype: torch.dtype, gemm: str, fast_accum: tuple[str, ...] = FAST_ACCUM) -> torch.Tensor:
+              out_dtype: torch.dtype, gemm: str, fast_accum: tuple[str, ...]) -> torch.Tensor:
     """``torch._scaled_mm(a, b)`` of per-tensor-scaled FP8 operands for ``gemm`` (one of ``fp8.recipes.GEMMS``),
-    with fast accumulation where ``gemm`` is in ``fast_accum`` (``DelayedScaling.fast_accum``; default
-    :data:`FAST_ACCUM`).
+    with fast accumulation where ``gemm`` is in ``fast_accum`` (``DelayedScaling.fast_accum``, by default the recipe
+    table's).
 
     Args:
         a: ``[M, K]`` row-major FP8; b: ``[K, N]`` column-major FP8; scale_a, scale_b: float32 ``[]`` decoding scales.
