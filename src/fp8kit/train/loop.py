@@ -59,6 +59,7 @@ from fp8kit.train import checkpoint as ckpt
 from fp8kit.train.async_checkpoint import AsyncCheckpointer
 from fp8kit.train.clip import clip_grad_norm
 from fp8kit.train.cuda_graphs import keep_gradients, poll_skips, start_watch
+from fp8kit.train.host_sync import batch_to_device, no_packed_sequence_check
 from fp8kit.train.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
 from fp8kit.train.preempt import StopSignals, agreed_stop, signal_name
 from fp8kit.train.setup import Setup, global_batch, phase_at
@@ -108,7 +109,7 @@ def _loss(setup: Setup, batch) -> torch.Tensor:
     or fine-tuning rows (:class:`fp8kit.data.sft.SFTBatch`: labels given, ``-100`` not learnt, position ids
     restarting per packed sample); the mean is over the learnt labels."""
     if isinstance(batch, torch.Tensor):
-        batch = batch.to(setup.device, non_blocking=True)
+        batch = batch_to_device(batch, setup.device)  # pinned: no host sync (train/host_sync.py)
         x, y, extra = batch[:, :-1], batch[:, 1:], {}
     else:
         batch = batch.to(setup.device)
@@ -116,8 +117,12 @@ def _loss(setup: Setup, batch) -> torch.Tensor:
     if setup.cfg.train.cuda_graphs:
         # a new iteration of the CUDA graph trees: the previous forward's outputs may be overwritten from here
         torch.compiler.cudagraph_mark_step_begin()
+    # pretraining windows: the model's own position ids are arange, so transformers' packed-sequence check (a host
+    # sync) is skipped; fine-tuning rows pass their restarting position ids and keep it
+    unpacked = no_packed_sequence_check() if not extra else contextlib.nullcontext()
     # train.param_dtype = fp32: FP32 master weights, bf16 matmuls through autocast (standard AMP)
-    with torch.autocast(setup.device.type, dtype=torch.bfloat16, enabled=setup.cfg.train.param_dtype == "fp32"):
+    with unpacked, torch.autocast(setup.device.type, dtype=torch.bfloat16,
+                                  enabled=setup.cfg.train.param_dtype == "fp32"):
         logits = setup.model(input_ids=x, **extra).logits  # [B, T, V]
     return setup.loss_fn(logits, y)
 

@@ -1,0 +1,72 @@
+"""Keep a pretraining step free of host syncs, so the host can queue it while the GPU finishes the last one.
+
+A plain CUDA step of the loop had three points where the host waited for the GPU to drain (the `--trace` of
+``benchmarks/step_profile.py``; docs/benchmarks.md section 6, "Session 40"):
+
+1. the batch's copy to the device: a ``non_blocking`` copy from *pageable* host memory is synchronous, because CUDA
+   performs a stream sync before the copy (CUDA runtime API, "API synchronization behavior": "For transfers from
+   pageable host memory to device memory, a stream sync is performed before the copy is initiated");
+   :func:`batch_to_device` stages it in pinned memory (PyTorch's caching host allocator, which keeps the staging
+   block until the copy's event completes), so the copy is queued like a kernel;
+2. transformers' packed-sequence check at the start of every decoder's forward
+   (``transformers.masking_utils.find_packed_sequence_indices``: ``(mask[:, -1] == 0).all()`` read on the host, the
+   ``aten::is_nonzero`` of the trace); :func:`no_packed_sequence_check` skips it where its answer is known;
+3. the loss read at the end of the step (``train.async_loss`` defers it by one step).
+
+Each drain leaves the GPU idle while the host launches the next kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+def batch_to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``batch`` (a CPU tensor, e.g. ``[B, T + 1]`` int64 token windows) on ``device`` without a host sync.
+
+    On CUDA the rows are copied into pinned memory first (``Tensor.pin_memory``: a host memcpy of the batch, a few
+    hundred KiB for an 8B step's windows) and then copied with ``non_blocking=True``; elsewhere it is a plain copy.
+    A tensor already on ``device`` is returned as is.
+    """
+    if batch.device == device:
+        return batch
+    if device.type == "cuda" and batch.device.type == "cpu":
+        if not batch.is_pinned():
+            batch = batch.pin_memory()
+        return batch.to(device, non_blocking=True)
+    return batch.to(device)
+
+
+@contextlib.contextmanager
+def no_packed_sequence_check() -> Iterator[None]:
+    """Within the block, transformers' packed-sequence check answers "not packed" without reading the GPU.
+
+    Only for a forward whose position ids the model builds itself (no ``position_ids``, no cache, no 2-D attention
+    mask): the decoder then makes them ``arange(T)``, for which ``find_packed_sequence_indices`` always returns None
+    (every position follows the one before), so the answer, and the mask and attention computed from it, are those
+    the check would give, without its ``.all()`` on the host. A forward that passes position ids (fine-tuning's
+    packed samples) must run outside this block. Where transformers has no such function the block changes
+    nothing (a CPU test, ``tests/test_host_sync.py``, fails when a step syncs again).
+    """
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = _not_packed
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+def _not_packed(position_ids: torch.Tensor) -> None:
+    """``find_packed_sequence_indices``'s answer for ``arange`` position ids: one sequence per row (None)."""
+    return None
