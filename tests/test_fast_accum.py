@@ -179,3 +179,118 @@ def test_delayed_gemms_accumulate_as_configured(fused, option, forward, backward
         # 2 layers x 7 linears (the head stays BF16): 14 forward GEMMs, 28 backward (dgrad + wgrad)
         assert fwd.fast == [forward] * 14, f"step {step}: forward use_fast_accum {fwd.fast}"
         assert bwd.fast == [backward] * 28, f"step {step}: backward use_fast_accum {bwd.fast}"
+
+
+def _synthetic_report(fast_accum):
+    """A tensorwise bench-layers report whose qkv site runs 1.5x faster in FP8 from 1024 tokens on."""
+    ms = []
+    for tokens in (1024, 4096):
+        site = {"site": "qkv", "component": "llm", "module_kind": "layernorm_column", "ub_name": "qkv",
+                "num_tokens": tokens, "tp": 1, "etp": None, "num_gemms": None}
+        ms += [{**site, "precision": "bf16", "ms": 1.5}, {**site, "precision": "fp8", "ms": 1.0}]
+    return {"device": "NVIDIA H100", "device_type": "cuda", "recipe": "tensorwise", "tp": 1,
+            "fast_accum": fast_accum, "measurements": ms}
+
+
+def test_a_forced_merge_of_different_accumulations_records_each_and_warns(tmp_path, capsys):
+    """``merge-policy --force`` over reports timed with different ``fp8.fast_accum``: the policy claims no one
+    setting (``"mixed"``), each report's entry carries its own, and a run with the policy hears that it mixes
+    settings, whatever its own accumulation (one that matches either report included)."""
+    import json
+
+    from fp8kit.cli.main import main
+    from fp8kit.config import load_config
+    from fp8kit.config.options import options_from_config
+    from fp8kit.selective.policy import MIXED_FAST_ACCUM, load_policy, merge_reports, report_fast_accum
+
+    a, b, policy = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "policy.json"
+    a.write_text(json.dumps(_synthetic_report(["fprop"])))
+    b.write_text(json.dumps(_synthetic_report(list(GEMMS))))
+    assert main(["merge-policy", "--reports", str(a), str(b), "--output", str(policy)]) != 0  # refused unforced
+    assert "reports differ in fast_accum" in capsys.readouterr().err
+    assert main(["merge-policy", "--reports", str(a), str(b), "--output", str(policy), "--force"]) == 0
+    meta = load_policy(str(policy)).metadata
+    assert meta["fast_accum"] == MIXED_FAST_ACCUM == "mixed", meta
+    assert report_fast_accum(meta) == MIXED_FAST_ACCUM, report_fast_accum(meta)  # no GEMM list read from it
+    each = [(r["name"], r["fast_accum"]) for r in meta["reports"]]
+    assert each == [("a.json", ["fprop"]), ("b.json", ["fprop", "dgrad", "wgrad"])], each
+    sets = ["train.mixed_precision=fp8", "fp8.recipe=tensorwise", "selective.selective_fp8=policy",
+            f"selective.fp8_dynamic_policy_path={policy}"]
+    for extra, now in (([], ["fprop"]), (["fp8.fast_accum=all"], list(GEMMS)), (["fp8.fast_accum=[]"], [])):
+        warned = [w for w in options_from_config(load_config(None, sets + extra)).warnings if "fast accumulation" in w]
+        assert warned == [f"policy {policy} was merged (merge-policy --force) from reports measured with different "
+                          f"fast accumulation (a.json: ['fprop']; b.json: ['fprop', 'dgrad', 'wgrad']): its "
+                          f"thresholds mix settings; this run uses it in {now} (fp8.fast_accum)"], (extra, warned)
+    # reports that agree still give the one setting, each entry its own
+    same = merge_reports([(f"r{i}.json", _synthetic_report(["fprop"])) for i in range(2)]).metadata
+    assert same["fast_accum"] == ["fprop"] and [r["fast_accum"] for r in same["reports"]] == [["fprop"]] * 2, same
+
+
+@pytest.mark.parametrize("sets,want", [
+    (["fp8.recipe=delayed"], ["fprop"]),  # the table's default, as DelayedScaling took it
+    (["fp8.recipe=delayed", 'fp8.fast_accum=["wgrad","fprop"]'], ["fprop", "wgrad"]),  # GEMMS order
+    (["fp8.recipe=tensorwise", "fp8.fast_accum=all"], list(GEMMS)),
+    (["fp8.recipe=rowwise_with_gw_hp", "fp8.fast_accum=all"], ["fprop", "dgrad"]),  # its wgrad runs in bf16
+    (["fp8.recipe=blockwise", "fp8.fast_accum=all"], []),  # cuBLAS's blockwise GEMMs take none
+    (["train.mixed_precision=bf16", "fp8.fast_accum=all"], None),  # no FP8 GEMM at all
+])
+def test_the_run_records_the_accumulation_its_conversion_took(sets, want):
+    from fp8kit.config import load_config
+    from fp8kit.config.options import conversion_options_for
+    from fp8kit.train.setup import run_fast_accum
+
+    cfg = load_config(None, ["train.mixed_precision=fp8", *sets])
+    got = run_fast_accum(cfg, conversion_options_for(cfg.fp8))
+    assert got == want, (sets, got)
+
+
+def test_the_resume_note_names_both_accumulations_and_the_checkpoint():
+    from pathlib import Path
+
+    from fp8kit.train.setup import fast_accum_resume_note
+
+    ck = Path("runs/a/checkpoints/step_000004")
+    for state, now in (({}, ["fprop"]),  # saved before the key existed: nothing to say
+                       ({"fast_accum": None}, ["fprop"]), ({"fast_accum": ["fprop"]}, None),  # a BF16 run on a side
+                       ({"fast_accum": ["fprop"]}, ["fprop"]), ({"fast_accum": ["wgrad", "fprop"]}, ["fprop", "wgrad"])):
+        assert fast_accum_resume_note(ck, state, now) is None, (state, now, fast_accum_resume_note(ck, state, now))
+    note = fast_accum_resume_note(ck, {"fast_accum": []}, ["fprop"])
+    assert note == ("--resume 'runs/a/checkpoints/step_000004': the checkpoint's run used fast accumulation in [], "
+                    "this run uses it in ['fprop'] (fp8.fast_accum): the FP8 GEMMs' numerics change from here on; "
+                    "resume with --set 'fp8.fast_accum=[]' to keep the checkpoint's"), note
+
+
+def test_checkpoints_record_the_accumulation_and_a_resume_with_another_says_so(small_run, tmp_path):
+    """A delayed run of 2 steps saves its GEMMs with fast accumulation in its checkpoints; resuming from step 1 with
+    ``fp8.fast_accum = "all"`` prints a warning naming both settings and the checkpoint (and records it in
+    run_info.json); resuming with the same setting, spelled out, says nothing."""
+    import io
+    import json
+
+    from rich.console import Console
+
+    from fp8kit.config import load_config
+    from fp8kit.train import checkpoint as ckpt
+    from fp8kit.train.trainer import train
+
+    base = [*small_run, "selective.selective_fp8=false", "train.mixed_precision=fp8", "fp8.recipe=delayed",
+            "train.steps=2", "train.checkpoint_every=1"]
+    train(load_config(None, base), tmp_path / "full")
+    ck = tmp_path / "full" / "checkpoints" / "step_000001"
+    saved = ckpt.load_train_state(ck).get("fast_accum", "<missing>")
+    assert saved == ["fprop"], f"the checkpoint's fast_accum: {saved!r}"
+
+    def resumed(name: str, *sets: str) -> tuple[str, list[str]]:
+        out = io.StringIO()
+        train(load_config(None, [*base, *sets]), tmp_path / name, resume=ck,
+              console=Console(file=out, width=100_000, soft_wrap=True))
+        return out.getvalue(), json.loads((tmp_path / name / "run_info.json").read_text())["warnings"]
+
+    printed, said = resumed("all", "fp8.fast_accum=all")
+    note = (f"--resume {str(ck)!r}: the checkpoint's run used fast accumulation in ['fprop'], this run uses it in "
+            f"['fprop', 'dgrad', 'wgrad'] (fp8.fast_accum)")
+    assert any(w.startswith(note) for w in said), said
+    assert f"warning: {note}" in printed, printed
+    printed, said = resumed("same", 'fp8.fast_accum=["fprop"]')
+    assert not [w for w in said if "fast accumulation" in w], said
+    assert "fast accumulation" not in printed, printed

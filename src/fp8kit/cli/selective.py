@@ -92,7 +92,8 @@ def add_parsers(sub) -> None:
                    help="FP8 wherever it is at least this many times faster than bf16 (default 1.0)")
     p.add_argument("--component", default=None, help="only this component's sites (llm, vision); default all")
     p.add_argument("--force", action="store_true",
-                   help="merge reports of different devices or recipes anyway")
+                   help="merge reports of different devices, recipes or fast accumulation anyway (the "
+                        "policy's metadata then records each report's fast_accum, its own as \"mixed\")")
 
 
 def _env(args: argparse.Namespace) -> dict[str, str]:

@@ -17,7 +17,7 @@ from fp8kit.config.schema import FP8Config, RunConfig, SelectiveConfig
 from fp8kit.fp8.recipes import fast_accum_for, fast_accum_note
 from fp8kit.selective.auto import AutoOptions
 from fp8kit.selective.decide import DecideOptions, Decision, Selective, decide, output_head_notes
-from fp8kit.selective.policy import load_policy, report_fast_accum
+from fp8kit.selective.policy import MIXED_FAST_ACCUM, load_policy, report_fast_accum
 from fp8kit.selective.sites import find_sites
 
 
@@ -146,10 +146,9 @@ def decide_options(fp8: FP8Config, selective: SelectiveConfig | None, *, mixed_p
                     f"policy {pol.source} was measured with recipe {meta['recipe']!r}, this run uses {fp8.recipe!r}"
                 )
             elif meta.get("recipe") and pol.dense and mixed_precision == "fp8":  # dense rules: fast accumulation
-                measured, now = report_fast_accum(meta), list(fast_accum_for(fp8.recipe, fp8.fast_accum))
-                if measured != now:
-                    warnings.append(f"policy {pol.source} was measured with fast accumulation in {measured}, this "
-                                    f"run uses it in {now} (fp8.fast_accum)")
+                accum_warning = _policy_fast_accum_warning(pol.source, meta, fp8)
+                if accum_warning:
+                    warnings.append(accum_warning)
             if meta.get("note"):  # what the policy's own file says about it (a CPU policy, a stale one)
                 warnings.append(f"policy {pol.source}: {meta['note']}")
             if device_name and meta.get("device") and meta["device"] != device_name:
@@ -170,6 +169,22 @@ def decide_options(fp8: FP8Config, selective: SelectiveConfig | None, *, mixed_p
         auto=auto,
         warnings=tuple(warnings),
     )
+
+
+def _policy_fast_accum_warning(source: str, meta: dict, fp8: FP8Config) -> str | None:
+    """The warning for a policy (``source``, its ``metadata`` ``meta``) timed with other fast accumulation than this
+    run's (``fp8.fast_accum`` resolved against ``fp8.recipe``), or merged (``merge-policy --force``) from reports of
+    different settings (``policy.MIXED_FAST_ACCUM``, each report's in ``meta["reports"]``); None when it matches."""
+    measured, now = report_fast_accum(meta), list(fast_accum_for(fp8.recipe, fp8.fast_accum))
+    if measured == MIXED_FAST_ACCUM:
+        each = "; ".join(f"{r.get('name')}: {r.get('fast_accum')}" for r in meta.get("reports") or [])
+        return (f"policy {source} was merged (merge-policy --force) from reports measured with different fast "
+                f"accumulation{f' ({each})' if each else ''}: its thresholds mix settings; this run uses it in "
+                f"{now} (fp8.fast_accum)")
+    if measured != now:
+        return f"policy {source} was measured with fast accumulation in {measured}, this run uses it in {now} " \
+               "(fp8.fast_accum)"
+    return None
 
 
 def decide_for_library(model, fp8: FP8Config, selective: SelectiveConfig | None, *, mixed_precision: str = "fp8",

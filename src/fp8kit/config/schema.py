@@ -56,7 +56,7 @@ class FP8Config(ConfigModel):
         "and gradient blocks, 128x128 weight blocks, E4M3 throughout, DeepSeek-V3; layers whose dims are "
         "not multiples of 128 stay BF16) or delayed (fp8kit's own: Transformer Engine's delayed scaling "
         "from an amax history, see amax_history_len; the fastest on Llama-3-8B layers: 1.31x bf16 on an H200 in "
-        "session 38, 1.38-1.40x with output_head in session 39; but 0.76x "
+        "session 38, 1.38-1.40x with output_head in sessions 39-40, 1.42x with it and fast_accum = \"all\" in session 40; but 0.76x "
         "in full FP8 on llama-125m, where selective_fp8 = auto keeps the layers bf16; speeds: docs/benchmarks.md "
         "section 6).",
     )
@@ -91,12 +91,13 @@ class FP8Config(ConfigModel):
         "the recipe table's default, fprop only, as Transformer Engine and torchao run the per-tensor and per-row "
         "scaled recipes (tensorwise, rowwise, rowwise_with_gw_hp, delayed). \"all\" = all three; [] runs every GEMM with FP32 "
         "promotion; adding dgrad / "
-        "wgrad is faster (Llama-3-8B linears on an H200: fprop 1.00-1.05x, dgrad 1.01-1.05x, wgrad 1.01-1.03x per "
-        "GEMM; about 1.1 ms of a 125 ms 8B step for dgrad + wgrad) but less accurate on long reductions (DeepSeek-V3, "
-        "arXiv:2412.19437 section 3.3.2: about 2% on single outputs at K = 4096); its convergence is not measured "
-        "yet. Dense linears only: no effect with recipe = blockwise (cuBLAS's blockwise GEMMs take none) nor on "
-        "rowwise_with_gw_hp's bf16 wgrad, each warned about; MoE experts accumulate as their kernels do, noted "
-        "(docs/benchmarks.md section 6, session 39).",
+        "wgrad is faster (Llama-3-8B layers x 8 with the delayed recipe and the FP8 head on an H200: 123.1 -> 119.8 ms "
+        "per step, 1.386x -> 1.423x of BF16; fprop alone took 126.5 -> 123.1 ms) but less accurate on long reductions "
+        "(DeepSeek-V3, arXiv:2412.19437 section 3.3.2: about 2% on single outputs at K = 4096); llama-125m converged "
+        "within 1% of BF16 with each setting in one 1200-step run (\"all\": validation loss -0.04%). Dense linears "
+        "only: no effect with recipe = blockwise (cuBLAS's blockwise GEMMs take none) nor on rowwise_with_gw_hp's "
+        "bf16 wgrad, each warned about; MoE experts accumulate as their kernels do, noted (docs/benchmarks.md "
+        "section 6, sessions 39-40).",
     )
     emulate: bool = Field(
         False,

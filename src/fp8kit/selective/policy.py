@@ -8,7 +8,7 @@ Format (LoongForge adaptive FP8's "FP8 Dynamic Policy" file; files written for i
        "row":              {"fc2": [{"tp": 1, "min_tokens": 8192,  "measured_speedup": 1.23}], ...},
        "column_grouped":   [{"etp": 1, "num_gemms": 64, "min_tokens": 424, "measured_speedup": 1.02}],
        "row_grouped":      [...]},
-     "metadata": {...}}          # optional, fp8kit's: device, recipe, versions, source reports
+     "metadata": {...}}          # optional, fp8kit's: device, recipe, fast_accum, versions, source reports
 
 Decision (LoongForge adaptive FP8's decision logic):
 
@@ -275,7 +275,8 @@ def min_tokens_for(points: list[tuple[int, float, float, float]], threshold: flo
 
 
 def check_compatible_reports(reports: list[tuple[str, dict]], force: bool = False) -> None:
-    """Refuse to merge reports from different devices or recipes (unless ``force``).
+    """Refuse to merge reports from different devices, recipes or fast accumulation (unless ``force``; then
+    :func:`merge_reports` records each report's fast accumulation, the policy's being :data:`MIXED_FAST_ACCUM`).
 
     Raises:
         PolicyError: naming both reports and the differing field.
@@ -298,12 +299,22 @@ def check_compatible_reports(reports: list[tuple[str, dict]], force: bool = Fals
 _LEGACY_FAST_ACCUM = {"delayed": []}
 
 
-def report_fast_accum(report: dict) -> list[str] | None:
+#: A merged policy's ``metadata["fast_accum"]`` when its reports were timed with different fast accumulation
+#: (``merge-policy --force``): no one setting holds for its rules; each report's is in its ``metadata["reports"]``
+#: entry.
+MIXED_FAST_ACCUM = "mixed"
+
+
+def report_fast_accum(report: dict) -> list[str] | str | None:
     """The GEMMs a bench-layers report (or a merged policy's ``metadata``) timed with fast accumulation
     (``fp8.fast_accum``, resolved; in ``fp8.recipes.GEMMS`` order); without the key (written before it existed):
     what its recipe ran then (:data:`_LEGACY_FAST_ACCUM`, else the recipe's default, ``fp8.recipes.fast_accum_for``);
-    None for an unknown recipe."""
+    :data:`MIXED_FAST_ACCUM` for a policy merged from reports of different settings; None for an unknown recipe."""
     given = report.get("fast_accum")
+    if given == MIXED_FAST_ACCUM:
+        return MIXED_FAST_ACCUM
+    if isinstance(given, str):  # a hand-written file: "all" or one GEMM's name, as fp8.fast_accum takes them
+        given = GEMMS if given == "all" else [given]
     if given is not None:
         return [g for g in GEMMS if g in given]
     recipe = report.get("recipe")
@@ -350,18 +361,19 @@ def merge_reports(
     for lst in policy.grouped.values():
         lst.sort(key=lambda r: (r.etp, r.num_gemms))
     reps = [r for _, r in reports]
+    accums = [report_fast_accum(r) for r in reps]  # differing ones only under force: recorded per report, "mixed"
     policy.metadata = {
         "generator": "fp8kit merge-policy",
         "device": reps[0].get("device") if reps else None,
         "recipe": reps[0].get("recipe") if reps else None,
-        "fast_accum": report_fast_accum(reps[0]) if reps else None,
+        "fast_accum": (accums[0] if all(a == accums[0] for a in accums) else MIXED_FAST_ACCUM) if reps else None,
         "versions": reps[0].get("versions") if reps else None,
         "component": component or "all",
         "reports": [
             {"name": Path(n).name, "tp": r.get("tp"), "ep": r.get("ep"), "etp": r.get("etp"),
              "simulated_tp": r.get("simulated_tp"), "device": r.get("device"), "date": r.get("date"),
-             "compile_shapes": report_compile_shapes(r)}
-            for n, r in reports
+             "compile_shapes": report_compile_shapes(r), "fast_accum": a}
+            for (n, r), a in zip(reports, accums, strict=True)
         ],
     }
     notes = []

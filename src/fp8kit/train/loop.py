@@ -62,7 +62,7 @@ from fp8kit.train.cuda_graphs import keep_gradients, poll_skips, start_watch
 from fp8kit.train.host_sync import batch_to_device, no_packed_sequence_check
 from fp8kit.train.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
 from fp8kit.train.preempt import StopSignals, agreed_stop, signal_name
-from fp8kit.train.setup import Setup, global_batch, phase_at
+from fp8kit.train.setup import Setup, global_batch, phase_at, run_fast_accum
 
 if TYPE_CHECKING:  # pragma: no cover
     from fp8kit.train.guard import DivergenceGuard
@@ -248,6 +248,8 @@ def _save(setup: Setup, out_dir: Path, step: int, phase: str, saver: AsyncCheckp
         "recipe": setup.cfg.fp8.recipe if setup.cfg.train.mixed_precision == "fp8" else None,
         # whether the output head was decided FP8 (fp8.output_head): a resume that changes it says so
         "output_head": fp8_head(setup.decisions),
+        # the GEMMs with fast accumulation (fp8.fast_accum resolved; None: not FP8): a resume that changes it says so
+        "fast_accum": run_fast_accum(setup.cfg, setup.prepared.conversion),
         # FP8AdamW's state precision (optim.granularity = auto resumes with its scales; the DCP files do not say)
         "fp8adamw_precision": setup.optimizer.precision.as_dict() if setup.cfg.optim.name == "fp8_adamw" else None,
         "fp8_delayed": setup.prepared.conversion.delayed.state_dict(),  # amax histories (recipe delayed)

@@ -35,6 +35,7 @@ from fp8kit.config.options import grouped_gemm_config, load_policies, moe_topk, 
 from fp8kit.config.prepare_options import prepare_options, weight_cast_accumulation
 from fp8kit.config.pretrained import resolve_pretrained
 from fp8kit.data.prepare import PreparedData, prepare_data
+from fp8kit.fp8.recipes import GEMMS, fast_accum_for
 from fp8kit.models.build import build_hf_config, build_model, count_params, flops_per_token
 from fp8kit.models.init import build_model_on_meta, initialize_shards
 from fp8kit.models.pretrained import (
@@ -45,6 +46,7 @@ from fp8kit.models.pretrained import (
     materialize,
 )
 from fp8kit.optim.memory import training_state_bytes
+from fp8kit.parallel.convert import ConversionOptions
 from fp8kit.parallel.mesh import ParallelDims, resolve_dims
 from fp8kit.parallel.prepare import Prepared, prepare_model
 from fp8kit.selective.decide import Decision, decide, fp8_head, output_head_notes
@@ -152,6 +154,40 @@ def output_head_resume_note(resume_ckpt: Path, state: dict, decisions: list[Deci
     was, will = ("FP8", "BF16") if saved else ("BF16", "FP8")
     return (f"--resume {str(resume_ckpt)!r}: the output head ran in {was} in the checkpoint's run and runs in {will} "
             f"from here on (fp8.output_head and the FP8 decisions of this run)")
+
+
+def run_fast_accum(cfg: RunConfig, conversion: ConversionOptions) -> list[str] | None:
+    """The GEMMs of this run's dense FP8 linears that run with fast accumulation, in ``fp8.recipes.GEMMS`` order, as
+    checkpoints record them (``"fast_accum"``), or None for a run that is not FP8. Read from the conversion the run
+    applies (``Prepared.conversion``): the delayed recipe's ``DelayedScaling.fast_accum``, the other recipes'
+    ``fp8.fast_accum`` resolved as their modules take it (``fp8.recipes.fast_accum_for``; none for blockwise). MoE
+    experts accumulate as their kernels do, whatever this says."""
+    if cfg.train.mixed_precision != "fp8":
+        return None
+    recipe = cfg.fp8.recipe
+    if recipe == "delayed":
+        fast = conversion.delayed.config.fast_accum
+    else:
+        fast = fast_accum_for(recipe, conversion.fast_accum)
+    return [g for g in GEMMS if g in fast]
+
+
+def fast_accum_resume_note(resume_ckpt: Path, state: dict, now: list[str] | None) -> str | None:
+    """The warning for a resume whose FP8 linears accumulate fast in other GEMMs than in the checkpoint's run (its
+    ``"fast_accum"``; ``now``: :func:`run_fast_accum` of this run), or None: also when either run is not FP8 (the
+    precision itself changed) or the checkpoint was saved before the key existed. Not refused: no saved state depends
+    on it (weights, optimizer states and amax histories are the same either way), only the GEMMs' numerics change
+    from here on."""
+    saved = state.get("fast_accum")
+    if saved is None or now is None:
+        return None
+    saved = [g for g in GEMMS if g in saved]
+    if saved == now:
+        return None
+    keep = "[" + ",".join(f'"{g}"' for g in saved) + "]"
+    return (f"--resume {str(resume_ckpt)!r}: the checkpoint's run used fast accumulation in {saved}, this run uses it "
+            f"in {now} (fp8.fast_accum): the FP8 GEMMs' numerics change from here on; resume with "
+            f"--set 'fp8.fast_accum={keep}' to keep the checkpoint's")
 
 
 def check_resume_data(resume_ckpt: Path, state: dict, data: PreparedData) -> None:
@@ -364,6 +400,10 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
                         emulate=fp8_emulated(cfg, device)),
         mesh, hf_cfg=hf_cfg,
     )
+    if resume_ckpt is not None:  # the accumulation the conversion took, against the checkpoint's
+        note = fast_accum_resume_note(resume_ckpt, resume_state, run_fast_accum(cfg, prepared.conversion))
+        if note is not None:
+            early_warnings.append(note)
     if init_program is not None:
         say("initialising the model (each rank its own shards)")
         initialize_shards(model, init_program, device)
