@@ -108,10 +108,26 @@ def test_what_a_recipe_cannot_take_is_warned_about(recipe, option, warned):
 
 
 def test_fp8_experts_get_a_note_that_the_option_is_for_dense_linears():
-    _, done = prepared_llama(["fp8.fast_accum=[]"], preset="tiny-moe")
-    assert any("fp8.fast_accum = [] applies to dense linears only" in n for n in done.notes), done.notes
-    _, done = prepared_llama([], preset="tiny-moe")
-    assert not any("fast_accum" in n for n in done.notes), done.notes
+    """The library entry points warn (``decision_notes``, which ``fp8kit train`` and ``plan`` print too) when the
+    option is set and MoE experts run in FP8; not without the option, nor in a BF16 run."""
+    import warnings
+
+    from fp8kit.config import FP8Config
+    from fp8kit.config.options import decide_for_library
+    from tests.conftest import tiny_moe_model
+
+    def notes(fp8, mixed_precision="fp8"):
+        model, _ = tiny_moe_model()
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            decisions = decide_for_library(model, fp8, None, mixed_precision=mixed_precision)
+        assert any(d.is_fp8 and d.site.is_grouped for d in decisions) == (mixed_precision == "fp8"), decisions
+        return [str(w.message) for w in rec if "fast_accum" in str(w.message)]
+
+    got = notes(FP8Config(fast_accum=[]))
+    assert len(got) == 1 and got[0].startswith("fp8.fast_accum = [] applies to dense linears only"), got
+    assert notes(FP8Config()) == [], notes(FP8Config())
+    assert notes(FP8Config(fast_accum=[]), "bf16") == []
 
 
 def test_reports_and_policies_carry_the_accumulation():

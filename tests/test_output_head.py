@@ -15,7 +15,7 @@ from fp8kit.config import ModelConfig, load_config
 from fp8kit.config.options import decide_for_library
 from fp8kit.config.schema import FP8Config
 from fp8kit.models.build import build_model
-from fp8kit.selective.decide import DecideOptions, decide, output_head_notes
+from fp8kit.selective.decide import DecideOptions, decide, decision_notes
 from fp8kit.selective.sites import find_sites
 from fp8kit.train.trainer import train
 
@@ -32,7 +32,7 @@ def _llama(vocab: int, tied: bool = False) -> nn.Module:
 def _head(model, **kw):
     options = DecideOptions(**kw)
     decisions = decide(find_sites(model), options)
-    return next(d for d in decisions if d.fqn == "lm_head"), output_head_notes(decisions, options)
+    return next(d for d in decisions if d.fqn == "lm_head"), decision_notes(decisions, options)
 
 
 def test_the_head_stays_bf16_unless_asked_and_then_follows_the_other_rules():

@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
 def _plan(cfg, as_json: bool, console) -> int:
     from fp8kit.config.options import options_from_config
     from fp8kit.models.build import build_hf_config, build_model
-    from fp8kit.selective.decide import decide, output_head_notes
+    from fp8kit.selective.decide import decide, decision_notes
     from fp8kit.selective.report import print_report
     from fp8kit.selective.sites import find_sites
 
@@ -235,7 +235,7 @@ def _plan(cfg, as_json: bool, console) -> int:
     if as_json:
         print(json.dumps([d.to_dict() for d in decisions], indent=1))
         return 0
-    for w in [*options.warnings, *output_head_notes(decisions, options)]:
+    for w in [*options.warnings, *decision_notes(decisions, options)]:
         console.print(f"[bold yellow]warning:[/] {w}")
     d = cfg.distributed
     console.print(

@@ -16,7 +16,7 @@ from fp8kit.base.errors import ConfigError, PolicyError
 from fp8kit.config.schema import FP8Config, RunConfig, SelectiveConfig
 from fp8kit.fp8.recipes import fast_accum_for, fast_accum_note
 from fp8kit.selective.auto import AutoOptions
-from fp8kit.selective.decide import DecideOptions, Decision, Selective, decide, output_head_notes
+from fp8kit.selective.decide import DecideOptions, Decision, Selective, decide, decision_notes
 from fp8kit.selective.policy import MIXED_FAST_ACCUM, load_policy, report_fast_accum
 from fp8kit.selective.sites import find_sites
 
@@ -162,6 +162,7 @@ def decide_options(fp8: FP8Config, selective: SelectiveConfig | None, *, mixed_p
         include=tuple(fp8.include),
         exclude=tuple(fp8.exclude),
         output_head=fp8.output_head,
+        fast_accum=requested_fast_accum(fp8),
         tp=tp,
         ep=ep,
         num_tokens=tokens_now,
@@ -201,7 +202,7 @@ def decide_for_library(model, fp8: FP8Config, selective: SelectiveConfig | None,
     for message in options.warnings:
         warnings.warn(message, stacklevel=3)
     decisions = decide(find_sites(model), options)
-    for message in output_head_notes(decisions, options):
+    for message in decision_notes(decisions, options):
         warnings.warn(message, stacklevel=3)
     return decisions
 

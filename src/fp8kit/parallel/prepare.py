@@ -203,10 +203,6 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     if options.blockwise_wgrad_x != "128x1" and options.fp8 and options.recipe != "blockwise":
         done.notes.append(f"fp8.blockwise_wgrad_x = {options.blockwise_wgrad_x!r} has no effect: fp8.recipe is "
                           f"{options.recipe!r}")
-    if options.fast_accum is not None and any(d.is_fp8 and d.site.is_grouped for d in decisions):
-        done.notes.append(f"fp8.fast_accum = {list(options.fast_accum)} applies to dense linears only: the FP8 MoE "
-                          "experts' GEMMs accumulate as their kernels do (rowwise grouped GEMMs fast in all three, "
-                          "blockwise with FP32 promotion)")
     if options.blockwise_recompute and options.fp8 and options.recipe != "blockwise":
         done.notes.append(f"fp8.blockwise_recompute = true has no effect: fp8.recipe is {options.recipe!r}")
     elif options.blockwise_recompute and options.fp8 and not options.compile:

@@ -134,6 +134,8 @@ class DecideOptions:
     selective: Selective | None = None
     auto: AutoOptions | None = None
     warnings: tuple[str, ...] = field(default=())
+    #: ``fp8.fast_accum`` as given (None: the recipe table's default); only for :func:`decision_notes`
+    fast_accum: tuple[str, ...] | None = None
 
 
 def decide(sites: list[Site], options: DecideOptions) -> list[Decision]:
@@ -202,14 +204,26 @@ def fp8_head(decisions: list[Decision]) -> bool:
     return any(d.site.role == "head" and d.is_fp8 for d in decisions)
 
 
-def output_head_notes(decisions: list[Decision], options: DecideOptions) -> list[str]:
-    """Warnings for ``fp8.output_head = true`` where an output head still stays BF16 (tied to the embedding, dims,
-    ``fp8.exclude``, measured slower by ``auto``, no rule in a policy): the user asked for it, so the run says why
-    it did not happen. Empty when the option is off or the run is not FP8."""
-    if not options.output_head or options.mixed_precision != "fp8":
+def decision_notes(decisions: list[Decision], options: DecideOptions) -> list[str]:
+    """Warnings for what the user asked for and some decided sites do not take, with the reason; empty when the run
+    is not FP8. ``fp8kit train``, ``fp8kit plan`` and the library entry points show the same list.
+
+    - ``fp8.output_head = true`` where an output head still stays BF16 (tied to the embedding, dims,
+      ``fp8.exclude``, measured slower by ``auto``, no rule in a policy);
+    - ``fp8.fast_accum`` set while MoE experts run in FP8: it reaches dense linears only; the experts' GEMMs
+      accumulate as their kernels do (``fp8.recipes`` module docstring).
+    """
+    if options.mixed_precision != "fp8":
         return []
-    return [f"fp8.output_head = true, but {d.fqn} stays BF16: {d.reason}"
-            for d in decisions if d.site.role == "head" and not d.is_fp8]
+    notes = []
+    if options.output_head:
+        notes += [f"fp8.output_head = true, but {d.fqn} stays BF16: {d.reason}"
+                  for d in decisions if d.site.role == "head" and not d.is_fp8]
+    if options.fast_accum is not None and any(d.is_fp8 and d.site.is_grouped for d in decisions):
+        notes.append(f"fp8.fast_accum = {list(options.fast_accum)} applies to dense linears only: the FP8 MoE "
+                     "experts' GEMMs accumulate as their kernels do (rowwise grouped GEMMs fast in all three, "
+                     "blockwise with FP32 promotion)")
+    return notes
 
 
 def _auto_shapes(sites: list[Site], rules: StaticRules, options: DecideOptions) -> dict[str, AutoShape]:

@@ -49,7 +49,7 @@ from fp8kit.optim.memory import training_state_bytes
 from fp8kit.parallel.convert import ConversionOptions
 from fp8kit.parallel.mesh import ParallelDims, resolve_dims
 from fp8kit.parallel.prepare import Prepared, prepare_model
-from fp8kit.selective.decide import Decision, decide, fp8_head, output_head_notes
+from fp8kit.selective.decide import Decision, decide, decision_notes, fp8_head
 from fp8kit.selective.sites import find_sites
 from fp8kit.train import checkpoint as ckpt
 from fp8kit.train.memory_fit import activation_bytes, check_state_fits, fp8_adamw_precision
@@ -429,7 +429,7 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
         capability=capability,
         resume_from=resume_ckpt,
         resume_state=resume_state,
-        warnings=early_warnings + list(options.warnings) + auto.warnings + output_head_notes(decisions, options),
+        warnings=early_warnings + list(options.warnings) + auto.warnings + decision_notes(decisions, options),
         shown_warnings=shown_warnings,
         dims=dims,
         mesh=mesh,
