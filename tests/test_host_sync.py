@@ -42,7 +42,8 @@ class _HostSyncs(TorchDispatchMode):
     ["train.mixed_precision=fp8", "fp8.recipe=delayed", "fp8.selective_fp8=off", "fp8.output_head=true",
      "optim.name=fp8_adamw"],
     ["train.mixed_precision=fp8", "fp8.recipe=tensorwise", "fp8.selective_fp8=off"],
-], ids=["bf16", "delayed-head-fp8adamw", "tensorwise"])
+    ["model.preset=tiny-moe", "train.mixed_precision=fp8", "fp8.selective_fp8=off"],
+], ids=["bf16", "delayed-head-fp8adamw", "tensorwise", "tiny-moe-fp8"])
 def test_pretraining_step_reads_nothing_on_the_host(small_run, overrides):
     """Two optimizer steps (the second after the delayed recipe's histories exist) of a pretraining run: no op reads
     a device value on the host. Before session 40, transformers' packed-sequence check did in every forward."""
@@ -84,7 +85,8 @@ def test_packed_check_is_skipped_only_where_the_model_builds_the_positions(monke
         assert len(calls) == 1, f"a plain forward must run the check once, ran it {len(calls)} times"
         with no_packed_sequence_check():
             skipped = model(input_ids=windows[:, :-1]).logits
-        assert masking_utils.find_packed_sequence_indices is counting, "the block did not restore the function"
+        model(input_ids=windows[:, :-1])
+        assert len(calls) == 2, f"after the block a forward must run the check again ({len(calls) - 1} runs)"
         assert torch.equal(checked, skipped), (
             f"skipping the check changed the logits by {(checked - skipped).abs().max().item()}")
         ref = cross_entropy(checked, windows[:, 1:])
@@ -96,6 +98,59 @@ def test_packed_check_is_skipped_only_where_the_model_builds_the_positions(monke
         before = len(calls)
         loop._loss(setup, sft)
         assert len(calls) == before + 1, "a fine-tuning batch with position ids must keep transformers' check"
+
+
+def test_other_threads_keep_the_check():
+    """The skip is per thread (a context variable): inside the block, a packed-position query on another thread still
+    gets transformers' answer, and so does this thread after the block."""
+    import threading
+
+    from transformers import masking_utils
+
+    packed = torch.cat([torch.arange(5), torch.arange(3)])[None]
+    got = {}
+    with no_packed_sequence_check():
+        assert masking_utils.find_packed_sequence_indices(packed) is None
+        worker = threading.Thread(target=lambda: got.update(other=masking_utils.find_packed_sequence_indices(packed)))
+        worker.start()
+        worker.join()
+    assert got["other"] is not None and got["other"].tolist() == [[0] * 5 + [1] * 3], got
+    after = masking_utils.find_packed_sequence_indices(packed)
+    assert after is not None and after.tolist() == [[0] * 5 + [1] * 3], after
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("overrides", [[], ["train.mixed_precision=fp8", "fp8.recipe=delayed", "fp8.selective_fp8=off",
+                                            "fp8.output_head=true", "optim.name=fp8_adamw", "train.compile=true"]],
+                         ids=["bf16", "delayed-head-fp8adamw-compiled"])
+def test_cuda_step_does_not_synchronize(small_run, overrides):
+    """On the GPU (CUDA kernels, the Triton FP8AdamW step, compiled blocks): after a warm-up step, a step with the loss
+    left on the device makes no synchronizing CUDA call (``torch.cuda.set_sync_debug_mode("error")`` raises on one),
+    and its batch copy reads pinned memory."""
+    setup = build_setup(load_config(None, [*small_run, *overrides]))
+    params = [p for p in setup.model.parameters() if p.requires_grad]
+    loop.train_step(setup, params, [loop.next_micro_batch(setup)], None)  # compiles, autotunes
+    sources = []
+
+    class _Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+                src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+                if isinstance(src, torch.Tensor) and src.device.type == "cpu" and src.numel() > 1:
+                    sources.append(src.is_pinned())
+            return func(*args, **(kwargs or {}))
+
+    micro = [loop.next_micro_batch(setup)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with _Copies():
+            loss, _, _, _ = loop.train_step(setup, params, micro, None, read=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sources and all(sources), f"host-to-device copies from pinned memory: {sources}"
+    assert torch.isfinite(loss).item(), loss
 
 
 def test_batch_to_device_keeps_the_values():

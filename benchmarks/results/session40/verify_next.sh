@@ -1,6 +1,6 @@
 # For the next session's device calls (carry .whl). Session 40 measured fp8.fast_accum = "all" at 1.423x in one 8B run
 # (20 steps x 2) and found the shipped delayed policies still timed with split fprop; the device gave only H200s.
-#   call A (~5 min, nvidia-h200): bash benchmarks/results/session40/verify_next.sh e2e
+#   call A (~6 min, nvidia-h200): bash benchmarks/results/session40/verify_next.sh e2e
 #   call B (~9 min, nvidia-h200-x2): bash benchmarks/results/session40/verify_next.sh policies
 #     then here: python benchmarks/generate_policies.py --out <returned dir> --merge --gpu h200 (or h100 if the
 #     device was one: the shipped *_h100 policies need an H100; check nvidia-smi's line in the log first)
@@ -9,6 +9,10 @@ mkdir -p $OUT/keep
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/keep/gpu.txt
 case "$1" in
 e2e)
+  # the GPU cases of the host-sync test (written after the device time ran out): no synchronizing CUDA call in a
+  # step (sync debug mode "error"), the batch copied from pinned memory
+  timeout 150 python3 -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_host_sync.py > $OUT/keep/host_sync_gpu.log 2>&1; echo tests rc $?
+  grep -E "passed|failed|Error" $OUT/keep/host_sync_gpu.log | tail -6
   # a second, longer run of the default against "all" (same run), after session 40's changes (host syncs removed)
   timeout 560 python3 benchmarks/train_throughput.py --workload llama3-8b-seq4096 --steps 30 --repeats 2 --out /tmp/t8 \
     --variants 'bf16,delayed+fp8.output_head=true,delayed+fp8.output_head=true+fp8.fast_accum=all' \

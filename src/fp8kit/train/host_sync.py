@@ -3,9 +3,9 @@
 A plain CUDA step of the loop had three points where the host waited for the GPU to drain (the `--trace` of
 ``benchmarks/step_profile.py``; docs/benchmarks.md section 6, "Session 40"):
 
-1. the batch's copy to the device: a ``non_blocking`` copy from *pageable* host memory is synchronous, because CUDA
-   performs a stream sync before the copy (CUDA runtime API, "API synchronization behavior": "For transfers from
-   pageable host memory to device memory, a stream sync is performed before the copy is initiated");
+1. the batch's copy to the device: a ``non_blocking`` copy from *pageable* host memory is not asynchronous (CUDA
+   runtime API, "API synchronization behavior", asynchronous memcpy: "If pageable memory must first be staged to
+   pinned memory, the driver may synchronize with the stream"; the trace showed the step's GPU idle on it);
    :func:`batch_to_device` stages it in pinned memory (PyTorch's caching host allocator, which keeps the staging
    block until the copy's event completes), so the copy is queued like a kernel;
 2. transformers' packed-sequence check at the start of every decoder's forward
@@ -19,7 +19,9 @@ Each drain leaves the GPU idle while the host launches the next kernels.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -40,6 +42,10 @@ def batch_to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
     return batch.to(device)
 
 
+#: Set inside :func:`no_packed_sequence_check` (per thread and task: a forward on another thread keeps the check).
+_SKIP_PACKED_CHECK: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8kit_skip_packed_check", default=False)
+
+
 @contextlib.contextmanager
 def no_packed_sequence_check() -> Iterator[None]:
     """Within the block, transformers' packed-sequence check answers "not packed" without reading the GPU.
@@ -48,25 +54,40 @@ def no_packed_sequence_check() -> Iterator[None]:
     mask): the decoder then makes them ``arange(T)``, for which ``find_packed_sequence_indices`` always returns None
     (every position follows the one before), so the answer, and the mask and attention computed from it, are those
     the check would give, without its ``.all()`` on the host. A forward that passes position ids (fine-tuning's
-    packed samples) must run outside this block. Where transformers has no such function the block changes
-    nothing (a CPU test, ``tests/test_host_sync.py``, fails when a step syncs again).
+    packed samples) must run outside this block.
+
+    The first use replaces ``transformers.masking_utils.find_packed_sequence_indices`` (once, for the process) by a
+    wrapper that calls the original unless a context variable set by this block says otherwise, so forwards on
+    other threads, and nested or interleaved blocks, keep their own answer. Where transformers has no such function
+    the block changes nothing (a CPU test, ``tests/test_host_sync.py``, fails when a step syncs again).
     """
-    try:
-        from transformers import masking_utils
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        yield
-        return
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if original is None:
-        yield
-        return
-    masking_utils.find_packed_sequence_indices = _not_packed
+    _install()
+    token = _SKIP_PACKED_CHECK.set(True)
     try:
         yield
     finally:
-        masking_utils.find_packed_sequence_indices = original
+        _SKIP_PACKED_CHECK.reset(token)
 
 
-def _not_packed(position_ids: torch.Tensor) -> None:
-    """``find_packed_sequence_indices``'s answer for ``arange`` position ids: one sequence per row (None)."""
-    return None
+def _install() -> None:
+    """Put :func:`_wrap`'s wrapper in place of transformers' function, once (idempotent)."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is not None and not getattr(original, "_fp8kit_wrapped", False):
+        masking_utils.find_packed_sequence_indices = _wrap(original)
+
+
+def _wrap(original: Callable[[torch.Tensor], torch.Tensor | None]) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    """``original`` unless :data:`_SKIP_PACKED_CHECK` is set, then None: its answer for ``arange`` position ids."""
+
+    @functools.wraps(original)
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
+        if _SKIP_PACKED_CHECK.get():
+            return None
+        return original(position_ids)
+
+    find_packed_sequence_indices._fp8kit_wrapped = True  # type: ignore[attr-defined]
+    return find_packed_sequence_indices

@@ -117,8 +117,8 @@ def _loss(setup: Setup, batch) -> torch.Tensor:
     if setup.cfg.train.cuda_graphs:
         # a new iteration of the CUDA graph trees: the previous forward's outputs may be overwritten from here
         torch.compiler.cudagraph_mark_step_begin()
-    # pretraining windows: the model's own position ids are arange, so transformers' packed-sequence check (a host
-    # sync) is skipped; fine-tuning rows pass their restarting position ids and keep it
+    # no position ids given (pretraining windows, unpacked fine-tuning rows): the model's own are arange, so
+    # transformers' packed-sequence check (a host sync) is skipped; packed fine-tuning rows pass theirs and keep it
     unpacked = no_packed_sequence_check() if not extra else contextlib.nullcontext()
     # train.param_dtype = fp32: FP32 master weights, bf16 matmuls through autocast (standard AMP)
     with unpacked, torch.autocast(setup.device.type, dtype=torch.bfloat16,
