@@ -107,6 +107,16 @@ def test_what_a_recipe_cannot_take_is_warned_about(recipe, option, warned):
     assert not [w for w in options_from_config(bf16).warnings if "fast_accum" in w]
 
 
+def test_fp8_experts_note_reaches_the_training_run(small_run):
+    """``fp8kit train``'s set-up carries the same warning (``Setup.warnings``, printed and kept in run_info.json)."""
+    from fp8kit.config import load_config
+    from fp8kit.train.setup import build_setup
+
+    sets = [*small_run, "model.preset=tiny-moe", "train.mixed_precision=fp8", "selective.selective_fp8=false"]
+    warned = [w for w in build_setup(load_config(None, [*sets, "fp8.fast_accum=[]"])).warnings if "fast_accum" in w]
+    assert len(warned) == 1 and "applies to dense linears only" in warned[0], warned
+
+
 def test_fp8_experts_get_a_note_that_the_option_is_for_dense_linears():
     """The library entry points warn (``decision_notes``, which ``fp8kit train`` and ``plan`` print too) when the
     option is set and MoE experts run in FP8; not without the option, nor in a BF16 run."""
@@ -138,6 +148,12 @@ def test_reports_and_policies_carry_the_accumulation():
     assert report_fast_accum(old_delayed) == [] and report_fast_accum(old_tensorwise) == ["fprop"]
     assert report_fast_accum({**old_delayed, "fast_accum": ["wgrad", "fprop"]}) == ["fprop", "wgrad"]  # GEMMS order
     assert report_fast_accum({**old_delayed, "fast_accum": None}) == []  # null: as if absent
+    assert report_fast_accum({**old_delayed, "fast_accum": "all"}) == list(GEMMS)  # hand-written forms
+    assert report_fast_accum({**old_delayed, "fast_accum": "dgrad"}) == ["dgrad"]
+    for bad in (["fprop", "bogus"], 1, {"fprop": True}, "fprop,dgrad"):
+        with pytest.raises(PolicyError, match=r"x\.json: fast_accum must be a list of") as err:
+            report_fast_accum({**old_delayed, "fast_accum": bad}, "x.json")
+        assert repr(bad) in str(err.value), err.value
     check_compatible_reports([("a", old_delayed), ("b", {**old_delayed, "fast_accum": []})])
     with pytest.raises(PolicyError, match=r"reports differ in fast_accum: a has \[\], b has \['fprop'\]; a policy "
                                           r"must come from one device, recipe and fast accumulation"):
@@ -249,15 +265,22 @@ def test_a_forced_merge_of_different_accumulations_records_each_and_warns(tmp_pa
     (["fp8.recipe=rowwise_with_gw_hp", "fp8.fast_accum=all"], ["fprop", "dgrad"]),  # its wgrad runs in bf16
     (["fp8.recipe=blockwise", "fp8.fast_accum=all"], []),  # cuBLAS's blockwise GEMMs take none
     (["train.mixed_precision=bf16", "fp8.fast_accum=all"], None),  # no FP8 GEMM at all
+    (["fp8.recipe=delayed", "fp8.exclude=[\"*\"]"], None),  # FP8 run, but no dense linear decided FP8
 ])
 def test_the_run_records_the_accumulation_its_conversion_took(sets, want):
     from fp8kit.config import load_config
-    from fp8kit.config.options import conversion_options_for
+    from fp8kit.config.options import conversion_options_for, options_from_config
+    from fp8kit.models.build import build_model
+    from fp8kit.selective.decide import decide
+    from fp8kit.selective.sites import find_sites
     from fp8kit.train.setup import run_fast_accum
 
-    cfg = load_config(None, ["train.mixed_precision=fp8", *sets])
-    got = run_fast_accum(cfg, conversion_options_for(cfg.fp8))
-    assert got == want, (sets, got)
+    cfg = load_config(None, ["train.mixed_precision=fp8", "selective.selective_fp8=false", *sets])
+    model = build_model(cfg.model.model_copy(update={"num_layers": 1}), 512, device=torch.device("meta"),
+                        dtype=torch.bfloat16, seed=0)
+    decisions = decide(find_sites(model), options_from_config(cfg))
+    got = run_fast_accum(cfg, conversion_options_for(cfg.fp8), decisions)
+    assert got == want, (sets, got, sum(d.is_fp8 for d in decisions))
 
 
 def test_the_resume_note_names_both_accumulations_and_the_checkpoint():
@@ -279,7 +302,7 @@ def test_the_resume_note_names_both_accumulations_and_the_checkpoint():
 def test_checkpoints_record_the_accumulation_and_a_resume_with_another_says_so(small_run, tmp_path):
     """A delayed run of 2 steps saves its GEMMs with fast accumulation in its checkpoints; resuming from step 1 with
     ``fp8.fast_accum = "all"`` prints a warning naming both settings and the checkpoint (and records it in
-    run_info.json); resuming with the same setting, spelled out, says nothing."""
+    run_info.json). (The same setting saying nothing: the note's unit test above.)"""
     import io
     import json
 
@@ -307,6 +330,3 @@ def test_checkpoints_record_the_accumulation_and_a_resume_with_another_says_so(s
             f"['fprop', 'dgrad', 'wgrad'] (fp8.fast_accum)")
     assert any(w.startswith(note) for w in said), said
     assert f"warning: {note}" in printed, printed
-    printed, said = resumed("same", 'fp8.fast_accum=["fprop"]')
-    assert not [w for w in said if "fast accumulation" in w], said
-    assert "fast accumulation" not in printed, printed

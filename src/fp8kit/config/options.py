@@ -176,7 +176,7 @@ def _policy_fast_accum_warning(source: str, meta: dict, fp8: FP8Config) -> str |
     """The warning for a policy (``source``, its ``metadata`` ``meta``) timed with other fast accumulation than this
     run's (``fp8.fast_accum`` resolved against ``fp8.recipe``), or merged (``merge-policy --force``) from reports of
     different settings (``policy.MIXED_FAST_ACCUM``, each report's in ``meta["reports"]``); None when it matches."""
-    measured, now = report_fast_accum(meta), list(fast_accum_for(fp8.recipe, fp8.fast_accum))
+    measured, now = report_fast_accum(meta, f"policy {source}: metadata"), list(fast_accum_for(fp8.recipe, fp8.fast_accum))
     if measured == MIXED_FAST_ACCUM:
         each = "; ".join(f"{r.get('name')}: {r.get('fast_accum')}" for r in meta.get("reports") or [])
         return (f"policy {source} was merged (merge-policy --force) from reports measured with different fast "

@@ -286,7 +286,7 @@ def check_compatible_reports(reports: list[tuple[str, dict]], force: bool = Fals
     name0, first = reports[0]
     for name, rep in reports[1:]:
         for key in ("device", "recipe", "fast_accum"):
-            a, b = _report_value(first, key), _report_value(rep, key)
+            a, b = _report_value(first, key, name0), _report_value(rep, key, name)
             if a != b:
                 raise PolicyError(
                     f"reports differ in {key}: {name0} has {a!r}, {name} has {b!r}; "
@@ -305,17 +305,25 @@ _LEGACY_FAST_ACCUM = {"delayed": []}
 MIXED_FAST_ACCUM = "mixed"
 
 
-def report_fast_accum(report: dict) -> list[str] | str | None:
+def report_fast_accum(report: dict, where: str = "report") -> list[str] | str | None:
     """The GEMMs a bench-layers report (or a merged policy's ``metadata``) timed with fast accumulation
     (``fp8.fast_accum``, resolved; in ``fp8.recipes.GEMMS`` order); without the key (written before it existed):
     what its recipe ran then (:data:`_LEGACY_FAST_ACCUM`, else the recipe's default, ``fp8.recipes.fast_accum_for``);
-    :data:`MIXED_FAST_ACCUM` for a policy merged from reports of different settings; None for an unknown recipe."""
+    :data:`MIXED_FAST_ACCUM` for a policy merged from reports of different settings; None for an unknown recipe.
+
+    Raises:
+        PolicyError: a ``fast_accum`` that is not a list of GEMM names, ``"all"``, one name or ``"mixed"`` (a
+            hand-edited file), naming ``where`` (the file) and the value.
+    """
     given = report.get("fast_accum")
     if given == MIXED_FAST_ACCUM:
         return MIXED_FAST_ACCUM
     if isinstance(given, str):  # a hand-written file: "all" or one GEMM's name, as fp8.fast_accum takes them
-        given = GEMMS if given == "all" else [given]
+        given = list(GEMMS) if given == "all" else [given]
     if given is not None:
+        if not isinstance(given, list) or any(g not in GEMMS for g in given):
+            raise PolicyError(f"{where}: fast_accum must be a list of {list(GEMMS)} (or \"all\", or "
+                              f"{MIXED_FAST_ACCUM!r} in a forced merge), got {report.get('fast_accum')!r}")
         return [g for g in GEMMS if g in given]
     recipe = report.get("recipe")
     if recipe in _LEGACY_FAST_ACCUM:
@@ -326,8 +334,8 @@ def report_fast_accum(report: dict) -> list[str] | str | None:
         return None
 
 
-def _report_value(report: dict, key: str):
-    return report_fast_accum(report) if key == "fast_accum" else report.get(key)
+def _report_value(report: dict, key: str, name: str):
+    return report_fast_accum(report, name) if key == "fast_accum" else report.get(key)
 
 
 def merge_reports(
@@ -361,7 +369,7 @@ def merge_reports(
     for lst in policy.grouped.values():
         lst.sort(key=lambda r: (r.etp, r.num_gemms))
     reps = [r for _, r in reports]
-    accums = [report_fast_accum(r) for r in reps]  # differing ones only under force: recorded per report, "mixed"
+    accums = [report_fast_accum(r, name) for name, r in reports]  # differing ones only under force: recorded per report, "mixed"
     policy.metadata = {
         "generator": "fp8kit merge-policy",
         "device": reps[0].get("device") if reps else None,

@@ -249,7 +249,7 @@ def _save(setup: Setup, out_dir: Path, step: int, phase: str, saver: AsyncCheckp
         # whether the output head was decided FP8 (fp8.output_head): a resume that changes it says so
         "output_head": fp8_head(setup.decisions),
         # the GEMMs with fast accumulation (fp8.fast_accum resolved; None: not FP8): a resume that changes it says so
-        "fast_accum": run_fast_accum(setup.cfg, setup.prepared.conversion),
+        "fast_accum": run_fast_accum(setup.cfg, setup.prepared.conversion, setup.decisions),
         # FP8AdamW's state precision (optim.granularity = auto resumes with its scales; the DCP files do not say)
         "fp8adamw_precision": setup.optimizer.precision.as_dict() if setup.cfg.optim.name == "fp8_adamw" else None,
         "fp8_delayed": setup.prepared.conversion.delayed.state_dict(),  # amax histories (recipe delayed)

@@ -156,13 +156,14 @@ def output_head_resume_note(resume_ckpt: Path, state: dict, decisions: list[Deci
             f"from here on (fp8.output_head and the FP8 decisions of this run)")
 
 
-def run_fast_accum(cfg: RunConfig, conversion: ConversionOptions) -> list[str] | None:
+def run_fast_accum(cfg: RunConfig, conversion: ConversionOptions, decisions: list[Decision]) -> list[str] | None:
     """The GEMMs of this run's dense FP8 linears that run with fast accumulation, in ``fp8.recipes.GEMMS`` order, as
-    checkpoints record them (``"fast_accum"``), or None for a run that is not FP8. Read from the conversion the run
-    applies (``Prepared.conversion``): the delayed recipe's ``DelayedScaling.fast_accum``, the other recipes'
-    ``fp8.fast_accum`` resolved as their modules take it (``fp8.recipes.fast_accum_for``; none for blockwise). MoE
-    experts accumulate as their kernels do, whatever this says."""
-    if cfg.train.mixed_precision != "fp8":
+    checkpoints record them (``"fast_accum"``), or None for a run that is not FP8 or decided no dense linear FP8
+    (``decisions``: the run's, whatever the current precision phase; MoE experts accumulate as their kernels do).
+    Read from the conversion the run applies (``Prepared.conversion``): the delayed recipe's
+    ``DelayedScaling.fast_accum``, the other recipes' ``fp8.fast_accum`` resolved as their modules take it
+    (``fp8.recipes.fast_accum_for``; none for blockwise)."""
+    if cfg.train.mixed_precision != "fp8" or not any(d.is_fp8 and not d.site.is_grouped for d in decisions):
         return None
     recipe = cfg.fp8.recipe
     if recipe == "delayed":
@@ -401,7 +402,7 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
         mesh, hf_cfg=hf_cfg,
     )
     if resume_ckpt is not None:  # the accumulation the conversion took, against the checkpoint's
-        note = fast_accum_resume_note(resume_ckpt, resume_state, run_fast_accum(cfg, prepared.conversion))
+        note = fast_accum_resume_note(resume_ckpt, resume_state, run_fast_accum(cfg, prepared.conversion, decisions))
         if note is not None:
             early_warnings.append(note)
     if init_program is not None:
