@@ -24,6 +24,7 @@ import functools
 from collections.abc import Callable, Iterator
 
 import torch
+from transformers import masking_utils
 
 
 def batch_to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -71,10 +72,6 @@ def no_packed_sequence_check() -> Iterator[None]:
 
 def _install() -> None:
     """Put :func:`_wrap`'s wrapper in place of transformers' function, once (idempotent)."""
-    try:
-        from transformers import masking_utils
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return
     original = getattr(masking_utils, "find_packed_sequence_indices", None)
     if original is not None and not getattr(original, "_fp8kit_wrapped", False):
         masking_utils.find_packed_sequence_indices = _wrap(original)
