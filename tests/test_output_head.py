@@ -175,3 +175,26 @@ def test_plan_shows_the_fp8_head_and_warns_when_it_stays_bf16(capsys):
     out = capsys.readouterr().out
     assert "fp8.output_head = true, but lm_head stays BF16: output head tied to the input embedding" in \
         " ".join(out.split()), out[-2000:]
+
+
+def test_only_an_fp8_head_is_compiled_whatever_its_class():
+    """``compile_fp8_heads`` compiles the head while it is an FP8 linear, and not in a BF16 phase, also when the BF16
+    module's class is a subclass of ``nn.Linear`` (FSDP2's ``fully_shard`` makes it one); a compiled head is left."""
+    from fp8kit.config.options import conversion_options_for
+    from fp8kit.parallel.convert import apply_fp8
+    from fp8kit.parallel.prepare import compile_fp8_heads
+
+    model = _llama(1024)
+    options = DecideOptions(output_head=True, recipe="tensorwise")
+    decisions = decide(find_sites(model), options)
+    assert next(d for d in decisions if d.fqn == "lm_head").is_fp8
+
+    class ShardedLinear(nn.Linear):  # the shape of FSDP2's dynamic subclass of a BF16 head
+        pass
+
+    model.lm_head.__class__ = ShardedLinear
+    assert compile_fp8_heads(model, decisions, cuda_graphs=False) == [], "a BF16 head (nn.Linear subclass) compiled"
+    model.lm_head.__class__ = nn.Linear
+    apply_fp8(model, decisions, conversion_options_for(FP8Config(recipe="tensorwise", emulate=True)))
+    assert compile_fp8_heads(model, decisions, cuda_graphs=False) == ["lm_head"]
+    assert compile_fp8_heads(model, decisions, cuda_graphs=False) == [], "compiled twice"

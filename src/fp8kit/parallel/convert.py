@@ -133,7 +133,7 @@ def apply_fp8(model: nn.Module, decisions: list[Decision], options: ConversionOp
         if not (d.is_fp8 and not d.site.is_grouped):
             continue
         real = modules.get(d.fqn)
-        if real is not None and isinstance(real[1], (*FP8_LINEARS, float8.Float8Linear)):
+        if real is not None and is_fp8_linear(real[1]):
             continue  # converted already (an earlier call, or tensor parallel's own-recipe styles)
         if real is None or not isinstance(real[1], nn.Linear):
             raise Fp8kitError(f"FP8 decision for {d.fqn!r}, which is not an nn.Linear of this model")
@@ -240,9 +240,13 @@ def restore_bf16(model: nn.Module, fqns: set[str] | None = None) -> int:
     return count
 
 
+def is_fp8_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is an FP8 linear now: torchao's ``Float8Linear`` or one of fp8kit's own recipes'
+    (:data:`FP8_LINEARS`), also under FSDP2, whose ``fully_shard`` makes the module's class a subclass of its own."""
+    return isinstance(module, (*FP8_LINEARS, torchao_float8().Float8Linear))
+
+
 def count_fp8_modules(model: nn.Module) -> int:
-    """Number of FP8 linear (torchao ``Float8Linear``, ``Float8BlockwiseLinear``) and FP8 grouped-experts
-    modules in ``model``."""
-    float8 = torchao_float8()
-    return sum(isinstance(m, (*FP8_LINEARS, float8.Float8Linear))
-               or (isinstance(m, moe_experts.Float8GroupedExperts) and bool(m.fp8_weights)) for m in model.modules())
+    """Number of FP8 linear (:func:`is_fp8_linear`) and FP8 grouped-experts modules in ``model``."""
+    return sum(is_fp8_linear(m) or (isinstance(m, moe_experts.Float8GroupedExperts) and bool(m.fp8_weights))
+               for m in model.modules())

@@ -32,7 +32,13 @@ from fp8kit.comm import AutoScaleState, apply_fp8_reduce_scatter
 from fp8kit.comm.fsdp_reduce_scatter import fsdp_custom_reduce_scatter_support
 from fp8kit.fp8.delayed import DelayedScaling, DelayedScalingState
 from fp8kit.moe.grouped_mm import GroupedGemmConfig, resolve_wgrad_input
-from fp8kit.parallel.convert import ConversionOptions, apply_fp8, fused_mlp_notes, plain_named_modules
+from fp8kit.parallel.convert import (
+    ConversionOptions,
+    apply_fp8,
+    fused_mlp_notes,
+    is_fp8_linear,
+    plain_named_modules,
+)
 from fp8kit.parallel.parallelize import (
     Parallelized,
     apply_ac,
@@ -273,8 +279,8 @@ def compile_fp8_heads(model: nn.Module, decisions: list[Decision], *, cuda_graph
         if d.site.role != "head" or not d.is_fp8 or d.fqn not in modules:
             continue
         real, module = modules[d.fqn]
-        if type(module) is nn.Linear or getattr(module, "_compiled_call_impl", None) is not None:
-            continue  # BF16 now (a BF16 phase of the precision schedule), or compiled already
+        if not is_fp8_linear(module) or getattr(module, "_compiled_call_impl", None) is not None:
+            continue  # BF16 now (a BF16 phase of the precision schedule; also under FSDP2), or compiled already
         module.compile(mode=mode)
         done.append(real)
     return done
