@@ -91,8 +91,9 @@ class PrepareOptions:
         delayed_fused_mlp: the same for delayed-scaling projections (``fp8.delayed_fused_mlp``;
             ``fp8kit.fp8.delayed_mlp``).
         fast_accum: ``fp8.fast_accum`` as given (None: the recipe table's): torchao linears' GEMMs with fast
-            accumulation (the delayed recipe's come resolved in ``delayed``); a note when FP8 experts, which it does
-            not reach, are in the decisions (the recipe's own limits are warned about by ``decide_options``).
+            accumulation (the delayed recipe's come resolved in ``delayed``); what it does not reach (FP8 MoE
+            experts, the recipe's own limits) is warned about by ``selective.decide.decision_notes`` and
+            ``decide_options``.
     """
 
     fp8: bool = True

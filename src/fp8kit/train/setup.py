@@ -160,17 +160,12 @@ def run_fast_accum(cfg: RunConfig, conversion: ConversionOptions, decisions: lis
     """The GEMMs of this run's dense FP8 linears that run with fast accumulation, in ``fp8.recipes.GEMMS`` order, as
     checkpoints record them (``"fast_accum"``), or None for a run that is not FP8 or decided no dense linear FP8
     (``decisions``: the run's, whatever the current precision phase; MoE experts accumulate as their kernels do).
-    Read from the conversion the run applies (``Prepared.conversion``): the delayed recipe's
-    ``DelayedScaling.fast_accum``, the other recipes' ``fp8.fast_accum`` resolved as their modules take it
-    (``fp8.recipes.fast_accum_for``; none for blockwise)."""
+    The conversion's ``fp8.fast_accum`` (``Prepared.conversion``) resolved by ``fp8.recipes.fast_accum_for``, as
+    every dense FP8 linear takes it (torchao's configs, the delayed recipe's ``DelayedScaling``; none for
+    blockwise)."""
     if cfg.train.mixed_precision != "fp8" or not any(d.is_fp8 and not d.site.is_grouped for d in decisions):
         return None
-    recipe = cfg.fp8.recipe
-    if recipe == "delayed":
-        fast = conversion.delayed.config.fast_accum
-    else:
-        fast = fast_accum_for(recipe, conversion.fast_accum)
-    return [g for g in GEMMS if g in fast]
+    return list(fast_accum_for(cfg.fp8.recipe, conversion.fast_accum))
 
 
 def fast_accum_resume_note(resume_ckpt: Path, state: dict, now: list[str] | None) -> str | None:
