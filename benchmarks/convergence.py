@@ -15,7 +15,12 @@ default, as in the FP8 engine and FP8-LM issues):
 - ``--study optimizers``: the optimizer state precision under FP8 tensorwise matmuls: ``adamw-fp32``
   (baseline: torch AdamW on FP32 master weights, 16 bytes/param) vs ``fp8adamw`` (fp8kit's default
   FP8AdamW), ``fp8adamw-paper`` (FP8-LM's layout without the first-moment range expansion) and
-  ``fp8adamw-v-e4m3`` (the paper's negative ablation: FP8 second moment).
+  ``fp8adamw-v-e4m3`` (the paper's negative ablation: FP8 second moment);
+- ``--study llama3-8b``: the 8B throughput workload (Llama-3-8B, 8 layers; run it with ``--seq 4096 --mbs 2
+  --lr 3e-4``) with its optimizer (FP8AdamW, bf16 working weights): ``bf16`` vs the delayed recipe with the FP8
+  LM head, with the default accumulation (fast fprop), with fast fprop and dgrad, and with ``fp8.fast_accum =
+  "all"``: the long reductions
+  of real 8B shapes (K up to 14336, wgrad over 8192 tokens), which llama-125m does not have.
 
 Writes ``<study>.png`` (train loss, EMA-smoothed, and validation loss) and ``<study>.md`` (final losses, gap
 of the final validation loss to the baseline, median step time, state bytes/param). ``--parallel`` runs
@@ -25,6 +30,8 @@ the variants at once on one GPU: the losses do not depend on it, the step times 
     python benchmarks/convergence.py --study recipes --out DIR --parallel
     python benchmarks/convergence.py --study optimizers --out DIR --parallel
     python benchmarks/convergence.py --study recipes --out DIR --plot-only
+    python benchmarks/convergence.py --study llama3-8b --seq 4096 --mbs 2 --lr 3e-4 --steps 400 --eval-every 100 \
+        --out DIR --parallel
 """
 
 from __future__ import annotations
@@ -78,16 +85,25 @@ VARIANTS = {
     # Triton kernel (with FP32 master weights the activations are float32 and the MLPs run as three linears)
     "delayed-default-optim": [*FULL_FP8, "fp8.recipe=delayed"],
     "delayed-unfused-default-optim": [*FULL_FP8, "fp8.recipe=delayed", "fp8.delayed_fused_mlp=false"],
+    # study "llama3-8b": the 8B throughput workload's recipes (train_throughput.py's variants), FP8AdamW as there
+    "delayed-head-default-optim": [*FULL_FP8, "fp8.recipe=delayed", "fp8.output_head=true"],
+    "delayed-head-all-default-optim": [*FULL_FP8, "fp8.recipe=delayed", "fp8.output_head=true", "fp8.fast_accum=all"],
+    # fast accumulation in fprop and dgrad, the wgrad GEMM (the reduction over tokens) split
+    "delayed-head-fd-default-optim": [*FULL_FP8, "fp8.recipe=delayed", "fp8.output_head=true",
+                                      "fp8.fast_accum=fprop,dgrad"],
 }
 STUDIES = {
     "recipes": ["bf16", "tensorwise", "blockwise", "delayed"],
     "moe-tiny": ["bf16", "blockwise", "tensorwise"],
     "moe-qwen3": ["bf16", "blockwise", "tensorwise", "tensorwise-gwfp8"],
     "optimizers": ["adamw-fp32", "fp8adamw", "fp8adamw-paper", "fp8adamw-v-e4m3", "fp8adamw-block"],
+    "llama3-8b": ["bf16-default-optim", "delayed-head-default-optim", "delayed-head-all-default-optim",
+                  "delayed-head-fd-default-optim"],
 }
 #: The model of each study (``--set`` overrides); the others train ``llama-125m``.
 MODELS = {
     "moe-tiny": ["model.preset=tiny-moe"],
+    "llama3-8b": ["model.preset=llama3-8b", "model.num_layers=8"],
     "moe-qwen3": [f"model.hf_config={Path(__file__).resolve().parent / 'configs' / 'qwen3-moe-small.json'}"],
 }
 TITLES = {
@@ -95,6 +111,7 @@ TITLES = {
     "moe-tiny": "tiny-moe (8 experts x 128, top-2) on the stdlib corpus: FP8 experts vs BF16",
     "moe-qwen3": "Qwen3-MoE-shaped (16 experts x 768, hidden 2048, top-4) on the stdlib corpus: FP8 experts vs BF16",
     "optimizers": "llama-125m on the stdlib corpus, FP8 matmuls: optimizer state precision",
+    "llama3-8b": "Llama-3-8B layers x 8 on the stdlib corpus: the throughput workload's FP8 recipes vs BF16 (FP8AdamW)",
 }
 
 

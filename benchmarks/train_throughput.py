@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -138,7 +139,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cache = Path(args.cache) if args.cache else out / "cache"
-    variants = args.variants.split(",")
+    variants = re.split(r",(?![^\[]*\])", args.variants)  # commas inside [...] belong to a list value
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for i in range(args.repeats):
         for v in variants:

@@ -218,6 +218,24 @@ def test_set_values_of_the_wrong_type_or_out_of_range(override, expected):
     assert str(e.value).startswith(expected), str(e.value)
 
 
+@pytest.mark.parametrize("raw, value", [
+    ('["fprop", "dgrad"]', ["fprop", "dgrad"]),  # TOML
+    ("[fprop,dgrad]", ["fprop", "dgrad"]),  # bare words in brackets: what a shell leaves of the quoted form
+    ("[ fprop ]", ["fprop"]),
+    ("fprop,dgrad", ["fprop", "dgrad"]),
+    ("[]", []),
+])
+def test_set_lists_take_toml_bare_words_in_brackets_or_commas(raw, value):
+    assert load_config(None, [f"fp8.fast_accum={raw}"]).fp8.fast_accum == value
+
+
+@pytest.mark.parametrize("raw", ["[fprop,[dgrad]]", "['fprop', dgrad]", "[fprop"])
+def test_set_lists_that_are_neither_toml_nor_bare_words_are_refused(raw):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"fp8.fast_accum={raw}"])
+    assert str(e.value).startswith(f"--set fp8.fast_accum={raw}: expected a list of strings or none"), str(e.value)
+
+
 def test_resolved_config_writes_the_new_layout_and_loads_back_equal(tmp_path):
     cfg = load_config(None, ["fp8.selective_fp8=true", "fp8.fp8_dynamic_policy_path=p.json",
                              "selective.component_num_tokens={vision=64}", "train.lr=3e-4", "fp8.exclude=lm_head",

@@ -28,7 +28,9 @@ def config_reference_markdown() -> str:
         "",
         "Generated from the pydantic models in `src/fp8kit/config/schema.py` by `fp8kit config-docs`; do not",
         "edit by hand (a test checks that this file is current). Every key can be set in a TOML or YAML file",
-        "(`[section]` then `key = value`) or on the command line with `--set section.key=value`.",
+        "(`[section]` then `key = value`) or on the command line with `--set section.key=value`. A list on the",
+        "command line is TOML (`--set 'fp8.fast_accum=[\"fprop\", \"dgrad\"]'`), bare words in brackets",
+        "(`fp8.fast_accum=[fprop,dgrad]`) or comma-separated (`fp8.fast_accum=fprop,dgrad`).",
         "",
     ]
     for section in section_names():

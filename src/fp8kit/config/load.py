@@ -136,7 +136,12 @@ def parse_override_value(text: str, tp: Any, where: str) -> Any:
             return raw
         elif origin is list:
             if raw.startswith("["):
-                return tomllib.loads(f"v = {raw}")["v"]
+                try:
+                    return tomllib.loads(f"v = {raw}")["v"]
+                except tomllib.TOMLDecodeError:
+                    if not raw.endswith("]") or any(c in raw[1:-1] for c in "'\"[]"):
+                        raise
+                    raw = raw[1:-1]  # [fprop,dgrad]: bare words in brackets, as a shell passes them unquoted
             return [part.strip() for part in raw.split(",") if part.strip()]
         elif origin is dict and raw.startswith("{"):
             return tomllib.loads(f"v = {raw}")["v"]

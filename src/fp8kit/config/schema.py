@@ -56,8 +56,8 @@ class FP8Config(ConfigModel):
         "and gradient blocks, 128x128 weight blocks, E4M3 throughout, DeepSeek-V3; layers whose dims are "
         "not multiples of 128 stay BF16) or delayed (fp8kit's own: Transformer Engine's delayed scaling "
         "from an amax history, see amax_history_len; the fastest on Llama-3-8B layers: 1.31x bf16 on an H200 in "
-        "session 38, 1.38-1.40x with output_head in sessions 39-40, 1.42x with it and fast_accum = \"all\" in session 40; but 0.76x "
-        "in full FP8 on llama-125m, where selective_fp8 = auto keeps the layers bf16; speeds: docs/benchmarks.md "
+        "session 38, 1.38-1.40x with output_head in sessions 39-41 (1.42-1.44x with it and fast_accum = \"all\", "
+        "which trained 1.3-1.9% above BF16's loss there in session 41); but 0.76x in full FP8 on llama-125m, where selective_fp8 = auto keeps the layers bf16; speeds: docs/benchmarks.md "
         "section 6).",
     )
     include: list[str] = Field(
@@ -91,13 +91,15 @@ class FP8Config(ConfigModel):
         "the recipe table's default, fprop only, as Transformer Engine and torchao run the per-tensor and per-row "
         "scaled recipes (tensorwise, rowwise, rowwise_with_gw_hp, delayed). \"all\" = all three; [] runs every GEMM with FP32 "
         "promotion; adding dgrad / "
-        "wgrad is faster (Llama-3-8B layers x 8 with the delayed recipe and the FP8 head on an H200: 123.1 -> 119.8 ms "
-        "per step, 1.386x -> 1.423x of BF16; fprop alone took 126.5 -> 123.1 ms) but less accurate on long reductions "
-        "(DeepSeek-V3, arXiv:2412.19437 section 3.3.2: about 2% on single outputs at K = 4096); llama-125m converged "
-        "within 1% of BF16 with each setting in one 1200-step run (\"all\": validation loss -0.04%). Dense linears "
+        "wgrad is faster (Llama-3-8B layers x 8 with the delayed recipe and the FP8 head on an H200: 1.386-1.395x of "
+        "BF16 by default, 1.409x with fprop + dgrad, 1.423-1.436x with \"all\"; [] 1.348x) but less accurate "
+        "(DeepSeek-V3, arXiv:2412.19437 section 3.3.2: about 2% on single outputs at K = 4096): on those 8B layers "
+        "(400 steps) fast dgrad raised the training loss 1.3-2.4% above BF16's where the default tracked it, so a run "
+        "that sets dgrad or wgrad is warned; llama-125m converged within 1% of BF16 with each setting (1200 steps). "
+        "Dense linears "
         "only: no effect with recipe = blockwise (cuBLAS's blockwise GEMMs take none) nor on rowwise_with_gw_hp's "
         "bf16 wgrad, each warned about; MoE experts accumulate as their kernels do, noted (docs/benchmarks.md "
-        "section 6, sessions 39-40).",
+        "section 6, sessions 39-41).",
     )
     emulate: bool = Field(
         False,

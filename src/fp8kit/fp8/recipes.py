@@ -137,13 +137,23 @@ def fast_accum_for(recipe: str, requested=None, where: str = "fp8.fast_accum") -
 
 def fast_accum_note(recipe: str, requested) -> str | None:
     """A warning for a run whose ``fp8.fast_accum`` (``requested``; None: the default) names GEMMs ``recipe`` cannot
-    run with fast accumulation (``Recipe.fast_accum_gemms``), or None."""
+    run with fast accumulation (``Recipe.fast_accum_gemms``), and for one that runs a backward GEMM (dgrad, wgrad)
+    with it: measured less accurate than the default (Llama-3-8B layers, docs/benchmarks.md section 6, session 41);
+    or None."""
+    notes = []
     dropped = [g for g in (requested or ()) if g not in recipe_info(recipe).fast_accum_gemms]
-    if not dropped:
-        return None
-    why = ("cuBLAS's blockwise GEMMs apply the block scales in FP32 and take no fast accumulation"
-           if recipe == "blockwise" else "its wgrad GEMM runs in bf16")
-    return f"fp8.fast_accum: {', '.join(dropped)} has no effect with fp8.recipe = {recipe!r}: {why}"
+    if dropped:
+        why = ("cuBLAS's blockwise GEMMs apply the block scales in FP32 and take no fast accumulation"
+               if recipe == "blockwise" else "its wgrad GEMM runs in bf16")
+        notes.append(f"fp8.fast_accum: {', '.join(dropped)} has no effect with fp8.recipe = {recipe!r}: {why}")
+    backward = [g for g in fast_accum_for(recipe, requested) if g in ("dgrad", "wgrad")]
+    if backward and requested is not None:
+        notes.append(
+            f"fp8.fast_accum: {', '.join(backward)} with fast accumulation is faster but less accurate: on Llama-3-8B "
+            "layers (delayed recipe, 400 steps) fast dgrad raised the training loss 1.3-2.4% above BF16 where the "
+            "default (fprop only) tracked it (docs/benchmarks.md section 6, session 41); check convergence before "
+            "relying on it")
+    return "; ".join(notes) or None
 
 
 def float8_linear_config(
