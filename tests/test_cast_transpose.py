@@ -81,7 +81,7 @@ def _train(fused_cast: str, steps: int = 3):
 
 def test_delayed_linear_same_bits_whichever_operands_use_the_op():
     ref = _train("none")
-    for mode in ("all", "weight_grad"):
+    for mode in ("all", "weight_grad", "grad_output"):
         for step, (a, b) in enumerate(zip(ref, _train(mode), strict=True)):
             for name, ta, tb in zip(("y", "dx", "dw", "history"), a, b, strict=True):
                 assert torch.equal(ta, tb), f"{mode} step {step} {name}: max diff {(ta - tb).abs().max().item()}"

@@ -198,3 +198,19 @@ def test_gemms_accumulate_as_configured(fast_accum):
         assert torch.equal(got, want), f"{name}: not the {'fast' if fast else 'split'}-accumulation GEMM"
         if hopper_or_ada:
             assert not torch.equal(want, other), f"{name}: both accumulations gave the same bits; the test cannot tell"
+
+
+def test_output_gradients_through_the_op_train_to_the_same_bits():
+    """``fp8.delayed_fused_cast = "grad_output"`` (each output gradient cast by ``fp8kit::cast_transpose``: one read,
+    both FP8 layouts, the amax) trains the compiled block to the same bits as ``"none"`` (Inductor's casts): outputs,
+    gradients and histories over 4 steps (2 warm-start, 2 from the history). Inductor fuses a cast into the kernel
+    computing its operand (SwiGLU's backward for gate / up) and would cast the float32 value before its bf16
+    rounding, which the op never sees: ``emulate_precision_casts`` makes it round first, as the op reads it."""
+    runs = {}
+    for mode in ("none", "grad_output"):
+        model, state = _make(mode)
+        with torch._inductor.config.patch(emulate_precision_casts=True):
+            runs[mode] = _steps(model, state, torch.compile(model, fullgraph=True), 4)
+    for step, (a, b) in enumerate(zip(runs["none"], runs["grad_output"], strict=True)):
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"step {step} {name}: {sqnr(a[name], b[name]):.1f} dB apart"

@@ -61,9 +61,11 @@ AMAX_ALGOS = ("max", "most_recent")
 #: Which operands' casts run fp8kit's fused cast-transpose kernel (``fp8kit::cast_transpose``: one read writes
 #: both FP8 layouts and records the amax) once the history gives a scale; the rest are plain tensor ops that
 #: ``torch.compile`` fuses into the kernel producing the operand. ``"weight_grad"``: weights and output
-#: gradients (no producer to fuse into: a parameter, a tensor entering the backward). The default is ``"none"``:
-#: on Llama-3-8B layers the opaque kernel cost more than it saved (docs/benchmarks.md section 6).
-FUSED_CASTS = {"all": OPERANDS, "weight_grad": ("weight", "grad_output"), "none": ()}
+#: gradients (no producer to fuse into: a parameter, a tensor entering the backward); ``"grad_output"``: the
+#: output gradients only (where Inductor would write their transposed copy from RMSNorm's backward row kernel).
+#: The default is ``"none"``: on Llama-3-8B layers the opaque kernel cost more than it saved (docs/benchmarks.md
+#: section 6).
+FUSED_CASTS = {"all": OPERANDS, "weight_grad": ("weight", "grad_output"), "grad_output": ("grad_output",), "none": ()}
 
 
 @dataclass(frozen=True)
