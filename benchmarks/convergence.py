@@ -16,8 +16,8 @@ default, as in the FP8 engine and FP8-LM issues):
   (baseline: torch AdamW on FP32 master weights, 16 bytes/param) vs ``fp8adamw`` (fp8kit's default
   FP8AdamW), ``fp8adamw-paper`` (FP8-LM's layout without the first-moment range expansion) and
   ``fp8adamw-v-e4m3`` (the paper's negative ablation: FP8 second moment);
-- ``--study llama3-8b``: the 8B throughput workload (Llama-3-8B, 8 layers; run it with ``--seq 4096 --mbs 2
-  --lr 3e-4``) with its optimizer (FP8AdamW, bf16 working weights): ``bf16`` vs the delayed recipe with the FP8
+- ``--study llama3-8b``: the 8B throughput workload (Llama-3-8B, 8 layers, seq 4096 x micro-batch 2, lr 3e-4,
+  400 steps by default: :data:`STUDY_DEFAULTS`) with its optimizer (FP8AdamW, bf16 working weights): ``bf16`` vs the delayed recipe with the FP8
   LM head, with the default accumulation (fast fprop), with fast fprop and dgrad, and with ``fp8.fast_accum =
   "all"``: the long reductions
   of real 8B shapes (K up to 14336, wgrad over 8192 tokens), which llama-125m does not have.
@@ -30,8 +30,7 @@ the variants at once on one GPU: the losses do not depend on it, the step times 
     python benchmarks/convergence.py --study recipes --out DIR --parallel
     python benchmarks/convergence.py --study optimizers --out DIR --parallel
     python benchmarks/convergence.py --study recipes --out DIR --plot-only
-    python benchmarks/convergence.py --study llama3-8b --seq 4096 --mbs 2 --lr 3e-4 --steps 400 --eval-every 100 \
-        --out DIR --parallel
+    python benchmarks/convergence.py --study llama3-8b --out DIR --parallel
 """
 
 from __future__ import annotations
@@ -106,6 +105,9 @@ MODELS = {
     "llama3-8b": ["model.preset=llama3-8b", "model.num_layers=8"],
     "moe-qwen3": [f"model.hf_config={Path(__file__).resolve().parent / 'configs' / 'qwen3-moe-small.json'}"],
 }
+#: The run's length and shape unless given (``--steps`` etc.): llama-125m's; a study with its own model has its own.
+DEFAULTS = {"steps": 1200, "seq": 1024, "mbs": 16, "lr": 1e-3, "eval_every": 200}
+STUDY_DEFAULTS = {"llama3-8b": {"steps": 400, "seq": 4096, "mbs": 2, "lr": 3e-4, "eval_every": 100}}
 TITLES = {
     "recipes": "llama-125m on the stdlib corpus: FP8 recipes vs BF16 (AdamW, FP32 master; *-default-optim: FP8AdamW)",
     "moe-tiny": "tiny-moe (8 experts x 128, top-2) on the stdlib corpus: FP8 experts vs BF16",
@@ -222,16 +224,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--study", choices=sorted(STUDIES), required=True)
     ap.add_argument("--out", default="runs/convergence")
-    ap.add_argument("--steps", type=int, default=1200)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--mbs", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--eval-every", type=int, default=200)
+    for flag, kind in (("--steps", int), ("--seq", int), ("--mbs", int), ("--lr", float), ("--eval-every", int)):
+        dest = flag[2:].replace("-", "_")
+        ap.add_argument(flag, type=kind, default=None,
+                        help=f"default {DEFAULTS[dest]} ({', '.join(f'{k}: {v[dest]}' for k, v in STUDY_DEFAULTS.items())})")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--variants", default=None, help="comma-separated subset of the study's variants")
     ap.add_argument("--parallel", action="store_true", help="run the variants at the same time on one GPU")
     ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args()
+    for key, value in {**DEFAULTS, **STUDY_DEFAULTS.get(args.study, {})}.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if not args.plot_only:

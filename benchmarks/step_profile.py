@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from train_throughput import COMMON, WORKLOADS, variant_sets  # noqa: E402
+from train_throughput import COMMON, WORKLOADS, split_variants, variant_sets  # noqa: E402
 
 GROUPS = ("fp8_gemm", "bf16_gemm", "fp8_cast", "triton_other", "attention", "optimizer", "other")
 
@@ -192,7 +192,7 @@ def main() -> int:
         (out / f"{args.one}.json").write_text(json.dumps(row, indent=1))
         return 0
     rows = []
-    for v in filter(None, args.variants.split(",")):
+    for v in split_variants(args.variants):
         cmd = [sys.executable, __file__, "--one", v, "--workload", args.workload, "--warmup", str(args.warmup),
                "--steps", str(args.steps), "--top", str(args.top), "--gpu", args.gpu, "--out", str(out)]
         cmd += ["--trace", "--gap-us", str(args.gap_us)] if args.trace else []

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import time
@@ -65,6 +64,20 @@ OPTIMIZERS = {
     "fp8adamw": ["optim.name=fp8_adamw"],  # FP8AdamW defaults
     "fp8adamw-param": ["optim.name=fp8_adamw", "optim.grad=param"],  # reads param.grad, no hooks
 }
+
+
+def split_variants(text: str) -> list[str]:
+    """``--variants`` split at its commas, except those inside ``[...]`` or ``{...}`` (a list or table value of a
+    ``+key=value`` setting, e.g. ``delayed+fp8.fast_accum=[fprop,dgrad]``); empty names dropped."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch in "[{") - (ch in "]}")
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return [v for v in [*out, cur] if v]
 
 
 def variant_sets(name: str, preset: str, gpu: str) -> list[str]:
@@ -139,7 +152,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cache = Path(args.cache) if args.cache else out / "cache"
-    variants = re.split(r",(?![^\[]*\])", args.variants)  # commas inside [...] belong to a list value
+    variants = split_variants(args.variants)
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for i in range(args.repeats):
         for v in variants:

@@ -229,7 +229,8 @@ def test_set_lists_take_toml_bare_words_in_brackets_or_commas(raw, value):
     assert load_config(None, [f"fp8.fast_accum={raw}"]).fp8.fast_accum == value
 
 
-@pytest.mark.parametrize("raw", ["[fprop,[dgrad]]", "['fprop', dgrad]", "[fprop"])
+@pytest.mark.parametrize("raw", ["[fprop,[dgrad]]", "['fprop', dgrad]", "[fprop", "[,]", "[fprop,,dgrad]",
+                                 "[fprop dgrad]"])
 def test_set_lists_that_are_neither_toml_nor_bare_words_are_refused(raw):
     with pytest.raises(ConfigError) as e:
         load_config(None, [f"fp8.fast_accum={raw}"])

@@ -208,9 +208,14 @@ def test_output_gradients_through_the_op_train_to_the_same_bits():
     rounding, which the op never sees: ``emulate_precision_casts`` makes it round first, as the op reads it."""
     runs = {}
     for mode in ("none", "grad_output"):
+        # compiled code of another _Block (an earlier test's, the other mode's) would be reused by the guards, and
+        # this file compiles _Block.forward near the recompile limit: each mode compiles its own two graphs here
+        torch._dynamo.reset()
         model, state = _make(mode)
+        counter = CompileCounterWithBackend("inductor")
         with torch._inductor.config.patch(emulate_precision_casts=True):
-            runs[mode] = _steps(model, state, torch.compile(model, fullgraph=True), 4)
+            runs[mode] = _steps(model, state, torch.compile(model, backend=counter, fullgraph=True), 4)
+        assert counter.frame_count == 2, f"{mode}: {counter.frame_count} compilations for 4 steps (expected 2)"
     for step, (a, b) in enumerate(zip(runs["none"], runs["grad_output"], strict=True)):
         for name in a:
             assert torch.equal(a[name], b[name]), f"step {step} {name}: {sqnr(a[name], b[name]):.1f} dB apart"

@@ -5,6 +5,8 @@ switch. The Triton kernel's bit-for-bit check is tests/test_delayed_mlp_gpu.py."
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -91,6 +93,39 @@ def test_fused_mlp_trains_like_the_three_delayed_linears():
             torch.testing.assert_close(hf[k][1], hp[k][1], rtol=0, atol=0, msg=k)
             torch.testing.assert_close(hf[k][0], hp[k][0], rtol=0.03, atol=0, msg=k)
             torch.testing.assert_close(hf[k][2], hp[k][2], rtol=0.1, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("fused_cast", ["grad_output", "all"])
+def test_fused_mlp_with_casts_through_the_op_trains_to_the_same_bits(fused_cast):
+    """``fp8.delayed_fused_cast`` routes down_proj's output gradient (and, with "all", x and the weights) through
+    ``fp8kit::cast_transpose`` inside the fused MLP (and the attention's delayed linears): loss, every gradient and
+    every history equal the default's ("none") bit for bit over 3 steps (linears first, then the fused MLP)."""
+    import fp8kit.fp8.delayed as delayed
+
+    ref_model, _ = _llama(True)
+    op_model, _ = _llama(True, extra=[f"fp8.delayed_fused_cast={fused_cast}"])
+    op_dtypes = []
+
+    def counted(x, scale, dtype, col_major):
+        op_dtypes.append(dtype)
+        return op(x, scale, dtype, col_major)
+
+    op = delayed.cast_transpose
+    with mock.patch.object(delayed, "cast_transpose", counted):  # the op itself runs: this only counts its calls
+        calls, (loss_o, grads_o) = _count_fused_calls(lambda: llama_steps(op_model, 3))
+    assert calls == 4, f"the fused function ran {calls} times in 3 steps of 2 layers (want 2 x 2)"
+    # steps 2-3 (history scales) of 2 layers: the output gradients of q / k / v / o_proj and the MLP's down_proj
+    want_e5m2 = 2 * 2 * 5
+    assert op_dtypes.count(torch.float8_e5m2) == want_e5m2, (op_dtypes.count(torch.float8_e5m2), want_e5m2)
+    assert (torch.float8_e4m3fn in op_dtypes) == (fused_cast == "all"), set(op_dtypes)
+    loss_r, grads_r = llama_steps(ref_model, 3)
+    assert torch.equal(loss_o, loss_r), (loss_o.item(), loss_r.item())
+    for (name, _), go, gr in zip(ref_model.named_parameters(), grads_o, grads_r, strict=True):
+        assert torch.equal(go, gr), f"{name}: max diff {(go.float() - gr.float()).abs().max().item()}"
+    ho, hr = _histories(op_model), _histories(ref_model)
+    assert ho.keys() == hr.keys()
+    for k in hr:
+        assert torch.equal(ho[k], hr[k]), k
 
 
 def test_compiled_fused_mlp_equals_eager_without_graph_breaks():

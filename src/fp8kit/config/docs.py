@@ -30,7 +30,7 @@ def config_reference_markdown() -> str:
         "edit by hand (a test checks that this file is current). Every key can be set in a TOML or YAML file",
         "(`[section]` then `key = value`) or on the command line with `--set section.key=value`. A list on the",
         "command line is TOML (`--set 'fp8.fast_accum=[\"fprop\", \"dgrad\"]'`), bare words in brackets",
-        "(`fp8.fast_accum=[fprop,dgrad]`) or comma-separated (`fp8.fast_accum=fprop,dgrad`).",
+        "(`fp8.fast_accum=[fprop,dgrad]`; zsh needs it quoted) or comma-separated (`fp8.fast_accum=fprop,dgrad`).",
         "",
     ]
     for section in section_names():

@@ -139,9 +139,12 @@ def parse_override_value(text: str, tp: Any, where: str) -> Any:
                 try:
                     return tomllib.loads(f"v = {raw}")["v"]
                 except tomllib.TOMLDecodeError:
-                    if not raw.endswith("]") or any(c in raw[1:-1] for c in "'\"[]"):
+                    # [fprop,dgrad]: bare words in brackets, as a shell passes the quoted TOML form unquoted; each
+                    # part one word (no quotes, brackets, inner spaces), none empty: "[,]" is a typo, not []
+                    parts = [part.strip() for part in raw[1:-1].split(",")] if raw.endswith("]") else [""]
+                    if not all(p and not any(c in p for c in "'\"[]{} \t") for p in parts):
                         raise
-                    raw = raw[1:-1]  # [fprop,dgrad]: bare words in brackets, as a shell passes them unquoted
+                    return parts
             return [part.strip() for part in raw.split(",") if part.strip()]
         elif origin is dict and raw.startswith("{"):
             return tomllib.loads(f"v = {raw}")["v"]

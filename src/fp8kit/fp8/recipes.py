@@ -150,9 +150,9 @@ def fast_accum_note(recipe: str, requested) -> str | None:
     if backward and requested is not None:
         notes.append(
             f"fp8.fast_accum: {', '.join(backward)} with fast accumulation is faster but less accurate: on Llama-3-8B "
-            "layers (delayed recipe, 400 steps) fast dgrad raised the training loss 1.3-2.4% above BF16 where the "
-            "default (fprop only) tracked it (docs/benchmarks.md section 6, session 41); check convergence before "
-            "relying on it")
+            "layers (delayed recipe, 400 steps, two runs) the settings with fast dgrad trained 1.3-2.4% above BF16's "
+            "loss and the default (fprop only) did not; wgrad alone and the other recipes were not measured "
+            "(docs/benchmarks.md section 6, session 41); check convergence before relying on it")
     return "; ".join(notes) or None
 
 
