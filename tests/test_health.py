@@ -160,6 +160,31 @@ def test_hooks_only_on_stats_steps_and_removed_on_close():
     assert hooks == 0, f"{hooks} hooks left after close()"
 
 
+def test_eager_output_gradients_are_measured_in_their_hook_and_not_kept():
+    """An eager backward's gradient hooks measure each output gradient as it passes (the buffer is written before
+    ``collect()``), and drop it: keeping every FP8 linear's ``[tokens, features]`` output gradient (the LM head's
+    ``[tokens, vocab]`` one too) to the end of the backward raised a stats step's peak memory."""
+    import gc
+    import weakref
+
+    model = _model("tensorwise")
+    mon = FP8HealthMonitor(model, 1)
+    seen = []
+    try:
+        mon.arm(1)
+        h = model.ok.register_full_backward_hook(lambda m, gi, go: seen.append(weakref.ref(go[0])))
+        model(*_inputs()).float().sum().backward()
+        h.remove()
+        bufs = [slot[3] for *_, slots in mon._hooked.values() for slot in slots if slot[1] == "grad_output"]
+        assert len(bufs) == 2 and all(torch.isfinite(b).all() for b in bufs), bufs  # written before collect()
+        gc.collect()
+        assert seen and all(r() is None for r in seen), "an output gradient outlived the backward"
+        rows = {(r["layer"], r["operand"]): r for r in mon.collect().rows()}
+        assert rows[("ok", "grad_output")]["amax"] == 1.0, rows[("ok", "grad_output")]  # d(sum)/dy = 1
+    finally:
+        mon.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
 def test_same_numbers_inside_compiled_blocks_without_recompiling(recipe):

@@ -240,13 +240,11 @@ class FP8HealthMonitor:
         self.model, self.every = model, every
         self.active = False  # read inside the hooks (torch.compile guards on it: two variants of each graph)
         self._hooked: dict[int, tuple[weakref.ref, list, list]] = {}  # id -> (module, handles, slots)
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, OperandCast, torch.Tensor | None]] = []
         self._stats = torch.compile(operand_stats, dynamic=True) if compile_stats else operand_stats
 
     def arm(self, step: int) -> bool:
         """Hook new FP8 modules; activate the hooks if optimizer step ``step`` (1-based) is a stats step."""
         self._hook_modules()
-        self._pending.clear()
         self.active = step % self.every == 0
         if self.active:
             bufs = [buf for *_, slots in self._hooked.values() for *_, buf in slots]
@@ -259,9 +257,6 @@ class FP8HealthMonitor:
         if not self.active:
             return None
         self.active = False
-        for buf, grad, cast, scale in self._pending:  # gradients kept by eager hooks: measured here
-            buf.copy_(self._stats(grad.reshape(-1, grad.shape[-1]), cast, scale))
-        self._pending.clear()
         order = {op: i for i, op in enumerate(OPERANDS)}
         slots = sorted((s for *_, ss in self._hooked.values() for s in ss), key=lambda s: (s[0], order[s[1]]))
         if not slots:
@@ -314,10 +309,10 @@ class FP8HealthMonitor:
                     bufs["weight"].copy_(stats(mod.weight, casts["weight"]))
 
         def grad_hook(scale, grad):
-            if torch.compiler.is_compiling():  # traced into the compiled backward
-                bufs["grad_output"].copy_(operand_stats(grad.reshape(-1, grad.shape[-1]), casts["grad_output"], scale))
-            else:  # eager backward (autograd's device thread on CUDA): keep it, measure in collect()
-                monitor._pending.append((bufs["grad_output"], grad, casts["grad_output"], scale))
+            # traced into the compiled backward, or eagerly here: the plain ops (an eager backward's hooks run on
+            # autograd's device thread on CUDA, where the compiled stats are not called); measured now, not kept for
+            # collect(): kept, every FP8 linear's output gradient would live to the end of the backward
+            bufs["grad_output"].copy_(operand_stats(grad.reshape(-1, grad.shape[-1]), casts["grad_output"], scale))
 
         def post_hook(mod, args, out):
             if monitor.active and "grad_output" in bufs and out.requires_grad:
