@@ -322,7 +322,7 @@ class FP8HealthMonitor:
         g_scale = torch.ones((), dtype=torch.float32, device=device) if delayed else None
 
         def delayed_grad_hook(grad):
-            grad_hook(g_scale if torch.compiler.is_compiling() else g_scale.clone(), grad)
+            grad_hook(g_scale, grad)  # measured in the hook, before a later forward writes g_scale again
 
         def delayed_probe(x, weight, scales, out):
             """Called by the delayed module's forward with the scales its casts used (None: first step, dynamic).
