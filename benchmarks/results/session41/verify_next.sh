@@ -3,7 +3,7 @@
 # kernel and the block-input cast write their transposed FP8 copy at ~0.4-1 TB/s in session 40's profile) after
 # the device time ran out: not measured, not run on a GPU.
 #   call A (~6 min, nvidia-h200): bash benchmarks/results/session41/verify_next.sh tests-and-e2e
-#   call B (~3 min, nvidia-h200): bash benchmarks/results/session41/verify_next.sh profile
+#   call B (~5 min, nvidia-h200): bash benchmarks/results/session41/verify_next.sh profile
 #   call C (~9 min, nvidia-h200-x2): bash benchmarks/results/session40/verify_next.sh policies
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
 mkdir -p $OUT/keep
@@ -20,10 +20,16 @@ tests-and-e2e)
     > $OUT/keep/e2e_8b.log 2>&1; echo rc $?
   cp /tmp/t8/results.md $OUT/keep/ 2>/dev/null; tail -4 /tmp/t8/results.md ;;
 profile)
-  # where the cast time goes with and without the op (compare fp8_cast with session 40's 17.3 ms)
-  timeout 560 python3 benchmarks/step_profile.py --workload llama3-8b-seq4096 --out /tmp/sp \
+  # where the cast time goes with and without the op (compare fp8_cast with session 40's 17.3 ms); then grad_output
+  # with q_proj / k_proj left to Inductor (benchmarks/experiments/grad_cast_rope: their RoPE backward would write a
+  # bf16 copy for the op), a second step_profile process on the same machine
+  timeout 330 python3 benchmarks/step_profile.py --workload llama3-8b-seq4096 --out /tmp/sp \
     --variants 'delayed+fp8.output_head=true,delayed+fp8.output_head=true+fp8.delayed_fused_cast=grad_output' --trace --top 30 \
     > $OUT/keep/step_profile.log 2>&1; echo rc $?
-  cp /tmp/sp/results.md $OUT/keep/ 2>/dev/null; head -8 /tmp/sp/results.md ;;
+  EXP_GRAD_NO_ROPE=1 PYTHONPATH=$PWD/benchmarks/experiments/grad_cast_rope:$PYTHONPATH timeout 200 python3 benchmarks/step_profile.py \
+    --workload llama3-8b-seq4096 --out /tmp/sp_norope --variants 'delayed+fp8.output_head=true+fp8.delayed_fused_cast=grad_output' \
+    --trace --top 30 > $OUT/keep/step_profile_norope.log 2>&1; echo rc $?
+  cp /tmp/sp/results.md $OUT/keep/ 2>/dev/null; cp /tmp/sp_norope/results.md $OUT/keep/results_norope.md 2>/dev/null
+  head -8 /tmp/sp/results.md; tail -2 /tmp/sp_norope/results.md ;;
 *) echo "usage: verify_next.sh tests-and-e2e | profile"; exit 2 ;;
 esac

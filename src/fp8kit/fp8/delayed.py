@@ -329,11 +329,16 @@ class Float8DelayedLinear(nn.Module):
         record = self.training and torch.is_grad_enabled()
         n, k = weight.shape
         y = _DelayedLinearFn.apply(x.reshape(-1, k), weight, *scales, (e.forward_amax, e.grad_amax) if record else None, state.group,
-                                   FUSED_CASTS[state.config.fused_cast], state.config.fast_accum)
+                                   self._fused_casts(), state.config.fast_accum)
         y = y.reshape(*x.shape[:-1], n)
         if self.health_probe is not None:  # the scales passed to the casts above, not a second read of the entry
             self.health_probe(x, weight, scales, y)
         return y if bias is None else y + bias.to(y.dtype)
+
+    def _fused_casts(self) -> tuple[str, ...]:
+        """The operands this module casts with ``fp8kit::cast_transpose`` (``fp8.delayed_fused_cast``,
+        :data:`FUSED_CASTS`)."""
+        return FUSED_CASTS[self._state.config.fused_cast]
 
     def _apply(self, fn, recurse=True):
         """``nn.Module._apply`` (``.to``, ``.cuda``, ``.to_empty``) that moves the scaling entry with the
