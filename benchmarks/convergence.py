@@ -90,6 +90,9 @@ VARIANTS = {
     # fast accumulation in fprop and dgrad, the wgrad GEMM (the reduction over tokens) split
     "delayed-head-fd-default-optim": [*FULL_FP8, "fp8.recipe=delayed", "fp8.output_head=true",
                                       "fp8.fast_accum=fprop,dgrad"],
+    # fast accumulation in fprop and wgrad (the reduction over tokens), dgrad split
+    "delayed-head-fw-default-optim": [*FULL_FP8, "fp8.recipe=delayed", "fp8.output_head=true",
+                                      "fp8.fast_accum=fprop,wgrad"],
 }
 STUDIES = {
     "recipes": ["bf16", "tensorwise", "blockwise", "delayed"],
