@@ -160,6 +160,33 @@ def test_hooks_only_on_stats_steps_and_removed_on_close():
     assert hooks == 0, f"{hooks} hooks left after close()"
 
 
+@pytest.mark.parametrize("cast, given_scale", [
+    (OperandCast(torch.float8_e5m2), False),  # torchao tensorwise, dynamic: one scale from the whole tensor
+    (OperandCast(torch.float8_e5m2, source="delayed"), True),  # the history's scale
+    (OperandCast(torch.float8_e4m3fn, "rowwise", pow2=True), False),
+    (OperandCast(torch.float8_e4m3fn, "block1x128", source="fp8kit"), False),
+    (OperandCast(torch.float8_e4m3fn, "block128x128", source="fp8kit"), False),
+])
+def test_chunked_stats_equal_one_pass(cast, given_scale):
+    """``operand_stats_chunked`` (what an eager gradient hook runs) gives ``operand_stats``' numbers over row chunks:
+    rows of very different magnitude (so a chunk's own amax would give another tensorwise scale), zeros, one NaN."""
+    from fp8kit.train.health import operand_stats_chunked
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 256, generator=g) * torch.logspace(-12, 3, 512).unsqueeze(1)
+    x[7, :100] = 0.0
+    x = x.to(torch.bfloat16)
+    scale = torch.tensor(3.0e2) if given_scale else None
+    for nan in (False, True):
+        if nan:
+            x[300, 5] = float("nan")
+        want = operand_stats(x, cast, scale)
+        got = operand_stats_chunked(x, cast, scale, chunk_elements=128 * 256)  # 4 chunks of 128 rows
+        assert torch.allclose(got, want, rtol=1e-12, atol=0, equal_nan=True), (cast, nan, got.tolist(), want.tolist())
+        one = operand_stats_chunked(x, cast, scale)  # fits one chunk: the same call
+        assert torch.allclose(one, want, rtol=0, atol=0, equal_nan=True), (one.tolist(), want.tolist())
+
+
 def test_eager_output_gradients_are_measured_in_their_hook_and_not_kept():
     """An eager backward's gradient hooks measure each output gradient as it passes (the buffer is written before
     ``collect()``), and drop it: keeping every FP8 linear's ``[tokens, features]`` output gradient (the LM head's

@@ -31,14 +31,15 @@ profile)
     --workload llama3-8b-seq4096 --out /tmp/sp_norope --variants 'delayed+fp8.output_head=true+fp8.delayed_fused_cast=grad_output' \
     --trace --top 30 > $OUT/keep/step_profile_norope.log 2>&1; echo rc $?
   cp /tmp/sp/results.md $OUT/keep/ 2>/dev/null; cp /tmp/sp_norope/results.md $OUT/keep/results_norope.md 2>/dev/null
+  echo "patch loaded in the profiled process: $(grep -l grad_cast_rope /tmp/sp_norope/*.log 2>/dev/null | wc -l) log(s)" | tee -a $OUT/keep/step_profile_norope.log
   head -8 /tmp/sp/results.md; tail -2 /tmp/sp_norope/results.md ;;
 wgrad)
   # fast accumulation in fprop + wgrad (dgrad split), never measured: speed (one run) and 8B convergence against bf16
   # and the default (session 41 found fast dgrad 1.3-2.4% above bf16's train loss)
-  timeout 230 python3 benchmarks/train_throughput.py --workload llama3-8b-seq4096 --steps 20 --out /tmp/t8 \
+  timeout 200 python3 benchmarks/train_throughput.py --workload llama3-8b-seq4096 --steps 20 --out /tmp/t8 \
     --variants 'bf16,delayed+fp8.output_head=true,delayed+fp8.output_head=true+fp8.fast_accum=[fprop,wgrad]' \
     > $OUT/keep/e2e_8b_fw.log 2>&1; echo rc $?
-  tail -4 /tmp/t8/results.md
+  cp /tmp/t8/results.md $OUT/keep/ 2>/dev/null; tail -4 /tmp/t8/results.md
   timeout 330 python3 benchmarks/convergence.py --study llama3-8b --parallel --out /tmp/conv \
     --variants bf16-default-optim,delayed-head-default-optim,delayed-head-fw-default-optim > $OUT/keep/convergence_8b.log 2>&1; echo rc $?
   for v in bf16-default-optim delayed-head-default-optim delayed-head-fw-default-optim; do

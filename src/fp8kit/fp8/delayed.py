@@ -337,7 +337,7 @@ class Float8DelayedLinear(nn.Module):
 
     def _fused_casts(self) -> tuple[str, ...]:
         """The operands this module casts with ``fp8kit::cast_transpose`` (``fp8.delayed_fused_cast``,
-        :data:`FUSED_CASTS`)."""
+        :data:`FUSED_CASTS`): the one place they are chosen (the fused SwiGLU MLP takes its down projection's)."""
         return FUSED_CASTS[self._state.config.fused_cast]
 
     def _apply(self, fn, recurse=True):

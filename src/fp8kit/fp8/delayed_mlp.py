@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from fp8kit.fp8.delayed import Float8DelayedLinear, _cast_both, _recast_col_major, scaled_mm
-from fp8kit.fp8.delayed_state import E4M3, E5M2, FUSED_CASTS, record_
+from fp8kit.fp8.delayed_state import E4M3, E5M2, record_
 from fp8kit.fp8.swiglu_delayed import swiglu_backward_cast
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -146,6 +146,7 @@ def delayed_swiglu_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     gate, up, down = (p._scales_and_inverses() for p in projs)  # started: can_run_fused
     scales = [*gate, *up[2:], *down]  # up's input scale is gate's (one tensor: passed once)
     records = [p._entry.forward_amax for p in projs] + [p._entry.grad_amax for p in projs]
+    # one operand set for the whole MLP (its projections share the state): down_proj's, whose output gradient it casts
     y = _DelayedSwiGLUMLPFn.apply(x.reshape(-1, h), projs[0].weight, projs[1].weight, projs[2].weight, state.group,
-                                  FUSED_CASTS[state.config.fused_cast], state.config.fast_accum, *scales, *records)
+                                  projs[2]._fused_casts(), state.config.fast_accum, *scales, *records)
     return y.reshape(*x.shape[:-1], projs[2].out_features)

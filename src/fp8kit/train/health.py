@@ -44,8 +44,8 @@ read). Inside ``torch.compile``'d blocks (``train.compile``) the hooks, the grad
 traced into the blocks' forward and backward graphs: a second compiled variant of each block, guarded on
 the monitor's ``active`` flag, is compiled on the first stats step and reused afterwards, and steps
 without stats run the unchanged graphs. Without compile the stats run eagerly (``torch.compile``'d stats
-on CUDA), output gradients are kept until the first micro-batch's backward ends and measured then, on the
-main thread (the peak memory of a stats step can rise by their size). ``benchmarks/health_overhead.py``
+on CUDA for inputs and weights); each output gradient is measured in its gradient hook as it passes, by the
+plain ops over row chunks (:func:`operand_stats_chunked`: bounded temporaries, nothing kept past the hook). ``benchmarks/health_overhead.py``
 measures the step-time overhead. Single-process runs only (``fp8kit train`` refuses ``fp8.stats_every``
 under torchrun).
 """
@@ -146,10 +146,16 @@ def _amax_and_scale(x: torch.Tensor, cast: OperandCast) -> tuple[torch.Tensor, t
             amax = tensor_to_amax(x, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1)
         else:
             amax = tensor_to_amax(x)
-        return x, amax, amax_to_scale(amax, cast.dtype, round_scales_to_power_of_2=cast.pow2)
     else:
         amax = x.abs().amax()
-    return x, amax, scale_from_amax(amax, cast.dtype)
+    return x, amax, _scale_of(amax, cast)
+
+
+def _scale_of(amax: torch.Tensor, cast: OperandCast) -> torch.Tensor:
+    """The scale(s) ``cast`` derives from ``amax``: torchao's ``amax_to_scale`` or fp8kit's ``scale_from_amax``."""
+    if cast.source == "torchao" and cast.granularity in ("tensorwise", "rowwise"):
+        return amax_to_scale(amax, cast.dtype, round_scales_to_power_of_2=cast.pow2)
+    return scale_from_amax(amax, cast.dtype)
 
 
 @torch.no_grad()
@@ -180,6 +186,40 @@ def operand_stats(x: torch.Tensor, cast: OperandCast, scale: torch.Tensor | None
     return torch.stack([
         amax.amax().double(), scale.amin().double(), under / n_nonzero.clamp(min=1.0), sat / numel,
         nonfinite / numel, n_nonzero,
+    ])
+
+
+#: The most elements :func:`operand_stats_chunked` measures at once (its plain ops' float32 and bool temporaries are
+#: about 5x a bf16 operand's bytes: 2^25 elements keep them near 0.3 GB).
+STATS_CHUNK_ELEMENTS = 1 << 25
+
+
+@torch.no_grad()
+def operand_stats_chunked(x: torch.Tensor, cast: OperandCast, scale: torch.Tensor | None = None,
+                          chunk_elements: int = STATS_CHUNK_ELEMENTS) -> torch.Tensor:
+    """:func:`operand_stats` of ``x`` ``[..., K]`` taken over row chunks of at most ``chunk_elements`` elements and
+    combined (amax: max, scale: min, counts summed; a dynamic per-tensor scale from the whole tensor's amax, taken
+    first), so the plain ops' temporaries stay bounded: what an eager backward's gradient hook runs on an output
+    gradient as large as an LM head's ``[tokens, vocab]``. The same numbers as one call, up to float64 rounding of
+    the fractions. ``block128x128`` chunks are whole 128-row blocks.
+
+    Returns:
+        float64 ``[6]``, as :func:`operand_stats`.
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    step = _BLOCK if cast.granularity == "block128x128" else 1
+    rows = max(step, chunk_elements // max(1, x2.shape[-1]) // step * step)
+    if x2.shape[0] <= rows:
+        return operand_stats(x2, cast, scale)
+    if scale is None and cast.granularity == "tensorwise":  # one scale for the whole tensor
+        scale = _scale_of(torch.stack([c.abs().amax() for c in x2.split(rows)]).amax(), cast)
+    chunks = x2.split(rows)
+    parts = torch.stack([operand_stats(c, cast, scale) for c in chunks])  # [chunks, 6]
+    numel = torch.tensor([float(max(1, c.numel())) for c in chunks], dtype=torch.float64, device=parts.device)
+    n_nonzero = parts[:, 5].sum()
+    return torch.stack([
+        parts[:, 0].amax(), parts[:, 1].amin(), (parts[:, 2] * parts[:, 5]).sum() / n_nonzero.clamp(min=1.0),
+        (parts[:, 3] * numel).sum() / numel.sum(), (parts[:, 4] * numel).sum() / numel.sum(), n_nonzero,
     ])
 
 
@@ -309,10 +349,11 @@ class FP8HealthMonitor:
                     bufs["weight"].copy_(stats(mod.weight, casts["weight"]))
 
         def grad_hook(scale, grad):
-            # traced into the compiled backward, or eagerly here: the plain ops (an eager backward's hooks run on
-            # autograd's device thread on CUDA, where the compiled stats are not called); measured now, not kept for
-            # collect(): kept, every FP8 linear's output gradient would live to the end of the backward
-            bufs["grad_output"].copy_(operand_stats(grad.reshape(-1, grad.shape[-1]), casts["grad_output"], scale))
+            # traced into the compiled backward, or eagerly here: the plain ops in row chunks (an eager backward's
+            # hooks run on autograd's device thread on CUDA, where the compiled stats are not called); measured now,
+            # not kept for collect(): kept, every FP8 linear's output gradient would live to the end of the backward
+            fn = operand_stats if torch.compiler.is_compiling() else operand_stats_chunked
+            bufs["grad_output"].copy_(fn(grad.reshape(-1, grad.shape[-1]), casts["grad_output"], scale))
 
         def post_hook(mod, args, out):
             if monitor.active and "grad_output" in bufs and out.requires_grad:
