@@ -160,6 +160,39 @@ def test_hooks_only_on_stats_steps_and_removed_on_close():
     assert hooks == 0, f"{hooks} hooks left after close()"
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_an_activation_checkpointing_recompute_is_not_measured_twice(recipe):
+    """Eagerly, a checkpointed block's forward runs again inside the backward: the hooks measure each module's input
+    and weight once per stats step (the forward's), and the numbers equal an un-checkpointed step's."""
+    from torch.utils.checkpoint import checkpoint
+
+    def measured(ckpt: bool):
+        torch.manual_seed(0)
+        model = _TwoBranches().to(torch.bfloat16)
+        if recipe == "delayed":
+            state = DelayedScalingState()
+            model.tiny = Float8DelayedLinear.from_linear(model.tiny, state, "tiny")
+            model.ok = Float8DelayedLinear.from_linear(model.ok, state, "ok")
+        else:
+            torchao_float8().convert_to_float8_training(model, config=float8_linear_config(recipe))
+        mon = FP8HealthMonitor(model, 1)
+        calls = []
+        inner = mon._stats
+        mon._stats = lambda *a: (calls.append(1), inner(*a))[1]  # counts the eager input / weight measurements
+        try:
+            mon.arm(1)
+            x = _inputs()
+            y = checkpoint(model, *x, use_reentrant=False) if ckpt else model(*x)
+            y.float().sum().backward()
+            return len(calls), {(r["layer"], r["operand"]): r for r in mon.collect().rows()}
+        finally:
+            mon.close()
+
+    (n_ckpt, rows_ckpt), (n_plain, rows_plain) = measured(True), measured(False)
+    assert n_ckpt == n_plain == 4, (n_ckpt, n_plain)  # two modules x (input, weight)
+    assert rows_ckpt == rows_plain, (rows_ckpt, rows_plain)
+
+
 @pytest.mark.parametrize("cast, given_scale", [
     (OperandCast(torch.float8_e5m2), False),  # torchao tensorwise, dynamic: one scale from the whole tensor
     (OperandCast(torch.float8_e5m2, source="delayed"), True),  # the history's scale

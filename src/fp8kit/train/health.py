@@ -280,11 +280,13 @@ class FP8HealthMonitor:
         self.model, self.every = model, every
         self.active = False  # read inside the hooks (torch.compile guards on it: two variants of each graph)
         self._hooked: dict[int, tuple[weakref.ref, list, list]] = {}  # id -> (module, handles, slots)
+        self._measured: set[int] = set()  # ids of the modules whose forward was measured eagerly this stats step
         self._stats = torch.compile(operand_stats, dynamic=True) if compile_stats else operand_stats
 
     def arm(self, step: int) -> bool:
         """Hook new FP8 modules; activate the hooks if optimizer step ``step`` (1-based) is a stats step."""
         self._hook_modules()
+        self._measured.clear()
         self.active = step % self.every == 0
         if self.active:
             bufs = [buf for *_, slots in self._hooked.values() for *_, buf in slots]
@@ -338,8 +340,18 @@ class FP8HealthMonitor:
             fn = operand_stats if torch.compiler.is_compiling() else monitor._stats
             return fn(x, cast, scale)
 
+        def first_forward(mod) -> bool:
+            """Whether to measure this forward of ``mod``: on a stats step, its first eager one only, so that an
+            activation-checkpointing recompute (the forward again, inside the backward, on autograd's thread) is not
+            measured twice; traced into a compiled block, always (the monitor's state is not read there)."""
+            if torch.compiler.is_compiling():
+                return True
+            first = id(mod) not in monitor._measured
+            monitor._measured.add(id(mod))
+            return first
+
         def pre_hook(mod, args):
-            if monitor.active:
+            if monitor.active and first_forward(mod):
                 x = args[0]
                 if autocast and torch.is_autocast_enabled():  # what torchao's Float8Linear.forward casts
                     x = x.to(torch.get_autocast_gpu_dtype())
@@ -355,7 +367,7 @@ class FP8HealthMonitor:
             fn = operand_stats if torch.compiler.is_compiling() else operand_stats_chunked
             bufs["grad_output"].copy_(fn(grad.reshape(-1, grad.shape[-1]), casts["grad_output"], scale))
 
-        def post_hook(mod, args, out):
+        def post_hook(mod, args, out):  # a recompute's output is not on the backward's path: its hook never fires
             if monitor.active and "grad_output" in bufs and out.requires_grad:
                 out.register_hook(functools.partial(grad_hook, None))
 
@@ -371,7 +383,7 @@ class FP8HealthMonitor:
             defined") whenever the history's output-gradient scale tensor itself reached the gradient hook, read
             from the module's entry in a forward hook or passed from the forward (docs/benchmarks.md, session 37):
             the hook reads a copy of it in a buffer of its own."""
-            if monitor.active:
+            if monitor.active and first_forward(module):
                 sx, _, sw, _, sg, _ = scales
                 bufs["input"].copy_(stats(x, casts["input"], sx))
                 bufs["weight"].copy_(stats(weight, casts["weight"], sw))
