@@ -211,15 +211,17 @@ def operand_stats_chunked(x: torch.Tensor, cast: OperandCast, scale: torch.Tenso
     rows = max(step, chunk_elements // max(1, x2.shape[-1]) // step * step)
     if x2.shape[0] <= rows:
         return operand_stats(x2, cast, scale)
-    if scale is None and cast.granularity == "tensorwise":  # one scale for the whole tensor
-        scale = _scale_of(torch.stack([c.abs().amax() for c in x2.split(rows)]).amax(), cast)
     chunks = x2.split(rows)
+    if scale is None and cast.granularity == "tensorwise":  # one scale for the whole tensor
+        scale = _scale_of(torch.stack([c.abs().amax() for c in chunks]).amax(), cast)
     parts = torch.stack([operand_stats(c, cast, scale) for c in chunks])  # [chunks, 6]
-    numel = torch.tensor([float(max(1, c.numel())) for c in chunks], dtype=torch.float64, device=parts.device)
+    # the fractions over all values weighted by each chunk's size: host numbers, no host-to-device copy
+    share = [c.numel() / x2.numel() for c in chunks]
     n_nonzero = parts[:, 5].sum()
     return torch.stack([
         parts[:, 0].amax(), parts[:, 1].amin(), (parts[:, 2] * parts[:, 5]).sum() / n_nonzero.clamp(min=1.0),
-        (parts[:, 3] * numel).sum() / numel.sum(), (parts[:, 4] * numel).sum() / numel.sum(), n_nonzero,
+        sum(p[3] * w for p, w in zip(parts, share, strict=True)),
+        sum(p[4] * w for p, w in zip(parts, share, strict=True)), n_nonzero,
     ])
 
 
