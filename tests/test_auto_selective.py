@@ -161,10 +161,10 @@ def test_measurement_runs_on_cpu_then_the_cache_is_hit(tmp_path):
 
 @pytest.mark.parametrize("content, problem", [
     ("{not json", "is unreadable"),
-    ('{"format": "fp8kit-auto-timing", "version": 2, "key": {}, "bf16_ms": 1.0, "fp8_ms": 1.0}',
+    ('{"format": "fp8kit-auto-timing", "version": 3, "key": {}, "bf16_ms": 1.0, "fp8_ms": 1.0}',
      "holds another key than its name says"),
-    ('{"format": "fp8kit-auto-timing", "version": 1, "key": {}, "bf16_ms": 1.0, "fp8_ms": 1.0}',
-     "has version 1, not 2"),
+    ('{"format": "fp8kit-auto-timing", "version": 2, "key": {}, "bf16_ms": 1.0, "fp8_ms": 1.0}',
+     "has version 2, not 3"),
     (None, "has fp8_ms = -1.0, not a positive number of milliseconds"),
     ('["a list"]', "is not a fp8kit-auto-timing file"),
 ])

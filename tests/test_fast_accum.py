@@ -1,6 +1,7 @@
 """Fast accumulation per GEMM (``Recipe.fast_accum`` in ``fp8kit.fp8.recipes``, ``fp8.fast_accum``): by default the
-tensorwise-scaled recipes run fprop with the tensor cores' fast accumulation and dgrad / wgrad with the split
-(FP32-promoting) accumulator, as Transformer Engine and torchao do; ``fp8.fast_accum`` chooses other GEMMs. On the
+torchao recipes run fprop with the tensor cores' fast accumulation and dgrad / wgrad with the split (FP32-promoting)
+accumulator, as Transformer Engine and torchao do, and the delayed recipe fprop and wgrad fast, dgrad split (measured
+in session 42); ``fp8.fast_accum`` chooses other GEMMs. On the
 CPU ``torch._scaled_mm`` computes the same either way, so these tests check what reaches it: every
 ``aten._scaled_mm`` call of a training step, seen by a dispatch mode. The GPU check of the numbers is
 tests/test_delayed_gpu.py."""
@@ -12,30 +13,41 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp8kit.base.errors import ConfigError, PolicyError
-from fp8kit.fp8.recipes import FPROP_FAST_ACCUM, GEMMS, RECIPES, fast_accum_for, float8_linear_config
+from fp8kit.fp8.recipes import (
+    DELAYED_FAST_ACCUM,
+    FPROP_FAST_ACCUM,
+    GEMMS,
+    RECIPES,
+    fast_accum_for,
+    float8_linear_config,
+)
 from tests.conftest import prepared_llama
 
 
 class _ScaledMMCalls(TorchDispatchMode):
-    """Records ``use_fast_accum`` of every ``aten._scaled_mm`` call while active."""
+    """Records ``use_fast_accum`` of every ``aten._scaled_mm`` call while active (``fast``), and each call's
+    contraction length K (``k``: the tokens in a wgrad GEMM, the output features in a dgrad one)."""
 
     def __init__(self):
         super().__init__()
         self.fast: list[bool] = []
+        self.k: list[int] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.aten._scaled_mm.default:
             # schema: (self, mat2, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum)
             self.fast.append(bool(kwargs.get("use_fast_accum", args[7] if len(args) > 7 else False)))
+            self.k.append(args[0].shape[-1])
         return func(*args, **kwargs)
 
 
-def test_the_recipe_table_names_gemms_and_follows_transformer_engine():
+def test_the_recipe_table_names_gemms_torchao_follows_transformer_engine_and_delayed_adds_wgrad():
     for r in RECIPES.values():
         assert set(r.fast_accum) <= set(GEMMS), (r.name, r.fast_accum)
-    for name in ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"):
+    for name in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
         assert RECIPES[name].fast_accum == FPROP_FAST_ACCUM == ("fprop",), name
+    assert RECIPES["delayed"].fast_accum == DELAYED_FAST_ACCUM == ("fprop", "wgrad")  # dgrad split (session 41)
     assert RECIPES["blockwise"].fast_accum == ()
 
 
@@ -54,7 +66,8 @@ def test_torchao_configs_take_the_table_accumulation_or_the_option(recipe):
 
 
 def test_fast_accum_resolves_per_recipe_and_refuses_unknown_gemms():
-    assert fast_accum_for("delayed") == ("fprop",)
+    assert fast_accum_for("delayed") == ("fprop", "wgrad")
+    assert fast_accum_for("delayed", ["fprop"]) == ("fprop",)
     assert fast_accum_for("delayed", ["wgrad", "fprop"]) == ("fprop", "wgrad")  # GEMMS order
     assert fast_accum_for("blockwise", ["fprop"]) == ()  # cuBLAS's blockwise GEMMs take none
     with pytest.raises(ConfigError, match=r"fp8.fast_accum: unknown GEMM\(s\) 'bwd'; choose from fprop, dgrad, wgrad"):
@@ -88,10 +101,15 @@ def test_the_option_is_validated():
     ("blockwise", '["fprop","dgrad"]', "fp8.fast_accum: fprop, dgrad has no effect with fp8.recipe = 'blockwise'"),
     ("rowwise_with_gw_hp", "all", "fp8.fast_accum: wgrad has no effect with fp8.recipe = 'rowwise_with_gw_hp': its "
                                   "wgrad GEMM runs in bf16; fp8.fast_accum: dgrad with fast accumulation is faster"),
-    ("delayed", "all", "fp8.fast_accum: dgrad, wgrad with fast accumulation is faster but less accurate: on "
+    ("delayed", "all", "fp8.fast_accum: dgrad with fast accumulation is faster but less accurate: on "
                        "Llama-3-8B layers"),
-    ("tensorwise", "wgrad", "fp8.fast_accum: wgrad with fast accumulation is faster but less accurate"),
-    ("delayed", '["fprop"]', None),  # the default, spelled out
+    ("delayed", "dgrad", "fp8.fast_accum: dgrad with fast accumulation is faster but less accurate"),
+    ("tensorwise", "wgrad", "fp8.fast_accum: wgrad with fast accumulation converged as BF16 with the delayed recipe "
+                            "(Llama-3-8B layers and llama-125m, docs/benchmarks.md section 6, session 42), not "
+                            "measured with 'tensorwise'"),
+    ("delayed", '["fprop","wgrad"]', None),  # the default, spelled out
+    ("delayed", '["fprop"]', None),  # fprop only (torchao's and Transformer Engine's)
+    ("delayed", "wgrad", None),
     ("delayed", None, None),
     ("blockwise", None, None),  # the default: nothing to say
     ("blockwise", "[]", None),
@@ -168,7 +186,8 @@ def test_reports_and_policies_carry_the_accumulation():
 
 def test_a_policy_measured_with_another_accumulation_is_warned_about():
     """The shipped delayed policies were measured before the delayed fprop took fast accumulation: a default run
-    (fprop fast) hears so; a run with every GEMM promoted, as then, does not; a BF16 run has nothing to hear."""
+    (fprop and wgrad fast) hears so; a run with every GEMM promoted, as then, does not; a BF16 run has nothing to
+    hear."""
     from fp8kit.config import load_config
     from fp8kit.config.options import options_from_config
 
@@ -178,7 +197,8 @@ def test_a_policy_measured_with_another_accumulation_is_warned_about():
         cfg = load_config(None, ["train.mixed_precision=fp8", *base, *sets])
         got = [w for w in options_from_config(cfg).warnings if "fast accumulation" in w]
         assert len(got) == want, (sets, got)
-        assert all("was measured with fast accumulation in [], this run uses it in ['fprop'] (fp8.fast_accum)" in w
+        assert all("was measured with fast accumulation in [], this run uses it in ['fprop', 'wgrad'] "
+                   "(fp8.fast_accum)" in w
                    for w in got), got
 
 
@@ -188,17 +208,19 @@ def test_auto_cache_keys_tell_the_accumulations_apart():
 
     shape = AutoShape(gemms=((4096, 4096),), num_tokens=8192)
     assert shape_recipe_key(shape, "delayed", None) == "delayed"
-    assert shape_recipe_key(shape, "delayed", None, fast_accum=("fprop",)) == "delayed"  # the default, spelled out
+    assert shape_recipe_key(shape, "delayed", None, fast_accum=("fprop", "wgrad")) == "delayed"  # the default
+    assert shape_recipe_key(shape, "delayed", None, fast_accum=("fprop",)) == "delayed:fast_accum=fprop"
     assert shape_recipe_key(shape, "delayed", None, fast_accum=GEMMS) == "delayed:fast_accum=fprop+dgrad+wgrad"
     assert shape_recipe_key(shape, "tensorwise", None, fast_accum=()) == "tensorwise:fast_accum=none"
     assert shape_recipe_key(shape, "blockwise", None, fast_accum=GEMMS) == "blockwise"  # takes none anyway
 
 
-@pytest.mark.parametrize("fused,option,forward,backward", [
-    (True, None, True, False), (False, None, True, False),  # the default: fprop fast, dgrad / wgrad split
-    (True, '["dgrad","wgrad"]', False, True), (False, '["fprop","dgrad","wgrad"]', True, True),
+@pytest.mark.parametrize("fused,option,forward,dgrad,wgrad", [
+    (True, None, True, False, True), (False, None, True, False, True),  # the default: fprop, wgrad fast; dgrad split
+    (True, '["dgrad"]', False, True, False), (False, '["fprop","dgrad","wgrad"]', True, True, True),
+    (True, "[]", False, False, False), (False, '["fprop"]', True, False, False),
 ])
-def test_delayed_gemms_accumulate_as_configured(fused, option, forward, backward):
+def test_delayed_gemms_accumulate_as_configured(fused, option, forward, dgrad, wgrad):
     """Three steps of a two-layer llama: the delayed linears (step 1, dynamic scales; every step unfused) and the
     fused delayed MLP (steps 2-3) call their forward and backward GEMMs with the accumulation asked for. (torchao's
     linears call ``_scaled_mm`` from a tensor subclass, below a dispatch mode: their config is checked above.)"""
@@ -212,9 +234,13 @@ def test_delayed_gemms_accumulate_as_configured(fused, option, forward, backward
             loss = model(input_ids=ids, labels=ids).loss
         with _ScaledMMCalls() as bwd:
             loss.backward()
-        # 2 layers x 7 linears (the head stays BF16): 14 forward GEMMs, 28 backward (dgrad + wgrad)
+        # 2 layers x 7 linears (the head stays BF16): 14 forward GEMMs, 28 backward: 14 wgrad (K = the 128 tokens)
+        # and 14 dgrad (K = a linear's output features, >= 768 in llama-125m)
         assert fwd.fast == [forward] * 14, f"step {step}: forward use_fast_accum {fwd.fast}"
-        assert bwd.fast == [backward] * 28, f"step {step}: backward use_fast_accum {bwd.fast}"
+        got_w = [f for f, k in zip(bwd.fast, bwd.k, strict=True) if k == 128]
+        got_d = [f for f, k in zip(bwd.fast, bwd.k, strict=True) if k != 128]
+        assert got_w == [wgrad] * 14, f"step {step}: wgrad use_fast_accum {got_w} (K {bwd.k})"
+        assert got_d == [dgrad] * 14, f"step {step}: dgrad use_fast_accum {got_d} (K {bwd.k})"
 
 
 def _synthetic_report(fast_accum):
@@ -264,8 +290,9 @@ def test_a_forced_merge_of_different_accumulations_records_each_and_warns(tmp_pa
 
 
 @pytest.mark.parametrize("sets,want", [
-    (["fp8.recipe=delayed"], ["fprop"]),  # the table's default, as DelayedScaling took it
-    (["fp8.recipe=delayed", 'fp8.fast_accum=["wgrad","fprop"]'], ["fprop", "wgrad"]),  # GEMMS order
+    (["fp8.recipe=delayed"], ["fprop", "wgrad"]),  # the table's default, as DelayedScaling took it
+    (["fp8.recipe=delayed", 'fp8.fast_accum=["dgrad","fprop"]'], ["fprop", "dgrad"]),  # GEMMS order
+    (["fp8.recipe=tensorwise"], ["fprop"]),  # torchao's default
     (["fp8.recipe=tensorwise", "fp8.fast_accum=all"], list(GEMMS)),
     (["fp8.recipe=rowwise_with_gw_hp", "fp8.fast_accum=all"], ["fprop", "dgrad"]),  # its wgrad runs in bf16
     (["fp8.recipe=blockwise", "fp8.fast_accum=all"], []),  # cuBLAS's blockwise GEMMs take none
@@ -322,7 +349,7 @@ def test_checkpoints_record_the_accumulation_and_a_resume_with_another_says_so(s
     train(load_config(None, base), tmp_path / "full")
     ck = tmp_path / "full" / "checkpoints" / "step_000001"
     saved = ckpt.load_train_state(ck).get("fast_accum", "<missing>")
-    assert saved == ["fprop"], f"the checkpoint's fast_accum: {saved!r}"
+    assert saved == ["fprop", "wgrad"], f"the checkpoint's fast_accum: {saved!r}"
 
     def resumed(name: str, *sets: str) -> tuple[str, list[str]]:
         out = io.StringIO()
@@ -331,7 +358,8 @@ def test_checkpoints_record_the_accumulation_and_a_resume_with_another_says_so(s
         return out.getvalue(), json.loads((tmp_path / name / "run_info.json").read_text())["warnings"]
 
     printed, said = resumed("all", "fp8.fast_accum=all")
-    note = (f"--resume {str(ck)!r}: the checkpoint's run used fast accumulation in ['fprop'], this run uses it in "
+    note = (f"--resume {str(ck)!r}: the checkpoint's run used fast accumulation in ['fprop', 'wgrad'], this run uses "
+            f"it in "
             f"['fprop', 'dgrad', 'wgrad'] (fp8.fast_accum)")
     assert any(w.startswith(note) for w in said), said
     assert f"warning: {note}" in printed, printed

@@ -56,8 +56,8 @@ class FP8Config(ConfigModel):
         "and gradient blocks, 128x128 weight blocks, E4M3 throughout, DeepSeek-V3; layers whose dims are "
         "not multiples of 128 stay BF16) or delayed (fp8kit's own: Transformer Engine's delayed scaling "
         "from an amax history, see amax_history_len; the fastest on Llama-3-8B layers: 1.31x bf16 on an H200 in "
-        "session 38, 1.38-1.40x with output_head in sessions 39-41 (1.42-1.43x with it and fast_accum = \"all\", "
-        "which trained 1.3-1.9% above BF16's loss there in session 41); but 0.76x in full FP8 on llama-125m, where selective_fp8 = auto keeps the layers bf16; speeds: docs/benchmarks.md "
+        "session 38, 1.38-1.40x with output_head in sessions 39-41, 1.40-1.42x with it and the wgrad GEMM's fast "
+        "accumulation, the default since session 42 (see fast_accum); but 0.76x in full FP8 on llama-125m, where selective_fp8 = auto keeps the layers bf16; speeds: docs/benchmarks.md "
         "section 6).",
     )
     include: list[str] = Field(
@@ -85,21 +85,21 @@ class FP8Config(ConfigModel):
     fast_accum: list[Literal[GEMMS]] | None = Field(
         None,
         json_schema_extra={NONE_REFUSED: "none is ambiguous here: use [] for no fast accumulation in any GEMM, or "
-                                         "leave the key out for the recipe's default (fprop)"},
+                                         "leave the key out for the recipe's default"},
         description="Which GEMMs of each FP8 linear (fprop y = x w^T, dgrad dx, wgrad dw) run with the Hopper tensor "
         "cores' fast accumulation instead of promoting partial sums to FP32 (torch._scaled_mm use_fast_accum). Unset: "
-        "the recipe table's default, fprop only, as Transformer Engine and torchao run the per-tensor and per-row "
-        "scaled recipes (tensorwise, rowwise, rowwise_with_gw_hp, delayed). \"all\" = all three; [] runs every GEMM with FP32 "
-        "promotion; adding dgrad / "
-        "wgrad is faster (Llama-3-8B layers x 8 with the delayed recipe and the FP8 head on an H200: 1.386-1.391x of "
-        "BF16 by default, 1.409x with fprop + dgrad, 1.423-1.433x with \"all\"; [] 1.348x) but less accurate "
-        "(DeepSeek-V3, arXiv:2412.19437 section 3.3.2: about 2% on single outputs at K = 4096): on those 8B layers "
-        "(400 steps, two runs) the settings with fast dgrad trained 1.3-2.4% above BF16's loss, the default did "
-        "not (wgrad alone not measured), so a run that sets dgrad or wgrad is warned; llama-125m converged within 1% of BF16 with each setting (1200 steps). "
-        "Dense linears "
+        "the recipe table's default: fprop only for torchao's recipes (tensorwise, rowwise, rowwise_with_gw_hp), as "
+        "Transformer Engine and torchao run them; fprop and wgrad for delayed. \"all\" = all three; [] runs every "
+        "GEMM with FP32 promotion. Fast accumulation is faster but less exact (DeepSeek-V3, arXiv:2412.19437 "
+        "section 3.3.2: about 2% on single outputs at K = 4096). Llama-3-8B layers x 8 with the delayed recipe and "
+        "the FP8 head on an H200: [] 1.348x of BF16, fprop 1.374-1.396x, fprop + wgrad 1.404-1.418x, fprop + dgrad "
+        "1.409x, \"all\" 1.423-1.433x; over 400 steps (two runs each) the settings with fast dgrad trained 1.3-2.4% "
+        "above BF16's loss, fprop + wgrad +0.29% / -0.22% (BF16 varies 0.4% run to run; llama-125m, 1200 steps: "
+        "validation loss -0.02% of BF16's), so a run that sets dgrad is warned, and one that sets wgrad with another "
+        "recipe than delayed (not measured there). Dense linears "
         "only: no effect with recipe = blockwise (cuBLAS's blockwise GEMMs take none) nor on rowwise_with_gw_hp's "
         "bf16 wgrad, each warned about; MoE experts accumulate as their kernels do, noted (docs/benchmarks.md "
-        "section 6, sessions 39-41).",
+        "section 6, sessions 39-42).",
     )
     emulate: bool = Field(
         False,

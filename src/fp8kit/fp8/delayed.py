@@ -21,10 +21,11 @@ Numerics (Transformer Engine ``recipe.DelayedScaling``; Micikevicius et al. 2022
   (``fp8kit::cast_transpose``: one read, both FP8 layouts, the amax; same bits); it is faster on a lone linear
   but not in a model, where it stops that fusion, so the default leaves every cast to ``torch.compile``.
 - The three GEMMs of ``y = x @ w.T`` through ``torch._scaled_mm`` (tensorwise): fprop ``x8 @ w8.T``
-  (E4M3 x E4M3), dgrad ``dy8 @ w8`` (E5M2 x E4M3), wgrad ``dy8.T @ x8`` (E5M2 x E4M3); by default fprop with the
-  tensor cores' fast accumulation, dgrad and wgrad with the FP32-promoting split accumulator, as Transformer
-  Engine's ``DelayedScaling`` runs them (``Recipe.fast_accum`` in :mod:`fp8kit.fp8.recipes`; ``fp8.fast_accum``
-  overrides it through ``DelayedScaling.fast_accum``; :func:`scaled_mm`). The FP8 copies
+  (E4M3 x E4M3), dgrad ``dy8 @ w8`` (E5M2 x E4M3), wgrad ``dy8.T @ x8`` (E5M2 x E4M3); by default fprop and
+  wgrad with the tensor cores' fast accumulation, dgrad with the FP32-promoting split accumulator (Transformer
+  Engine's ``DelayedScaling`` promotes wgrad too; fp8kit measured the difference, session 42: ``Recipe.fast_accum``
+  in :mod:`fp8kit.fp8.recipes`; ``fp8.fast_accum`` overrides it through ``DelayedScaling.fast_accum``;
+  :func:`scaled_mm`). The FP8 copies
   ``x8`` and ``w8`` made in forward serve the backward, saved in the column-major layout its GEMMs take;
   under ``torch.compile`` the input is saved in bf16 instead and cast again in the backward with the same
   scale, as torchao's ``Float8Linear`` does, so a compiled model saves for the backward exactly what a bf16

@@ -73,7 +73,7 @@ class DelayedScaling:
     """The delayed-scaling settings (``[fp8]`` ``amax_history_len``, ``amax_compute_algo``, ``margin``,
     ``delayed_fused_cast``: a key of :data:`FUSED_CASTS`; ``fast_accum``: the GEMMs of ``fp8.recipes.GEMMS`` that
     run with fast accumulation, ``fp8.fast_accum`` resolved by ``fp8.recipes.fast_accum_for``, by default the
-    recipe table's: fprop).
+    recipe table's: fprop and wgrad).
 
     Raises:
         ValueError: ``amax_history_len < 1``, an unknown ``amax_compute_algo`` or ``fused_cast``, a
