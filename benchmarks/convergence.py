@@ -18,8 +18,8 @@ default, as in the FP8 engine and FP8-LM issues):
   ``fp8adamw-v-e4m3`` (the paper's negative ablation: FP8 second moment);
 - ``--study llama3-8b``: the 8B throughput workload (Llama-3-8B, 8 layers, seq 4096 x micro-batch 2, lr 3e-4,
   400 steps by default: :data:`STUDY_DEFAULTS`) with its optimizer (FP8AdamW, bf16 working weights): ``bf16`` vs the delayed recipe with the FP8
-  LM head, with the default accumulation (fast fprop), with fast fprop and dgrad, and with ``fp8.fast_accum =
-  "all"``: the long reductions
+  LM head, with the default accumulation (fast fprop and wgrad since session 42), with fast fprop only
+  (Transformer Engine's), and with ``fp8.fast_accum = "all"``: the long reductions
   of real 8B shapes (K up to 14336, wgrad over 8192 tokens), which llama-125m does not have.
 
 Writes ``<study>.png`` (train loss, EMA-smoothed, and validation loss) and ``<study>.md`` (final losses, gap
@@ -57,7 +57,8 @@ VARIANTS = {
     # the output head (lm_head) in FP8 too (fp8.output_head; BF16 in every other variant)
     "delayed-output-head": [*FULL_FP8, "fp8.recipe=delayed", "fp8.output_head=true", *FP32_MASTER],
     "tensorwise-output-head": [*FULL_FP8, "fp8.recipe=tensorwise", "fp8.output_head=true", *FP32_MASTER],
-    # delayed with fast accumulation in every GEMM (fp8.fast_accum; the default is fprop only), and in none
+    # delayed with fast accumulation in every GEMM (fp8.fast_accum; the default: fprop + wgrad since session 42), and
+    # in none
     "delayed-fast-accum-all": [*FULL_FP8, "fp8.recipe=delayed", "fp8.fast_accum=all", *FP32_MASTER],
     "delayed-split-accum": [*FULL_FP8, "fp8.recipe=delayed", "fp8.fast_accum=[]", *FP32_MASTER],
     # delayed with the three MLP linears run separately (the fused SwiGLU MLP off)
@@ -85,22 +86,27 @@ VARIANTS = {
     "delayed-default-optim": [*FULL_FP8, "fp8.recipe=delayed"],
     "delayed-unfused-default-optim": [*FULL_FP8, "fp8.recipe=delayed", "fp8.delayed_fused_mlp=false"],
     # study "llama3-8b": the 8B throughput workload's recipes (train_throughput.py's variants), FP8AdamW as there
+    # (the default accumulation: fprop only in the results of sessions 41-42, fprop + wgrad from session 42's change)
     "delayed-head-default-optim": [*FULL_FP8, "fp8.recipe=delayed", "fp8.output_head=true"],
     "delayed-head-all-default-optim": [*FULL_FP8, "fp8.recipe=delayed", "fp8.output_head=true", "fp8.fast_accum=all"],
     # fast accumulation in fprop and dgrad, the wgrad GEMM (the reduction over tokens) split
     "delayed-head-fd-default-optim": [*FULL_FP8, "fp8.recipe=delayed", "fp8.output_head=true",
                                       "fp8.fast_accum=fprop,dgrad"],
-    # fast accumulation in fprop and wgrad (the reduction over tokens), dgrad split
+    # fast accumulation in fprop and wgrad (the reduction over tokens), dgrad split: the delayed default since
+    # session 42 (spelled out, as session 42 ran it before it was the default)
     "delayed-head-fw-default-optim": [*FULL_FP8, "fp8.recipe=delayed", "fp8.output_head=true",
                                       "fp8.fast_accum=fprop,wgrad"],
+    # fast accumulation in fprop only (Transformer Engine's and torchao's; the delayed default until session 41)
+    "delayed-head-fprop-default-optim": [*FULL_FP8, "fp8.recipe=delayed", "fp8.output_head=true",
+                                         "fp8.fast_accum=fprop"],
 }
 STUDIES = {
     "recipes": ["bf16", "tensorwise", "blockwise", "delayed"],
     "moe-tiny": ["bf16", "blockwise", "tensorwise"],
     "moe-qwen3": ["bf16", "blockwise", "tensorwise", "tensorwise-gwfp8"],
     "optimizers": ["adamw-fp32", "fp8adamw", "fp8adamw-paper", "fp8adamw-v-e4m3", "fp8adamw-block"],
-    "llama3-8b": ["bf16-default-optim", "delayed-head-default-optim", "delayed-head-all-default-optim",
-                  "delayed-head-fd-default-optim"],
+    "llama3-8b": ["bf16-default-optim", "delayed-head-default-optim", "delayed-head-fprop-default-optim",
+                  "delayed-head-all-default-optim"],
 }
 #: The model of each study (``--set`` overrides); the others train ``llama-125m``.
 MODELS = {

@@ -171,7 +171,7 @@ def test_auto_cache_key_tells_the_layouts_apart():
     dense = AutoShape(gemms=((4096, 4096),), num_tokens=8192)
     assert shape_recipe_key(dense, "blockwise", None) == "blockwise"
     assert shape_recipe_key(dense, "blockwise", None, wgrad_x="128x128") == "blockwise:wgrad_x=128x128"
-    assert shape_recipe_key(dense, "tensorwise", None, wgrad_x="128x128") == "tensorwise"
+    assert shape_recipe_key(dense, "tensorwise", None, wgrad_x="128x128") == "tensorwise:fast_accum=fprop"
 
 
 def test_blockwise_experts_take_the_same_layout_per_expert():

@@ -161,3 +161,27 @@ def test_batch_to_device_keeps_the_values():
             got = batch_to_device(batch, torch.device("cuda"))
         assert sources and all(sources), f"host-to-device copies from pinned memory: {sources}"
         assert got.device.type == "cuda" and torch.equal(got.cpu(), batch), "the pinned copy changed the batch"
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_fine_tuning_batch_moves_each_tensor_through_batch_to_device(packed):
+    """``SFTBatch.apply`` (what the loop does with a fine-tuning batch): every tensor through ``batch_to_device`` (on
+    CUDA from pinned memory, as the pretraining windows), the supervised count and an absent ``position_ids`` kept."""
+    import functools
+
+    from fp8kit.data.sft import SFTBatch
+
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 1000, (2, 8), generator=gen)
+    labels = ids.clone()
+    labels[:, :3] = -100
+    pos = torch.arange(8).repeat(2, 1) if packed else None
+    batch = SFTBatch(ids, labels, pos, 10)
+    seen = []
+    moved = batch.apply(lambda t: seen.append(t) or batch_to_device(t, torch.device("cpu")))
+    assert len(seen) == (3 if packed else 2), len(seen)
+    assert moved.input_ids is ids and moved.labels is labels and moved.num_supervised == 10
+    assert (moved.position_ids is pos) if packed else moved.position_ids is None
+    if torch.cuda.is_available():
+        got = batch.apply(functools.partial(batch_to_device, device=torch.device("cuda")))
+        assert got.input_ids.is_cuda and torch.equal(got.labels.cpu(), labels), "the pinned copies changed the batch"

@@ -34,6 +34,8 @@ profile)
   echo "patch loaded in the profiled process: $(grep -l grad_cast_rope /tmp/sp_norope/*.log 2>/dev/null | wc -l) log(s)" | tee -a $OUT/keep/step_profile_norope.log
   head -8 /tmp/sp/results.md; tail -2 /tmp/sp_norope/results.md ;;
 wgrad)
+  # (run twice in session 42, before fprop + wgrad became the delayed default: after it, the second variant below
+  # equals the third; session 42's verify_next.sh compares the default with fp8.fast_accum=[fprop])
   # fast accumulation in fprop + wgrad (dgrad split), never measured: speed (one run) and 8B convergence against bf16
   # and the default (session 41 found fast dgrad 1.3-2.4% above bf16's train loss)
   timeout 200 python3 benchmarks/train_throughput.py --workload llama3-8b-seq4096 --steps 20 --out /tmp/t8 \

@@ -38,7 +38,7 @@ from fp8kit.bench.layers import BenchLayersArgs, _GroupedTimer, _Timer
 from fp8kit.bench.sites import BenchSite
 from fp8kit.config import ModelConfig, RunConfig
 from fp8kit.config.options import grouped_gemm_config, requested_fast_accum
-from fp8kit.fp8.recipes import fast_accum_for
+from fp8kit.fp8.recipes import fast_accum_for, recipe_info
 from fp8kit.fp8.weight_cache import clear_weight_caches
 from fp8kit.selective.auto import (
     AutoOptions,
@@ -94,16 +94,16 @@ def shape_recipe_key(shape: AutoShape, recipe: str, grouped_key: str | None, wgr
                      fast_accum: tuple[str, ...] | None = None) -> str:
     """The ``recipe`` part of a shape's cache key: the dense recipe or the grouped kernel key of one expert weight
     (both with ``:wgrad_x=128x128`` for the blockwise recipe with ``fp8.blockwise_wgrad_x = "128x128"``; a dense
-    recipe with ``:fast_accum=<gemms joined by +>`` when ``fp8.fast_accum`` resolves to other GEMMs than the recipe
-    table's, ``fp8.recipes.fast_accum_for``), or for an
+    recipe that takes fast accumulation with ``:fast_accum=<gemms joined by +, or none>``, ``fp8.fast_accum``
+    resolved by ``fp8.recipes.fast_accum_for``: spelled out always, so that a change of a recipe's default
+    accumulation cannot reuse timings of the old one), or for an
     expert MLP (``shape.mlp``, only on the fused kernel) ``grouped:fused:wgrad=<fp8.grouped_wgrad>:gemm=<fp8.grouped_gemm>``,
     with ``:accum=<N>`` when its FP8 weights are cast once per ``N`` micro-batches (``ExpertsMLPTimer(accumulate=)``)."""
     if shape.mlp:
         return f"grouped:fused:wgrad={wgrad}:gemm={gemm}" + (f":accum={accumulate}" if accumulate > 1 else "")
     key = grouped_key if shape.is_grouped else recipe
-    fast = fast_accum_for(recipe, fast_accum)
-    if not shape.is_grouped and fast != fast_accum_for(recipe):
-        key += ":fast_accum=" + ("+".join(fast) or "none")
+    if not shape.is_grouped and recipe_info(recipe).fast_accum_gemms:
+        key += ":fast_accum=" + ("+".join(fast_accum_for(recipe, fast_accum)) or "none")
     return f"{key}:wgrad_x={wgrad_x}" if recipe == "blockwise" and wgrad_x != "128x1" else key
 
 

@@ -63,10 +63,10 @@ class SFTBatch:
         pos = None if self.position_ids is None else self.position_ids[rows]
         return SFTBatch(self.input_ids[rows], labels, pos, int((labels != IGNORE_INDEX).sum()))
 
-    def to(self, device: torch.device) -> SFTBatch:
-        pos = None if self.position_ids is None else self.position_ids.to(device, non_blocking=True)
-        return SFTBatch(self.input_ids.to(device, non_blocking=True), self.labels.to(device, non_blocking=True),
-                        pos, self.num_supervised)
+    def apply(self, fn) -> SFTBatch:
+        """The batch with ``fn`` (tensor -> tensor, e.g. a device copy) applied to each of its tensors."""
+        pos = None if self.position_ids is None else fn(self.position_ids)
+        return SFTBatch(fn(self.input_ids), fn(self.labels), pos, self.num_supervised)
 
     def model_kwargs(self) -> dict[str, torch.Tensor]:
         """Keyword arguments for the model besides ``input_ids`` (``position_ids`` when packed)."""

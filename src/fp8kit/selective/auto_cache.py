@@ -23,8 +23,9 @@ from fp8kit.selective.auto import AutoShape, Timing
 
 CACHE_FORMAT = "fp8kit-auto-timing"
 #: 2: the delayed recipe's fprop runs with fast accumulation (session 39): version-1 timings of its sites are stale
-#: (those of the other recipes are measured once more with them). 3: and its wgrad too (session 42): a key of
-#: recipe "delayed" without ``:fast_accum=`` meant fprop only in version 2.
+#: (those of the other recipes are measured once more with them). 3: and its wgrad too (session 42); from version 3
+#: a dense recipe's key spells its accumulation out (``bench.auto.shape_recipe_key``), so a change of a default
+#: no longer needs a new version.
 CACHE_VERSION = 3
 #: The timing method (``bench/timing.py``): changes of it invalidate every entry.
 TIMING_METHOD = "v2: device queue held by torch.cuda._sleep, median of 3 repeats; perf_counter on CPU"

@@ -33,6 +33,7 @@ DTensor shards (``fp8kit.train.clip``), and tokens/s counts all ranks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -112,7 +113,7 @@ def _loss(setup: Setup, batch) -> torch.Tensor:
         batch = batch_to_device(batch, setup.device)  # pinned: no host sync (train/host_sync.py)
         x, y, extra = batch[:, :-1], batch[:, 1:], {}
     else:
-        batch = batch.to(setup.device)
+        batch = batch.apply(functools.partial(batch_to_device, device=setup.device))  # each tensor pinned, as above
         x, y, extra = batch.input_ids, batch.labels, batch.model_kwargs()
     if setup.cfg.train.cuda_graphs:
         # a new iteration of the CUDA graph trees: the previous forward's outputs may be overwritten from here

@@ -452,6 +452,9 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
         "bf16_peak_flops": setup.peak_flops,
         "warnings": setup.warnings,
         "optimizer_choice": optim_choice,  # what optim.name / train.param_dtype = auto chose, and why
+        # the dense FP8 GEMMs with fast accumulation (fp8.fast_accum resolved against the recipe's default, which
+        # changed in session 42 for delayed; None: no dense linear in FP8), as the checkpoints record it
+        "fast_accum": run_fast_accum(cfg, prepared.conversion, decisions),
         "selective_auto": auto.info,  # selective_fp8 = "auto": the measured table, or why nothing was measured
         "training_state_bytes": training_state_bytes([p for p in model.parameters() if p.requires_grad], optimizer),
         "parallel": {
