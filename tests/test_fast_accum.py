@@ -391,6 +391,9 @@ def test_checkpoints_record_the_accumulation_and_a_resume_with_another_says_so(s
     info = json.loads((tmp_path / "full" / "run_info.json").read_text())
     assert info["fast_accum"] == ["fprop", "wgrad"], info.get("fast_accum", "<missing>")  # the run says it too
     printed, said = resumed("all", "fp8.fast_accum=all")
+    assert "fp8 delayed (fast accumulation: fprop, dgrad, wgrad) on" in printed, printed  # the start line says it
+    summary = json.loads((tmp_path / "all" / "summary.json").read_text())
+    assert summary["precision"] == "fp8 delayed (fast accumulation: fprop, dgrad, wgrad)", summary["precision"]
     note = (f"--resume {str(ck)!r}: the checkpoint's run used fast accumulation in ['fprop', 'wgrad'], this run uses "
             f"it in "
             f"['fprop', 'dgrad', 'wgrad'] (fp8.fast_accum)")

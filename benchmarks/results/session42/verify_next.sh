@@ -4,7 +4,9 @@
 # convergence run, and why fp8.delayed_fused_cast = "grad_output" did not gain.
 #   call A (~5 min, nvidia-h200): bash benchmarks/results/session42/verify_next.sh tests-and-e2e
 #   call B (~9.5 min, nvidia-h200): bash benchmarks/results/session42/verify_next.sh long-convergence
-#   call C (~5 min, nvidia-h200): bash benchmarks/results/session41/verify_next.sh profile
+#   call C (~6 min, nvidia-h200): bash benchmarks/results/session42/verify_next.sh blockwise (the 8B blockwise target,
+#     1.272x of 1.30x: its options together on the H200, and where its step goes now)
+#   call D (~5 min, nvidia-h200): bash benchmarks/results/session41/verify_next.sh profile (why grad_output did not gain)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
 mkdir -p $OUT/keep
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/keep/gpu.txt
@@ -27,5 +29,15 @@ long-convergence)
   for v in bf16-default-optim delayed-head-default-optim delayed-head-fprop-default-optim; do
     cp /tmp/conv_long/$v/metrics.jsonl $OUT/keep/conv_${v}_metrics.jsonl 2>/dev/null; done
   cat /tmp/conv_long/llama3-8b.md ;;
-*) echo "usage: verify_next.sh tests-and-e2e | long-convergence"; exit 2 ;;
+blockwise)
+  # blockwise with the 128x128 wgrad input and the FP8 head (session 38: 1.272x on an H200), + its fused SwiGLU MLP,
+  # + CUDA graphs; one run (ratios within it)
+  B='blockwise+fp8.blockwise_wgrad_x=128x128+fp8.output_head=true'
+  timeout 240 python3 benchmarks/train_throughput.py --workload llama3-8b-seq4096 --steps 20 --out /tmp/t8b \
+    --variants "bf16,$B,$B+fp8.blockwise_fused_mlp=true,$B+train.cuda_graphs=true" > $OUT/keep/e2e_8b_blockwise.log 2>&1; echo rc $?
+  cp /tmp/t8b/results.md $OUT/keep/results_blockwise.md 2>/dev/null; tail -5 /tmp/t8b/results.md
+  timeout 200 python3 benchmarks/step_profile.py --workload llama3-8b-seq4096 --out /tmp/spb --variants "bf16,$B" --top 30 \
+    > $OUT/keep/step_profile_blockwise.log 2>&1; echo rc $?
+  cp /tmp/spb/results.md $OUT/keep/step_profile_blockwise.md 2>/dev/null; head -12 /tmp/spb/results.md ;;
+*) echo "usage: verify_next.sh tests-and-e2e | long-convergence | blockwise"; exit 2 ;;
 esac

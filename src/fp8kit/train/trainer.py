@@ -147,7 +147,7 @@ def train(
     desc = {
         "model": _model_desc(cfg),
         "params_m": setup.params["total"] / 1e6,
-        "precision": _precision_desc(cfg),
+        "precision": _precision_desc(cfg, setup.info.get("fast_accum")),
         "optimizer": _optim_desc(cfg),
         "state_bytes_per_param": setup.info["training_state_bytes"]["total"],
         "fp8_sites": " ".join(filter(None, [f"{summarize(setup.decisions)['fp8_sites']} of {len(setup.decisions)}",
@@ -260,10 +260,15 @@ def _model_desc(cfg: RunConfig) -> str:
     return name
 
 
-def _precision_desc(cfg: RunConfig) -> str:
+def _precision_desc(cfg: RunConfig, fast_accum: list[str] | None = None) -> str:
+    """The run's precision in words; ``fast_accum``: the dense FP8 GEMMs with fast accumulation
+    (``setup.run_fast_accum``, None when no dense linear is FP8), e.g. ``fp8 delayed (fast accumulation: fprop,
+    wgrad)``."""
     if cfg.train.mixed_precision != "fp8":
         return "bf16"
     desc = f"fp8 {cfg.fp8.recipe}"
+    if fast_accum is not None:
+        desc += f" (fast accumulation: {', '.join(fast_accum) or 'none'})"
     if cfg.fp8.bf16_warmup_steps or cfg.fp8.bf16_cooldown_steps:
         desc += f" (bf16 warmup {cfg.fp8.bf16_warmup_steps}, cooldown {cfg.fp8.bf16_cooldown_steps} steps)"
     return desc
@@ -282,7 +287,7 @@ def _print_start(setup: Setup, console: Console) -> None:
     cfg, info = setup.cfg, setup.info
     console.print(
         f"[bold]fp8kit train[/bold]: {_model_desc(cfg)}, {setup.params['total'] / 1e6:.1f}M parameters, "
-        f"{_precision_desc(cfg)} on {info['device']}"
+        f"{_precision_desc(cfg, info.get('fast_accum'))} on {info['device']}"
     )
     console.print(f"data: {info['corpus']}; {info['tokens']:,} tokens ({info['tokenizer']})")
     if cfg.train.mixed_precision == "fp8":  # a bf16 run has no FP8 GEMM to describe
