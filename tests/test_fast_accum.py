@@ -399,3 +399,17 @@ def test_checkpoints_record_the_accumulation_and_a_resume_with_another_says_so(s
             f"['fprop', 'dgrad', 'wgrad'] (fp8.fast_accum)")
     assert any(w.startswith(note) for w in said), said
     assert f"warning: {note}" in printed, printed
+
+
+def test_the_precision_line_names_the_accumulation_and_the_bf16_phases():
+    from fp8kit.config import load_config
+    from fp8kit.train.trainer import _precision_desc
+
+    cfg = load_config(None, ["train.mixed_precision=fp8", "fp8.recipe=delayed"])
+    assert _precision_desc(cfg, ["fprop", "wgrad"]) == "fp8 delayed (fast accumulation: fprop, wgrad)"
+    assert _precision_desc(cfg, []) == "fp8 delayed (fast accumulation: none)"
+    assert _precision_desc(cfg, None) == "fp8 delayed"  # no dense linear in FP8: nothing to say
+    phased = load_config(None, ["train.mixed_precision=fp8", "fp8.recipe=delayed", "fp8.bf16_warmup_steps=5"])
+    got = _precision_desc(phased, ["fprop", "wgrad"])
+    assert got == "fp8 delayed (fast accumulation: fprop, wgrad; bf16 warmup 5, cooldown 0 steps)", got
+    assert _precision_desc(load_config(None, ["train.mixed_precision=bf16"]), ["fprop"]) == "bf16"

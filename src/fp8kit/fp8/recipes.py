@@ -41,9 +41,10 @@ only its own weight's gradient, which the optimizer averages over steps. Fast ac
 GEMM 0-5% faster at the 8B linears (``benchmarks/experiments/fast_accum/bench.py``); its fprop error against the
 float64 product of the same FP8 operands is 49.6-53.5 dB below the signal (55.6 dB split), far smaller than the FP8
 quantization's own (~28 dB); wgrad's (K = the tokens, 8192 there) was not measured alone. Blockwise GEMMs apply
-a scale per 128-wide K block, in FP32, and cuBLAS refuses fast accumulation for them. The table covers dense linears: MoE experts accumulate as their kernels do (the rowwise grouped GEMMs fast in
-all three GEMMs, ``moe.grouped_mm``; blockwise experts through the blockwise GEMM). ``fp8.fast_accum`` overrides
-the table for the dense linears of every recipe but blockwise (:func:`fast_accum_for`).
+a scale per 128-wide K block, in FP32, and cuBLAS refuses fast accumulation for them. The table covers dense
+linears: MoE experts accumulate as their kernels do (the rowwise grouped GEMMs fast in all three GEMMs,
+``moe.grouped_mm``; blockwise experts through the blockwise GEMM). ``fp8.fast_accum`` overrides the table for the
+dense linears of every recipe but blockwise (:func:`fast_accum_for`).
 
 torchao's recipes: ``torchao.float8.Float8LinearConfig.from_recipe_name``; FSDP2 FP8 all-gather only for
 tensorwise. fp8kit's blockwise: ``fp8kit.fp8.linear.Float8BlockwiseLinear`` (numerics in

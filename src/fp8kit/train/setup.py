@@ -396,8 +396,9 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
                         emulate=fp8_emulated(cfg, device)),
         mesh, hf_cfg=hf_cfg,
     )
-    if resume_ckpt is not None:  # the accumulation the conversion took, against the checkpoint's
-        note = fast_accum_resume_note(resume_ckpt, resume_state, run_fast_accum(cfg, prepared.conversion, decisions))
+    fast_accum = run_fast_accum(cfg, prepared.conversion, decisions)  # the accumulation the conversion took
+    if resume_ckpt is not None:  # against the checkpoint's
+        note = fast_accum_resume_note(resume_ckpt, resume_state, fast_accum)
         if note is not None:
             early_warnings.append(note)
     if init_program is not None:
@@ -454,7 +455,7 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
         "optimizer_choice": optim_choice,  # what optim.name / train.param_dtype = auto chose, and why
         # the dense FP8 GEMMs with fast accumulation (fp8.fast_accum resolved against the recipe's default, which
         # changed in session 42 for delayed; None: no dense linear in FP8), as the checkpoints record it
-        "fast_accum": run_fast_accum(cfg, prepared.conversion, decisions),
+        "fast_accum": fast_accum,
         "selective_auto": auto.info,  # selective_fp8 = "auto": the measured table, or why nothing was measured
         "training_state_bytes": training_state_bytes([p for p in model.parameters() if p.requires_grad], optimizer),
         "parallel": {

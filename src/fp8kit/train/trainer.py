@@ -266,12 +266,12 @@ def _precision_desc(cfg: RunConfig, fast_accum: list[str] | None = None) -> str:
     wgrad)``."""
     if cfg.train.mixed_precision != "fp8":
         return "bf16"
-    desc = f"fp8 {cfg.fp8.recipe}"
+    notes = []
     if fast_accum is not None:
-        desc += f" (fast accumulation: {', '.join(fast_accum) or 'none'})"
+        notes.append(f"fast accumulation: {', '.join(fast_accum) or 'none'}")
     if cfg.fp8.bf16_warmup_steps or cfg.fp8.bf16_cooldown_steps:
-        desc += f" (bf16 warmup {cfg.fp8.bf16_warmup_steps}, cooldown {cfg.fp8.bf16_cooldown_steps} steps)"
-    return desc
+        notes.append(f"bf16 warmup {cfg.fp8.bf16_warmup_steps}, cooldown {cfg.fp8.bf16_cooldown_steps} steps")
+    return f"fp8 {cfg.fp8.recipe}" + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def _optim_desc(cfg: RunConfig) -> str:
