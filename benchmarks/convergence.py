@@ -22,7 +22,7 @@ default, as in the FP8 engine and FP8-LM issues):
   (Transformer Engine's), and with ``fp8.fast_accum = "all"``: the long reductions
   of real 8B shapes (K up to 14336, wgrad over 8192 tokens), which llama-125m does not have.
 
-Writes ``<study>.png`` (train loss, EMA-smoothed, and validation loss) and ``<study>.md`` (final losses, gap
+Writes ``<study>.png`` (train loss, EMA-smoothed; validation loss; both as gaps to the baseline in percent) and ``<study>.md`` (final losses, gap
 of the final validation loss to the baseline, median step time, state bytes/param). ``--parallel`` runs
 the variants at once on one GPU: the losses do not depend on it, the step times do (take those from
 ``train_throughput.py`` / ``optimizer_step.py``).
@@ -159,6 +159,31 @@ def ema(xs: list[float], a: float = 0.98) -> list[float]:
     return out
 
 
+#: How many windows :func:`train_gap_windows` cuts a run into.
+WINDOWS = 20
+
+
+def train_gap_windows(recs: list[dict], base_loss: dict[int, float]) -> list[tuple[float, float]]:
+    """The train loss's gap to the baseline's, in percent, over :data:`WINDOWS` windows of equal step count.
+
+    Each window compares the mean loss of the steps both runs logged in it (same seed and data order, so the
+    same batches): ``100 * (mean(loss) / mean(baseline loss) - 1)``, placed at the window's last step. Per-step
+    losses swing with the batch far more than the precisions differ; the validation loss is evaluated only a few
+    times. Returns ``[]`` when the runs share fewer than ``WINDOWS`` steps.
+    """
+    steps = [r["step"] for r in recs if r["step"] in base_loss]
+    if len(steps) < WINDOWS:
+        return []
+    own = {r["step"]: r["loss"] for r in recs}
+    size = len(steps) // WINDOWS
+    out = []
+    for i in range(WINDOWS):
+        win = steps[i * size:(i + 1) * size] if i < WINDOWS - 1 else steps[i * size:]
+        out.append((win[-1], 100.0 * (statistics.fmean(own[s] for s in win)
+                                      / statistics.fmean(base_loss[s] for s in win) - 1.0)))
+    return out
+
+
 def report(out: Path, study: str) -> str:
     import matplotlib
 
@@ -170,8 +195,9 @@ def report(out: Path, study: str) -> str:
     runs = {n: read(out, n) for n in [*STUDIES[study], *extra]}
     # the study's baseline, or (a --variants run without it) the first variant that ran
     baseline = next((n for n, recs in runs.items() if recs), STUDIES[study][0])
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.5))
+    fig, (ax1, ax2, ax3, ax4) = plt.subplots(1, 4, figsize=(22, 4.5))
     base_recs = runs.get(baseline) or []
+    base_loss = {r["step"]: r["loss"] for r in base_recs}
     ref_val = next((r["val_loss"] for r in reversed(base_recs) if r.get("val_loss") is not None), None)
     base_by_step = {r["step"]: r["val_loss"] for r in base_recs if r.get("val_loss") is not None}
     kept: list[float] = []  # the losses of the runs that did not diverge set the axes
@@ -190,12 +216,18 @@ def report(out: Path, study: str) -> str:
         gaps = [(st, 100.0 * (v / base_by_step[st] - 1.0)) for st, v in vals if base_by_step.get(st)]
         if gaps and not diverged:
             ax3.plot(*zip(*gaps, strict=True), marker="o", label=label)
+        windows = train_gap_windows(finite, base_loss)
+        if windows and not diverged:
+            ax4.plot(*zip(*windows, strict=True), marker=".", label=label)
         if not diverged:
             kept += curve[len(curve) // 20:] + [v for _, v in vals]
     ax3.axhspan(-1.0, 1.0, color="green", alpha=0.08, label="within 1% of the baseline")
     ax3.axhline(0.0, color="gray", lw=0.8)
+    ax4.axhspan(-1.0, 1.0, color="green", alpha=0.08)
+    ax4.axhline(0.0, color="gray", lw=0.8)
     for ax, title in ((ax1, "train loss (EMA 0.98)"), (ax2, "validation loss"),
-                      (ax3, f"validation loss vs {baseline}, %")):
+                      (ax3, f"validation loss vs {baseline}, %"),
+                      (ax4, f"train loss vs {baseline}, %, window means")):
         ax.set_xlabel("step")
         ax.set_title(title)
         ax.grid(alpha=0.3)
