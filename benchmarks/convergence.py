@@ -22,8 +22,9 @@ default, as in the FP8 engine and FP8-LM issues):
   (Transformer Engine's), and with ``fp8.fast_accum = "all"``: the long reductions
   of real 8B shapes (K up to 14336, wgrad over 8192 tokens), which llama-125m does not have.
 
-Writes ``<study>.png`` (train loss, EMA-smoothed; validation loss; both as gaps to the baseline in percent) and ``<study>.md`` (final losses, gap
-of the final validation loss to the baseline, median step time, state bytes/param). ``--parallel`` runs
+Writes ``<study>.png`` (train loss, EMA-smoothed; validation loss; both as gaps to the baseline in percent,
+the train loss's as window means, :func:`train_gap_windows`) and ``<study>.md`` (final losses, gap of the final
+validation loss to the baseline, median step time, state bytes/param). ``--parallel`` runs
 the variants at once on one GPU: the losses do not depend on it, the step times do (take those from
 ``train_throughput.py`` / ``optimizer_step.py``).
 
