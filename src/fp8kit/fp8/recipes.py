@@ -37,7 +37,7 @@ ended within 0.3% of BF16's loss (400 steps, two runs: final train loss +0.29% /
 varying 0.4% run to run, 40-step windows up to +1.8%; llama-125m, 1200 steps: validation loss -0.02%, fprop only
 +0.34%, train loss +0.65%), where fast dgrad trained 1.3-2.4% above BF16 (session 41). An 800-step 8B run (session
 43) ended at a validation loss +0.15% of BF16's (fprop only -0.01%), but its train loss ran 0.4-1.1% above BF16's in
-every 80-step window (fprop only within 0.3% after step 240): inside the spread of the three 8B runs' final gaps,
+every 80-step window (fprop only -0.1 to +0.3% after step 240): inside the spread of the three 8B runs' final gaps,
 and kept as the default on that evidence; ``fp8.fast_accum = ["fprop"]`` is the cautious setting. Why wgrad tolerates it and
 dgrad does not is a reading, not a measurement: a dgrad error enters every earlier layer's gradients, a wgrad error
 only its own weight's gradient, which the optimizer averages over steps. Fast accumulation makes an isolated fprop
