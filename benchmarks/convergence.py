@@ -164,6 +164,11 @@ def ema(xs: list[float], a: float = 0.98) -> list[float]:
 WINDOWS = 20
 
 
+def finite_losses(recs: list[dict]) -> list[dict]:
+    """The records whose train loss is a number below 1e4 (a diverged run's NaN / inf steps left out)."""
+    return [r for r in recs if r["loss"] == r["loss"] and r["loss"] < 1e4]
+
+
 def train_gap_windows(recs: list[dict], base_loss: dict[int, float]) -> list[tuple[float, float]]:
     """The train loss's gap to the baseline's, in percent, over :data:`WINDOWS` windows of equal step count.
 
@@ -198,14 +203,14 @@ def report(out: Path, study: str) -> str:
     baseline = next((n for n, recs in runs.items() if recs), STUDIES[study][0])
     fig, (ax1, ax2, ax3, ax4) = plt.subplots(1, 4, figsize=(22, 4.5))
     base_recs = runs.get(baseline) or []
-    base_loss = {r["step"]: r["loss"] for r in base_recs}
+    base_loss = {r["step"]: r["loss"] for r in finite_losses(base_recs)}
     ref_val = next((r["val_loss"] for r in reversed(base_recs) if r.get("val_loss") is not None), None)
     base_by_step = {r["step"]: r["val_loss"] for r in base_recs if r.get("val_loss") is not None}
     kept: list[float] = []  # the losses of the runs that did not diverge set the axes
     for name, recs in runs.items():
         if not recs:
             continue
-        finite = [r for r in recs if r["loss"] == r["loss"] and r["loss"] < 1e4]
+        finite = finite_losses(recs)
         vals = [(r["step"], r["val_loss"]) for r in recs if r.get("val_loss") is not None]
         diverged = bool(ref_val and vals and not vals[-1][1] < 1.5 * ref_val)
         label = f"{name} (diverged: final val {vals[-1][1]:.3g}, off the axes)" if diverged else name
