@@ -10,7 +10,8 @@ test checks it. Layouts are documented there.
   ``qt[K, Mp]`` (column amax), with their decoding scales. Rows past ``M`` read as zero. The tile is
   walked in slices of ``CHUNK`` rows (few live registers, high occupancy), keeping the running max of
   ``|x|`` element-wise so the column amax takes one reduction across warps per tile (``_quant_rows``); the
-  column copy re-reads the slices while they are still in L2. With ``t2d`` (``wgrad_x = "128x128"``) the
+  column copy re-reads the slices while they are still in L2 (with one slice, ``CHUNK = 128``, the tile still in
+  registers: no second read). With ``t2d`` (``wgrad_x = "128x128"``) the
   transposed copy takes one scale per tile (the max of the column amaxes) in the weight layout of ``x^T``.
 - :func:`quantize_weight`: one program per 128x128 block of ``w[N, K]`` writes ``wq[N, K]`` and
   ``wtq[K, N]`` with the block's scale in both padded scale layouts (padding included).
@@ -89,6 +90,16 @@ def _quant_cols(x, rows, cols, scale_c, qt_ptr, MP, FP8_MAX):
 
 
 @triton.jit
+def _quant_cols_or_tile(x, rows, cols, scale_c, qt_ptr, MP, FP8_MAX, T_2D: tl.constexpr):
+    # the x^T copy -> qt[K, Mp]: 128x1 column scales ([128] scale_c), or one scale per tile (scalar scale_c, T_2D)
+    if T_2D:
+        qc = tl.clamp(x * scale_c, -FP8_MAX, FP8_MAX).to(qt_ptr.dtype.element_ty)
+        tl.store(qt_ptr + cols[:, None] * MP + rows[None, :], tl.trans(qc))
+    else:
+        _quant_cols(x, rows, cols, scale_c, qt_ptr, MP, FP8_MAX)
+
+
+@triton.jit
 def _col_scale(col_amax, st_ptr, pid_m, cols, K, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE: tl.constexpr):
     scale_c = _scale_of(col_amax, EPS, AMAX_MAX, FP8_MAX)
     tl.store(st_ptr + pid_m * K + cols, tl.div_rn(tl.full((BLOCK_SIZE,), 1.0, tl.float32), scale_c))
@@ -147,7 +158,8 @@ def _act_quant_kernel(
 ):
     # One program per 128x128 tile, walked in CHUNK-row slices so few registers stay live (occupancy
     # hides the memory latency). Pass 1 reads each slice from HBM: 1x128 row scales and the row copy,
-    # and the running column amax. Pass 2 re-reads the slices (L2-resident) for the 128x1 copy; without
+    # and the running column amax. Pass 2 re-reads the slices (L2-resident) for the 128x1 copy, or, with one
+    # slice (CHUNK = 128), casts it from the tile still in registers; without
     # WRITE_T (the fprop copy alone) there is no pass 2 and qt_ptr / st_ptr are not touched. K_FIRST: the grid is
     # (K / 128, Mp / 128), consecutive programs reading consecutive tiles of the same rows; else (Mp / 128, K / 128).
     pid_m, pid_k = _tile_ids(K_FIRST)
@@ -167,16 +179,17 @@ def _act_quant_kernel(
             scale_c = _tile_scale(col_amax, st_ptr, pid_m, pid_k, MP, ST_LD, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
         else:
             scale_c = _col_scale(col_amax, st_ptr, pid_m, cols, K, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
-        for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
-            offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
-            rows = offs_m.to(tl.int64)
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=offs_m[:, None] < M, other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
-            if T_2D:
-                qc = tl.clamp(x * scale_c, -FP8_MAX, FP8_MAX).to(qt_ptr.dtype.element_ty)
-                tl.store(qt_ptr + cols[:, None] * MP + rows[None, :], tl.trans(qc))
-            else:
-                _quant_cols(x, rows, cols, scale_c, qt_ptr, MP, FP8_MAX)
+        if CHUNK == BLOCK_SIZE:
+            # one slice: the whole tile is still in registers, so the 128x1 copy is cast from it (no second read;
+            # 5-6% faster on the H200, benchmarks/experiments/act_cast_one_read, docs/benchmarks.md session 44)
+            _quant_cols_or_tile(x, rows, cols, scale_c, qt_ptr, MP, FP8_MAX, T_2D)
+        else:
+            for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
+                offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
+                rows = offs_m.to(tl.int64)
+                x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=offs_m[:, None] < M,
+                            other=0.0, eviction_policy="evict_first").to(tl.float32)
+                _quant_cols_or_tile(x, rows, cols, scale_c, qt_ptr, MP, FP8_MAX, T_2D)
 
 
 @triton.autotune(configs=_CONFIGS, key=["N", "K", "K_FIRST"])
