@@ -4,7 +4,18 @@
 checked bit for bit against :func:`fp8kit.fp8.blockwise.quantize_act`, and a bf16 copy of the same bytes as the floor.
 Timing: CUDA graph of 20 launches, median of 7 replays (``graph_timing.timed``).
 
-    python benchmarks/experiments/act_cast_one_read/bench.py --out /tmp/one_read.json
+With ``--ablate`` it also times variants of the one-read kernel that leave one stage out or change it, to place the
+time inside the kernel without hardware counters (the device README's method: time variants, take differences):
+
+- ``rows only``: the 1x128 copy alone (no column amax, no 128x1 copy): 3 of the 4 bytes per element;
+- ``no transpose``: the 128x1 copy written untransposed (``[Mp, K]``, the same bytes, wrong layout for cuBLAS):
+  the cost of the transpose's shuffle through shared memory;
+- ``no clamp``: the conversions without ``tl.clamp`` (Triton's float32 -> E4M3 conversion on sm90 saturates,
+  ``cvt.rn.satfinite``): checked bit for bit like the shipped kernel, so if its bits match it is a free saving;
+- ``bf16 tile``: the tile kept in registers as bf16 and converted at each use (half the registers, more programs
+  per SM).
+
+    python benchmarks/experiments/act_cast_one_read/bench.py --out /tmp/one_read.json [--ablate]
 """
 
 from __future__ import annotations
@@ -33,26 +44,45 @@ from fp8kit.fp8.scaling import AMAX_EPS, F32_MAX  # noqa: E402
 def _one_read_kernel(
     x_ptr, q_ptr, s_t_ptr, qt_ptr, st_ptr, M, MP, K, stride_xm, ST_LD,
     BLOCK_SIZE: tl.constexpr, EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
-    T_2D: tl.constexpr, K_FIRST: tl.constexpr,
+    T_2D: tl.constexpr, K_FIRST: tl.constexpr, ROWS_ONLY: tl.constexpr = False, NO_TRANS: tl.constexpr = False,
+    NO_CLAMP: tl.constexpr = False, BF16_TILE: tl.constexpr = False,
 ):
     pid_m, pid_k = bt._tile_ids(K_FIRST)
     cols = (pid_k * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)).to(tl.int64)
     offs_m = pid_m * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     rows = offs_m.to(tl.int64)
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=offs_m[:, None] < M, other=0.0,
-                eviction_policy="evict_first").to(tl.float32)
-    col_amax = bt._quant_rows(x, rows, cols, q_ptr, s_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX,
-                              bt._max_init(BLOCK_SIZE, BLOCK_SIZE), BLOCK_SIZE, BLOCK_SIZE)
-    if T_2D:
-        scale_c = bt._tile_scale(col_amax, st_ptr, pid_m, pid_k, MP, ST_LD, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
-        qc = tl.clamp(x * scale_c, -FP8_MAX, FP8_MAX).to(qt_ptr.dtype.element_ty)
-        tl.store(qt_ptr + cols[:, None] * MP + rows[None, :], tl.trans(qc))
+    xb = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=offs_m[:, None] < M, other=0.0,
+                 eviction_policy="evict_first")
+    if BF16_TILE:
+        x = xb
     else:
-        scale_c = bt._col_scale(col_amax, st_ptr, pid_m, cols, K, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
-        bt._quant_cols(x, rows, cols, scale_c, qt_ptr, MP, FP8_MAX)
+        x = xb.to(tl.float32)
+    if NO_CLAMP:
+        ax = tl.abs(x.to(tl.float32))
+        scale_r = bt._scale_of(tl.max(ax, axis=1), EPS, AMAX_MAX, FP8_MAX)
+        tl.store(q_ptr + rows[:, None] * K + cols[None, :], (x.to(tl.float32) * scale_r[:, None]).to(q_ptr.dtype.element_ty))
+        tl.store(s_t_ptr + pid_k * MP + rows, tl.div_rn(tl.full((BLOCK_SIZE,), 1.0, tl.float32), scale_r))
+        col_amax = tl.max(ax, axis=0)
+    else:
+        col_amax = bt._quant_rows(x.to(tl.float32), rows, cols, q_ptr, s_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX,
+                                  bt._max_init(BLOCK_SIZE, BLOCK_SIZE), BLOCK_SIZE, BLOCK_SIZE)
+    if not ROWS_ONLY:
+        if T_2D:
+            scale_c = bt._tile_scale(col_amax, st_ptr, pid_m, pid_k, MP, ST_LD, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
+            qc = x.to(tl.float32) * scale_c
+        else:
+            scale_c = bt._col_scale(col_amax, st_ptr, pid_m, cols, K, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
+            qc = x.to(tl.float32) * scale_c[None, :]
+        if not NO_CLAMP:
+            qc = tl.clamp(qc, -FP8_MAX, FP8_MAX)
+        qc = qc.to(qt_ptr.dtype.element_ty)
+        if NO_TRANS:
+            tl.store(qt_ptr + rows[:, None] * K + cols[None, :], qc)
+        else:
+            tl.store(qt_ptr + cols[:, None] * MP + rows[None, :], tl.trans(qc))
 
 
-def one_read(x, wgrad_x, num_warps):
+def one_read(x, wgrad_x, num_warps, **ablate):
     t2d = wgrad_x == "128x128"
     m, k = x.shape
     mp = padded_rows(m)
@@ -63,8 +93,13 @@ def one_read(x, wgrad_x, num_warps):
     st = torch.empty((k // BLOCK, st_ld) if t2d else (mp // BLOCK, k), dtype=torch.float32, device=x.device)
     _one_read_kernel[(k // BLOCK, mp // BLOCK)](
         x, q, s_t, qt, st, m, mp, k, x.stride(0), st_ld, BLOCK_SIZE=BLOCK, EPS=AMAX_EPS, AMAX_MAX=F32_MAX,
-        FP8_MAX=bt._FP8_MAX, T_2D=t2d, K_FIRST=True, num_warps=num_warps)
+        FP8_MAX=bt._FP8_MAX, T_2D=t2d, K_FIRST=True, num_warps=num_warps, **ablate)
     return q, s_t, qt, st
+
+
+#: the --ablate variants (module docstring), each a set of the kernel's flags, launched at 4 warps
+ABLATIONS = {"rows only": {"ROWS_ONLY": True}, "no transpose": {"NO_TRANS": True}, "no clamp": {"NO_CLAMP": True},
+             "bf16 tile": {"BF16_TILE": True}}
 
 
 def bits_off(a, b) -> int:
@@ -83,6 +118,7 @@ def real(*shape, seed=0):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--ablate", action="store_true", help="also time the variants of the module docstring")
     args = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     for m, k in ((8192, 4096), (8192, 14336), (16384, 4096)):
@@ -98,6 +134,13 @@ def main() -> None:
             for w in (4, 8, 16):
                 ms = timed(lambda: one_read(x, wgrad_x, w))
                 row[f"{wgrad_x} one read w{w}"] = {"ms": ms, "TB/s": tb / ms, "bits off": bits_off(one_read(x, wgrad_x, w), ref)}
+            for name, flags in (ABLATIONS.items() if args.ablate else ()):
+                ms = timed(lambda: one_read(x, wgrad_x, 4, **flags))
+                out = one_read(x, wgrad_x, 4, **flags)
+                # bits compared where the variant writes what the shipped kernel writes: its row copy always, the
+                # column copy unless the variant leaves it out or lays it out differently
+                n = 2 if flags.get("ROWS_ONLY") or flags.get("NO_TRANS") else 4
+                row[f"{wgrad_x} {name}"] = {"ms": ms, "TB/s": tb / ms, "bits off": bits_off(out[:n], ref[:n])}
         res[f"{m}x{k}"] = row
         print(f"{m}x{k}: copy {row['copy TB/s']:.2f} TB/s; " + "; ".join(
             f"{n} {v['ms']:.4f} ms {v['TB/s']:.2f} TB/s off {v['bits off']}" for n, v in row.items() if isinstance(v, dict)),

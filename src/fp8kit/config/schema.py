@@ -95,13 +95,13 @@ class FP8Config(ConfigModel):
         "the FP8 head on an H200: [] 1.348x of BF16, fprop 1.374-1.396x, fprop + wgrad 1.404-1.418x, fprop + dgrad "
         "1.409x, \"all\" 1.423-1.433x; over 400 steps (two runs each) the settings with fast dgrad trained 1.3-2.4% "
         "above BF16's loss, fprop + wgrad +0.29% / -0.22% (BF16 varies 0.4% run to run; llama-125m, 1200 steps: "
-        "validation loss -0.02% of BF16's); over 800 steps fprop + wgrad ended at a validation loss +0.15% of BF16's "
-        "but its train loss ran 0.4-1.1% above BF16's throughout (fprop only: validation -0.01%, train -0.7 to +0.3%), so [\"fprop\"] "
-        "is the setting for a run that wants the last half percent. A run that sets dgrad is warned, and one that sets "
+        "validation loss -0.02% of BF16's); over 800 steps (two runs) fprop + wgrad ended at a validation loss +0.15% / "
+        "+0.63% of BF16's and a train loss +0.53% / +0.65%, fprop only at -0.01% / +0.23% and +0.12% / +1.04% (which "
+        "of the two ran closer to BF16 changed between the runs). A run that sets dgrad is warned, and one that sets "
         "wgrad with another recipe than delayed (not measured there). Dense linears "
         "only: no effect with recipe = blockwise (cuBLAS's blockwise GEMMs take none) nor on rowwise_with_gw_hp's "
         "bf16 wgrad, each warned about; MoE experts accumulate as their kernels do, noted (docs/benchmarks.md "
-        "section 6, sessions 39-43).",
+        "section 6, sessions 39-44).",
     )
     emulate: bool = Field(
         False,

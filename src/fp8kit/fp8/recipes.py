@@ -35,10 +35,11 @@ accumulator in dgrad (:data:`DELAYED_FAST_ACCUM`, session 42): measured on an H2
 Llama-3-8B layers x 8 train at 1.404-1.418x of BF16 with it against 1.374-1.396x with fprop only, and in short runs
 ended within 0.3% of BF16's loss (400 steps, two runs: final train loss +0.29% / -0.22% of BF16's, BF16 itself
 varying 0.4% run to run, 40-step windows up to +1.8%; llama-125m, 1200 steps: validation loss -0.02%, fprop only
-+0.34%, train loss +0.65%), where fast dgrad trained 1.3-2.4% above BF16 (session 41). An 800-step 8B run (session
-43) ended at a validation loss +0.15% of BF16's (fprop only -0.01%), but its train loss ran 0.4-1.1% above BF16's in
-every 80-step window (fprop only -0.1 to +0.3% after step 240): inside the spread of the three 8B runs' final gaps,
-and kept as the default on that evidence; ``fp8.fast_accum = ["fprop"]`` is the cautious setting. Why wgrad tolerates it and
++0.34%, train loss +0.65%), where fast dgrad trained 1.3-2.4% above BF16 (session 41). Two 800-step 8B runs
+(sessions 43-44) ended at a validation loss +0.15% / +0.63% of BF16's (fprop only -0.01% / +0.23%) and a train loss
++0.53% / +0.65% (fprop only +0.12% / +1.04%): in the first the default ran above BF16 in every 80-step window and
+fprop only did not, in the second the other way round, so the two settings' difference reads as a trajectory's;
+``fp8.fast_accum = ["fprop"]`` is Transformer Engine's setting. Why wgrad tolerates it and
 dgrad does not is a reading, not a measurement: a dgrad error enters every earlier layer's gradients, a wgrad error
 only its own weight's gradient, which the optimizer averages over steps. Fast accumulation makes an isolated fprop
 GEMM 0-5% faster at the 8B linears (``benchmarks/experiments/fast_accum/bench.py``); its fprop error against the
