@@ -3,7 +3,8 @@
 Both are :func:`fp8kit.fp8.kernels.blockwise_triton._act_quant_kernel` with a different way of getting
 the 128x128 tile: one program per tile of the output ``[M, K]``, walked in ``CHUNK``-row slices; pass 1
 writes the 1x128 copy ``q[Mp, K]`` + ``s_t[K/128, Mp]`` and keeps the column amax, pass 2 re-reads the
-slices (L2-resident) for the transposed 128x1 copy ``qt[K, Mp]`` + ``st[Mp/128, K]``. Same scale
+slices (L2-resident) for the transposed 128x1 copy ``qt[K, Mp]`` + ``st[Mp/128, K]``, or, with one slice
+(``CHUNK = 128``), casts it from the tile still in registers. Same scale
 (the tile helpers of :mod:`fp8kit.fp8.kernels.blockwise_triton`, imported), same saturating E4M3 conversion, same ``1 / scale``: the bits of
 :func:`fp8kit.fp8.blockwise.quantize_act`.
 
@@ -11,7 +12,7 @@ slices (L2-resident) for the transposed 128x1 copy ``qt[K, Mp]`` + ``st[Mp/128, 
   ``m >= M``), read through the index; the gathered copy never exists.
 - :func:`swiglu_quantize_act`: a tile row is ``a = silu(gate) * up`` rounded to ``h.dtype`` (the reference's
   op sequence, :func:`fp8kit.moe.token_quant.sigmoid_f32`, launched with ``enable_fp_fusion=False`` so no
-  multiply-add is contracted to an FMA); pass 1 also writes ``a``, pass 2 recomputes it from ``h``.
+  multiply-add is contracted to an FMA); pass 1 also writes ``a``, pass 2 recomputes it from ``h`` (with one slice it keeps pass 1's).
 
 Autotuned over ``CHUNK`` and ``num_warps`` keyed on the feature dimension; every configuration computes the
 same bits. Imported only on CUDA (inside the ops' CUDA implementations).
@@ -70,10 +71,13 @@ def _gather_act_quant_kernel(
         abs_max = _quant_rows(x, offs_m.to(tl.int64), cols, q_ptr, s_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, abs_max,
                               CHUNK, BLOCK_SIZE)
     scale_c = _col_scale(_col_amax(abs_max, CHUNK, BLOCK_SIZE), st_ptr, pid_m, cols, K, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
-    for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
-        offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
-        x = _gathered(src_ptr, idx_ptr, offs_m, cols, T, M, stride_src, "evict_first")
+    if CHUNK == BLOCK_SIZE:  # one slice: the gathered tile of pass 1 is still in registers (no second gather)
         _quant_cols(x, offs_m.to(tl.int64), cols, scale_c, qt_ptr, MP, FP8_MAX)
+    else:
+        for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
+            offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
+            x = _gathered(src_ptr, idx_ptr, offs_m, cols, T, M, stride_src, "evict_first")
+            _quant_cols(x, offs_m.to(tl.int64), cols, scale_c, qt_ptr, MP, FP8_MAX)
 
 
 @triton.jit
@@ -134,11 +138,14 @@ def _swiglu_act_quant_kernel(
         abs_max = _quant_rows(a.to(tl.float32), rows, cols, q_ptr, s_t_ptr, pid_k, MP, INTER, EPS, AMAX_MAX, FP8_MAX, abs_max,
                               CHUNK, BLOCK_SIZE)
     scale_c = _col_scale(_col_amax(abs_max, CHUNK, BLOCK_SIZE), st_ptr, pid_m, cols, INTER, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
-    for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
-        offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
-        a = _swiglu(h_ptr, offs_m, cols, pid_k, M, INTER, stride_hm, INTERLEAVED, "evict_first", CHUNK, BLOCK_SIZE)
-        a = a.to(a_ptr.dtype.element_ty).to(tl.float32)
-        _quant_cols(a, offs_m.to(tl.int64), cols, scale_c, qt_ptr, MP, FP8_MAX)
+    if CHUNK == BLOCK_SIZE:  # one slice: pass 1's rounded values are still in registers (no re-read, no second SwiGLU)
+        _quant_cols(a.to(tl.float32), rows, cols, scale_c, qt_ptr, MP, FP8_MAX)
+    else:
+        for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
+            offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
+            a = _swiglu(h_ptr, offs_m, cols, pid_k, M, INTER, stride_hm, INTERLEAVED, "evict_first", CHUNK, BLOCK_SIZE)
+            a = a.to(a_ptr.dtype.element_ty).to(tl.float32)
+            _quant_cols(a, offs_m.to(tl.int64), cols, scale_c, qt_ptr, MP, FP8_MAX)
 
 
 def _outputs(like: torch.Tensor, m: int, k: int):

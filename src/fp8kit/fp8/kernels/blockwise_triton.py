@@ -181,7 +181,7 @@ def _act_quant_kernel(
             scale_c = _col_scale(col_amax, st_ptr, pid_m, cols, K, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
         if CHUNK == BLOCK_SIZE:
             # one slice: the whole tile is still in registers, so the 128x1 copy is cast from it (no second read;
-            # 5-6% faster on the H200, benchmarks/experiments/act_cast_one_read, docs/benchmarks.md session 44)
+            # 5-7% faster on the H200, benchmarks/experiments/act_cast_one_read, docs/benchmarks.md session 44)
             _quant_cols_or_tile(x, rows, cols, scale_c, qt_ptr, MP, FP8_MAX, T_2D)
         else:
             for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
