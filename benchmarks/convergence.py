@@ -190,17 +190,22 @@ def train_gap_windows(recs: list[dict], base_loss: dict[int, float]) -> list[tup
     return out
 
 
-def report(out: Path, study: str) -> str:
+def report(out: Path, study: str, requested: list[str] | None = None) -> str:
+    """The study's plot (``out/<study>.png``) and its markdown table, from the runs' ``metrics.jsonl`` under ``out``.
+
+    Rows: ``requested`` (``--variants``; the study's variants when None), then any other variant run into the same
+    folder; a listed variant without a run reads "no run".
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    # the study's variants, then any other variant run into the same folder (e.g. --variants with an extra one)
-    extra = [n for n in VARIANTS if n not in STUDIES[study] and (out / n / "metrics.jsonl").exists()]
-    runs = {n: read(out, n) for n in [*STUDIES[study], *extra]}
-    # the study's baseline, or (a --variants run without it) the first variant that ran
-    baseline = next((n for n, recs in runs.items() if recs), STUDIES[study][0])
+    listed = list(requested or STUDIES[study])
+    extra = [n for n in VARIANTS if n not in listed and (out / n / "metrics.jsonl").exists()]
+    runs = {n: read(out, n) for n in [*listed, *extra]}
+    # the first listed variant that ran (the study's baseline unless --variants leaves it out)
+    baseline = next((n for n, recs in runs.items() if recs), listed[0])
     fig, (ax1, ax2, ax3, ax4) = plt.subplots(1, 4, figsize=(22, 4.5))
     base_recs = runs.get(baseline) or []
     base_loss = {r["step"]: r["loss"] for r in finite_losses(base_recs)}
@@ -301,7 +306,7 @@ def main() -> int:
         else:
             codes = {n: launch(n, args).wait() for n in names}
         print(f"exit codes {codes}; {time.time() - t0:.0f} s", flush=True)
-    table = report(out, args.study)
+    table = report(out, args.study, args.variants.split(",") if args.variants else None)
     print(table)
     return 0
 

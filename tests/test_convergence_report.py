@@ -56,3 +56,6 @@ def test_plot_only_report_writes_the_table_and_the_png(convergence, tmp_path):
     assert "| delayed-head-fprop-default-optim | no run |" in table, table
     png = tmp_path / "llama3-8b.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # with --variants, only the requested variants (and other runs in the folder) are listed, not the study's rest
+    table = convergence.report(tmp_path, "llama3-8b", ["bf16-default-optim"])
+    assert "| delayed-head-default-optim | 100 |" in table and "no run" not in table, table
