@@ -37,8 +37,9 @@ ended within 0.3% of BF16's loss (400 steps, two runs: final train loss +0.29% /
 varying 0.4% run to run, 40-step windows up to +1.8%; llama-125m, 1200 steps: validation loss -0.02%, fprop only
 +0.34%, train loss +0.65%), where fast dgrad trained 1.3-2.4% above BF16 (session 41). Two 800-step 8B runs
 (sessions 43-44) ended at a validation loss +0.15% / +0.63% of BF16's (fprop only -0.01% / +0.23%) and a train loss
-+0.53% / +0.65% (fprop only +0.12% / +1.04%): in the first the default ran above BF16 in every 80-step window and
-fprop only did not, in the second the other way round, so the two settings' difference reads as a trajectory's;
++0.53% / +0.65% (fprop only +0.12% / +1.04%): in the first the default ran above BF16's train loss in every 80-step window and
+fprop only mostly below, in the second fprop only ran above in every window and further than the default, so the
+two settings' train-loss difference reads as a trajectory's (fprop only ended closer in validation loss in both);
 ``fp8.fast_accum = ["fprop"]`` is Transformer Engine's setting. Why wgrad tolerates it and
 dgrad does not is a reading, not a measurement: a dgrad error enters every earlier layer's gradients, a wgrad error
 only its own weight's gradient, which the optimizer averages over steps. Fast accumulation makes an isolated fprop
