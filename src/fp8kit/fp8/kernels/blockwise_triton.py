@@ -100,6 +100,16 @@ def _quant_cols_or_tile(x, rows, cols, scale_c, qt_ptr, MP, FP8_MAX, T_2D: tl.co
 
 
 @triton.jit
+def _t_scale(col_amax, st_ptr, pid_m, pid_k, cols, MP, K, ST_LD, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE: tl.constexpr,
+             T_2D: tl.constexpr):
+    # the x^T copy's scale(s), stored: one per tile (T_2D, a scalar) or one per column of the tile ([128])
+    if T_2D:
+        return _tile_scale(col_amax, st_ptr, pid_m, pid_k, MP, ST_LD, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
+    else:
+        return _col_scale(col_amax, st_ptr, pid_m, cols, K, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
+
+
+@triton.jit
 def _col_scale(col_amax, st_ptr, pid_m, cols, K, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE: tl.constexpr):
     scale_c = _scale_of(col_amax, EPS, AMAX_MAX, FP8_MAX)
     tl.store(st_ptr + pid_m * K + cols, tl.div_rn(tl.full((BLOCK_SIZE,), 1.0, tl.float32), scale_c))
@@ -174,11 +184,8 @@ def _act_quant_kernel(
         abs_max = _quant_rows(x, rows, cols, q_ptr, s_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, abs_max, CHUNK,
                               BLOCK_SIZE)
     if WRITE_T:
-        col_amax = _col_amax(abs_max, CHUNK, BLOCK_SIZE)
-        if T_2D:
-            scale_c = _tile_scale(col_amax, st_ptr, pid_m, pid_k, MP, ST_LD, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
-        else:
-            scale_c = _col_scale(col_amax, st_ptr, pid_m, cols, K, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
+        scale_c = _t_scale(_col_amax(abs_max, CHUNK, BLOCK_SIZE), st_ptr, pid_m, pid_k, cols, MP, K, ST_LD, EPS,
+                           AMAX_MAX, FP8_MAX, BLOCK_SIZE, T_2D)
         if CHUNK == BLOCK_SIZE:
             # one slice: the whole tile is still in registers, so the 128x1 copy is cast from it (no second read;
             # 5-7% faster on the H200, benchmarks/experiments/act_cast_one_read, docs/benchmarks.md session 44)

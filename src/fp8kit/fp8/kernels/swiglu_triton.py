@@ -35,8 +35,9 @@ from fp8kit.fp8.kernels.blockwise_triton import (
     _col_scale,
     _max_init,
     _quant_cols,
+    _quant_cols_or_tile,
     _quant_rows,
-    _tile_scale,
+    _t_scale,
 )
 from fp8kit.fp8.scaling import AMAX_EPS, DTYPE_MAX, F32_MAX
 
@@ -111,21 +112,14 @@ def _swiglu_quant_kernel(
             _store_values(a_ptr, a, offs_m, cols, M, K)
         abs_max = _quant_rows(a, offs_m.to(tl.int64), cols, q_ptr, s_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, abs_max,
                               CHUNK, BLOCK_SIZE)
-    col_amax = _col_amax(abs_max, CHUNK, BLOCK_SIZE)
-    if T_2D:
-        scale_t = _tile_scale(col_amax, st_ptr, pid_m, pid_k, MP, ST_LD, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
-    else:
-        scale_c = _col_scale(col_amax, st_ptr, pid_m, cols, K, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
+    scale = _t_scale(_col_amax(abs_max, CHUNK, BLOCK_SIZE), st_ptr, pid_m, pid_k, cols, MP, K, ST_LD, EPS, AMAX_MAX,
+                     FP8_MAX, BLOCK_SIZE, T_2D)
     for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
         offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
         rows = offs_m.to(tl.int64)
         if CHUNK != BLOCK_SIZE:  # one slice: a of pass 1 is still live
             a = _swiglu(g_ptr, u_ptr, offs_m, cols, M, stride_g, stride_u, "evict_first")
-        if T_2D:
-            qc = tl.clamp(a * scale_t, -FP8_MAX, FP8_MAX).to(qt_ptr.dtype.element_ty)
-            tl.store(qt_ptr + cols[:, None] * MP + rows[None, :], tl.trans(qc))
-        else:
-            _quant_cols(a, rows, cols, scale_c, qt_ptr, MP, FP8_MAX)
+        _quant_cols_or_tile(a, rows, cols, scale, qt_ptr, MP, FP8_MAX, T_2D)
 
 
 @triton.autotune(configs=_CONFIGS, key=["K", "STORE_VALUES"])
