@@ -5,8 +5,9 @@
 #     (the one-read cast with one stage left out at a time, and Nsight Compute's reading of each: where its time goes)
 #   call B (~8 min, nvidia-h200): bash benchmarks/results/session44/verify_next.sh e2e
 #     (8B bf16 / blockwise + CUDA graphs, 20 steps x 3: is 1.30x met with a margin or at the line?)
-#   call C (~5 min, nvidia-h200): bash benchmarks/results/session44/verify_next.sh moe-tests
-#     (the MoE token kernels' one-slice path, bit for bit on the GPU: tests/test_moe_token_quant_gpu.py, 263 s in session 16)
+#   call C (~7 min, nvidia-h200): bash benchmarks/results/session44/verify_next.sh gpu-tests
+#     (bit for bit on the GPU: the casts' shared helpers of the before-stop refactor, tests/test_blockwise_gpu.py and
+#     tests/test_swiglu_mlp_gpu.py, and the MoE token kernels' one-slice path, tests/test_moe_token_quant_gpu.py)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
 mkdir -p $OUT/keep
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/keep/gpu.txt
@@ -24,8 +25,8 @@ e2e)
     --variants "bf16,$B" > $OUT/keep/e2e_8b_blockwise.log 2>&1; echo rc $?
   sed -i '/DEBUG/d' $OUT/keep/e2e_8b_blockwise.log
   cp /tmp/t8b4/results.md $OUT/keep/results_blockwise.md 2>/dev/null; tail -3 /tmp/t8b4/results.md ;;
-moe-tests)
-  timeout 420 python3 -m pytest -q -m gpu tests/test_moe_token_quant_gpu.py -p no:cacheprovider -W ignore 2>&1 \
-    | grep -v DEBUG | tail -15 | tee $OUT/keep/moe_token_quant_gpu.log ;;
-*) echo "usage: verify_next.sh ablate | e2e | moe-tests"; exit 2 ;;
+gpu-tests)
+  timeout 560 python3 -m pytest -q -m gpu tests/test_blockwise_gpu.py tests/test_swiglu_mlp_gpu.py \
+    tests/test_moe_token_quant_gpu.py -p no:cacheprovider -W ignore 2>&1 | grep -v DEBUG | tail -15 | tee $OUT/keep/gpu_tests.log ;;
+*) echo "usage: verify_next.sh ablate | e2e | gpu-tests"; exit 2 ;;
 esac
