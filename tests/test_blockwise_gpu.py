@@ -74,6 +74,36 @@ def test_triton_activation_quant_matches_reference_bit_for_bit(m, k, dtype):
                  f"act 128x128 {m}x{k} {dtype}")
 
 
+class _OneConfig:
+    """Launch an autotuned Triton kernel with one of its configs (compile options included)."""
+
+    def __init__(self, tuner, cfg):
+        self.tuner, self.cfg = tuner, cfg
+
+    def __getitem__(self, grid):
+        opts = {"num_warps": self.cfg.num_warps, **({"maxnreg": self.cfg.maxnreg} if self.cfg.maxnreg else {})}
+        return lambda *a, **kw: self.tuner.fn[grid](*a, **kw, **self.cfg.kwargs, **opts)
+
+
+@pytest.mark.parametrize("m,k", [(4096, 4096), (1001, 640)])
+def test_every_activation_cast_config_matches_reference_bit_for_bit(m, k, monkeypatch):
+    """Each autotune config (CHUNK, num_warps, maxnreg) alone: the same bits as the reference, all three output
+    sets (128x1, 128x128, fprop only), so the tuner's pick can never change the numerics."""
+    from fp8kit.fp8.kernels import blockwise_triton as bt
+
+    tuner = bt._act_quant_kernel
+    x = _real(m, k, seed=3 * m + k)
+    ref = {w: blockwise.quantize_act(x.cpu(), w) for w in ("128x1", "128x128")}
+    for cfg in tuner.configs:
+        monkeypatch.setattr(bt, "_act_quant_kernel", _OneConfig(tuner, cfg))
+        for w in ("128x1", "128x128"):
+            _poison_allocator(8 * blockwise.padded_rows(m) * k)
+            got = bt.quantize_act(x, w)
+            torch.cuda.synchronize()
+            _assert_same(got, ref[w], ("q", "s_t", "qt", "st"), f"act {w} {m}x{k} config {cfg}")
+        _assert_same(bt.quantize_act_fprop(x), ref["128x1"][:2], ("q", "s_t"), f"act fprop {m}x{k} config {cfg}")
+
+
 @pytest.mark.parametrize("n,k", [(4096, 4096), (14336, 4096), (4096, 14336), (384, 640)])
 def test_triton_weight_quant_matches_reference_bit_for_bit(n, k):
     w = _real(n, k, scale=0.02, seed=n * 7 + k)

@@ -34,7 +34,8 @@ class Fixed:
         self.tuner, self.cfg = tuner, cfg
 
     def __getitem__(self, grid):
-        return lambda *a, **kw: self.tuner.fn[grid](*a, **kw, **self.cfg.kwargs, num_warps=self.cfg.num_warps)
+        opts = {"num_warps": self.cfg.num_warps, **({"maxnreg": self.cfg.maxnreg} if self.cfg.maxnreg else {})}
+        return lambda *a, **kw: self.tuner.fn[grid](*a, **kw, **self.cfg.kwargs, **opts)
 
 
 def bits(ts):
@@ -65,7 +66,7 @@ def each(mod, name, run, check):
             setattr(mod, name, Fixed(tuner, cfg))
             bad = check(run())
             ms = timed(run)
-            rows.append({"config": dict(cfg.kwargs, num_warps=cfg.num_warps), "ms": ms, "bits_off": bad})
+            rows.append({"config": dict(cfg.kwargs, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg), "ms": ms, "bits_off": bad})
     finally:
         setattr(mod, name, tuner)
     return rows

@@ -17,7 +17,8 @@ test checks it. Layouts are documented there.
   ``wtq[K, N]`` with the block's scale in both padded scale layouts (padding included).
 
 Both are autotuned over ``CHUNK`` and ``num_warps`` (key: the feature dimensions and the program order
-``K_FIRST``); every configuration and both orders compute the same bits.
+``K_FIRST``), the activation cast also over a register cap (``_ACT_CONFIGS``); every configuration and both orders
+compute the same bits (``tests/test_blockwise_gpu.py`` launches each config alone).
 
 Bytes moved per element of the input: 2 read (bf16) + 2 written (two E4M3 copies) + 8/128 of scales.
 Imported only on CUDA (triton is absent from CPU installs).
@@ -156,9 +157,14 @@ def _grid(row_tiles: int, k_tiles: int, k_first: bool) -> tuple[tuple[int, int],
 
 
 _CONFIGS = [triton.Config({"CHUNK": c}, num_warps=w) for c in (16, 32, 64, 128) for w in (4, 8)]
+#: the activation cast also tries one slice at 4 warps capped at 168 registers per thread (ptx ``.maxnreg``): uncapped
+#: it takes 223 and fits 2 programs per SM (12.5% occupancy, 41% of DRAM bandwidth, Nsight Compute); capped, 3 fit,
+#: and the 128x1 cast is 9-10% faster on the H200 (the 128x128 one 30-33% slower: the tuner keeps the uncapped
+#: config there). docs/benchmarks.md session 45, benchmarks/experiments/act_cast_one_read
+_ACT_CONFIGS = [*_CONFIGS, triton.Config({"CHUNK": 128}, num_warps=4, maxnreg=168)]
 
 
-@triton.autotune(configs=_CONFIGS, key=["K", "WRITE_T", "T_2D", "K_FIRST"])
+@triton.autotune(configs=_ACT_CONFIGS, key=["K", "WRITE_T", "T_2D", "K_FIRST"])
 @triton.jit
 def _act_quant_kernel(
     x_ptr, q_ptr, s_t_ptr, qt_ptr, st_ptr,
