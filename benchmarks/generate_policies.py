@@ -1,7 +1,8 @@
 """Generate the shipped adaptive-FP8 policies on a GPU: bench-layers reports + merged policies.
 
 For each model preset and FP8 recipe: TP 1 measured, TP 2/4/8 simulated (per-rank shard shapes on one
-GPU; ``simulated_tp: true`` in the report and ``_sim`` in its file name); for a MoE preset TP 1 at each of its
+GPU; ``simulated_tp: true`` in the report and ``_sim`` in its file name; any other dense preset, such as ``tiny``:
+TP 1 only); for a MoE preset TP 1 at each of its
 EP sizes (``_ep<N>`` in the file name; the experts timed as the fused MLP where they run fused). Reports go to
 ``OUT/reports/``; ``--merge`` then writes ``src/fp8kit/policies/<preset>_<recipe>_<gpu>.json`` and copies the
 reports it merged to ``benchmarks/results/policy_reports/`` (what ``check_policies.py`` reads; run it on any
@@ -37,7 +38,7 @@ def layouts(preset: str) -> list[tuple[int, int | None]]:
     """``(tp, ep)`` of each report of ``preset`` (``ep`` None for a dense preset)."""
     if preset in PRESET_EPS:
         return [(1, ep) for ep in PRESET_EPS[preset]]
-    return [(tp, None) for tp in PRESET_TPS[preset]]
+    return [(tp, None) for tp in PRESET_TPS.get(preset, (1,))]  # any other dense preset: TP 1
 
 
 def report_name(preset: str, recipe: str, tp: int, ep: int | None = None) -> str:

@@ -21,6 +21,10 @@ def test_default_corpus_is_the_stdlib():
     assert 5e6 < corpus.num_bytes < 40e6, corpus.num_bytes
     assert any(n == "json/decoder.py" for n in corpus.names)
     assert not any("site-packages" in n or n.startswith("test/") for n in corpus.names)
+    skipped = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+    nested = [n for n in corpus.names if skipped & set(n.split("/")[:-1])]
+    assert not nested, f"files under skipped directories: {nested[:5]}"
+    assert {"unittest/case.py", "json/decoder.py", "os.py"} <= set(corpus.names)  # "unittest" is not "test"
 
 
 def test_text_jsonl_and_globs(tmp_path):

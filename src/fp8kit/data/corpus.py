@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import os
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,11 +56,13 @@ class Corpus:
 def stdlib_files() -> tuple[Path, list[Path]]:
     """(stdlib root, sorted ``.py`` files of the standard library without tests and site-packages)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        p for p in root.rglob("*.py")
-        if p.is_file() and not (_SKIP_DIRS & set(p.relative_to(root).parts[:-1]))
-    )
-    return root, files
+    files = []
+    # a walk that never enters the skipped directories (site-packages can hold far more files than the stdlib)
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+        here = Path(dirpath)
+        files.extend(here / f for f in filenames if f.endswith(".py") and (here / f).is_file())
+    return root, sorted(files)
 
 
 def _expand(entry: str, index: int) -> list[Path]:
