@@ -38,18 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
+from fp8kit.base.triton_lib import OneConfig
 
-class Fixed:
-    """Launch an autotuned kernel with one given config (the interpreter has no benchmarker)."""
-
-    def __init__(self, tuner, cfg):
-        self.tuner, self.cfg = tuner, cfg
-
-    def __getitem__(self, grid):
-        def run(*args, **kw):
-            kw = {k: v for k, v in kw.items() if k != "enable_fp_fusion"}
-            return self.tuner.fn[grid](*args, **kw, **self.cfg.kwargs, num_warps=self.cfg.num_warps)
-        return run
+#: launch keywords the interpreter does not take (each autotuned kernel runs one config: it has no benchmarker)
+INTERP = ("enable_fp_fusion",)
 
 
 def bits(t):
@@ -69,7 +61,7 @@ def each_config(mod, name, fn):
     first = None
     try:
         for cfg in tuner.configs:
-            setattr(mod, name, Fixed(tuner, cfg))
+            setattr(mod, name, OneConfig(tuner, cfg, drop=INTERP))
             out = fn(cfg)
             first = out if first is None else first
             same(out, first, f"{name} {cfg} vs {tuner.configs[0]}")
@@ -86,7 +78,7 @@ def rnd(*shape, scale=1.0, seed=0):
 
 def main() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    torch.library.wrap_triton = lambda k: k  # the weight op launches through it; Fixed is not a JITFunction
+    torch.library.wrap_triton = lambda k: k  # the weight op launches through it; OneConfig is not a JITFunction
     from fp8kit.fp8 import swiglu
     from fp8kit.fp8.kernels import blockwise_triton as bt
     from fp8kit.fp8.kernels import swiglu_triton as st
@@ -94,7 +86,7 @@ def main() -> int:
 
     def act(t, wgrad_x="128x1"):  # the activation kernel, first config: the casts every other kernel must match
         tuner = bt._act_quant_kernel
-        bt._act_quant_kernel = Fixed(tuner, tuner.configs[0])
+        bt._act_quant_kernel = OneConfig(tuner, tuner.configs[0], drop=INTERP)
         try:
             return bt.quantize_act(t, wgrad_x)
         finally:
@@ -116,8 +108,8 @@ def main() -> int:
         for bt._ACT_K_FIRST, bt._WEIGHT_K_FIRST, bt._MAX_GRID_Y in ((True, True, flags[2]), (False, False, flags[2]),
                                                                      (True, True, 1)):
             tuner, fprop = bt._weight_quant_kernel, bt._act_quant_kernel
-            bt._weight_quant_kernel = Fixed(tuner, tuner.configs[0])
-            bt._act_quant_kernel = Fixed(fprop, fprop.configs[0])
+            bt._weight_quant_kernel = OneConfig(tuner, tuner.configs[0], drop=INTERP)
+            bt._act_quant_kernel = OneConfig(fprop, fprop.configs[0], drop=INTERP)
             try:
                 outs.append((*bt.quantize_act(x), *bt.quantize_act(x, "128x128"), *bt.quantize_act_fprop(x),
                              *bt.quantize_weight(w)))

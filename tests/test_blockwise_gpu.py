@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from fp8kit.base.triton_lib import OneConfig
 from fp8kit.fp8 import blockwise
 from fp8kit.fp8.kernels import ops
 from fp8kit.fp8.linear import Float8BlockwiseLinear
@@ -74,17 +75,6 @@ def test_triton_activation_quant_matches_reference_bit_for_bit(m, k, dtype):
                  f"act 128x128 {m}x{k} {dtype}")
 
 
-class _OneConfig:
-    """Launch an autotuned Triton kernel with one of its configs (compile options included)."""
-
-    def __init__(self, tuner, cfg):
-        self.tuner, self.cfg = tuner, cfg
-
-    def __getitem__(self, grid):
-        opts = {"num_warps": self.cfg.num_warps, **({"maxnreg": self.cfg.maxnreg} if self.cfg.maxnreg else {})}
-        return lambda *a, **kw: self.tuner.fn[grid](*a, **kw, **self.cfg.kwargs, **opts)
-
-
 @pytest.mark.parametrize("m,k", [(4096, 4096), (1001, 640)])
 def test_every_activation_cast_config_matches_reference_bit_for_bit(m, k, monkeypatch):
     """Each autotune config (CHUNK, num_warps, maxnreg) alone: the same bits as the reference, all three output
@@ -95,7 +85,7 @@ def test_every_activation_cast_config_matches_reference_bit_for_bit(m, k, monkey
     x = _real(m, k, seed=3 * m + k)
     ref = {w: blockwise.quantize_act(x.cpu(), w) for w in ("128x1", "128x128")}
     for cfg in tuner.configs:
-        monkeypatch.setattr(bt, "_act_quant_kernel", _OneConfig(tuner, cfg))
+        monkeypatch.setattr(bt, "_act_quant_kernel", OneConfig(tuner, cfg))
         for w in ("128x1", "128x128"):
             _poison_allocator(8 * blockwise.padded_rows(m) * k)
             got = bt.quantize_act(x, w)

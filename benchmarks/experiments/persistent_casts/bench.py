@@ -22,20 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from graph_timing import timed  # noqa: E402,F401  (ablate.py imports it from here)
 
+from fp8kit.base.triton_lib import OneConfig  # noqa: E402
 from fp8kit.fp8 import blockwise  # noqa: E402
 from fp8kit.fp8.kernels import blockwise_triton as bt  # noqa: E402
 from fp8kit.fp8.kernels import swiglu_triton as st  # noqa: E402
-
-
-class Fixed:
-    """An autotuned kernel launched with one config."""
-
-    def __init__(self, tuner, cfg):
-        self.tuner, self.cfg = tuner, cfg
-
-    def __getitem__(self, grid):
-        opts = {"num_warps": self.cfg.num_warps, **({"maxnreg": self.cfg.maxnreg} if self.cfg.maxnreg else {})}
-        return lambda *a, **kw: self.tuner.fn[grid](*a, **kw, **self.cfg.kwargs, **opts)
 
 
 def bits(ts):
@@ -63,7 +53,7 @@ def each(mod, name, run, check):
         for cfg in tuner.configs:
             if CONFIGS and not any(c in str(cfg) for c in CONFIGS):
                 continue
-            setattr(mod, name, Fixed(tuner, cfg))
+            setattr(mod, name, OneConfig(tuner, cfg))
             bad = check(run())
             ms = timed(run)
             rows.append({"config": dict(cfg.kwargs, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg), "ms": ms, "bits_off": bad})

@@ -25,3 +25,27 @@ def triton_module(module: str, what: str) -> ModuleType | None:
     except ImportError as e:  # pragma: no cover - CUDA torch ships triton
         warnings.warn(f"fp8kit {what}: triton unavailable ({e}); using the slow PyTorch reference", stacklevel=3)
         return None
+
+
+class OneConfig:
+    """An autotuned Triton kernel (``triton.autotune``'s ``Autotuner``) launched with one of its configs, untuned: the
+    config's meta-parameters and its compile options (``num_warps``, and ``maxnreg`` where set). Tests and benchmarks
+    put it in place of a kernel module's attribute to check or time every config (``kernel[grid](...)`` as before).
+
+    Args:
+        tuner: the ``Autotuner`` (its ``fn`` is the JIT function, its ``configs`` the candidates).
+        cfg: one of ``tuner.configs``.
+        drop: launch keywords removed before the call (Triton's interpreter takes no ``enable_fp_fusion``).
+    """
+
+    def __init__(self, tuner, cfg, drop: tuple[str, ...] = ()):
+        self.tuner, self.cfg, self.drop = tuner, cfg, drop
+
+    def __getitem__(self, grid):
+        opts = {"num_warps": self.cfg.num_warps, **({"maxnreg": self.cfg.maxnreg} if self.cfg.maxnreg else {})}
+
+        def run(*args, **kw):
+            kw = {k: v for k, v in kw.items() if k not in self.drop}
+            return self.tuner.fn[grid](*args, **kw, **self.cfg.kwargs, **opts)
+
+        return run
