@@ -9,12 +9,12 @@ prints, per variant, the ms per replay in the first and last windows and the clo
 GPU's sustained clock (power / thermal limit) can be told from a software cost.
 
     python benchmarks/sustained_clocks.py --out DIR --shape 16384x4096x14336 --variants bf16,ao_tensorwise,fp8kit_wgrad2d
+    python benchmarks/plot_sustained_clocks.py DIR --png PNG   # burst / steady medians and the figure
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 import subprocess
@@ -28,6 +28,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from linear_fwd_bwd import build, warm_up, weight_of  # noqa: E402
+from plot_sustained_clocks import smi_rows  # noqa: E402
 
 QUERY = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 
@@ -51,19 +52,6 @@ def sustained(step, seconds: float, batch: int) -> list[tuple[float, float]]:
         out.append((time.time(), a.elapsed_time(b) / batch))
     del graph
     return out
-
-
-def smi_rows(path: Path) -> list[dict]:
-    rows = []
-    with path.open() as f:
-        for r in csv.reader(f):
-            if len(r) < 5 or not r[1].strip()[0].isdigit():
-                continue
-            t = time.mktime(time.strptime(r[0].strip().split(".")[0], "%Y/%m/%d %H:%M:%S"))
-            t += float("0." + r[0].strip().split(".")[1]) if "." in r[0] else 0.0
-            rows.append({"t": t, "mhz": float(r[1].split()[0]), "w": float(r[2].split()[0]),
-                         "temp": float(r[3]), "reasons": r[4].strip()})
-    return rows
 
 
 def window(samples, rows, t0: float, t1: float) -> dict:
