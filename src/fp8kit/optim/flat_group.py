@@ -24,6 +24,7 @@ import types
 import torch
 
 from fp8kit.fp8.scaling import DTYPE_MAX, is_scaled, scale_from_amax, storage_dtype
+from fp8kit.optim.chunked_step import adamw_update_chunked, chunkable
 from fp8kit.optim.layout import FlatLayout
 from fp8kit.optim.numerics import (
     HP_FIELDS,
@@ -51,9 +52,12 @@ def own_code(fn):
 
 def select_step(spec: StateSpec, master, device: torch.device, compile_step: bool, sharded: bool = False):
     """(step function, step implementation name): ``"triton"`` (``optim/triton_step.py``, on CUDA where
-    the kernels cover the layout), else ``"torch.compile"`` of the reference math, else ``"eager"``.
+    the kernels cover the layout), else ``"torch.compile"`` of the reference math, else ``"eager"`` (on a CPU in
+    cache-sized chunks where the bits allow it, ``optim/chunked_step.py``).
     FSDP2 shards (``sharded``) reduce amaxes between computing and storing: Triton or eager."""
     if not compile_step:
+        if device.type == "cpu" and not sharded and chunkable(spec):
+            return adamw_update_chunked, "eager"
         return adamw_update, "eager"
     if device.type == "cuda":
         from fp8kit.optim import triton_step

@@ -25,7 +25,8 @@ of ``block_size`` elements. Why ``m`` is rounded stochastically and what COAT's 
 Layout: each parameter group is flattened (``optim/layout.py``): the parameters become views into one
 flat working buffer and the states are flat buffers, so a step is one fused multi-tensor Triton pass (two
 for per-tensor scales: amax, then update) per group on CUDA (``optim/triton_step.py``), the reference
-math eagerly on CPU, and ``torch.compile`` of it for layouts the kernels don't cover.
+math eagerly on CPU (per-block scales: in cache-sized chunks, ``optim/chunked_step.py``), and ``torch.compile``
+of it for layouts the kernels don't cover.
 """
 
 from __future__ import annotations
