@@ -1,9 +1,9 @@
 """FP8AdamW's eager CPU step in cache-sized chunks of blocks: the reference math of ``optim/numerics.py``, the same
 bits, about 2x faster on a CPU.
 
-:func:`fp8kit.optim.numerics.adamw_update` evaluates the step as some 80 elementwise tensor operations over the
-whole flat group. On a CPU each of them streams its operands through DRAM: a group of 2M parameters takes 212 ms
-per step on one core (about 100 ns per parameter), memory-bound. With per-block scales (``granularity =
+:func:`fp8kit.optim.numerics.adamw_update` evaluates the step as about a hundred elementwise tensor operations over
+the whole flat group. On a CPU each of them streams its operands through DRAM: a group of 2M parameters with
+per-block scales takes 174-201 ms per step on one core (85-100 ns per parameter), memory-bound. With per-block scales (``granularity =
 "block"``, the one-process default) every block's update depends on that block alone, so the same function can
 run on a slice of the blocks at a time: :func:`adamw_update_chunked` calls it on :data:`CHUNK_ELEMENTS`-element
 slices whose temporaries stay in the core's cache. Each element goes through the same operations in the same
