@@ -4,25 +4,22 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from fp8kit.base import cpu_bf16_gemm
+
 # Two CPU cores: keep torch from oversubscribing them.
 torch.set_num_threads(2)
 
-# The suite's CPU bf16 GEMM (tests/site/cpu_bf16_gemm.py says why): here, and through tests/site/sitecustomize.py
-# in every Python process the tests launch (their environments extend this PYTHONPATH).
+# fp8kit's CPU bf16 GEMM, as `fp8kit train` installs it (fp8kit/base/cpu_bf16_gemm.py says why): here, and through
+# tests/site/sitecustomize.py in every Python process the tests launch (their environments extend this PYTHONPATH).
 _SITE = str(Path(__file__).resolve().parent / "site")
-if _SITE not in sys.path:
-    sys.path.insert(0, _SITE)
 if _SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_SITE, os.environ.get("PYTHONPATH", "")) if p)
-import cpu_bf16_gemm  # noqa: E402
-
 cpu_bf16_gemm.install()
 
 

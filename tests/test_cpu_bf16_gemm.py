@@ -1,4 +1,4 @@
-"""The suite's CPU bf16 GEMM (tests/site/cpu_bf16_gemm.py) against torch's own kernels, run in a process without it.
+"""fp8kit's CPU bf16 GEMM (fp8kit/base/cpu_bf16_gemm.py) against torch's own kernels, run in a process without it.
 
 Thresholds: float32, float64 and int64 products bit for bit the same as torch's ``mm``; bf16 within one bf16
 rounding step of torch's bf16 ``mm`` plus float32 accumulation in another order (``k 2^-24 sum |a||b|``) everywhere,
@@ -9,6 +9,7 @@ rounding.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from fp8kit.base import cpu_bf16_gemm
+
 ROOT = Path(__file__).resolve().parents[1]
 SITE = str(ROOT / "tests" / "site")
-sys.path.insert(0, SITE)
-import cpu_bf16_gemm  # noqa: E402
 
 SHAPES = [(256, 1024, 256), (64, 688, 256), (7, 33, 5)]
 NATIVE = """
@@ -45,14 +46,14 @@ def native(tmp_path_factory):
     path = tmp_path_factory.mktemp("native") / "mm.pt"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != SITE)
-    code = "import sys; assert 'cpu_bf16_gemm' not in sys.modules\n" + NATIVE
+    code = "import sys; assert 'fp8kit.base.cpu_bf16_gemm' not in sys.modules\n" + NATIVE
     subprocess.run([sys.executable, "-c", code, str(path), repr(SHAPES)], check=True, env=env, timeout=300)
     return torch.load(path)
 
 
 def test_installed_in_this_process_and_in_the_processes_tests_launch():
     assert cpu_bf16_gemm.install(), "conftest should have installed it (needed() is True here)"
-    code = "import sys, cpu_bf16_gemm; print(cpu_bf16_gemm._LIB is not None)"
+    code = "from fp8kit.base import cpu_bf16_gemm; print(cpu_bf16_gemm.installed())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.strip() == "True", f"sitecustomize did not install it in a child process: {out!r}"
 
@@ -89,3 +90,20 @@ def test_gradients_through_it_match_float64():
     for name, got, want in (("dgrad", x.grad, dy64 @ w64), ("wgrad", w.grad, dy64.t() @ x64)):
         rel = ((got.double() - want).norm() / want.norm()).item()
         assert rel < 2 ** -8, f"{name}: relative error {rel:.2e} above bf16's 2^-8"
+
+
+def test_the_train_command_installs_it_says_so_and_records_it(cache_dir, tmp_path):
+    """``fp8kit train`` in a process without the suite's sitecustomize: the run installs it itself, prints the note
+    and writes ``cpu_bf16_gemm`` into run_info.json."""
+    from tests.conftest import small_run_overrides
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])  # no tests/site: no sitecustomize
+    sets = [a for s in small_run_overrides(cache_dir) + ["train.steps=1", "train.final_checkpoint=false",
+                                                         "train.mixed_precision=bf16"] for a in ("--set", s)]
+    out = subprocess.run([sys.executable, "-m", "fp8kit", "train", "--out", str(tmp_path / "run"), *sets],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    info = json.loads((tmp_path / "run" / "run_info.json").read_text())
+    assert info["cpu_bf16_gemm"] == "float32 GEMM", info.get("cpu_bf16_gemm")
+    assert "bf16 matmuls run as float32 GEMMs" in " ".join(out.stdout.split()), out.stdout[-2000:]

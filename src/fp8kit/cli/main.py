@@ -116,8 +116,10 @@ def _run(args) -> int:
             sys.stdout.write(text)
         return 0
     if args.command == "train":
+        from fp8kit.base import cpu_bf16_gemm
         from fp8kit.train.trainer import train
 
+        cpu_bf16_gemm.install()  # this process is the run's: bf16 matmuls of a CPU without AVX-512 as float32 GEMMs
         try:
             result = train(_load(args), args.out, resume=args.resume)
         finally:

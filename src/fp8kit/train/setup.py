@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8kit.base import cpu_bf16_gemm
 from fp8kit.base.capability import fp8_support
 from fp8kit.base.errors import CapabilityError, CheckpointError, ConfigError
 from fp8kit.base.runtime import device_name, is_main, launched_world_size, resolve_device, versions
@@ -480,6 +481,10 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
         # prepare_model counted the fused MLPs before the hooks: drop that count from the notes and the run's record
         prepared.facts[:] = [f for f in prepared.facts if not f.startswith(f"fp8.{fused_key}:")]
     setup.facts.extend(prepared.facts)
+    if device.type == "cpu":  # what this CPU's bf16 matmuls run (fp8kit.base.cpu_bf16_gemm)
+        setup.info["cpu_bf16_gemm"] = cpu_bf16_gemm.state()
+        if (note := cpu_bf16_gemm.describe()) is not None:
+            setup.facts.append(note)
     return setup
 
 
