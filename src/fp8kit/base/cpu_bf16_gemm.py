@@ -23,7 +23,10 @@ Who: the ``fp8kit train`` command installs it at start (its run prints a note an
 
 from __future__ import annotations
 
+import platform
 import warnings
+
+import torch
 
 _LIB = None
 
@@ -31,17 +34,11 @@ _LIB = None
 def needed() -> bool:
     """True on an x86 CPU without AVX-512 (torch's CPU capability ``AVX2`` or ``DEFAULT``), where ``torch.mm``
     of bf16 runs ATen's reference loops."""
-    import platform
-
-    import torch
-
     return platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() in (
         "AVX2", "DEFAULT")
 
 
 def _mm(a, b):
-    import torch
-
     if a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16:
         return torch.addmm(a.new_zeros((), dtype=torch.float32), a.float(), b.float(), beta=0).to(torch.bfloat16)
     return torch.addmm(a.new_zeros(()), a, b, beta=0)
@@ -59,8 +56,6 @@ def install() -> bool:
         return True
     if not needed():
         return False
-    import torch
-
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():  # "Overriding a previously registered kernel": the point of this module
         warnings.simplefilter("ignore", UserWarning)
