@@ -3,8 +3,9 @@ tests/test_kernels_in_interpreter.py where triton is installed, e.g. ``pip insta
 
 What it checks, every autotune configuration launched in turn (the interpreter has no benchmarker):
 
-- the activation and weight casts give the same bits in every configuration, and in both program orders (tiles
-  along K first or rows first, including the rows-first fallback past CUDA's grid limit);
+- the activation and weight casts give the same bits in every configuration (the activation cast's one-read and
+  rows-first walks included), and in both program orders (tiles along K first or rows first, including the
+  rows-first fallback past CUDA's grid limit);
 - the fused SwiGLU casts (``fp8.kernels.swiglu_triton``) write exactly the activation kernel's casts of the SwiGLU
   values they computed (``values=True``), and those values are the PyTorch reference's within a bf16 ulp
   (forward) or bf16 rounding (backward, >= 45 dB);
@@ -22,6 +23,9 @@ What it checks, every autotune configuration launched in turn (the interpreter h
   gradient buffer and with ``param.grad`` read through the address table by element and by 16-byte vector loads
   (the interpreter's float32 -> bf16 conversion is not the GPU's, so the bf16 working weights are compared
   within one bf16 ulp there, and bit for bit between the two load widths).
+
+Not here: the Gluon 128x1 activation cast (``fp8.kernels.blockwise_gluon``; the interpreter runs no Gluon, and
+``blockwise_triton.gluon_applies`` routes the interpreter's CPU tensors to the Triton kernel); the GPU tests check it.
 
 It does not compare E4M3 bits with PyTorch's: Triton 3.6's interpreter converts float32 to E4M3 differently from
 the GPU near powers of two (e.g. 124.6 -> 64 instead of 128), so bit equality with the PyTorch reference is the

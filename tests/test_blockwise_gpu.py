@@ -75,23 +75,64 @@ def test_triton_activation_quant_matches_reference_bit_for_bit(m, k, dtype):
                  f"act 128x128 {m}x{k} {dtype}")
 
 
-@pytest.mark.parametrize("m,k", [(4096, 4096), (1001, 640)])
-def test_every_activation_cast_config_matches_reference_bit_for_bit(m, k, monkeypatch):
-    """Each autotune config (CHUNK, num_warps, maxnreg) alone: the same bits as the reference, all three output
-    sets (128x1, 128x128, fprop only), so the tuner's pick can never change the numerics."""
+@pytest.mark.parametrize("m,k,dtype", [(4096, 4096, torch.bfloat16), (1001, 640, torch.bfloat16),
+                                       (1001, 640, torch.float32)])
+def test_every_activation_cast_config_matches_reference_bit_for_bit(m, k, dtype, monkeypatch):
+    """Each autotune config (CHUNK, num_warps, maxnreg, the one-read or rows-first walk) alone: the same bits as the
+    reference, all three output sets (128x1, 128x128, fprop only), so the tuner's pick can never change the
+    numerics."""
     from fp8kit.fp8.kernels import blockwise_triton as bt
 
     tuner = bt._act_quant_kernel
-    x = _real(m, k, seed=3 * m + k)
+    x = _real(m, k, seed=3 * m + k, dtype=dtype)
     ref = {w: blockwise.quantize_act(x.cpu(), w) for w in ("128x1", "128x128")}
     for cfg in tuner.configs:
         monkeypatch.setattr(bt, "_act_quant_kernel", OneConfig(tuner, cfg))
         for w in ("128x1", "128x128"):
             _poison_allocator(8 * blockwise.padded_rows(m) * k)
-            got = bt.quantize_act(x, w)
+            got = bt.quantize_act(x, w, kernel="triton")  # (bf16 128x1 would otherwise run the Gluon cast)
             torch.cuda.synchronize()
             _assert_same(got, ref[w], ("q", "s_t", "qt", "st"), f"act {w} {m}x{k} config {cfg}")
         _assert_same(bt.quantize_act_fprop(x), ref["128x1"][:2], ("q", "s_t"), f"act fprop {m}x{k} config {cfg}")
+
+
+@pytest.mark.parametrize("m,k", [(4096, 4096), (8192, 14336), (1000, 4096), (1001, 640), (1, 128), (0, 256)])
+def test_gluon_activation_cast_matches_reference_bit_for_bit(m, k):
+    """The Gluon 128x1 cast (blockwise_gluon), called directly and picked by ``kernel="auto"``, against the plain
+    PyTorch reference: every byte of q, qt and every scale, with rows past M (padding). A one-row input (which
+    Triton 3.6 miscompiles in this kernel) is refused by the Gluon cast and taken by the Triton kernel."""
+    from fp8kit.fp8.kernels import blockwise_gluon
+    from fp8kit.fp8.kernels import blockwise_triton as bt
+
+    assert bt.GLUON, "this Triton has no Gluon (triton.experimental.gluon)"
+    x = _real(max(m, 1), k, seed=5 * m + k)[:m]
+    ref = blockwise.quantize_act(x.cpu())
+    if m == 1:
+        with pytest.raises(ValueError, match="one-row input"):
+            blockwise_gluon.quantize_act_128x1(x)
+        assert not bt.gluon_applies(x, t2d=False)
+    else:
+        _poison_allocator(8 * blockwise.padded_rows(m) * k)
+        got = blockwise_gluon.quantize_act_128x1(x)
+        torch.cuda.synchronize()
+        _assert_same(got, ref, ("q", "s_t", "qt", "st"), f"gluon act {m}x{k}")
+        assert bt.gluon_applies(x, t2d=False)
+    _poison_allocator(8 * blockwise.padded_rows(m) * k)
+    _assert_same(bt.quantize_act(x), ref, ("q", "s_t", "qt", "st"), f"auto act {m}x{k}")
+
+
+def test_gluon_cast_applies_only_where_it_computes_the_same_thing():
+    from fp8kit.fp8.kernels import blockwise_triton as bt
+
+    x = _real(256, 256)
+    assert bt.gluon_applies(x, t2d=False)
+    assert not bt.gluon_applies(x, t2d=True)  # the 128x128 x^T copy: Triton's rows-first walk
+    assert not bt.gluon_applies(x.float(), t2d=False)
+    assert not bt.gluon_applies(x.cpu(), t2d=False)
+    with pytest.raises(ValueError, match="Gluon cast takes a CUDA bf16 input"):
+        bt.quantize_act(x.float(), kernel="gluon")
+    with pytest.raises(ValueError, match="kernel must be"):
+        bt.quantize_act(x, kernel="cuda")
 
 
 @pytest.mark.parametrize("n,k", [(4096, 4096), (14336, 4096), (4096, 14336), (384, 640)])

@@ -13,12 +13,17 @@ test checks it. Layouts are documented there.
   column copy re-reads the slices while they are still in L2 (with one slice, ``CHUNK = 128``, the tile still in
   registers: no second read). With ``t2d`` (``wgrad_x = "128x128"``) the
   transposed copy takes one scale per tile (the max of the column amaxes) in the weight layout of ``x^T``.
+  The tuner also tries a rows-first walk (``_rows_first_tile``): pass 1 reads the whole tile as bf16 for the row
+  amax (and the tile amax) and keeps nothing, pass 2 re-reads it (L2) in slices of whole columns and writes both
+  copies. At 8-16 warps it holds 40-80 registers per thread; the tuner picks it for the 128x128 copy (18-22% faster).
+- The 128x1 activation cast of a bf16 input runs the Gluon kernel of :mod:`fp8kit.fp8.kernels.blockwise_gluon`
+  where Triton has Gluon (:func:`gluon_applies`): 16-21% faster, the same bits; ``quantize_act(kernel=...)`` picks.
 - :func:`quantize_weight`: one program per 128x128 block of ``w[N, K]`` writes ``wq[N, K]`` and
   ``wtq[K, N]`` with the block's scale in both padded scale layouts (padding included).
 
 Both are autotuned over ``CHUNK`` and ``num_warps`` (key: the feature dimensions and the program order
-``K_FIRST``), the activation cast also over a register cap (``_ACT_CONFIGS``); every configuration and both orders
-compute the same bits (``tests/test_blockwise_gpu.py`` launches each config alone).
+``K_FIRST``), the activation cast also over a register cap and its walk (``_ACT_CONFIGS``); every configuration and
+both orders compute the same bits (``tests/test_blockwise_gpu.py`` launches each config alone).
 
 Bytes moved per element of the input: 2 read (bf16) + 2 written (two E4M3 copies) + 8/128 of scales.
 Imported only on CUDA (triton is absent from CPU installs).
@@ -32,6 +37,13 @@ import triton.language as tl
 
 from fp8kit.fp8.blockwise import BLOCK, FP8, padded_rows, round_up4
 from fp8kit.fp8.scaling import AMAX_EPS, DTYPE_MAX, F32_MAX
+
+try:  # Gluon (triton.experimental.gluon) ships with Triton >= 3.4; without it every cast runs the Triton kernels
+    from fp8kit.fp8.kernels import blockwise_gluon
+except ImportError:
+    blockwise_gluon = None
+#: whether the Gluon 128x1 activation cast is available (:func:`gluon_applies`)
+GLUON = blockwise_gluon is not None
 
 _FP8_MAX = DTYPE_MAX[FP8]
 
@@ -156,12 +168,54 @@ def _grid(row_tiles: int, k_tiles: int, k_first: bool) -> tuple[tuple[int, int],
     return ((k_tiles, row_tiles) if k_first else (row_tiles, k_tiles)), k_first
 
 
+@triton.jit
+def _rows_first_tile(x_ptr, q_ptr, s_t_ptr, qt_ptr, st_ptr, pid_m, pid_k, M, MP, K, stride_xm, ST_LD,
+                     BLOCK_SIZE: tl.constexpr, EPS, AMAX_MAX, FP8_MAX, CS: tl.constexpr, WRITE_T: tl.constexpr,
+                     T_2D: tl.constexpr):
+    # The activation cast's rows-first walk of one 128x128 tile. Pass 1 reads the whole tile as bf16 (max |x| is exact
+    # in bf16, so the amax is the float32 one) for the row amax, and with T_2D the tile amax (the max of the row
+    # amaxes), and keeps nothing else. Pass 2 re-reads it in slices of CS whole columns (L2-resident) and writes both
+    # copies with the scales already known; a 128x1 x^T copy takes its column amax from the slice (whole columns).
+    offs_m = pid_m * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    rows = offs_m.to(tl.int64)
+    cols = (pid_k * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)).to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=offs_m[:, None] < M, other=0.0,
+                eviction_policy="evict_last")
+    row_amax = tl.max(tl.abs(x), axis=1).to(tl.float32)
+    scale_r = _scale_of(row_amax, EPS, AMAX_MAX, FP8_MAX)
+    tl.store(s_t_ptr + pid_k * MP + rows, tl.div_rn(tl.full((BLOCK_SIZE,), 1.0, tl.float32), scale_r))
+    scale_t = 0.0
+    if WRITE_T and T_2D:
+        scale_t = _tile_scale(row_amax, st_ptr, pid_m, pid_k, MP, ST_LD, EPS, AMAX_MAX, FP8_MAX, BLOCK_SIZE)
+    for c in tl.static_range(0, BLOCK_SIZE, CS):
+        ccols = (pid_k * BLOCK_SIZE + c + tl.arange(0, CS)).to(tl.int64)
+        xs = tl.load(x_ptr + rows[:, None] * stride_xm + ccols[None, :], mask=offs_m[:, None] < M, other=0.0,
+                     eviction_policy="evict_first").to(tl.float32)
+        q = tl.clamp(xs * scale_r[:, None], -FP8_MAX, FP8_MAX).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + rows[:, None] * K + ccols[None, :], q)
+        if WRITE_T:
+            if T_2D:
+                _quant_cols_or_tile(xs, rows, ccols, scale_t, qt_ptr, MP, FP8_MAX, True)
+            else:
+                scale_c = _col_scale(tl.max(tl.abs(xs), axis=0), st_ptr, pid_m, ccols, K, EPS, AMAX_MAX, FP8_MAX, CS)
+                _quant_cols(xs, rows, ccols, scale_c, qt_ptr, MP, FP8_MAX)
+
+
 _CONFIGS = [triton.Config({"CHUNK": c}, num_warps=w) for c in (16, 32, 64, 128) for w in (4, 8)]
 #: the activation cast also tries one slice at 4 warps capped at 168 registers per thread (ptx ``.maxnreg``): uncapped
 #: it takes 223 and fits 2 programs per SM (12.5% occupancy, 41% of DRAM bandwidth, Nsight Compute); capped, 3 fit,
 #: and the 128x1 cast is 9-10% faster on the H200 (the 128x128 one 30-33% slower: the tuner keeps the uncapped
 #: config there). docs/benchmarks.md session 45, benchmarks/experiments/act_cast_one_read
-_ACT_CONFIGS = [*_CONFIGS, triton.Config({"CHUNK": 128}, num_warps=4, maxnreg=168)]
+#: and the rows-first walk (``_rows_first_tile``; ``CHUNK`` is then the width of its column slices) at 8 and 16
+#: warps: for the 128x128 x^T copy it holds 40-80 registers per thread and runs at 88-93% of the H200's copy rate,
+#: 18-22% faster than the one-read walk (docs/benchmarks.md session 47, benchmarks/experiments/act_cast_low_regs);
+#: for the 128x1 copy it is slower (each slice reduces its columns across warps), the tuner keeps the one-read walk
+#: there, and a bf16 input takes the Gluon cast anyway (gluon_applies).
+_ACT_CONFIGS = [
+    *(triton.Config({"CHUNK": c.kwargs["CHUNK"], "ROWS_FIRST": False}, num_warps=c.num_warps) for c in _CONFIGS),
+    triton.Config({"CHUNK": 128, "ROWS_FIRST": False}, num_warps=4, maxnreg=168),
+    *(triton.Config({"CHUNK": c, "ROWS_FIRST": True}, num_warps=w) for c, w in ((128, 16), (128, 8), (64, 8))),
+]
 
 
 @triton.autotune(configs=_ACT_CONFIGS, key=["K", "WRITE_T", "T_2D", "K_FIRST"])
@@ -171,6 +225,7 @@ def _act_quant_kernel(
     M, MP, K, stride_xm, ST_LD,
     BLOCK_SIZE: tl.constexpr, EPS: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
     CHUNK: tl.constexpr, WRITE_T: tl.constexpr, T_2D: tl.constexpr, K_FIRST: tl.constexpr = False,
+    ROWS_FIRST: tl.constexpr = False,
 ):
     # One program per 128x128 tile, walked in CHUNK-row slices so few registers stay live (occupancy
     # hides the memory latency). Pass 1 reads each slice from HBM: 1x128 row scales and the row copy,
@@ -179,30 +234,34 @@ def _act_quant_kernel(
     # WRITE_T (the fprop copy alone) there is no pass 2 and qt_ptr / st_ptr are not touched. K_FIRST: the grid is
     # (K / 128, Mp / 128), consecutive programs reading consecutive tiles of the same rows; else (Mp / 128, K / 128).
     pid_m, pid_k = _tile_ids(K_FIRST)
-    cols = (pid_k * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)).to(tl.int64)
-    abs_max = _max_init(CHUNK, BLOCK_SIZE)
-    for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
-        offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
-        rows = offs_m.to(tl.int64)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=offs_m[:, None] < M, other=0.0,
-                    eviction_policy="evict_last").to(tl.float32)
-        # (without WRITE_T the running max is unused and compiled away)
-        abs_max = _quant_rows(x, rows, cols, q_ptr, s_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, abs_max, CHUNK,
-                              BLOCK_SIZE)
-    if WRITE_T:
-        scale_c = _t_scale(_col_amax(abs_max, CHUNK, BLOCK_SIZE), st_ptr, pid_m, pid_k, cols, MP, K, ST_LD, EPS,
-                           AMAX_MAX, FP8_MAX, BLOCK_SIZE, T_2D)
-        if CHUNK == BLOCK_SIZE:
-            # one slice: the whole tile is still in registers, so the 128x1 copy is cast from it (no second read;
-            # 5-7% faster on the H200, benchmarks/experiments/act_cast_one_read, docs/benchmarks.md session 44)
-            _quant_cols_or_tile(x, rows, cols, scale_c, qt_ptr, MP, FP8_MAX, T_2D)
-        else:
-            for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
-                offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
-                rows = offs_m.to(tl.int64)
-                x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=offs_m[:, None] < M,
-                            other=0.0, eviction_policy="evict_first").to(tl.float32)
+    if ROWS_FIRST:
+        _rows_first_tile(x_ptr, q_ptr, s_t_ptr, qt_ptr, st_ptr, pid_m, pid_k, M, MP, K, stride_xm, ST_LD, BLOCK_SIZE,
+                         EPS, AMAX_MAX, FP8_MAX, CHUNK, WRITE_T, T_2D)
+    else:
+        cols = (pid_k * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)).to(tl.int64)
+        abs_max = _max_init(CHUNK, BLOCK_SIZE)
+        for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
+            offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
+            rows = offs_m.to(tl.int64)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=offs_m[:, None] < M, other=0.0,
+                        eviction_policy="evict_last").to(tl.float32)
+            # (without WRITE_T the running max is unused and compiled away)
+            abs_max = _quant_rows(x, rows, cols, q_ptr, s_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, abs_max, CHUNK,
+                                  BLOCK_SIZE)
+        if WRITE_T:
+            scale_c = _t_scale(_col_amax(abs_max, CHUNK, BLOCK_SIZE), st_ptr, pid_m, pid_k, cols, MP, K, ST_LD, EPS,
+                               AMAX_MAX, FP8_MAX, BLOCK_SIZE, T_2D)
+            if CHUNK == BLOCK_SIZE:
+                # one slice: the whole tile is still in registers, so the 128x1 copy is cast from it (no second read;
+                # 5-7% faster on the H200, benchmarks/experiments/act_cast_one_read, docs/benchmarks.md session 44)
                 _quant_cols_or_tile(x, rows, cols, scale_c, qt_ptr, MP, FP8_MAX, T_2D)
+            else:
+                for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
+                    offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
+                    rows = offs_m.to(tl.int64)
+                    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=offs_m[:, None] < M,
+                                other=0.0, eviction_policy="evict_first").to(tl.float32)
+                    _quant_cols_or_tile(x, rows, cols, scale_c, qt_ptr, MP, FP8_MAX, T_2D)
 
 
 @triton.autotune(configs=_CONFIGS, key=["N", "K", "K_FIRST"])
@@ -241,14 +300,39 @@ def _weight_quant_kernel(
         tl.store(wts_ptr + pid_k * WTS_LD + N // BLOCK_SIZE + pad, ones, mask=N // BLOCK_SIZE + pad < WTS_LD)
 
 
-def quantize_act(x: torch.Tensor, wgrad_x: str = "128x1") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton version of :func:`fp8kit.fp8.blockwise.quantize_act` (same outputs, bit for bit).
+def quantize_act(x: torch.Tensor, wgrad_x: str = "128x1", kernel: str = "auto"
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton / Gluon version of :func:`fp8kit.fp8.blockwise.quantize_act` (same outputs, bit for bit).
 
     Args:
         x: CUDA ``[M, K]`` bf16 / fp16 / fp32 tensor with unit stride along K, ``K % 128 == 0``.
         wgrad_x: ``"128x1"`` or ``"128x128"``, the blocks of the ``x^T`` copy.
+        kernel: ``"auto"`` (the Gluon cast of :mod:`fp8kit.fp8.kernels.blockwise_gluon` where it applies:
+            :func:`gluon_applies`; else the Triton one), ``"triton"`` or ``"gluon"``.
+
+    Raises:
+        ValueError: ``kernel`` is not one of the three, or ``"gluon"`` where :func:`gluon_applies` is false.
     """
-    return _act_quant(x, True, wgrad_x == "128x128")
+    t2d = wgrad_x == "128x128"
+    if kernel not in ("auto", "triton", "gluon"):
+        raise ValueError(f"quantize_act: kernel must be 'auto', 'triton' or 'gluon', got {kernel!r}")
+    use_gluon = gluon_applies(x, t2d)
+    if kernel == "gluon" and not use_gluon:
+        raise ValueError(f"quantize_act: the Gluon cast takes a CUDA bf16 input with a 128x1 x^T copy on a Triton "
+                         f"with Gluon (GLUON = {GLUON}); got {x.dtype} on {x.device}, wgrad_x = {wgrad_x!r}")
+    if use_gluon and kernel != "triton":
+        return blockwise_gluon.quantize_act_128x1(x)
+    return _act_quant(x, True, t2d)
+
+
+def gluon_applies(x: torch.Tensor, t2d: bool) -> bool:
+    """Whether the Gluon cast (:mod:`fp8kit.fp8.kernels.blockwise_gluon`) takes this input: Triton ships Gluon
+    (:data:`GLUON`), ``x`` is a CUDA bf16 tensor (Triton's interpreter runs CPU tensors: there the Triton kernel
+    runs), the ``x^T`` copy is 128x1 (the 128x128 one is faster in Triton's rows-first walk), the row tiles fit
+    a grid's second dimension, and ``x`` has more than one row (one row miscompiles in Gluon on Triton 3.6:
+    :func:`fp8kit.fp8.kernels.blockwise_gluon.quantize_act_128x1`)."""
+    return (GLUON and not t2d and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] != 1
+            and padded_rows(x.shape[0]) // BLOCK <= _MAX_GRID_Y)
 
 
 def quantize_act_fprop(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
