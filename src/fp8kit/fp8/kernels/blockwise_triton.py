@@ -201,6 +201,40 @@ def _rows_first_tile(x_ptr, q_ptr, s_t_ptr, qt_ptr, st_ptr, pid_m, pid_k, M, MP,
                 _quant_cols(xs, rows, ccols, scale_c, qt_ptr, MP, FP8_MAX)
 
 
+@triton.jit
+def _one_read_tile(x_ptr, q_ptr, s_t_ptr, qt_ptr, st_ptr, pid_m, pid_k, M, MP, K, stride_xm, ST_LD,
+                   BLOCK_SIZE: tl.constexpr, EPS, AMAX_MAX, FP8_MAX, CHUNK: tl.constexpr, WRITE_T: tl.constexpr,
+                   T_2D: tl.constexpr):
+    # The activation cast's walk of one 128x128 tile in CHUNK-row slices: pass 1 reads each slice from HBM (1x128 row
+    # scales and the row copy, and the running column amax); pass 2 re-reads the slices (L2-resident) for the x^T
+    # copy, or, with one slice (CHUNK = 128), casts it from the tile still in registers. Without WRITE_T (the fprop
+    # copy alone) there is no pass 2 and qt_ptr / st_ptr are not touched.
+    cols = (pid_k * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)).to(tl.int64)
+    abs_max = _max_init(CHUNK, BLOCK_SIZE)
+    for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
+        offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
+        rows = offs_m.to(tl.int64)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=offs_m[:, None] < M, other=0.0,
+                    eviction_policy="evict_last").to(tl.float32)
+        # (without WRITE_T the running max is unused and compiled away)
+        abs_max = _quant_rows(x, rows, cols, q_ptr, s_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, abs_max, CHUNK,
+                              BLOCK_SIZE)
+    if WRITE_T:
+        scale_c = _t_scale(_col_amax(abs_max, CHUNK, BLOCK_SIZE), st_ptr, pid_m, pid_k, cols, MP, K, ST_LD, EPS,
+                           AMAX_MAX, FP8_MAX, BLOCK_SIZE, T_2D)
+        if CHUNK == BLOCK_SIZE:
+            # one slice: the whole tile is still in registers, so the 128x1 copy is cast from it (no second read;
+            # 5-7% faster on the H200, benchmarks/experiments/act_cast_one_read, docs/benchmarks.md session 44)
+            _quant_cols_or_tile(x, rows, cols, scale_c, qt_ptr, MP, FP8_MAX, T_2D)
+        else:
+            for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
+                offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
+                rows = offs_m.to(tl.int64)
+                x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=offs_m[:, None] < M,
+                            other=0.0, eviction_policy="evict_first").to(tl.float32)
+                _quant_cols_or_tile(x, rows, cols, scale_c, qt_ptr, MP, FP8_MAX, T_2D)
+
+
 _CONFIGS = [triton.Config({"CHUNK": c}, num_warps=w) for c in (16, 32, 64, 128) for w in (4, 8)]
 #: the activation cast also tries one slice at 4 warps capped at 168 registers per thread (ptx ``.maxnreg``): uncapped
 #: it takes 223 and fits 2 programs per SM (12.5% occupancy, 41% of DRAM bandwidth, Nsight Compute); capped, 3 fit,
@@ -227,41 +261,16 @@ def _act_quant_kernel(
     CHUNK: tl.constexpr, WRITE_T: tl.constexpr, T_2D: tl.constexpr, K_FIRST: tl.constexpr = False,
     ROWS_FIRST: tl.constexpr = False,
 ):
-    # One program per 128x128 tile, walked in CHUNK-row slices so few registers stay live (occupancy
-    # hides the memory latency). Pass 1 reads each slice from HBM: 1x128 row scales and the row copy,
-    # and the running column amax. Pass 2 re-reads the slices (L2-resident) for the 128x1 copy, or, with one
-    # slice (CHUNK = 128), casts it from the tile still in registers; without
-    # WRITE_T (the fprop copy alone) there is no pass 2 and qt_ptr / st_ptr are not touched. K_FIRST: the grid is
-    # (K / 128, Mp / 128), consecutive programs reading consecutive tiles of the same rows; else (Mp / 128, K / 128).
+    # One program per 128x128 tile, walked in CHUNK-row slices (_one_read_tile) or rows first
+    # (_rows_first_tile, CHUNK columns per slice of its second pass). K_FIRST: the grid is (K / 128, Mp / 128),
+    # consecutive programs reading consecutive tiles of the same rows; else (Mp / 128, K / 128).
     pid_m, pid_k = _tile_ids(K_FIRST)
     if ROWS_FIRST:
         _rows_first_tile(x_ptr, q_ptr, s_t_ptr, qt_ptr, st_ptr, pid_m, pid_k, M, MP, K, stride_xm, ST_LD, BLOCK_SIZE,
                          EPS, AMAX_MAX, FP8_MAX, CHUNK, WRITE_T, T_2D)
     else:
-        cols = (pid_k * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)).to(tl.int64)
-        abs_max = _max_init(CHUNK, BLOCK_SIZE)
-        for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
-            offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
-            rows = offs_m.to(tl.int64)
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=offs_m[:, None] < M, other=0.0,
-                        eviction_policy="evict_last").to(tl.float32)
-            # (without WRITE_T the running max is unused and compiled away)
-            abs_max = _quant_rows(x, rows, cols, q_ptr, s_t_ptr, pid_k, MP, K, EPS, AMAX_MAX, FP8_MAX, abs_max, CHUNK,
-                                  BLOCK_SIZE)
-        if WRITE_T:
-            scale_c = _t_scale(_col_amax(abs_max, CHUNK, BLOCK_SIZE), st_ptr, pid_m, pid_k, cols, MP, K, ST_LD, EPS,
-                               AMAX_MAX, FP8_MAX, BLOCK_SIZE, T_2D)
-            if CHUNK == BLOCK_SIZE:
-                # one slice: the whole tile is still in registers, so the 128x1 copy is cast from it (no second read;
-                # 5-7% faster on the H200, benchmarks/experiments/act_cast_one_read, docs/benchmarks.md session 44)
-                _quant_cols_or_tile(x, rows, cols, scale_c, qt_ptr, MP, FP8_MAX, T_2D)
-            else:
-                for c in tl.static_range(0, BLOCK_SIZE, CHUNK):
-                    offs_m = pid_m * BLOCK_SIZE + c + tl.arange(0, CHUNK)
-                    rows = offs_m.to(tl.int64)
-                    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=offs_m[:, None] < M,
-                                other=0.0, eviction_policy="evict_first").to(tl.float32)
-                    _quant_cols_or_tile(x, rows, cols, scale_c, qt_ptr, MP, FP8_MAX, T_2D)
+        _one_read_tile(x_ptr, q_ptr, s_t_ptr, qt_ptr, st_ptr, pid_m, pid_k, M, MP, K, stride_xm, ST_LD, BLOCK_SIZE,
+                       EPS, AMAX_MAX, FP8_MAX, CHUNK, WRITE_T, T_2D)
 
 
 @triton.autotune(configs=_CONFIGS, key=["N", "K", "K_FIRST"])
