@@ -198,6 +198,18 @@ KERNELS = {"rows first": (_rows_first_kernel, "CS"), "cols first": (_cols_first_
 ABLATIONS = {"both first abl1 scalar": 1, "both first abl2 no col reduce": 2}
 
 
+def outputs(x, t2d):
+    """Empty ``(q, s_t, qt, st)`` of :func:`fp8kit.fp8.blockwise.quantize_act` for ``x``, and ``st``'s row length."""
+    m, k = x.shape
+    mp = padded_rows(m)
+    st_ld = round_up4(mp // BLOCK) if t2d else k
+    return (torch.empty(mp, k, dtype=FP8, device=x.device),
+            torch.empty(k // BLOCK, mp, dtype=torch.float32, device=x.device),
+            torch.empty(k, mp, dtype=FP8, device=x.device),
+            torch.empty((k // BLOCK, st_ld) if t2d else (mp // BLOCK, k), dtype=torch.float32, device=x.device),
+            st_ld)
+
+
 def launch(kind, x, wgrad_x, width, num_warps, maxnreg=None):
     """Run one variant; returns ((q, s_t, qt, st), compiled kernel)."""
     if kind in ("gluon", "gluon reload"):
@@ -217,11 +229,7 @@ def launch(kind, x, wgrad_x, width, num_warps, maxnreg=None):
     t2d = wgrad_x == "128x128"
     m, k = x.shape
     mp = padded_rows(m)
-    q = torch.empty(mp, k, dtype=FP8, device=x.device)
-    s_t = torch.empty(k // BLOCK, mp, dtype=torch.float32, device=x.device)
-    qt = torch.empty(k, mp, dtype=FP8, device=x.device)
-    st_ld = round_up4(mp // BLOCK) if t2d else k
-    st = torch.empty((k // BLOCK, st_ld) if t2d else (mp // BLOCK, k), dtype=torch.float32, device=x.device)
+    q, s_t, qt, st, st_ld = outputs(x, t2d)
     compiled = kernel[(k // BLOCK, mp // BLOCK)](
         x, q, s_t, qt, st, m, mp, k, x.stride(0), st_ld, BLOCK_SIZE=BLOCK, EPS=AMAX_EPS, AMAX_MAX=F32_MAX,
         FP8_MAX=bt._FP8_MAX, T_2D=t2d, num_warps=num_warps, **{arg: width}, **extra)
@@ -235,11 +243,7 @@ def launch_gluon(x, wgrad_x, num_warps, reload=False):
     t2d = wgrad_x == "128x128"
     m, k = x.shape
     mp = padded_rows(m)
-    q = torch.empty(mp, k, dtype=FP8, device=x.device)
-    s_t = torch.empty(k // BLOCK, mp, dtype=torch.float32, device=x.device)
-    qt = torch.empty(k, mp, dtype=FP8, device=x.device)
-    st_ld = round_up4(mp // BLOCK) if t2d else k
-    st = torch.empty((k // BLOCK, st_ld) if t2d else (mp // BLOCK, k), dtype=torch.float32, device=x.device)
+    q, s_t, qt, st, st_ld = outputs(x, t2d)
     compiled = gluon_act_quant_kernel[(k // BLOCK, mp // BLOCK)](
         x, q, s_t, qt, st, m, mp, k, x.stride(0), st_ld, EPS=AMAX_EPS, AMAX_MAX=F32_MAX, FP8_MAX=bt._FP8_MAX,
         T_2D=t2d, W=num_warps, RELOAD=reload, num_warps=num_warps)
