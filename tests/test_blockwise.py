@@ -66,6 +66,24 @@ def test_quantize_weight_layouts_and_padding():
     assert sqnr(w, deq) >= 28, f"128x128 weight SQNR {sqnr(w, deq):.1f} dB"
 
 
+@pytest.mark.parametrize("wgrad_x", ["128x1", "128x128"])
+def test_a_zero_row_below_one_row_gives_the_same_outputs(wgrad_x):
+    """The premise of ``triton_lib.two_rows_if_one`` (the GPU casts launch a one-row input as two rows, Triton 3.6
+    miscompiling M = 1): the padding rows are zeros, so one row and that row with a zero row below quantize to the
+    same four tensors, bit for bit."""
+    from fp8kit.base.triton_lib import two_rows_if_one
+
+    x = _real(1, 384)
+    x2 = two_rows_if_one(x)
+    assert x2.shape == (2, 384) and torch.equal(x2[0], x[0]) and not x2[1].any()
+    assert two_rows_if_one(x2) is x2
+    for name, a, b in zip(("q", "s_t", "qt", "st"), blockwise.quantize_act(x, wgrad_x),
+                          blockwise.quantize_act(x2, wgrad_x), strict=True):
+        bits = (lambda t: t.view(torch.uint8)) if a.dtype == FP8 else (lambda t: t.view(torch.int32))
+        diff = (bits(a) != bits(b)).sum().item()
+        assert a.shape == b.shape and diff == 0, f"{wgrad_x} {name}: {diff} elements differ ({a.shape} vs {b.shape})"
+
+
 def test_zero_blocks_give_zeros_and_finite_scales():
     x = _real(128, 256)
     x[:, :BLOCK] = 0

@@ -56,7 +56,8 @@ def _assert_same(got, ref, names, where):
 
 @pytest.mark.parametrize("m,k,dtype", [
     (4096, 4096, torch.bfloat16), (8192, 14336, torch.bfloat16), (1000, 4096, torch.bfloat16),
-    (1001, 640, torch.bfloat16), (1000, 4096, torch.float32),
+    (1001, 640, torch.bfloat16), (1000, 4096, torch.float32), (1, 128, torch.bfloat16), (2, 256, torch.bfloat16),
+    (1, 256, torch.float32),
 ])
 def test_triton_activation_quant_matches_reference_bit_for_bit(m, k, dtype):
     x = _real(m, k, seed=m + k, dtype=dtype)
@@ -76,7 +77,7 @@ def test_triton_activation_quant_matches_reference_bit_for_bit(m, k, dtype):
 
 
 @pytest.mark.parametrize("m,k,dtype", [(4096, 4096, torch.bfloat16), (1001, 640, torch.bfloat16),
-                                       (1001, 640, torch.float32)])
+                                       (1001, 640, torch.float32), (1, 256, torch.bfloat16)])
 def test_every_activation_cast_config_matches_reference_bit_for_bit(m, k, dtype, monkeypatch):
     """Each autotune config (CHUNK, num_warps, maxnreg, the one-read or rows-first walk) alone: the same bits as the
     reference, all three output sets (128x1, 128x128, fprop only), so the tuner's pick can never change the
@@ -96,27 +97,23 @@ def test_every_activation_cast_config_matches_reference_bit_for_bit(m, k, dtype,
         _assert_same(bt.quantize_act_fprop(x), ref["128x1"][:2], ("q", "s_t"), f"act fprop {m}x{k} config {cfg}")
 
 
-@pytest.mark.parametrize("m,k", [(4096, 4096), (8192, 14336), (1000, 4096), (1001, 640), (1, 128), (0, 256)])
+@pytest.mark.parametrize("m,k", [(4096, 4096), (8192, 14336), (1000, 4096), (1001, 640), (1, 128), (2, 128),
+                                 (0, 256)])
 def test_gluon_activation_cast_matches_reference_bit_for_bit(m, k):
     """The Gluon 128x1 cast (blockwise_gluon), called directly and picked by ``kernel="auto"``, against the plain
     PyTorch reference: every byte of q, qt and every scale, with rows past M (padding). A one-row input (which
-    Triton 3.6 miscompiles in this kernel) is refused by the Gluon cast and taken by the Triton kernel."""
+    Triton 3.6 miscompiles) is launched as two rows (``triton_lib.two_rows_if_one``)."""
     from fp8kit.fp8.kernels import blockwise_gluon
     from fp8kit.fp8.kernels import blockwise_triton as bt
 
     assert bt.GLUON, "this Triton has no Gluon (triton.experimental.gluon)"
     x = _real(max(m, 1), k, seed=5 * m + k)[:m]
     ref = blockwise.quantize_act(x.cpu())
-    if m == 1:
-        with pytest.raises(ValueError, match="one-row input"):
-            blockwise_gluon.quantize_act_128x1(x)
-        assert not bt.gluon_applies(x, t2d=False)
-    else:
-        _poison_allocator(8 * blockwise.padded_rows(m) * k)
-        got = blockwise_gluon.quantize_act_128x1(x)
-        torch.cuda.synchronize()
-        _assert_same(got, ref, ("q", "s_t", "qt", "st"), f"gluon act {m}x{k}")
-        assert bt.gluon_applies(x, t2d=False)
+    _poison_allocator(8 * blockwise.padded_rows(m) * k)
+    got = blockwise_gluon.quantize_act_128x1(x)
+    torch.cuda.synchronize()
+    _assert_same(got, ref, ("q", "s_t", "qt", "st"), f"gluon act {m}x{k}")
+    assert bt.gluon_applies(x, t2d=False)
     _poison_allocator(8 * blockwise.padded_rows(m) * k)
     _assert_same(bt.quantize_act(x), ref, ("q", "s_t", "qt", "st"), f"auto act {m}x{k}")
 

@@ -20,7 +20,7 @@ for the row amax (taken on the input dtype: max |x| is exact, so it equals the f
 the 1x128 copy, and moves the tile as bf16 into ``L_COL`` through shared memory (``gl.convert_layout``: ldmatrix)
 for the 128x1 copy. Scale math: :func:`fp8kit.fp8.scaling.scale_from_amax` with the roundings of
 ``blockwise_triton._scale_of`` (IEEE ``div_rn`` reciprocal, then ``* 448``); clamp to +-448, round to nearest even.
-Rows past ``M`` read as zero; a one-row input is refused (a Triton 3.6 miscompile, :func:`quantize_act_128x1`).
+Rows past ``M`` read as zero; a one-row input is launched as two rows (a Triton 3.6 miscompile of ``M`` = 1).
 
 Imported only on CUDA, and only where Triton ships Gluon (``triton.experimental.gluon``, Triton >= 3.4):
 :data:`fp8kit.fp8.kernels.blockwise_triton.GLUON` says whether it did.
@@ -32,6 +32,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from fp8kit.base.triton_lib import two_rows_if_one
 from fp8kit.fp8.blockwise import BLOCK, FP8, padded_rows
 from fp8kit.fp8.scaling import AMAX_EPS, DTYPE_MAX, F32_MAX
 
@@ -97,23 +98,15 @@ def quantize_act_128x1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     """:func:`fp8kit.fp8.blockwise.quantize_act` with ``wgrad_x = "128x1"``, the same four outputs bit for bit.
 
     Args:
-        x: CUDA ``[M, K]`` bf16 tensor with unit stride along K, ``K % 128 == 0``, ``M != 1``.
-
-    Raises:
-        ValueError: ``M == 1``. Triton turns an integer argument equal to 1 into a constant, and with ``M`` such a
-            constant Triton 3.6 compiled this kernel wrong (rows 16-127 of ``q``, the padding, held wrong bytes;
-            ``M`` = 2, 17, 127, 129, 1000 were exact: ``benchmarks/experiments/act_cast_low_regs/small_m.py``,
-            docs/benchmarks.md session 47). :func:`fp8kit.fp8.kernels.blockwise_triton.gluon_applies` sends
-            one-row inputs to the Triton kernel.
+        x: CUDA ``[M, K]`` bf16 tensor with unit stride along K, ``K % 128 == 0``. A one-row input is launched
+            as two rows (:func:`fp8kit.base.triton_lib.two_rows_if_one`: Triton 3.6 miscompiles ``M`` = 1).
 
     Returns:
         ``(q[Mp, K] E4M3, s_t[K/128, Mp] float32, qt[K, Mp] E4M3, st[Mp/128, K] float32)``, ``Mp`` = ``M`` rounded
         up to 128 (layouts: :mod:`fp8kit.fp8.blockwise`).
     """
+    x = two_rows_if_one(x)
     m, k = x.shape
-    if m == 1:
-        raise ValueError("quantize_act_128x1: a one-row input miscompiles in Gluon on Triton 3.6 (M specialized to "
-                         "the constant 1); use fp8kit.fp8.kernels.blockwise_triton.quantize_act, which takes it")
     mp = padded_rows(m)
     q = torch.empty(mp, k, dtype=FP8, device=x.device)
     s_t = torch.empty(k // BLOCK, mp, dtype=torch.float32, device=x.device)

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fp8kit.base.triton_lib import two_rows_if_one
 from fp8kit.fp8.blockwise import BLOCK, FP8, padded_rows, round_up4
 from fp8kit.fp8.scaling import AMAX_EPS, DTYPE_MAX, F32_MAX
 
@@ -337,10 +338,9 @@ def quantize_act(x: torch.Tensor, wgrad_x: str = "128x1", kernel: str = "auto"
 def gluon_applies(x: torch.Tensor, t2d: bool) -> bool:
     """Whether the Gluon cast (:mod:`fp8kit.fp8.kernels.blockwise_gluon`) takes this input: Triton ships Gluon
     (:data:`GLUON`), ``x`` is a CUDA bf16 tensor (Triton's interpreter runs CPU tensors: there the Triton kernel
-    runs), the ``x^T`` copy is 128x1 (the 128x128 one is faster in Triton's rows-first walk), the row tiles fit
-    a grid's second dimension, and ``x`` has more than one row (one row miscompiles in Gluon on Triton 3.6:
-    :func:`fp8kit.fp8.kernels.blockwise_gluon.quantize_act_128x1`)."""
-    return (GLUON and not t2d and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] != 1
+    runs), the ``x^T`` copy is 128x1 (the 128x128 one is faster in Triton's rows-first walk), and the row tiles
+    fit a grid's second dimension."""
+    return (GLUON and not t2d and x.is_cuda and x.dtype == torch.bfloat16
             and padded_rows(x.shape[0]) // BLOCK <= _MAX_GRID_Y)
 
 
@@ -352,6 +352,7 @@ def quantize_act_fprop(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _act_quant(x: torch.Tensor, write_t: bool, t2d: bool = False, k_first: bool | None = None
                ) -> tuple[torch.Tensor, ...]:
+    x = two_rows_if_one(x)  # Triton 3.6 miscompiles M = 1 (the helper's docstring)
     m, k = x.shape
     mp = padded_rows(m)
     q = torch.empty(mp, k, dtype=FP8, device=x.device)
