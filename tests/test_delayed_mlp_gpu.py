@@ -34,7 +34,7 @@ def _inputs(m, i, seed, dtype=torch.bfloat16):
     return gate, up, da
 
 
-@pytest.mark.parametrize("m,i", [(8192, 14336), (1000, 384), (77, 1000), (4096, 4096)])
+@pytest.mark.parametrize("m,i", [(8192, 14336), (1000, 384), (77, 1000), (4096, 4096), (1, 384)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kernel_casts_are_the_reference_casts_of_its_values(m, i, dtype):
     from fp8kit.fp8.kernels.swiglu_delayed_triton import swiglu_backward_cast

@@ -27,7 +27,7 @@ _NAMES = ("q", "s_t", "qt", "st")
 
 @pytest.mark.parametrize("m,i,dtype", [
     (8192, 14336, torch.bfloat16), (1000, 4096, torch.bfloat16), (1001, 640, torch.bfloat16),
-    (130, 384, torch.float32),
+    (130, 384, torch.float32), (1, 256, torch.bfloat16),
 ])
 def test_triton_swiglu_kernels_cast_their_values_bit_for_bit(m, i, dtype):
     """The kernels' FP8 copies equal ``blockwise.quantize_act`` of the SwiGLU values they computed, bit for bit;
