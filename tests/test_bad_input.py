@@ -52,6 +52,14 @@ def test_bad_config_and_data(capsys, tmp_path, sets, expected):
     assert not out.exists()
 
 
+def test_ep_that_does_not_divide_the_experts_names_the_module(capsys):
+    """The MoE issue's bad input: expert parallelism over a number of ranks that does not divide a layer's
+    experts is one line naming the key, the expert count and the module (``fp8kit plan`` decides the sites
+    without starting the ranks; ``train`` decides them the same way)."""
+    _fails(capsys, ["plan", "--set", "model.preset=tiny-moe", "--set", "distributed.ep=3"],
+           "distributed.ep = 3 does not divide the 8 experts of model.layers.0.mlp.experts.gate_up_proj")
+
+
 def test_empty_data_file(capsys, tmp_path, cache_dir):
     (tmp_path / "empty.txt").write_text("\n\n")
     out = tmp_path / "run"

@@ -121,6 +121,28 @@ def test_bad_shapes_raise_value_error_naming_the_shape():
         Float8BlockwiseLinear(256, 256)(torch.randn(4, 384))
 
 
+@pytest.mark.parametrize("gpu,cap,torch_v,cuda_v,api,want", [
+    ("NVIDIA A100-SXM4-80GB", (8, 0), "2.11.0+cu130", "13.0", True, "Hopper GPU"),
+    ("NVIDIA H100 80GB HBM3", (9, 0), "2.9.1+cu128", "12.8", False, "torch >= 2.10"),
+    ("NVIDIA H100 80GB HBM3", (9, 0), "2.11.0+cu126", "12.6", True, "CUDA >= 12.9"),
+    ("NVIDIA GeForce RTX 4090", (8, 9), "2.11.0", None, True, "Hopper GPU"),
+])
+def test_blockwise_gemm_refusal_names_the_gpu_the_versions_and_the_fix(gpu, cap, torch_v, cuda_v, api, want):
+    """The blockwise capability check refuses GPUs and torch builds without cuBLAS blockwise FP8 GEMMs with one
+    message naming the GPU, torch and CUDA versions and the fix (``fp8.emulate`` or another recipe); a Hopper GPU
+    with torch >= 2.10 and CUDA >= 12.9 passes. (``blockwise_gemm_verdict`` takes the facts, so GPUs this machine
+    lacks are checked; the real H200 passes in ``test_blockwise_gpu.py``.)"""
+    ok, reason = ops.blockwise_gemm_verdict(gpu, 0, cap, torch_v, cuda_v, api)
+    assert not ok, reason
+    for part in (gpu, f"capability {cap[0]}.{cap[1]}", f"torch {torch_v}", f"CUDA {cuda_v or 'none'}", want,
+                 "fp8.emulate = true", 'fp8.recipe = "tensorwise"'):
+        assert part in reason, f"{part!r} missing from: {reason}"
+    ok, reason = ops.blockwise_gemm_verdict("NVIDIA H200", 1, (9, 0), "2.11.0+cu130", "13.0", True)
+    assert ok and "NVIDIA H200 (cuda:1, capability 9.0)" in reason, reason
+    ok, reason = ops.blockwise_gemm_support("cpu")
+    assert not ok and "emulated in float32" in reason, reason
+
+
 # ----------------------------------------------------------------------------- the linear: numerics
 
 def _fp64_grads(x, w, b, dy):

@@ -263,6 +263,31 @@ def test_bad_inputs_are_named():
     assert resolve_grouped_kernel(GroupedGemmConfig(), torch.device("cpu")) == "emulated"
 
 
+def test_a_gpu_without_the_grouped_kernel_is_named_with_the_fallback(monkeypatch):
+    """The MoE issue's bad input: a grouped recipe this GPU cannot run. The refusal names the GPU, its capability
+    and torch, and the two ways on (``fp8.emulate``, or the experts kept BF16 by ``fp8.exclude``). The GPU facts go
+    through ``grouped_fp8_verdict`` (this machine has no such GPU); ``grouped_fp8_support`` reads them from a real
+    one and passes on the H200 (tests/test_moe_fused_gpu.py)."""
+    from fp8kit.moe import grouped_mm
+
+    ok, reason = grouped_mm.grouped_fp8_verdict("NVIDIA A100-SXM4-80GB", (8, 0), "2.11.0+cu130", True)
+    assert not ok and "NVIDIA A100-SXM4-80GB (capability 8.0, torch 2.11.0+cu130)" in reason, reason
+    assert "Hopper GPU" in reason, reason
+    ok, reason = grouped_mm.grouped_fp8_verdict("NVIDIA H100 80GB HBM3", (9, 0), "2.5.0", False)
+    assert not ok and "torch 2.5.0 has no torch._scaled_grouped_mm" in reason, reason
+    assert grouped_mm.grouped_fp8_verdict("NVIDIA H200", (9, 0), "2.11.0", True)[0]
+    # What a run on that GPU is told (the capability check answering for the A100 above):
+    monkeypatch.setattr(grouped_mm, "grouped_fp8_support",
+                        lambda device: grouped_mm.grouped_fp8_verdict("NVIDIA A100-SXM4-80GB", (8, 0), "2.11.0", True))
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(CapabilityError) as err:
+        resolve_grouped_kernel(GroupedGemmConfig(), cuda)
+    for part in ("FP8 MoE experts", "NVIDIA A100-SXM4-80GB (capability 8.0", "fp8.emulate = true",
+                 'fp8.exclude = ["experts"]'):
+        assert part in str(err.value), f"{part!r} missing from: {err.value}"
+    assert resolve_grouped_kernel(GroupedGemmConfig(emulate=True), cuda) == "emulated"  # asked for: no error
+
+
 def _tiny_hf_moe(dtype=torch.bfloat16):
     from transformers import AutoConfig, AutoModelForCausalLM
 

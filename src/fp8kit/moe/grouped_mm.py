@@ -206,16 +206,30 @@ def resolve_grouped_gemm(gemm: str, experts: int, rows: int, hidden: int, width:
 
 
 def grouped_fp8_support(device: torch.device) -> tuple[bool, str]:
-    """Whether ``torch._scaled_grouped_mm`` runs on ``device`` (CUDA compute capability 9.x), and why not."""
+    """Whether ``torch._scaled_grouped_mm`` runs on ``device`` (CUDA compute capability 9.x), and why not
+    (:func:`grouped_fp8_verdict`)."""
     if device.type != "cuda":
         return False, f"torch._scaled_grouped_mm has no {device.type.upper()} kernel"
-    if not hasattr(torch, "_scaled_grouped_mm"):
-        return False, f"torch {torch.__version__} has no torch._scaled_grouped_mm"
-    cap = torch.cuda.get_device_capability(device)
-    if cap[0] != 9:
+    return grouped_fp8_verdict(torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device),
+                               torch.__version__, hasattr(torch, "_scaled_grouped_mm"))
+
+
+def grouped_fp8_verdict(gpu: str, capability: tuple[int, int], torch_version: str,
+                        has_scaled_grouped_mm: bool) -> tuple[bool, str]:
+    """:func:`grouped_fp8_support`'s decision from the facts it reads (pure: tests give it GPUs this machine
+    lacks). Every refusal names the GPU, its compute capability and the torch version.
+
+    Args:
+        gpu: the GPU's name; capability: ``(major, minor)``; torch_version: ``torch.__version__``;
+        has_scaled_grouped_mm: torch has ``torch._scaled_grouped_mm``.
+    """
+    where = f"{gpu} (capability {capability[0]}.{capability[1]}, torch {torch_version})"
+    if not has_scaled_grouped_mm:
+        return False, f"torch {torch_version} has no torch._scaled_grouped_mm; this is {where}"
+    if capability[0] != 9:
         return False, (f"torch._scaled_grouped_mm (rowwise FP8) needs a Hopper GPU (compute capability 9.x); "
-                       f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}")
-    return True, "torch._scaled_grouped_mm on Hopper"
+                       f"this is {where}")
+    return True, f"torch._scaled_grouped_mm on Hopper: {where}"
 
 
 def resolve_grouped_kernel(config: GroupedGemmConfig, device: torch.device) -> str:

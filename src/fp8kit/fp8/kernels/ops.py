@@ -57,27 +57,46 @@ def blockwise_gemm_support(device: torch.device | str) -> tuple[bool, str]:
     >= 12.9 and a Hopper GPU (compute capability 9.x: cuBLAS's blockwise FP8 kernels).
 
     Returns:
-        ``(ok, reason)``; on failure ``reason`` names the GPU, the torch and CUDA versions and the fix.
+        ``(ok, reason)``; on failure ``reason`` names the GPU, the torch and CUDA versions and the fix
+        (:func:`blockwise_gemm_verdict`).
     """
     dev = torch.device(device)
     if dev.type != "cuda":
         return False, f"device {dev} is not a CUDA GPU: blockwise GEMMs run emulated in float32 there"
+    scaling = getattr(torch.nn.functional, "ScalingType", None)
+    has_api = (scaling is not None and hasattr(scaling, "BlockWise128x128")
+               and hasattr(torch.nn.functional, "scaled_mm"))
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return blockwise_gemm_verdict(torch.cuda.get_device_name(index), index, torch.cuda.get_device_capability(index),
+                                  torch.__version__, torch.version.cuda, has_api)
+
+
+def blockwise_gemm_verdict(gpu: str, index: int, capability: tuple[int, int], torch_version: str,
+                           cuda_version: str | None, has_blockwise_scaled_mm: bool) -> tuple[bool, str]:
+    """:func:`blockwise_gemm_support`'s decision from the facts it reads (a pure function: the tests give it the
+    facts of GPUs and torch builds this machine does not have).
+
+    Args:
+        gpu: the GPU's name (``torch.cuda.get_device_name``); index: its CUDA index.
+        capability: ``(major, minor)`` compute capability.
+        torch_version, cuda_version: ``torch.__version__``, ``torch.version.cuda`` (None: a build without CUDA).
+        has_blockwise_scaled_mm: torch has ``torch.nn.functional.scaled_mm`` and ``ScalingType.BlockWise128x128``.
+
+    Returns:
+        ``(ok, reason)``: every failure names the GPU, the torch and CUDA versions and the fix.
+    """
+    device = f"{gpu} (cuda:{index}, capability {capability[0]}.{capability[1]})"
+    where = f"{device} with torch {torch_version} (CUDA {cuda_version or 'none'})"
     fix = ('Fix: use fp8.recipe = "tensorwise" or "rowwise", or fp8.emulate = true (blockwise numerics '
            "without the speed-up)")
-    scaling = getattr(torch.nn.functional, "ScalingType", None)
-    if scaling is None or not hasattr(scaling, "BlockWise128x128") or not hasattr(torch.nn.functional, "scaled_mm"):
-        return False, (f"torch {torch.__version__} has no torch.nn.functional.scaled_mm with ScalingType."
-                       f"BlockWise128x128 (needs torch >= 2.10). {fix}, or upgrade torch")
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    name = torch.cuda.get_device_name(index)
-    cap = torch.cuda.get_device_capability(index)
-    cuda = torch.version.cuda or "none"
-    cuda_ok = torch.version.cuda is not None and tuple(int(p) for p in cuda.split(".")[:2]) >= (12, 9)
-    if cap[0] != 9 or not cuda_ok:
+    if not has_blockwise_scaled_mm:
+        return False, (f"blockwise FP8 GEMMs need torch.nn.functional.scaled_mm with ScalingType.BlockWise128x128 "
+                       f"(torch >= 2.10); this is {where}. {fix}, or upgrade torch")
+    cuda_ok = cuda_version is not None and tuple(int(p) for p in cuda_version.split(".")[:2]) >= (12, 9)
+    if capability[0] != 9 or not cuda_ok:
         return False, (f"blockwise FP8 GEMMs need a Hopper GPU (compute capability 9.x) and CUDA >= 12.9; this is "
-                       f"{name} (cuda:{index}, capability {cap[0]}.{cap[1]}) with torch {torch.__version__} "
-                       f"(CUDA {cuda}). {fix}")
-    return True, f"{name} (cuda:{index}, capability {cap[0]}.{cap[1]}), torch {torch.__version__}: blockwise FP8 GEMMs"
+                       f"{where}. {fix}")
+    return True, f"{device}, torch {torch_version}: blockwise FP8 GEMMs"
 
 
 @functools.cache
