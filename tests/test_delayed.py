@@ -578,5 +578,19 @@ def test_resume_is_exact_and_another_recipe_is_refused(small_run, tmp_path):
     assert not (tmp_path / "other").exists()
 
 
+@pytest.mark.slow
+def test_resume_from_an_async_dcp_checkpoint_is_exact(small_run, tmp_path):
+    """``train.async_checkpoint`` writes the model and optimizer as DCP files in the background; the delayed
+    recipe's histories and scales travel in the training state beside them, so a resume from such a checkpoint
+    continues bit for bit too."""
+    base = ["train.steps=6", "train.checkpoint_every=3", "train.eval_every=3", "train.async_checkpoint=true"]
+    full = train(_cfg(small_run, *base), tmp_path / "full").metrics
+    ck = tmp_path / "full" / "checkpoints" / "step_000003"
+    assert any((ck / "dcp").glob("*.distcp")), f"no DCP files in {ck / 'dcp'}"
+    resumed = train(_cfg(small_run, *base), tmp_path / "resumed", resume=ck).metrics
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[3:]], (resumed, full)
+    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in full[3:]]
+
+
 if __name__ == "__main__":  # run by test_amax_all_reduce_gives_every_rank_the_same_history under torchrun
     _rank_worker(Path(sys.argv[1]))

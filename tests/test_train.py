@@ -83,19 +83,29 @@ def test_resume_into_same_run_dir_continues(small_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_precision_schedule_switches_at_configured_steps(small_run, tmp_path):
-    res = train(_cfg(small_run, "train.steps=10", "fp8.bf16_warmup_steps=3", "fp8.bf16_cooldown_steps=2"), tmp_path / "s")
+@pytest.mark.parametrize("recipe,fp8_sites", [("tensorwise", 14), ("blockwise", 8), ("delayed", 14)])
+def test_precision_schedule_switches_at_configured_steps(small_run, tmp_path, recipe, fp8_sites):
+    """The BF16 warm-up / cool-down phases with each recipe: the switch steps, the FP8 module count per step
+    (blockwise converts fewer sites: dims not multiples of 128 stay BF16), and a falling loss."""
+    res = train(_cfg(small_run, "train.steps=10", "fp8.bf16_warmup_steps=3", "fp8.bf16_cooldown_steps=2",
+                     f"fp8.recipe={recipe}"), tmp_path / "s")
     assert [r["precision"] for r in res.metrics] == ["bf16"] * 3 + ["fp8"] * 5 + ["bf16"] * 2
-    assert [r["fp8_modules"] for r in res.metrics] == [0] * 3 + [14] * 5 + [0] * 2
+    assert [r["fp8_modules"] for r in res.metrics] == [0] * 3 + [fp8_sites] * 5 + [0] * 2
     assert res.loop.switches == [(3, "fp8"), (8, "bf16")]
     assert res.metrics[-1]["loss"] < res.metrics[0]["loss"]
 
 
 @pytest.mark.slow
-def test_activation_checkpointing_gives_identical_losses(small_run, tmp_path):
-    a = train(_cfg(small_run, "train.steps=3"), tmp_path / "a").metrics
-    b = train(_cfg(small_run, "train.steps=3", "train.activation_checkpointing=true"), tmp_path / "b").metrics
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise", "delayed"])
+def test_activation_checkpointing_gives_identical_losses(small_run, tmp_path, recipe):
+    """Activation checkpointing recomputes each block's forward in the backward: with every recipe the
+    recomputed casts (blockwise: the same blocks; delayed: this step's scales, nothing recorded twice) give
+    the same losses, bit for bit."""
+    a = train(_cfg(small_run, "train.steps=3", f"fp8.recipe={recipe}"), tmp_path / "a").metrics
+    b = train(_cfg(small_run, "train.steps=3", "train.activation_checkpointing=true", f"fp8.recipe={recipe}"),
+              tmp_path / "b").metrics
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
 
 
 @pytest.mark.slow
