@@ -283,6 +283,10 @@ def main() -> None:
     ap.add_argument("--shapes", default="", help="comma-separated MxKxN to run instead of the grid")
     ap.add_argument("--profile", default="fp8kit:8192x4096x4096",
                     help="comma-separated variant:MxKxN to profile with torch.profiler")
+    ap.add_argument("--dynamo-reset", action="store_true",
+                    help="torch._dynamo.reset() before each shape: no compiled code or guards carried from one shape "
+                         "to the next (session 48: the delayed linear ran 0.68-0.96x of BF16 at the shapes after "
+                         "the first; this tells Dynamo state from GPU state)")
     ap.add_argument("--time-budget", type=float, default=0.0,
                     help="seconds after which the remaining shapes are skipped (0: none)")
     args = ap.parse_args()
@@ -297,6 +301,7 @@ def main() -> None:
     out = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"), "timing": "CUDA-graph replay, triton.testing.do_bench median",
+        "dynamo_reset_between_shapes": args.dynamo_reset,
         "blockwise_gemm": ops.blockwise_gemm_support("cuda")[1], "rows": [], "quant_bandwidth": [],
     }
     try:
@@ -327,6 +332,8 @@ def main() -> None:
         if args.time_budget and time.time() - t0 > args.time_budget:
             out["skipped_shapes"].append([m, k, n])
             continue
+        if args.dynamo_reset:
+            torch._dynamo.reset()
         row = bench_shape(m, k, n, variants)
         out["rows"].append(row)
         save()

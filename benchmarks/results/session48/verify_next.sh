@@ -1,6 +1,7 @@
 # For the next session's device calls (carry .whl; bash benchmarks/results/session48/verify_next.sh CASE).
-#   call A (~4 min, nvidia-h200): delayed   the delayed linear's slowdown (session 48, call 7: 0.68-0.96x of BF16 at
-#            the shapes after the first): 8192x4096x4096 alone (profiled), then after 16384x4096x14336
+#   call A (~7 min, nvidia-h200): delayed   the delayed linear's slowdown (session 48, call 7: 0.68-0.96x of BF16 at
+#            the shapes after the first): 8192x4096x4096 alone (profiled), then after 16384x4096x14336, without
+#            and with --dynamo-reset (Dynamo state or GPU state)
 #   call B (~4 min): tests    session 48's CPU-side changes on the GPU (the capability verdicts, the grouped kernel
 #            check) and the one-row SwiGLU cases the 150 s limit cut
 #   call C (~8 min): grid     the 13 grid shapes session 48's budget did not reach, every recipe against torchao's
@@ -10,12 +11,15 @@ nvidia-smi --query-gpu=name,power.limit --format=csv,noheader | tee $OUT/keep/gp
 V=bf16,ao_tensorwise,fp8kit_delayed
 case "$1" in
 delayed)
-  timeout 250 python3 benchmarks/linear_fwd_bwd.py --out $OUT/keep/delayed_alone.json --shapes 8192x4096x4096 \
+  timeout 180 python3 benchmarks/linear_fwd_bwd.py --out $OUT/keep/delayed_alone.json --shapes 8192x4096x4096 \
     --variants $V --profile fp8kit_delayed:8192x4096x4096,ao_tensorwise:8192x4096x4096 2>&1 | grep -v DEBUG | tail -40 \
     | tee $OUT/keep/delayed_alone.log
-  timeout 250 python3 benchmarks/linear_fwd_bwd.py --out $OUT/keep/delayed_after.json \
+  timeout 180 python3 benchmarks/linear_fwd_bwd.py --out $OUT/keep/delayed_after.json \
     --shapes 16384x4096x14336,8192x4096x4096,4096x4096x4096 --variants $V --profile "" 2>&1 | grep -v DEBUG | tail -12 \
-    | tee $OUT/keep/delayed_after.log ;;
+    | tee $OUT/keep/delayed_after.log
+  timeout 180 python3 benchmarks/linear_fwd_bwd.py --out $OUT/keep/delayed_after_reset.json --dynamo-reset \
+    --shapes 16384x4096x14336,8192x4096x4096,4096x4096x4096 --variants $V --profile "" 2>&1 | grep -v DEBUG | tail -12 \
+    | tee $OUT/keep/delayed_after_reset.log ;;
 tests)
   timeout 280 python3 -m pytest -q -m gpu tests/test_swiglu_mlp_gpu.py tests/test_delayed_mlp_gpu.py -p no:cacheprovider \
     2>&1 | grep -v DEBUG | tail -8 | tee $OUT/keep/swiglu_delayed_mlp_gpu.log
