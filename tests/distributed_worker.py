@@ -69,9 +69,19 @@ SCENARIOS = {
                       "train.checkpoint_every=5", "train.final_checkpoint=false"],
     "fsdp_fp8adamw_resumed": ["optim.name=fp8_adamw", "optim.grad=param", "train.mixed_precision=bf16", "train.micro_batch_size=2",
                               "train.final_checkpoint=false"],
+    # the delayed recipe under FSDP2 (default optimizer: FP8AdamW) with the BF16 and the E4M3 all-gather
+    # (fp8.delayed_all_gather), a DCP checkpoint at step 5 of the latter, resumed on the same 2 ranks
+    "fsdp_delayed": ["train.mixed_precision=fp8", "fp8.recipe=delayed", "train.micro_batch_size=2",
+                     "train.final_checkpoint=false"],
+    "fsdp_delayed_e4m3": ["train.mixed_precision=fp8", "fp8.recipe=delayed", "train.micro_batch_size=2",
+                          "fp8.enable_fsdp_float8_all_gather=true", "train.checkpoint_every=5",
+                          "train.final_checkpoint=false"],
+    "fsdp_delayed_e4m3_resumed": ["train.mixed_precision=fp8", "fp8.recipe=delayed", "train.micro_batch_size=2",
+                                  "fp8.enable_fsdp_float8_all_gather=true", "train.final_checkpoint=false"],
 }
 #: scenario -> (scenario whose checkpoint it resumes, checkpoint directory name)
-RESUME = {"fsdp_fp8adamw_resumed": ("fsdp_fp8adamw", "step_000005")}
+RESUME = {"fsdp_fp8adamw_resumed": ("fsdp_fp8adamw", "step_000005"),
+          "fsdp_delayed_e4m3_resumed": ("fsdp_delayed_e4m3", "step_000005")}
 
 
 def main() -> None:

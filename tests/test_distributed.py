@@ -191,6 +191,28 @@ def test_dcp_two_ranks_resume_on_one_process(dist_runs, cache_dir, tmp_path, one
     _close(resumed, uninterrupted, TOL["fp8"], "2 ranks -> resume on 1 process vs the uninterrupted 2-rank run")
 
 
+@pytest.mark.slow
+def test_fsdp2_delayed_e4m3_all_gather_trains_and_resumes_like_the_bf16_all_gather(cache_dir, tmp_path, one_thread):
+    """The delayed recipe's E4M3 all-gather (``fp8.enable_fsdp_float8_all_gather``, fp8.delayed_all_gather) through
+    ``fp8kit train`` on 2 ranks with the default optimizer (FP8AdamW): the same losses as the BF16 all-gather, bit for
+    bit (each rank casts its shard with the delayed scale: the bytes of the whole weight's cast), the run says so,
+    and a DCP checkpoint of it resumes on the same ranks bit for bit."""
+    import json
+
+    train(load_config(None, small_run_overrides(cache_dir) + ["train.steps=1", "train.final_checkpoint=false",
+                                                              "train.mixed_precision=bf16"]), tmp_path / "warm")
+    out = tmp_path / "dist"
+    _torchrun(2, [str(ROOT / "tests" / "distributed_worker.py"), str(out), str(cache_dir), "fsdp_delayed",
+                  "fsdp_delayed_e4m3", "fsdp_delayed_e4m3_resumed"], timeout=600)
+    bf16_gather, e4m3 = _losses(out / "fsdp_delayed"), _losses(out / "fsdp_delayed_e4m3")
+    assert len(e4m3) == 10 and e4m3 == bf16_gather, (e4m3, bf16_gather)
+    for run, gather in (("fsdp_delayed", "BF16 all-gather"), ("fsdp_delayed_e4m3", "FP8 all-gather")):
+        summary = json.loads((out / run / "summary.json").read_text())
+        assert summary["parallel"].endswith(gather), (run, summary["parallel"])
+    resumed = _losses(out / "fsdp_delayed_e4m3_resumed")
+    assert resumed == e4m3[5:], (resumed, e4m3[5:])
+
+
 def test_single_process_checkpoint_resumes_on_two_ranks(references, tmp_path):
     """1 process (safetensors) -> torchrun 2 ranks (FSDP2), through the user's command."""
     ck = references["dir"] / "fp8" / "checkpoints" / "step_000005"

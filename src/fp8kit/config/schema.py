@@ -116,8 +116,10 @@ class FP8Config(ConfigModel):
     enable_fsdp_float8_all_gather: bool | None = Field(
         None,
         description="Under FSDP2 (distributed.dp_shard > 1), all-gather the FP8 weights plus their scales "
-        "instead of BF16 weights (half the bytes; torchao). Unset: on for the tensorwise recipe, off for the "
-        "rowwise ones (torchao supports it for tensorwise only). Combined with tensor parallel it falls back "
+        "instead of BF16 weights (half the bytes; torchao for tensorwise, fp8kit.fp8.delayed_all_gather for delayed: "
+        "each shard cast with the weight's delayed scale, the same bytes as the whole weight's cast). Unset: on for "
+        "the tensorwise recipe, off for the others (delayed: opt in; not measured on GPUs yet; the rowwise and "
+        "blockwise recipes have none). Combined with tensor parallel it falls back "
         "to BF16 all-gather with a warning (see docs/distributed.md).",
     )
     grouped_kernel: Literal["auto", "torchao", "fused", "scaled_grouped_mm"] = Field(
@@ -265,10 +267,11 @@ class FP8Config(ConfigModel):
 
     @model_validator(mode="after")
     def _all_gather_needs_tensorwise(self) -> "FP8Config":
-        if self.enable_fsdp_float8_all_gather and self.recipe != "tensorwise":
+        if self.enable_fsdp_float8_all_gather and self.recipe not in ("tensorwise", "delayed"):
             raise FieldProblem(
                 "fp8.enable_fsdp_float8_all_gather",
-                f"FP8 all-gather is supported by torchao for the tensorwise recipe only, not {self.recipe!r}",
+                f"FP8 all-gather runs with the tensorwise (torchao) and delayed (fp8kit) recipes only, not "
+                f"{self.recipe!r}",
             )
         return self
 
@@ -533,6 +536,13 @@ class RunConfig(ConfigModel):
                 "fp8.bf16_cooldown_steps" if f8.bf16_cooldown_steps else "fp8.bf16_warmup_steps",
                 f"bf16_warmup_steps ({f8.bf16_warmup_steps}) + bf16_cooldown_steps ({f8.bf16_cooldown_steps}) "
                 f"exceed train.steps ({steps})",
+            )
+        if f8.enable_fsdp_float8_all_gather and f8.recipe == "delayed" and self.distributed.tp > 1:
+            raise FieldProblem(
+                "fp8.enable_fsdp_float8_all_gather",
+                f"the delayed recipe's E4M3 all-gather (fp8kit.fp8.delayed_all_gather) runs without tensor parallel "
+                f"only, not with distributed.tp = {self.distributed.tp} (its weights are TP shards there: not built); "
+                f"set it false (BF16 all-gather) or distributed.tp = 1",
             )
         return self
 

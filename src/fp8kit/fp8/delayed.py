@@ -77,6 +77,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fp8kit.base.cuda_compile import compiled_on_cuda
+from fp8kit.base.torchao_lib import torchao_float8
 from fp8kit.fp8.delayed_state import (
     AMAX_ALGOS,
     E4M3,
@@ -152,6 +153,31 @@ def _cast(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
     return x8, scale, amax
 
 
+def float8_tensor_types():
+    """torchao's ``float8_training_tensor`` module (``Float8TrainingTensor``, ``LinearMMConfig``, ``GemmInputRole``)."""
+    torchao_float8()  # the quiet import
+    from torchao.float8 import float8_training_tensor
+
+    return float8_training_tensor
+
+
+def gathered_fp8(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` arrives already in E4M3: all-gathered by FSDP2 as such (:mod:`fp8kit.fp8.delayed_all_gather`,
+    a torchao ``Float8TrainingTensor``). Plain tensors answer without importing torchao."""
+    return type(weight) is not torch.Tensor and type(weight) is not nn.Parameter and isinstance(
+        weight, float8_tensor_types().Float8TrainingTensor)
+
+
+def _weight_both(weight: torch.Tensor, scale: torch.Tensor | None, group, col_major: bool, fused: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """:func:`_cast_both` of a weight ``[N, K]``; an E4M3 weight all-gathered by FSDP2 (:func:`gathered_fp8`) is used
+    as it came, with the scale it was cast with, and no amax (recorded at its all-gather)."""
+    if gathered_fp8(weight):
+        w8 = weight._data
+        return w8, _col_major(w8) if col_major else None, weight._scale, None
+    return _cast_both(weight, scale, E4M3, group, col_major, fused)
+
+
 def _col_major(t: torch.Tensor) -> torch.Tensor:
     """The same matrix laid out column-major (``torch._scaled_mm``'s second operand)."""
     return t.t().contiguous().t()
@@ -200,7 +226,7 @@ class _DelayedLinearFn(torch.autograd.Function):
         # beside the bf16 tensor it keeps anyway (+1 byte per input element of q/k/v and gate/up).
         recast_x = wgrad and "input" not in fused and torch.compiler.is_compiling()
         x8, x8_cm, sx, ax = _cast_both(x, sx, E4M3, warm, wgrad and not recast_x, "input" in fused)
-        w8, w8_cm, sw, aw = _cast_both(weight, sw, E4M3, warm, dgrad, "weight" in fused)
+        w8, w8_cm, sw, aw = _weight_both(weight, sw, warm, dgrad, "weight" in fused)
         ix = sx.reciprocal() if ix is None else ix
         iw = sw.reciprocal() if iw is None else iw
         if records is not None:
@@ -208,7 +234,8 @@ class _DelayedLinearFn(torch.autograd.Function):
             # cast x and the weight (one row reduction each). Were the backward their only reader, the
             # partitioner would move them there, reading x (recomputed from its producer) and the weight again.
             record_(records[0], 0, ax)
-            record_(records[0], 1, aw)
+            if aw is not None:  # (an all-gathered E4M3 weight's amax was recorded at its all-gather)
+                record_(records[0], 1, aw)
         # fprop: [M, K] @ [K, N] -> [M, N]
         y = scaled_mm(x8, w8.t(), ix, iw, x.dtype, "fprop", fast_accum)
         # The layouts the backward's GEMMs take were made with the casts (the row-major x8 dies after fprop),

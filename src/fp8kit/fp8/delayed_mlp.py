@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fp8kit.fp8.delayed import Float8DelayedLinear, _cast_both, _recast_col_major, scaled_mm
+from fp8kit.fp8.delayed import Float8DelayedLinear, _cast_both, _recast_col_major, _weight_both, scaled_mm
 from fp8kit.fp8.delayed_state import E4M3, E5M2, record_
 from fp8kit.fp8.swiglu_delayed import swiglu_backward_cast
 
@@ -66,9 +66,9 @@ class _DelayedSwiGLUMLPFn(torch.autograd.Function):
         recast_x = wgrad_x and "input" not in fused and torch.compiler.is_compiling()
         x8, x8_cm, _, ax = _cast_both(x, sx, E4M3, None, wgrad_x and not recast_x, "input" in fused)
         w_fused = "weight" in fused
-        wg8, wg8_cm, _, awg = _cast_both(w_gate, swg, E4M3, None, dgrad, w_fused)
-        wu8, wu8_cm, _, awu = _cast_both(w_up, swu, E4M3, None, dgrad, w_fused)
-        wd8, wd8_cm, _, awd = _cast_both(w_down, swd, E4M3, None, True, w_fused)
+        wg8, wg8_cm, _, awg = _weight_both(w_gate, swg, None, dgrad, w_fused)
+        wu8, wu8_cm, _, awu = _weight_both(w_up, swu, None, dgrad, w_fused)
+        wd8, wd8_cm, _, awd = _weight_both(w_down, swd, None, True, w_fused)
         g = scaled_mm(x8, wg8.t(), ix, iwg, x.dtype, "fprop", fast_accum)
         u = scaled_mm(x8, wu8.t(), ix, iwu, x.dtype, "fprop", fast_accum)
         gf = g.float()
@@ -78,7 +78,8 @@ class _DelayedSwiGLUMLPFn(torch.autograd.Function):
         # as in the delayed linear: these writes keep the amaxes in the forward under torch.compile
         for rec, (a_in, a_w) in zip(records, ((ax, awg), (ax, awu), (aa, awd)), strict=True):
             record_(rec, 0, a_in)
-            record_(rec, 1, a_w)
+            if a_w is not None:  # (an all-gathered E4M3 weight's amax was recorded at its all-gather)
+                record_(rec, 1, a_w)
         ctx.save_for_backward(x if recast_x else x8_cm, g, u, wg8_cm, wu8_cm, wd8_cm, sx, ix, iwg, sgg, igg, iwu,
                               sgu, igu, sa, ia, iwd, sy, iy)
         ctx.recast_x = recast_x

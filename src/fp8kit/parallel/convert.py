@@ -24,6 +24,7 @@ from torch import nn
 from fp8kit.base.errors import Fp8kitError
 from fp8kit.base.torchao_lib import torchao_float8
 from fp8kit.fp8.delayed import DelayedScalingState, Float8DelayedLinear
+from fp8kit.fp8.delayed_all_gather import wrap_weight
 from fp8kit.fp8.delayed_siblings import link_input_siblings
 from fp8kit.fp8.linear import Float8BlockwiseLinear
 from fp8kit.fp8.recipes import float8_linear_config, recipe_info
@@ -43,7 +44,8 @@ class ConversionOptions:
     Attributes:
         emulate: run FP8 matmuls as a high-precision emulation (GPUs without FP8 tensor cores; same
             numerics, no speed-up).
-        fsdp_float8_all_gather: FSDP2 all-gathers FP8 weights plus scales (tensorwise only, torchao).
+        fsdp_float8_all_gather: FSDP2 all-gathers FP8 weights plus scales (tensorwise: torchao's; delayed:
+            ``fp8kit.fp8.delayed_all_gather``, cast with each weight's delayed scale).
         grouped: how FP8 MoE experts compute (grouped-GEMM kernel choice, emulation).
         delayed: the amax histories of the ``delayed`` recipe's modules (kept across precision switches and
             saved with checkpoints); None: created on first use with the default settings.
@@ -186,6 +188,8 @@ def _swap_own(model: nn.Module, todo: set[str], recipe: str, options: Conversion
         try:
             if recipe == "delayed":
                 new = Float8DelayedLinear.from_linear(linear, options.delayed, plain_fqn(real))
+                if options.fsdp_float8_all_gather:  # FSDP2 all-gathers its E4M3 cast (fp8.delayed_all_gather)
+                    wrap_weight(new)
             else:
                 new = Float8BlockwiseLinear.from_linear(linear, emulate=options.emulate, name=plain_fqn(real),
                                                         cache_weight=options.cache_weights,

@@ -41,36 +41,7 @@ from torch import nn
 
 from fp8kit.base.errors import CheckpointError
 from fp8kit.base.runtime import barrier, distributed_ready, is_main
-from fp8kit.train.checkpoint import DCP_DIR, STATE_FILE, dcp_options, replace_dir
-
-
-def plain_tensor(t):
-    """``t`` without a tensor subclass that only wraps one tensor of its shape and dtype (torchao's
-    ``WeightWithDynamicFloat8CastTensor``, the FSDP2 FP8 all-gather weight), inside a DTensor or not.
-
-    The stager copies a tensor's own storage; a wrapper subclass's storage is not its data (measured:
-    NaN/garbage weights in the staged copy, torch 2.13 + torchao 0.18, FSDP2 with FP8 all-gather on 2 gloo
-    ranks), so the wrapped tensor is staged instead. It is the same data: DCP loads it back into the wrapper.
-    """
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    if not isinstance(t, torch.Tensor):
-        return t
-    if isinstance(t, DTensor):
-        local = t.to_local()
-        inner = plain_tensor(local)
-        if inner is local:
-            return t
-        return DTensor.from_local(inner, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                                  stride=t.stride())
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        if len(names) == 1:
-            inner = getattr(t, names[0])
-            if inner.shape == t.shape and inner.dtype == t.dtype and not is_traceable_wrapper_subclass(inner):
-                return inner
-    return t
+from fp8kit.train.checkpoint import DCP_DIR, STATE_FILE, dcp_options, plain_tensor, replace_dir
 
 
 def stager_reusable(stager) -> bool:

@@ -342,6 +342,38 @@ def dcp_options():
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+def plain_tensor(t):
+    """``t`` without a tensor subclass that only wraps one tensor of its shape and dtype (torchao's
+    ``WeightWithDynamicFloat8CastTensor`` and fp8kit's ``DelayedFloat8Weight``, the FSDP2 FP8 all-gather weights),
+    inside a DTensor or not: what DCP saves.
+
+    The async stager copies a tensor's own storage; a wrapper subclass's storage is not its data (measured:
+    NaN/garbage weights in the staged copy, torch 2.13 + torchao 0.18, FSDP2 with FP8 all-gather on 2 gloo
+    ranks), and the synchronous save pickles the subclass's metadata (``DelayedFloat8Weight`` holds its delayed
+    state, whose process group does not pickle), so the wrapped tensor is saved instead. It is the same data: DCP
+    loads it back into the wrapper.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not isinstance(t, torch.Tensor):
+        return t
+    if isinstance(t, DTensor):
+        local = t.to_local()
+        inner = plain_tensor(local)
+        if inner is local:
+            return t
+        return DTensor.from_local(inner, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                  stride=t.stride())
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        if len(names) == 1:
+            inner = getattr(t, names[0])
+            if inner.shape == t.shape and inner.dtype == t.dtype and not is_traceable_wrapper_subclass(inner):
+                return inner
+    return t
+
+
 def save_distributed_checkpoint(directory: Path, model: nn.Module, optimizer, state: dict) -> Path:
     """Write a DCP checkpoint from every rank (collective), atomically; returns ``directory``.
 
@@ -360,6 +392,7 @@ def save_distributed_checkpoint(directory: Path, model: nn.Module, optimizer, st
         tmp.mkdir(parents=True)
     barrier()
     msd, osd = get_state_dict(model, optimizer, options=dcp_options())
+    msd = {k: plain_tensor(v) for k, v in msd.items()}
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / DCP_DIR))
     shapes = {k: list(v.shape) for k, v in msd.items()}
     if is_main():
