@@ -43,6 +43,11 @@ VARIANTS = {
     "fsdp-bf16": ["train.mixed_precision=bf16", "train.micro_batch_size=2"],
     "fsdp-fp8-bf16ag": ["train.mixed_precision=fp8", "selective.selective_fp8=false", "train.micro_batch_size=2", "fp8.enable_fsdp_float8_all_gather=false"],
     "fsdp-fp8-fp8ag": ["train.mixed_precision=fp8", "selective.selective_fp8=false", "train.micro_batch_size=2", "fp8.enable_fsdp_float8_all_gather=true"],
+    # the delayed recipe with the BF16 and its E4M3 all-gather (fp8.delayed_all_gather, session 48)
+    "fsdp-delayed-bf16ag": ["train.mixed_precision=fp8", "fp8.recipe=delayed", "selective.selective_fp8=false",
+                            "train.micro_batch_size=2", "fp8.enable_fsdp_float8_all_gather=false"],
+    "fsdp-delayed-fp8ag": ["train.mixed_precision=fp8", "fp8.recipe=delayed", "selective.selective_fp8=false",
+                           "train.micro_batch_size=2", "fp8.enable_fsdp_float8_all_gather=true"],
     "tp-bf16": ["train.mixed_precision=bf16", "train.micro_batch_size=4", "distributed.tp=2"],
     "tp-fp8": ["train.mixed_precision=fp8", "selective.selective_fp8=false", "train.micro_batch_size=4", "distributed.tp=2"],
     "tpsp-bf16": ["train.mixed_precision=bf16", "train.micro_batch_size=4", "distributed.tp=2",

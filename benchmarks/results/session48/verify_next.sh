@@ -5,6 +5,8 @@
 #   call B (~4 min): tests    session 48's CPU-side changes on the GPU (the capability verdicts, the grouped kernel
 #            check) and the one-row SwiGLU cases the 150 s limit cut
 #   call C (~8 min): grid     the 13 grid shapes session 48's budget did not reach, every recipe against torchao's
+#   call D (nvidia-h200-x2, ~8 min): allgather   the delayed recipe's E4M3 all-gather (fp8.delayed_all_gather) against
+#            its BF16 all-gather and tensorwise's FP8 all-gather, FSDP2 on 2 GPUs
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
 mkdir -p $OUT/keep
 nvidia-smi --query-gpu=name,power.limit --format=csv,noheader | tee $OUT/keep/gpu.txt
@@ -30,5 +32,9 @@ grid)
     --shapes 4096x14336x4096,4096x2048x2048,4096x2048x8192,8192x4096x6144,8192x4096x14336,8192x14336x4096,8192x2048x2048,8192x2048x8192,16384x4096x6144,16384x4096x4096,16384x14336x4096,16384x2048x2048,16384x2048x8192 \
     --variants bf16,ao_tensorwise,ao_blockwise,fp8kit,fp8kit_wgrad2d,fp8kit_delayed 2>&1 | grep -v DEBUG | tail -30 \
     | tee $OUT/keep/grid_rest.log ;;
-*) echo "usage: verify_next.sh delayed | tests | grid"; exit 2 ;;
+allgather)
+  timeout 560 python3 benchmarks/distributed_throughput.py --out /tmp/dt48 --json $OUT/keep/allgather.json --nproc 2 \
+    --variants fsdp-bf16,fsdp-delayed-bf16ag,fsdp-delayed-fp8ag,fsdp-fp8-fp8ag 2>&1 | grep -v DEBUG | tail -20 \
+    | tee $OUT/keep/allgather.log ;;
+*) echo "usage: verify_next.sh delayed | tests | grid | allgather"; exit 2 ;;
 esac
