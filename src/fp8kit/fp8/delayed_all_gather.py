@@ -112,14 +112,13 @@ class DelayedFloat8Weight(torch.Tensor):
         """The unsharded weight: torchao's ``Float8TrainingTensor`` of the gathered E4M3 bytes and the scale they
         were cast with (or the gathered BF16 weight)."""
         (data,) = all_gather_outputs
+        if out is not None:  # FSDP2 reuses the unsharded tensor: only an E4M3 one has a scale to refresh
+            if metadata is not None:
+                out._scale = metadata
+            return None
         if metadata is None:
-            if out is not None:
-                return None
             return data, (data,)
         tt = float8_tensor_types()
-        if out is not None:
-            out._scale = metadata
-            return None
         return tt.Float8TrainingTensor(data, metadata, param_dtype, tt.LinearMMConfig(),
                                        gemm_input_role=tt.GemmInputRole.WEIGHT), (data,)
 
