@@ -23,8 +23,14 @@ For every (M tokens, K in_features, N out_features) it times ``dx, dw = autograd
 
 Host overhead is removed: each variant is captured in a CUDA graph after warm-up and the graph's replay
 is timed with ``triton.testing.do_bench`` (median, L2 flushed between replays); a variant that cannot be
-captured is timed directly (marked in the JSON). Inputs are randn (weights x 0.02), never zeros. The
-compiled modules use dynamic shapes after the first shape (one recompile per recipe, not one per shape).
+captured is timed directly (marked in the JSON). Inputs are randn (weights x 0.02), never zeros. Every variant
+gets its own input tensor, and Dynamo is reset before each shape (``--no-dynamo-reset`` keeps its state): every
+compiled module runs static shapes, as in a training run. Session 49 found why both matter: a compiled ``nn.Linear``
+that recompiles for a second shape marks its input's token dimension dynamic (automatic dynamic), on the tensor
+itself, and a later ``torch.compile(dynamic=False)`` module given the same tensor then traces that dimension
+symbolic too. Inductor's reduction kernel for the delayed recipe's output-gradient cast (amax + E5M2 cast +
+transposed copy) ran 5-6x slower with a symbolic row count, which put the delayed linear at 0.68-0.96x of BF16 at
+every shape after the first (session 48's grid).
 
 Also measured: the achieved bandwidth of fp8kit's quantization kernels (bytes read + written / time,
 against a bf16 copy of the same tensor timed in the same run, the practical DRAM limit of whichever GPU runs it)
@@ -91,6 +97,24 @@ def build(variant: str, base: nn.Linear) -> nn.Module:
                                              wgrad_x="128x128" if variant == "fp8kit_wgrad2d" else "128x1")
 
 
+SAME_GRANULARITY = {"fp8kit": "ao_blockwise", "fp8kit_cached": "ao_blockwise", "fp8kit_requant": "ao_blockwise",
+                    "fp8kit_wgrad2d": "ao_blockwise", "fp8kit_delayed": "ao_tensorwise",
+                    "fp8kit_delayed_fused": "ao_tensorwise"}
+
+
+def below_torchao(rows: list[dict]) -> list[list]:
+    """``[variant, torchao variant, M, K, N, ms, torchao ms]`` for each fp8kit recipe slower than torchao's recipe of
+    the same scaling granularity (blockwise against the blockwise prototype, delayed per-tensor against tensorwise)
+    at a shape: issue 15's "no fp8kit recipe below torchao's same-granularity recipe at any shape"."""
+    out = []
+    for r in rows:
+        for ours, theirs in SAME_GRANULARITY.items():
+            a, b = r["ms"].get(ours), r["ms"].get(theirs)
+            if a and b and a > b:
+                out.append([ours, theirs, r["M"], r["K"], r["N"], a, b])
+    return out
+
+
 def weight_of(mod: nn.Module) -> nn.Parameter:
     return next(p for p in mod.parameters() if p.dim() == 2)
 
@@ -139,15 +163,17 @@ def bench_shape(m: int, k: int, n: int, variants) -> dict:
         try:
             mod = build(v, base)
             w = weight_of(mod)
-            y = mod(x)
+            # an input of its own: a compile that marks a dimension dynamic marks it on the tensor (docstring)
+            xv = x.detach().clone().requires_grad_()
+            y = mod(xv)
             if v == "bf16":
                 ref_y = y.detach().float()
             elif ref_y is not None:
                 row["sqnr_db"][v] = round(sqnr(ref_y, y.detach().float()), 1)
             del y
 
-            def step(mod=mod, w=w):
-                return torch.autograd.grad(mod(x), (x, w), dy)
+            def step(mod=mod, w=w, xv=xv):
+                return torch.autograd.grad(mod(xv), (xv, w), dy)
 
             ms, mode = time_step(step)
             row["ms"][v], row["mode"][v] = round(ms, 4), mode
@@ -283,10 +309,13 @@ def main() -> None:
     ap.add_argument("--shapes", default="", help="comma-separated MxKxN to run instead of the grid")
     ap.add_argument("--profile", default="fp8kit:8192x4096x4096",
                     help="comma-separated variant:MxKxN to profile with torch.profiler")
-    ap.add_argument("--dynamo-reset", action="store_true",
-                    help="torch._dynamo.reset() before each shape: no compiled code or guards carried from one shape "
-                         "to the next (session 48: the delayed linear ran 0.68-0.96x of BF16 at the shapes after "
-                         "the first; this tells Dynamo state from GPU state)")
+    ap.add_argument("--dynamo-reset", action=argparse.BooleanOptionalAction, default=True,
+                    help="torch._dynamo.reset() before each shape (default): no compiled code, guards or automatic-"
+                         "dynamic marks carried from one shape to the next, so every compiled variant runs static "
+                         "shapes as in training; --no-dynamo-reset keeps them (one recompile per variant, then "
+                         "dynamic shapes)")
+    ap.add_argument("--quant-bandwidth", action=argparse.BooleanOptionalAction, default=True,
+                    help="time the quantization kernels against a bf16 copy (default; --no-quant-bandwidth skips it)")
     ap.add_argument("--time-budget", type=float, default=0.0,
                     help="seconds after which the remaining shapes are skipped (0: none)")
     args = ap.parse_args()
@@ -317,7 +346,7 @@ def main() -> None:
         path.write_text(json.dumps(out, indent=1))
 
     t0 = time.time()
-    for m, k in ((16384, 4096), (8192, 4096), (16384, 14336), (4096, 14336)):
+    for m, k in ((16384, 4096), (8192, 4096), (16384, 14336), (4096, 14336)) if args.quant_bandwidth else ():
         out["quant_bandwidth"].append(quant_bandwidth(m, k))
         save()
     out["profiles"] = []
@@ -358,9 +387,11 @@ def main() -> None:
             print(f"  {key}: fp8kit {r['speedup'].get('fp8kit')}x (cached {r['speedup'].get('fp8kit_cached')}x, "
                   f"delayed {r['speedup'].get('fp8kit_delayed')}x, delayed_fused {r['speedup'].get('fp8kit_delayed_fused')}x) "
                   f"vs target {TARGETS[key]}x; ao_blockwise {r['speedup'].get('ao_blockwise')}x")
-    below = [(r["M"], r["K"], r["N"]) for r in out["rows"]
-             if r["ms"].get("fp8kit") and r["ms"].get("ao_blockwise") and r["ms"]["fp8kit"] > r["ms"]["ao_blockwise"]]
-    print(f"  shapes where fp8kit is slower than ao_blockwise: {below or 'none'}")
+    out["below_torchao"] = below_torchao(out["rows"])
+    save()
+    print("  fp8kit recipes slower than torchao's recipe of the same granularity: "
+          + ("; ".join(f"{v} at {m}x{k}x{n} ({ours} ms vs {ao} {theirs} ms)" for v, ao, m, k, n, ours, theirs
+                       in out["below_torchao"]) or "none"))
     if out["skipped_shapes"]:
         print(f"  skipped (time budget): {out['skipped_shapes']}")
     print(f"  autotuned: {out['autotuned']}")
