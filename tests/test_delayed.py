@@ -594,3 +594,34 @@ def test_resume_from_an_async_dcp_checkpoint_is_exact(small_run, tmp_path):
 
 if __name__ == "__main__":  # run by test_amax_all_reduce_gives_every_rank_the_same_history under torchrun
     _rank_worker(Path(sys.argv[1]))
+
+
+def test_an_all_gathered_e4m3_weight_compiles_without_a_graph_break_and_equals_eager():
+    """FSDP2's E4M3 all-gather (fp8.delayed_all_gather) hands the delayed linear a torchao ``Float8TrainingTensor``.
+    Recognising it must not import inside the compiled region: that graph break split the fused MLP's first-step
+    linears into frames that torch 2.11's Dynamo failed to compile on the GPU (session 49). fullgraph=True fails on
+    any break; compiled equals eager bit for bit (same casts, the same _scaled_mm on the CPU)."""
+    from fp8kit.fp8.delayed import float8_tensor_types
+
+    tt = float8_tensor_types()  # what fsdp_post_all_gather calls before building the gathered weight
+    torch.manual_seed(0)
+    state = DelayedScalingState(DelayedScaling(amax_history_len=4))
+    layer = Float8DelayedLinear.from_linear(nn.Linear(64, 96, bias=False), state, "l").bfloat16()
+    x = torch.randn(32, 64).bfloat16()
+    _fwd_bwd(layer, x, torch.randn(32, 96).bfloat16())  # the first recorded step: scales from here on
+    state.roll()
+    sw = state.entries["l"].scale[1]
+    w8 = (layer.weight.detach().float() * sw).clamp(-448, 448).to(torch.float8_e4m3fn)
+    gathered = tt.Float8TrainingTensor(w8, sw, torch.bfloat16, tt.LinearMMConfig(),
+                                       gemm_input_role=tt.GemmInputRole.WEIGHT)
+
+    def fwd(x_):
+        return layer._local_forward(x_, gathered, None)
+
+    compiled = torch.compile(fwd, fullgraph=True)
+    with torch.no_grad():
+        eager_y, compiled_y = fwd(x), compiled(x)
+    assert torch.equal(eager_y, compiled_y), (
+        f"compiled != eager with a gathered E4M3 weight: max |diff| {(eager_y - compiled_y).abs().max().item()}")
+    ref = x.float() @ (w8.float() / sw).t()
+    assert sqnr(ref, compiled_y.float()) >= 25, f"SQNR {sqnr(ref, compiled_y.float()):.1f} dB against the dequantized GEMM"

@@ -3,6 +3,7 @@
 #          on each GPU (two processes), each variant with an input of its own and Dynamo reset per shape
 #   dist  (nvidia-h200-x2, ~9 min): the delayed recipe's E4M3 all-gather against its BF16 all-gather and tensorwise's
 #          FP8 all-gather (FSDP2, 2 GPUs), then session 48's GPU test leftovers on GPU 0
+#          beside the delayed linear against torchao tensorwise at the grid's small shapes, profiled, on GPU 1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
 mkdir -p $OUT/keep
 nvidia-smi --query-gpu=name,power.limit --format=csv,noheader | tee $OUT/keep/gpu.txt
@@ -23,7 +24,15 @@ dist)
   timeout 420 python3 benchmarks/distributed_throughput.py --out /tmp/dt49 --json $OUT/keep/allgather.json --nproc 2 \
     --variants fsdp-delayed-bf16ag,fsdp-delayed-fp8ag,fsdp-fp8-fp8ag 2>&1 | grep -v DEBUG | tail -20 \
     | tee $OUT/keep/allgather.log
+  CUDA_VISIBLE_DEVICES=1 timeout 160 python3 benchmarks/linear_fwd_bwd.py --out $OUT/keep/delayed_small.json \
+    --no-quant-bandwidth --shapes 4096x4096x6144,8192x2048x2048,4096x2048x2048 \
+    --variants bf16,ao_tensorwise,fp8kit_delayed,fp8kit_delayed_fused \
+    --profile fp8kit_delayed:4096x4096x6144,fp8kit_delayed_fused:4096x4096x6144,ao_tensorwise:4096x4096x6144,fp8kit_delayed:8192x2048x2048,ao_tensorwise:8192x2048x2048 \
+    > $OUT/keep/delayed_small.full.log 2>&1 &
   CUDA_VISIBLE_DEVICES=0 timeout 160 python3 -m pytest -q -m gpu tests/test_swiglu_mlp_gpu.py tests/test_delayed_mlp_gpu.py \
-    -p no:cacheprovider 2>&1 | grep -v DEBUG | tail -8 | tee $OUT/keep/swiglu_delayed_mlp_gpu.log ;;
+    -p no:cacheprovider 2>&1 | grep -v DEBUG | tail -8 | tee $OUT/keep/swiglu_delayed_mlp_gpu.log
+  wait
+  grep -v DEBUG $OUT/keep/delayed_small.full.log | grep -v autotuned | tail -60 | tee $OUT/keep/delayed_small.log
+  rm -f $OUT/keep/delayed_small.full.log ;;
 *) echo "usage: verify.sh grid2 | dist"; exit 2 ;;
 esac

@@ -153,19 +153,29 @@ def _cast(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
     return x8, scale, amax
 
 
+# torchao's ``Float8TrainingTensor`` once :func:`float8_tensor_types` has run. The only way such a weight reaches a
+# delayed forward is FSDP2's ``fsdp_post_all_gather`` (fp8.delayed_all_gather), which calls it first; reading this
+# global is what :func:`gathered_fp8` does inside ``torch.compile`` (the import behind it is a graph break: on
+# torch 2.11 that break split the MLP's first-step linears into frames whose third compile, shapes dynamic, failed
+# in Dynamo's guard builder; session 49).
+_GATHERED_TYPE: type | None = None
+
+
 def float8_tensor_types():
     """torchao's ``float8_training_tensor`` module (``Float8TrainingTensor``, ``LinearMMConfig``, ``GemmInputRole``)."""
+    global _GATHERED_TYPE
     torchao_float8()  # the quiet import
     from torchao.float8 import float8_training_tensor
 
+    _GATHERED_TYPE = float8_training_tensor.Float8TrainingTensor
     return float8_training_tensor
 
 
 def gathered_fp8(weight: torch.Tensor) -> bool:
     """Whether ``weight`` arrives already in E4M3: all-gathered by FSDP2 as such (:mod:`fp8kit.fp8.delayed_all_gather`,
-    a torchao ``Float8TrainingTensor``). Plain tensors answer without importing torchao."""
-    return type(weight) is not torch.Tensor and type(weight) is not nn.Parameter and isinstance(
-        weight, float8_tensor_types().Float8TrainingTensor)
+    a torchao ``Float8TrainingTensor``). Imports nothing, so ``torch.compile`` traces it without a graph break."""
+    cls = _GATHERED_TYPE
+    return cls is not None and isinstance(weight, cls)
 
 
 def _weight_both(weight: torch.Tensor, scale: torch.Tensor | None, group, col_major: bool, fused: bool
