@@ -1,0 +1,23 @@
+# For the next session's device calls (carry .whl; bash benchmarks/results/session49/verify_next.sh CASE).
+#   call A (~7 min, nvidia-h200): delayed8   the 8 grid shapes where the delayed default is slower than torchao's
+#            tensorwise (session 49: 0.85-0.98x), with the output-gradient cast through fp8kit's kernel
+#            ("grad_output") and every cast through it ("all") beside the default, profiled at two of them
+#   call B (~6 min): tests    the capability-verdict GPU tests and the SwiGLU / delayed-MLP GPU files (the fp16 one-row
+#            case), with a limit long enough for their kernels to compile
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
+mkdir -p $OUT/keep
+nvidia-smi --query-gpu=name,power.limit --format=csv,noheader | tee $OUT/keep/gpu.txt
+case "$1" in
+delayed8)
+  timeout 560 python3 benchmarks/linear_fwd_bwd.py --out $OUT/keep/delayed8.json --no-quant-bandwidth --time-budget 480 \
+    --shapes 4096x4096x6144,4096x4096x4096,4096x4096x14336,4096x14336x4096,4096x2048x2048,4096x2048x8192,8192x2048x2048,8192x2048x8192 \
+    --variants bf16,ao_tensorwise,fp8kit_delayed,fp8kit_delayed_grad,fp8kit_delayed_fused \
+    --profile fp8kit_delayed_grad:4096x4096x6144,fp8kit_delayed_grad:8192x2048x2048 2>&1 | grep -v DEBUG \
+    | grep -v autotuned | tail -40 | tee $OUT/keep/delayed8.log ;;
+tests)
+  timeout 420 python3 -m pytest -q -m gpu tests/test_swiglu_mlp_gpu.py tests/test_delayed_mlp_gpu.py -p no:cacheprovider \
+    2>&1 | grep -v DEBUG | tail -8 | tee $OUT/keep/swiglu_delayed_mlp_gpu.log
+  timeout 150 python3 -m pytest -q -m gpu tests/test_blockwise_gpu.py tests/test_moe_fused_gpu.py -k "supported or fused" \
+    -p no:cacheprovider 2>&1 | grep -v DEBUG | tail -8 | tee $OUT/keep/capability_gpu.log ;;
+*) echo "usage: verify_next.sh delayed8 | tests"; exit 2 ;;
+esac
