@@ -114,9 +114,11 @@ def run_variant(name: str, out: Path, steps: int, layers: int, cache: Path, time
     wall = time.time() - t0
     (out / f"{name}.log").write_text(proc.stdout[-20000:] + "\n" + proc.stderr[-20000:])
     if proc.returncode != 0:
-        err = [ln for ln in proc.stderr.splitlines() if "Error" in ln or ln.startswith("error")]
+        # the ranks' own exception, not torchrun's ChildFailedError wrapper (session 49 lost the cause that way)
+        err = [ln for ln in proc.stderr.splitlines() if ("Error" in ln or "Exception" in ln or ln.startswith("error"))
+               and "ChildFailedError" not in ln and "torch/_guards.py" not in ln]
         return {"variant": name, "ok": False, "error": (err[-1] if err else proc.stderr[-500:]), "wall_s": wall,
-                "command": " ".join(cmd)}
+                "log": str(out / f"{name}.log"), "command": " ".join(cmd)}
     s = json.loads((out / name / "summary.json").read_text())
     return {"variant": name, "ok": True, "tokens_per_s": s["tokens_per_s"], "tokens_per_s_per_gpu": s["tokens_per_s_per_gpu"],
             "step_ms": s["step_ms"], "mfu": s["mfu"], "peak_mem_gib_rank0": s["peak_mem_gib"], "final_loss": s["final_loss"],

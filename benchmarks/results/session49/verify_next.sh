@@ -4,6 +4,9 @@
 #            ("grad_output") and every cast through it ("all") beside the default, profiled at two of them
 #   call B (~6 min): tests    the capability-verdict GPU tests and the SwiGLU / delayed-MLP GPU files (the fp16 one-row
 #            case), with a limit long enough for their kernels to compile
+#   call C (nvidia-h200-x2, ~8 min): slowlink   the delayed E4M3 all-gather where the all-gather is exposed: NCCL over
+#            sockets (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1, the stand-in for a cross-node link sections 3/5 use),
+#            BF16 vs E4M3 all-gather for delayed and tensorwise, 2 layers so that the slow steps fit
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
 mkdir -p $OUT/keep
 nvidia-smi --query-gpu=name,power.limit --format=csv,noheader | tee $OUT/keep/gpu.txt
@@ -19,5 +22,10 @@ tests)
     2>&1 | grep -v DEBUG | tail -8 | tee $OUT/keep/swiglu_delayed_mlp_gpu.log
   timeout 150 python3 -m pytest -q -m gpu tests/test_blockwise_gpu.py tests/test_moe_fused_gpu.py -k "supported or fused" \
     -p no:cacheprovider 2>&1 | grep -v DEBUG | tail -8 | tee $OUT/keep/capability_gpu.log ;;
-*) echo "usage: verify_next.sh delayed8 | tests"; exit 2 ;;
+slowlink)
+  NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 timeout 560 python3 benchmarks/distributed_throughput.py --out /tmp/dt50 \
+    --json $OUT/keep/allgather_sockets.json --nproc 2 --layers 2 --steps 12 --timeout 130 \
+    --variants fsdp-delayed-bf16ag,fsdp-delayed-fp8ag,fsdp-fp8-bf16ag,fsdp-fp8-fp8ag 2>&1 | grep -v DEBUG | tail -12 \
+    | tee $OUT/keep/allgather_sockets.log ;;
+*) echo "usage: verify_next.sh delayed8 | tests | slowlink"; exit 2 ;;
 esac
