@@ -26,6 +26,7 @@ slowlink)
   NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 timeout 560 python3 benchmarks/distributed_throughput.py --out /tmp/dt50 \
     --json $OUT/keep/allgather_sockets.json --nproc 2 --layers 2 --steps 12 --timeout 130 \
     --variants fsdp-delayed-bf16ag,fsdp-delayed-fp8ag,fsdp-fp8-bf16ag,fsdp-fp8-fp8ag 2>&1 | grep -v DEBUG | tail -12 \
-    | tee $OUT/keep/allgather_sockets.log ;;
+    | tee $OUT/keep/allgather_sockets.log
+  for f in /tmp/dt50/*.log; do grep -v DEBUG "$f" | tail -200 > $OUT/keep/$(basename "$f"); done ;;
 *) echo "usage: verify_next.sh delayed8 | tests | slowlink"; exit 2 ;;
 esac
