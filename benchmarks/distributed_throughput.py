@@ -7,6 +7,9 @@ Variants (each a fresh ``torchrun --nproc_per_node NPROC -m fp8kit train`` proce
     fsdp-bf16             FSDP2 (dp_shard 2), bf16
     fsdp-fp8-bf16ag       FSDP2, fp8 tensorwise, BF16 all-gather (fp8.enable_fsdp_float8_all_gather=false)
     fsdp-fp8-fp8ag        FSDP2, fp8 tensorwise, FP8 all-gather (the default)
+    fsdp-delayed-bf16ag / fsdp-delayed-fp8ag      the delayed recipe, BF16 / E4M3 all-gather (fp8.delayed_all_gather)
+    fsdp-blockwise-bf16ag / fsdp-blockwise-fp8ag  blockwise, BF16 / 128x128-block E4M3 all-gather
+                          (fp8.blockwise_all_gather)
     tp-bf16, tp-fp8       tensor parallel 2 (dp 1: micro-batch 4 so the global batch equals FSDP2's)
     tpsp-bf16, tpsp-fp8   the same with sequence parallel (norms and residual stream split over tokens)
     tpfsdp-bf16/-fp8      (--nproc 4) TP 2 x FSDP2 2, fp8 with FP8 all-gather (the default for tensorwise)
@@ -48,6 +51,11 @@ VARIANTS = {
                             "train.micro_batch_size=2", "fp8.enable_fsdp_float8_all_gather=false"],
     "fsdp-delayed-fp8ag": ["train.mixed_precision=fp8", "fp8.recipe=delayed", "selective.selective_fp8=false",
                            "train.micro_batch_size=2", "fp8.enable_fsdp_float8_all_gather=true"],
+    # the blockwise recipe with the BF16 and its 128x128-block E4M3 all-gather (fp8.blockwise_all_gather, session 49)
+    "fsdp-blockwise-bf16ag": ["train.mixed_precision=fp8", "fp8.recipe=blockwise", "selective.selective_fp8=false",
+                              "train.micro_batch_size=2", "fp8.enable_fsdp_float8_all_gather=false"],
+    "fsdp-blockwise-fp8ag": ["train.mixed_precision=fp8", "fp8.recipe=blockwise", "selective.selective_fp8=false",
+                             "train.micro_batch_size=2", "fp8.enable_fsdp_float8_all_gather=true"],
     "tp-bf16": ["train.mixed_precision=bf16", "train.micro_batch_size=4", "distributed.tp=2"],
     "tp-fp8": ["train.mixed_precision=fp8", "selective.selective_fp8=false", "train.micro_batch_size=4", "distributed.tp=2"],
     "tpsp-bf16": ["train.mixed_precision=bf16", "train.micro_batch_size=4", "distributed.tp=2",

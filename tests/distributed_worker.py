@@ -7,6 +7,8 @@ scenario trains into ``OUT_ROOT/SCENARIO`` through :func:`fp8kit.train.trainer.t
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -53,6 +55,9 @@ SCENARIOS = {
     # blockwise with the fused SwiGLU MLPs (fp8.blockwise_fused_mlp) under FSDP2: the weights re-gathered for the
     # backward, their dgrad copies cast again there (keep_weight_copy = False)
     "fsdp_blockwise_fused": ["train.mixed_precision=fp8", "train.micro_batch_size=2", *BLOCKWISE_FUSED],
+    # the same with the weights all-gathered as their 128x128-block E4M3 quantization (fp8.blockwise_all_gather)
+    "fsdp_blockwise_fused_e4m3": ["train.mixed_precision=fp8", "train.micro_batch_size=2", *BLOCKWISE_FUSED,
+                                  "fp8.enable_fsdp_float8_all_gather=true"],
     # MoE: FP8 grouped experts under FSDP2 (the 3-D expert weights sharded on dim 0 like any weight)
     "fsdp_moe_fp8": ["model.preset=tiny-moe", "train.mixed_precision=fp8", "train.micro_batch_size=2"],
     # expert parallel: 4 of the 8 experts per rank, tokens by all-to-all, the rest FSDP2
@@ -84,6 +89,23 @@ RESUME = {"fsdp_fp8adamw_resumed": ("fsdp_fp8adamw", "step_000005"),
           "fsdp_delayed_e4m3_resumed": ("fsdp_delayed_e4m3", "step_000005")}
 
 
+def _count_blockwise_gathers() -> dict:
+    """Count, per dtype of the gathered data, the weights FSDP2 hands to ``BlockwiseFloat8Weight.fsdp_post_all_gather``
+    (the real method still runs): evidence that the blockwise FP8 all-gather took place, written per scenario."""
+    from fp8kit.fp8.blockwise_all_gather import BlockwiseFloat8Weight
+
+    counts: dict[str, int] = {}
+    real = BlockwiseFloat8Weight.fsdp_post_all_gather
+
+    def counting(self, all_gather_outputs, *args, **kwargs):
+        key = str(all_gather_outputs[0].dtype)
+        counts[key] = counts.get(key, 0) + 1
+        return real(self, all_gather_outputs, *args, **kwargs)
+
+    BlockwiseFloat8Weight.fsdp_post_all_gather = counting
+    return counts
+
+
 def main() -> None:
     out_root, cache = Path(sys.argv[1]), sys.argv[2]
     torch.set_num_threads(1)
@@ -93,11 +115,15 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from tests.conftest import small_run_overrides
 
+    gathered = _count_blockwise_gathers()
     for name in sys.argv[3:]:
         sets = small_run_overrides(cache) + ["train.steps=10", "train.eval_every=0", "train.checkpoint_every=0"]
         cfg = load_config(None, sets + scenario_sets(name, cache))
         src = RESUME.get(name)
+        gathered.clear()
         train(cfg, out_root / name, resume=out_root / src[0] / "checkpoints" / src[1] if src else None)
+        rank = int(os.environ.get("RANK", "0"))
+        (out_root / name / f"blockwise_gathers_rank{rank}.json").write_text(json.dumps(gathered))
     import torch.distributed as dist
 
     if dist.is_initialized():

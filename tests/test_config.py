@@ -213,22 +213,23 @@ def test_file_values_of_the_wrong_type_or_out_of_range(tmp_path, line, expected)
 def test_set_values_of_the_wrong_type_or_out_of_range(override, expected):
     overrides = [override] + (["fp8.enable_fsdp_float8_all_gather=true"] if expected is None else [])
     expected = expected or ("--set fp8.enable_fsdp_float8_all_gather=true: FP8 all-gather runs with the tensorwise "
-                            "(torchao) and delayed (fp8kit) recipes only, not 'rowwise'")
+                            "(torchao), delayed and blockwise (fp8kit) recipes only, not 'rowwise'")
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
     assert str(e.value).startswith(expected), str(e.value)
 
 
-def test_delayed_e4m3_all_gather_with_tensor_parallel_is_refused():
-    """The delayed recipe's FSDP2 E4M3 all-gather (fp8.delayed_all_gather) is not built for TP shards: one clear
-    line at config load, naming the key, tp and both ways on; without tp it loads."""
+@pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
+def test_fp8kit_e4m3_all_gather_with_tensor_parallel_is_refused(recipe):
+    """fp8kit's FSDP2 E4M3 all-gathers (fp8.delayed_all_gather, fp8.blockwise_all_gather) are not built for TP
+    shards: one clear line at config load, naming the key, tp and both ways on; without tp it loads."""
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["fp8.recipe=delayed", "fp8.enable_fsdp_float8_all_gather=true", "distributed.tp=2"])
+        load_config(None, [f"fp8.recipe={recipe}", "fp8.enable_fsdp_float8_all_gather=true", "distributed.tp=2"])
     assert str(e.value) == (
-        "--set fp8.enable_fsdp_float8_all_gather=true: the delayed recipe's E4M3 all-gather "
-        "(fp8kit.fp8.delayed_all_gather) runs without tensor parallel only, not with distributed.tp = 2 (its weights "
-        "are TP shards there: not built); set it false (BF16 all-gather) or distributed.tp = 1"), str(e.value)
-    cfg = load_config(None, ["fp8.recipe=delayed", "fp8.enable_fsdp_float8_all_gather=true", "distributed.dp_shard=2"])
+        f"--set fp8.enable_fsdp_float8_all_gather=true: the {recipe} recipe's E4M3 all-gather "
+        f"(fp8kit.fp8.{recipe}_all_gather) runs without tensor parallel only, not with distributed.tp = 2 (its "
+        "weights are TP shards there: not built); set it false (BF16 all-gather) or distributed.tp = 1"), str(e.value)
+    cfg = load_config(None, [f"fp8.recipe={recipe}", "fp8.enable_fsdp_float8_all_gather=true", "distributed.dp_shard=2"])
     assert cfg.fp8.enable_fsdp_float8_all_gather is True
 
 

@@ -6,7 +6,10 @@
 #            case), with a limit long enough for their kernels to compile
 #   call C (nvidia-h200-x2, ~8 min): slowlink   the delayed E4M3 all-gather where the all-gather is exposed: NCCL over
 #            sockets (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1, the stand-in for a cross-node link sections 3/5 use),
-#            BF16 vs E4M3 all-gather for delayed and tensorwise, 2 layers so that the slow steps fit
+#            BF16 vs E4M3 all-gather for delayed, blockwise (fp8.blockwise_all_gather, built in session 49) and
+#            tensorwise, 2 layers so that the slow steps fit
+#   call D (nvidia-h200-x2, ~6 min): nvlink   the same pairs over NVLink, 4 layers; then the blockwise all-gather's GPU
+#            tests (tests/test_blockwise_all_gather_gpu.py)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
 mkdir -p $OUT/keep
 nvidia-smi --query-gpu=name,power.limit --format=csv,noheader | tee $OUT/keep/gpu.txt
@@ -25,8 +28,15 @@ tests)
 slowlink)
   NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 timeout 560 python3 benchmarks/distributed_throughput.py --out /tmp/dt50 \
     --json $OUT/keep/allgather_sockets.json --nproc 2 --layers 2 --steps 12 --timeout 130 \
-    --variants fsdp-delayed-bf16ag,fsdp-delayed-fp8ag,fsdp-fp8-bf16ag,fsdp-fp8-fp8ag 2>&1 | grep -v DEBUG | tail -12 \
+    --variants fsdp-delayed-bf16ag,fsdp-delayed-fp8ag,fsdp-blockwise-bf16ag,fsdp-blockwise-fp8ag,fsdp-fp8-bf16ag,fsdp-fp8-fp8ag 2>&1 | grep -v DEBUG | tail -12 \
     | tee $OUT/keep/allgather_sockets.log
   for f in /tmp/dt50/*.log; do grep -v DEBUG "$f" | tail -200 > $OUT/keep/$(basename "$f"); done ;;
-*) echo "usage: verify_next.sh delayed8 | tests | slowlink"; exit 2 ;;
+nvlink)
+  timeout 420 python3 benchmarks/distributed_throughput.py --out /tmp/dt50n --json $OUT/keep/allgather_nvlink.json --nproc 2 \
+    --variants fsdp-blockwise-bf16ag,fsdp-blockwise-fp8ag,fsdp-delayed-bf16ag,fsdp-delayed-fp8ag 2>&1 | grep -v DEBUG \
+    | tail -10 | tee $OUT/keep/allgather_nvlink.log
+  for f in /tmp/dt50n/*.log; do grep -v DEBUG "$f" | tail -200 > $OUT/keep/nvlink_$(basename "$f"); done
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest -q -m gpu tests/test_blockwise_all_gather_gpu.py -p no:cacheprovider \
+    2>&1 | grep -v DEBUG | tail -6 | tee $OUT/keep/blockwise_all_gather_gpu.log ;;
+*) echo "usage: verify_next.sh delayed8 | tests | slowlink | nvlink"; exit 2 ;;
 esac

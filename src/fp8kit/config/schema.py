@@ -119,8 +119,10 @@ class FP8Config(ConfigModel):
         "instead of BF16 weights (half the bytes; torchao for tensorwise, fp8kit.fp8.delayed_all_gather for delayed: "
         "each shard cast with the weight's delayed scale, the same bytes as the whole weight's cast). Unset: on for "
         "the tensorwise recipe, off for the others (delayed: opt in, 0.91x of its BF16 all-gather's step on 2 H200s over "
-        "NVLink, where the all-gather is hidden anyway: it pays only where the all-gather is exposed; the rowwise and "
-        "blockwise recipes have none). Combined with tensor parallel it falls back "
+        "NVLink, where the all-gather is hidden anyway: it pays only where the all-gather is exposed; blockwise: opt in, "
+        "fp8kit.fp8.blockwise_all_gather, each shard's 128x128 blocks, for weights whose out_features is a multiple of "
+        "128 x dp_shard (the others gather BF16, with a warning), not timed on GPUs yet; the rowwise recipes have "
+        "none). Combined with tensor parallel it falls back "
         "to BF16 all-gather with a warning (see docs/distributed.md).",
     )
     grouped_kernel: Literal["auto", "torchao", "fused", "scaled_grouped_mm"] = Field(
@@ -268,11 +270,11 @@ class FP8Config(ConfigModel):
 
     @model_validator(mode="after")
     def _all_gather_needs_tensorwise(self) -> "FP8Config":
-        if self.enable_fsdp_float8_all_gather and self.recipe not in ("tensorwise", "delayed"):
+        if self.enable_fsdp_float8_all_gather and self.recipe not in ("tensorwise", "delayed", "blockwise"):
             raise FieldProblem(
                 "fp8.enable_fsdp_float8_all_gather",
-                f"FP8 all-gather runs with the tensorwise (torchao) and delayed (fp8kit) recipes only, not "
-                f"{self.recipe!r}",
+                f"FP8 all-gather runs with the tensorwise (torchao), delayed and blockwise (fp8kit) recipes only, "
+                f"not {self.recipe!r}",
             )
         return self
 
@@ -538,12 +540,12 @@ class RunConfig(ConfigModel):
                 f"bf16_warmup_steps ({f8.bf16_warmup_steps}) + bf16_cooldown_steps ({f8.bf16_cooldown_steps}) "
                 f"exceed train.steps ({steps})",
             )
-        if f8.enable_fsdp_float8_all_gather and f8.recipe == "delayed" and self.distributed.tp > 1:
+        if f8.enable_fsdp_float8_all_gather and f8.recipe in ("delayed", "blockwise") and self.distributed.tp > 1:
             raise FieldProblem(
                 "fp8.enable_fsdp_float8_all_gather",
-                f"the delayed recipe's E4M3 all-gather (fp8kit.fp8.delayed_all_gather) runs without tensor parallel "
-                f"only, not with distributed.tp = {self.distributed.tp} (its weights are TP shards there: not built); "
-                f"set it false (BF16 all-gather) or distributed.tp = 1",
+                f"the {f8.recipe} recipe's E4M3 all-gather (fp8kit.fp8.{f8.recipe}_all_gather) runs without tensor "
+                f"parallel only, not with distributed.tp = {self.distributed.tp} (its weights are TP shards there: not "
+                f"built); set it false (BF16 all-gather) or distributed.tp = 1",
             )
         return self
 

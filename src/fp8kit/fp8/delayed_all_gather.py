@@ -24,67 +24,24 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from fp8kit.fp8.delayed import _amax, _cast_impl, _cast_on_device, float8_tensor_types
 from fp8kit.fp8.delayed_state import E4M3, DelayedEntry, DelayedScalingState, record_, reduce_max
+from fp8kit.fp8.fsdp_weight import FP8AllGatherWeight
 from fp8kit.fp8.scaling import scale_from_amax
 
-# FSDP2 pads and copies the local shard with these ops: their outputs stay wrapped (torchao's list)
-_PRESERVE = {
-    torch.ops.aten.empty_like.default, torch.ops.aten.new_zeros.default, torch.ops.aten.slice.Tensor,
-    torch.ops.aten.copy_.default, torch.ops.aten.view.default, torch.ops.aten.as_strided.default,
-    torch.ops.aten._to_copy.default, torch.ops.aten._pin_memory.default, torch.ops.aten.split.Tensor,
-    torch.ops.aten.clone.default,
-}
 
-
-class DelayedFloat8Weight(torch.Tensor):
+class DelayedFloat8Weight(FP8AllGatherWeight):
     """A delayed linear's weight (or its FSDP2 shard) whose all-gather is E4M3 (module docstring).
 
-    Every op but FSDP2's all-gather hooks sees the wrapped tensor ``_tensor`` (same shape, dtype, values): the
-    optimizer, ``state_dict`` and checkpoints are those of a plain weight. ``entry`` is the module's
-    :class:`~fp8kit.fp8.delayed_state.DelayedEntry` (its bound weight scale, its record), ``state`` the
-    :class:`~fp8kit.fp8.delayed_state.DelayedScalingState` holding it (its ``group`` reduces a dynamic scale).
+    Every op but FSDP2's all-gather hooks sees the wrapped tensor ``_tensor`` (:class:`FP8AllGatherWeight`).
+    ``entry`` is the module's :class:`~fp8kit.fp8.delayed_state.DelayedEntry` (its bound weight scale, its record),
+    ``state`` the :class:`~fp8kit.fp8.delayed_state.DelayedScalingState` holding it (its ``group`` reduces a
+    dynamic scale).
     """
 
-    @staticmethod
-    def __new__(cls, tensor: torch.Tensor, entry: DelayedEntry, state: DelayedScalingState):
-        return torch.Tensor._make_wrapper_subclass(
-            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(), dtype=tensor.dtype,
-            layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad)
-
-    def __init__(self, tensor: torch.Tensor, entry: DelayedEntry, state: DelayedScalingState):
-        self._tensor = tensor
-        self._entry = entry
-        self._state = state
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args, kwargs=None):
-        owner = None
-
-        def unwrap(t):
-            nonlocal owner
-            owner = t
-            return t._tensor
-
-        if func == torch.ops.aten.detach.default:
-            return cls(args[0]._tensor.detach(), args[0]._entry, args[0]._state)
-        args, kwargs = pytree.tree_map_only(cls, unwrap, (args, kwargs or {}))
-        out = func(*args, **kwargs)
-        if func not in _PRESERVE:
-            return out
-        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, owner._entry, owner._state), out)
-
-    def __tensor_flatten__(self):
-        return ["_tensor"], {"entry": self._entry, "state": self._state}
-
-    @staticmethod
-    def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
-        return DelayedFloat8Weight(inner_tensors["_tensor"], flatten_spec["entry"], flatten_spec["state"])
-
-    def __repr__(self) -> str:
-        return f"DelayedFloat8Weight({self._tensor})"
+    _entry: DelayedEntry
+    _state: DelayedScalingState
 
     def fsdp_pre_all_gather(self, mesh) -> tuple[tuple[torch.Tensor, ...], Any]:
         """The shard to all-gather: E4M3 with the entry's weight scale (dynamic before the first recorded step),
@@ -129,5 +86,5 @@ def wrap_weight(module: torch.nn.Module) -> None:
     w = module.weight
     if isinstance(w.data, DelayedFloat8Weight):
         return
-    module.weight = torch.nn.Parameter(DelayedFloat8Weight(w.data, module._entry, module.state),
+    module.weight = torch.nn.Parameter(DelayedFloat8Weight(w.data, entry=module._entry, state=module.state),
                                        requires_grad=w.requires_grad)

@@ -23,6 +23,7 @@ from torch import nn
 
 from fp8kit.base.errors import Fp8kitError
 from fp8kit.base.torchao_lib import torchao_float8
+from fp8kit.fp8.blockwise_all_gather import wrap_weight as wrap_blockwise_weight
 from fp8kit.fp8.delayed import DelayedScalingState, Float8DelayedLinear
 from fp8kit.fp8.delayed_all_gather import wrap_weight
 from fp8kit.fp8.delayed_siblings import link_input_siblings
@@ -45,7 +46,10 @@ class ConversionOptions:
         emulate: run FP8 matmuls as a high-precision emulation (GPUs without FP8 tensor cores; same
             numerics, no speed-up).
         fsdp_float8_all_gather: FSDP2 all-gathers FP8 weights plus scales (tensorwise: torchao's; delayed:
-            ``fp8kit.fp8.delayed_all_gather``, cast with each weight's delayed scale).
+            ``fp8kit.fp8.delayed_all_gather``, cast with each weight's delayed scale; blockwise:
+            ``fp8kit.fp8.blockwise_all_gather``, each shard's 128x128 blocks).
+        fsdp_shards: the FSDP2 shards of each weight (``dp_shard``): a blockwise weight is all-gathered in FP8 only
+            when its shards hold whole 128-row blocks.
         grouped: how FP8 MoE experts compute (grouped-GEMM kernel choice, emulation).
         delayed: the amax histories of the ``delayed`` recipe's modules (kept across precision switches and
             saved with checkpoints); None: created on first use with the default settings.
@@ -74,6 +78,7 @@ class ConversionOptions:
     fused_mlp: bool = False
     delayed_fused_mlp: bool = True
     fsdp_float8_all_gather: bool = False
+    fsdp_shards: int = 1
     grouped: GroupedGemmConfig = field(default_factory=GroupedGemmConfig)
     delayed: DelayedScalingState = field(default_factory=DelayedScalingState)
     fast_accum: tuple[str, ...] | None = None
@@ -196,6 +201,8 @@ def _swap_own(model: nn.Module, todo: set[str], recipe: str, options: Conversion
                                                         keep_weight_copy=options.keep_weight_copies,
                                                         keep_input_copy=options.keep_input_copies,
                                                         wgrad_x=options.wgrad_x)
+                if options.fsdp_float8_all_gather:  # its 128x128 blocks, when the shards hold whole ones
+                    wrap_blockwise_weight(new, options.fsdp_shards)
         except ValueError as e:
             raise Fp8kitError(str(e)) from None
         setattr(parent, child, new)

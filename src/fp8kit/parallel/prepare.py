@@ -30,6 +30,7 @@ from torch import nn
 from fp8kit.base.errors import ConfigError
 from fp8kit.comm import AutoScaleState, apply_fp8_reduce_scatter
 from fp8kit.comm.fsdp_reduce_scatter import fsdp_custom_reduce_scatter_support
+from fp8kit.fp8.blockwise_all_gather import gather_notes
 from fp8kit.fp8.delayed import DelayedScaling, DelayedScalingState
 from fp8kit.moe.grouped_mm import GroupedGemmConfig, resolve_wgrad_input
 from fp8kit.parallel.convert import (
@@ -174,6 +175,7 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     conversion = ConversionOptions(
         emulate=options.emulate,
         fsdp_float8_all_gather=fp8_all_gather_choice(options.fp8_all_gather, options.recipe, fsdp),
+        fsdp_shards=dp_shard if fsdp else 1,
         grouped=grouped,
         cache_weights=cache,
         keep_weight_copies=not (fsdp or options.blockwise_recompute),
@@ -233,6 +235,10 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
                 done.facts.extend(facts)
                 done.notes.extend(fallbacks)
         done.fp8_all_gather = conversion.fsdp_float8_all_gather
+        if conversion.fsdp_float8_all_gather and options.recipe == "blockwise":
+            facts, notes = gather_notes(model, dp_shard)
+            done.facts.extend(facts)
+            done.notes.extend(notes)
         if options.fp8_all_gather and not fsdp:
             done.notes.append("fp8.enable_fsdp_float8_all_gather = true has no effect: no FSDP2 (dp_shard = 1)")
 

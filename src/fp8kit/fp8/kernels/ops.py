@@ -41,6 +41,7 @@ from fp8kit.base.errors import CapabilityError
 from fp8kit.base.triton_lib import triton_module
 from fp8kit.fp8 import blockwise
 from fp8kit.fp8.blockwise import BLOCK, FP8, padded_rows, round_up4
+from fp8kit.fp8.blockwise_gathered import dgrad_layout, gathered_blockwise, layouts
 from fp8kit.fp8.weight_cache import WeightCache, clear_weight_caches
 
 Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -377,9 +378,14 @@ def quantize_weight(w: torch.Tensor, cache: bool = True) -> Quantized:
 
     Layouts and numerics: :func:`fp8kit.fp8.blockwise.quantize_weight`.
 
+    A weight FSDP2 all-gathered already quantized (:mod:`fp8kit.fp8.blockwise_gathered`) gives its gathered bytes
+    and their transpose: the same bits, no cast (and no cache: nothing to cast again).
+
     Raises:
         ValueError: ``w`` is not 2-D with both dimensions divisible by 128.
     """
+    if gathered_blockwise(w):
+        return layouts(w)
     if cache:
         return torch.ops.fp8kit.blockwise_quant_weight_cached(w)
     if _fast(w):  # the triton_op itself, no custom op around it
@@ -391,11 +397,14 @@ def quantize_weight_dgrad(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The dgrad copy ``(wtq, wts)`` of ``w[N, K]`` alone (``w^T``'s 128x128 blocks; the last two of
     :func:`quantize_weight`'s outputs, the same bits), cast again in the backward (``keep_weight_copy=False``).
 
-    A separate op from the forward's weight cast so that ``torch.compile`` does not merge the two.
+    A separate op from the forward's weight cast so that ``torch.compile`` does not merge the two. A weight
+    all-gathered quantized (:mod:`fp8kit.fp8.blockwise_gathered`) gives the transpose of its gathered bytes.
 
     Raises:
         ValueError: ``w`` is not 2-D with both dimensions divisible by 128.
     """
+    if gathered_blockwise(w):
+        return dgrad_layout(w)
     return torch.ops.fp8kit.blockwise_quant_weight_dgrad(w)
 
 
