@@ -32,8 +32,29 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
-    """A tokenizer/token cache shared by every test of the session (BPE training takes seconds)."""
-    return tmp_path_factory.mktemp("fp8kit-cache")
+    """A tokenizer/token cache shared by every test of the session (BPE training takes seconds).
+
+    Under pytest-xdist each worker keeps its own directory, but the one the small runs read (the stdlib corpus,
+    vocab 1024: BPE training and tokenizing, about 17 s of CPU) is built once per ``pytest -n`` run, by the first
+    worker to get here (a file lock), into a directory beside the workers' base temps, and copied into each
+    worker's: the same cached files that worker would otherwise have built itself."""
+    path = tmp_path_factory.mktemp("fp8kit-cache")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import shutil
+
+        from filelock import FileLock
+
+        from fp8kit.config import DataConfig
+        from fp8kit.data.prepare import prepare_data
+
+        shared = tmp_path_factory.getbasetemp().parent / "fp8kit-cache-xdist"  # the run's base temp
+        with FileLock(str(shared) + ".lock"):
+            if not (shared / "done").is_file():
+                prepare_data(DataConfig(seq_length=64, vocab_size=1024, cache_dir=str(shared)),
+                             micro_batch_size=4, seed=0)
+                (shared / "done").touch()
+        shutil.copytree(shared, path, dirs_exist_ok=True, ignore=shutil.ignore_patterns("done"))
+    return path
 
 
 def randn_outliers(*shape, scale=1.0, seed=0, dtype=torch.bfloat16) -> torch.Tensor:
