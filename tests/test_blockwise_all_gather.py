@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from fp8kit.base.errors import Fp8kitError
 from fp8kit.fp8 import blockwise
 from fp8kit.fp8.blockwise_all_gather import BlockwiseFloat8Weight, gather_notes, shard_problem, wrap_weight
 from fp8kit.fp8.blockwise_gathered import GatheredBlockwiseWeight
@@ -120,6 +121,6 @@ def test_other_ops_on_a_gathered_weight_fail_with_the_setting_named():
     g = _gather(_weight(256, 128), 2)
     assert g.shape == (256, 128) and g.dtype == torch.bfloat16
     assert isinstance(g.detach(), GatheredBlockwiseWeight)
-    with pytest.raises(TypeError, match=r"aten\.add.*fp8\.enable_fsdp_float8_all_gather = false"):
+    with pytest.raises(Fp8kitError, match=r"aten\.add.*fp8\.enable_fsdp_float8_all_gather = false"):
         g + 1
 

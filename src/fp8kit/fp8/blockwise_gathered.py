@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from fp8kit.base.errors import Fp8kitError
 from fp8kit.fp8.blockwise import BLOCK, round_up4
 
 # FSDP2 and autograd apply these to the unsharded parameter: the same tensor, the wrapper kept
@@ -33,7 +34,8 @@ class GatheredBlockwiseWeight(torch.Tensor):
     """``[N, K]`` weight of dtype ``dtype`` held as E4M3 ``data`` ``[N, K]`` and float32 128x128 block decoding
     scales ``scale`` ``[N/128, L4(K/128)]`` (module docstring). Only the ops FSDP2 and autograd apply to a
     parameter keep it wrapped (``detach``, ``alias``, a ``view`` / ``as_strided`` of the whole tensor); any other op raises
-    ``TypeError`` naming it: the blockwise linear reads :func:`layouts`, never the tensor's values."""
+    ``Fp8kitError`` naming it (not a ``TypeError``: Python's operators would turn that into their own message): the
+    blockwise linear reads :func:`layouts`, never the tensor's values."""
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
@@ -55,7 +57,7 @@ class GatheredBlockwiseWeight(torch.Tensor):
                                                          and (args[3] if len(args) > 3 else 0) in (0, None)))
         if isinstance(t, cls) and (func in _SAME or same_view):
             return cls(func(t._data, *args[1:], **kwargs) if func in _SAME else t._data, t._scale, t.dtype)
-        raise TypeError(
+        raise Fp8kitError(
             f"{func} on a blockwise FP8 weight all-gathered by FSDP2 (fp8.enable_fsdp_float8_all_gather with "
             f"fp8.recipe = 'blockwise'): only fp8kit's blockwise linear reads it; set "
             f"fp8.enable_fsdp_float8_all_gather = false for code that uses the weight's values directly")
