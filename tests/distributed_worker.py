@@ -56,8 +56,12 @@ SCENARIOS = {
     # backward, their dgrad copies cast again there (keep_weight_copy = False)
     "fsdp_blockwise_fused": ["train.mixed_precision=fp8", "train.micro_batch_size=2", *BLOCKWISE_FUSED],
     # the same with the weights all-gathered as their 128x128-block E4M3 quantization (fp8.blockwise_all_gather)
+    # (a DCP checkpoint at step 5, resumed on the same 2 ranks by the next scenario)
     "fsdp_blockwise_fused_e4m3": ["train.mixed_precision=fp8", "train.micro_batch_size=2", *BLOCKWISE_FUSED,
-                                  "fp8.enable_fsdp_float8_all_gather=true"],
+                                  "fp8.enable_fsdp_float8_all_gather=true", "train.checkpoint_every=5",
+                                  "train.final_checkpoint=false"],
+    "fsdp_blockwise_fused_e4m3_resumed": ["train.mixed_precision=fp8", "train.micro_batch_size=2", *BLOCKWISE_FUSED,
+                                          "fp8.enable_fsdp_float8_all_gather=true", "train.final_checkpoint=false"],
     # MoE: FP8 grouped experts under FSDP2 (the 3-D expert weights sharded on dim 0 like any weight)
     "fsdp_moe_fp8": ["model.preset=tiny-moe", "train.mixed_precision=fp8", "train.micro_batch_size=2"],
     # expert parallel: 4 of the 8 experts per rank, tokens by all-to-all, the rest FSDP2
@@ -86,7 +90,8 @@ SCENARIOS = {
 }
 #: scenario -> (scenario whose checkpoint it resumes, checkpoint directory name)
 RESUME = {"fsdp_fp8adamw_resumed": ("fsdp_fp8adamw", "step_000005"),
-          "fsdp_delayed_e4m3_resumed": ("fsdp_delayed_e4m3", "step_000005")}
+          "fsdp_delayed_e4m3_resumed": ("fsdp_delayed_e4m3", "step_000005"),
+          "fsdp_blockwise_fused_e4m3_resumed": ("fsdp_blockwise_fused_e4m3", "step_000005")}
 
 
 def _count_blockwise_gathers() -> dict:

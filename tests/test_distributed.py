@@ -93,7 +93,8 @@ def dist_runs(cache_dir, tmp_path_factory, one_thread):
     _torchrun(2, [str(ROOT / "tests" / "distributed_worker.py"), str(out), str(cache_dir),
                   "fsdp_bf16", "fsdp_fp8", "tp_bf16", "tp_fp8", "tpsp_bf16", "tpsp_fp8", "tpsp_fp8_head",
                   "fsdp_moe_fp8", "ep_moe_fp8",
-                  "ep_moe_bf16", "fsdp_blockwise_fused", "fsdp_blockwise_fused_e4m3"], timeout=600)
+                  "ep_moe_bf16", "fsdp_blockwise_fused", "fsdp_blockwise_fused_e4m3",
+                  "fsdp_blockwise_fused_e4m3_resumed"], timeout=600)
     return out
 
 
@@ -173,7 +174,8 @@ def test_fsdp2_blockwise_e4m3_all_gather_trains_like_the_bf16_all_gather(dist_ru
     """``fp8.enable_fsdp_float8_all_gather`` with the blockwise recipe (fp8.blockwise_all_gather): each rank quantizes
     its shard's 128x128 blocks and FSDP2 gathers those bytes and scales, which are the whole weight's quantization,
     so the losses equal the BF16 all-gather run's bit for bit (fused MLPs, weights re-gathered for the backward).
-    k_proj / v_proj ([128, 256]: 64-row shards would split a block) keep the BF16 all-gather, and the run says so."""
+    k_proj / v_proj ([128, 256]: 64-row shards would split a block) keep the BF16 all-gather, and the run says so.
+    Its DCP checkpoint (weights saved unwrapped, loaded back into the wrappers) resumes bit for bit."""
     import json
 
     got, want = _losses(dist_runs / "fsdp_blockwise_fused_e4m3"), _losses(dist_runs / "fsdp_blockwise_fused")
@@ -192,6 +194,8 @@ def test_fsdp2_blockwise_e4m3_all_gather_trains_like_the_bf16_all_gather(dist_ru
         assert list(gathers) == ["torch.float8_e4m3fn"] and gathers["torch.float8_e4m3fn"] >= 100, gathers
     bf16 = json.loads((dist_runs / "fsdp_blockwise_fused" / "blockwise_gathers_rank0.json").read_text())
     assert bf16 == {}, bf16
+    resumed = _losses(dist_runs / "fsdp_blockwise_fused_e4m3_resumed")
+    assert resumed == got[5:], (resumed, got[5:])
 
 
 def test_layout_is_recorded_in_the_summary(dist_runs):
