@@ -28,6 +28,7 @@ from fp8kit.fp8.blockwise import BLOCK
 from fp8kit.fp8.blockwise_gathered import GatheredBlockwiseWeight
 from fp8kit.fp8.fsdp_weight import FP8AllGatherWeight
 from fp8kit.fp8.kernels import ops
+from fp8kit.fp8.linear import Float8BlockwiseLinear
 
 
 class BlockwiseFloat8Weight(FP8AllGatherWeight):
@@ -75,8 +76,6 @@ def wrap_weight(module: torch.nn.Module, shards: int) -> str | None:
 def gather_notes(model: torch.nn.Module, shards: int) -> tuple[list[str], list[str]]:
     """After :func:`wrap_weight` ran on ``model``'s blockwise linears: ``(facts, warnings)`` for the run's log, how
     many all-gather FP8 blocks, and one warning per reason some keep the BF16 all-gather (count and an example)."""
-    from fp8kit.fp8.linear import Float8BlockwiseLinear
-
     kept: dict[str, list[str]] = {}
     total = 0
     for name, m in model.named_modules():
