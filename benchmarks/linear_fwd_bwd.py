@@ -21,7 +21,9 @@ For every (M tokens, K in_features, N out_features) it times ``dx, dw = autograd
 - ``fp8kit_delayed_fused``: the same with every cast through fp8kit's Triton cast-transpose kernel
   (``delayed_fused_cast = "all"``: one read per operand writes both FP8 layouts and the amax);
 - ``fp8kit_delayed_grad``: the output gradient's cast alone through that kernel (``delayed_fused_cast =
-  "grad_output"``), the input and weight casts left to torch.compile.
+  "grad_output"``), the input and weight casts left to torch.compile;
+- ``fp8kit_delayed_wg``: the weights' and output gradients' casts through that kernel (``"weight_grad"``), the
+  input's left to torch.compile.
 
 Host overhead is removed: each variant is captured in a CUDA graph after warm-up and the graph's replay
 is timed with ``triton.testing.do_bench`` (median, L2 flushed between replays); a variant that cannot be
@@ -51,6 +53,7 @@ import json
 import math
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -70,8 +73,10 @@ MS = (4096, 8192, 16384)
 KN = ((4096, 6144), (4096, 4096), (4096, 14336), (14336, 4096), (2048, 2048), (2048, 8192))
 TARGETS = {(16384, 4096, 14336): 1.50, (8192, 4096, 4096): 1.25}
 VARIANTS = ("bf16", "ao_tensorwise", "ao_rowwise", "ao_blockwise", "fp8kit", "fp8kit_cached", "fp8kit_requant",
-            "fp8kit_wgrad2d", "fp8kit_delayed", "fp8kit_delayed_fused", "fp8kit_delayed_grad")
-DELAYED_FUSED = {"fp8kit_delayed": "none", "fp8kit_delayed_fused": "all", "fp8kit_delayed_grad": "grad_output"}
+            "fp8kit_wgrad2d", "fp8kit_delayed", "fp8kit_delayed_fused", "fp8kit_delayed_grad",
+            "fp8kit_delayed_wg")
+DELAYED_FUSED = {"fp8kit_delayed": "none", "fp8kit_delayed_fused": "all", "fp8kit_delayed_grad": "grad_output",
+                 "fp8kit_delayed_wg": "weight_grad"}
 
 
 def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
@@ -101,7 +106,8 @@ def build(variant: str, base: nn.Linear) -> nn.Module:
 
 SAME_GRANULARITY = {"fp8kit": "ao_blockwise", "fp8kit_cached": "ao_blockwise", "fp8kit_requant": "ao_blockwise",
                     "fp8kit_wgrad2d": "ao_blockwise", "fp8kit_delayed": "ao_tensorwise",
-                    "fp8kit_delayed_fused": "ao_tensorwise", "fp8kit_delayed_grad": "ao_tensorwise"}
+                    "fp8kit_delayed_fused": "ao_tensorwise", "fp8kit_delayed_grad": "ao_tensorwise",
+                    "fp8kit_delayed_wg": "ao_tensorwise"}
 
 
 def below_torchao(rows: list[dict]) -> list[list]:
@@ -181,6 +187,7 @@ def bench_shape(m: int, k: int, n: int, variants) -> dict:
             row["ms"][v], row["mode"][v] = round(ms, 4), mode
         except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others
             row["ms"][v], row["mode"][v] = None, f"error: {type(e).__name__}: {str(e)[:200]}"
+            row.setdefault("tracebacks", {})[v] = traceback.format_exc()[-3000:]  # session 50: a lone CUDA error
         del mod
         torch.cuda.empty_cache()
     b = row["ms"].get("bf16")

@@ -306,9 +306,9 @@ class _Block(nn.Module):
         return x + self.down(nn.functional.silu(self.up(self.norm(x))))
 
 
-def _make(block: bool):
+def _make(block: bool, fused_cast: str = "none"):
     torch.manual_seed(0)
-    state = DelayedScalingState(DelayedScaling(amax_history_len=4))
+    state = DelayedScalingState(DelayedScaling(amax_history_len=4, fused_cast=fused_cast))
     if block:
         return _Block(state).bfloat16(), state
     return Float8DelayedLinear.from_linear(nn.Linear(64, 96, bias=True), state, "l").bfloat16(), state
@@ -338,11 +338,13 @@ def _assert_same(eager, compiled):
         assert not diff, f"step {step}: compiled != eager at tensors {diff} (output, dx, grads..., histories)"
 
 
-def test_compiled_linear_equals_eager_bit_for_bit_and_compiles_twice():
+@pytest.mark.parametrize("fused_cast", ["none", "all"])
+def test_compiled_linear_equals_eager_bit_for_bit_and_compiles_twice(fused_cast):
     """fullgraph=True (no graph break); bit for bit on the CPU: the same float32 cast math and _scaled_mm.
-    Two compilations: the first step (dynamic warm-start scales) and every later step (history scales)."""
-    eager_model, eager_state = _make(block=False)
-    model, state = _make(block=False)
+    Two compilations: the first step (dynamic warm-start scales) and every later step (history scales).
+    With ``fused_cast = "all"`` every cast goes through ``fp8kit::cast_transpose`` (opaque to Inductor)."""
+    eager_model, eager_state = _make(block=False, fused_cast=fused_cast)
+    model, state = _make(block=False, fused_cast=fused_cast)
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     _assert_same(_steps(eager_model, eager_state, eager_model, 5), _steps(model, state, compiled, 5))

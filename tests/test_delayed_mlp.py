@@ -106,9 +106,9 @@ def test_fused_mlp_with_casts_through_the_op_trains_to_the_same_bits(fused_cast)
     op_model, _ = _llama(True, extra=[f"fp8.delayed_fused_cast={fused_cast}"])
     op_dtypes = []
 
-    def counted(x, scale, dtype, col_major):
+    def counted(x, scale, dtype, *args, **kwargs):
         op_dtypes.append(dtype)
-        return op(x, scale, dtype, col_major)
+        return op(x, scale, dtype, *args, **kwargs)
 
     op = delayed.cast_transpose
     with mock.patch.object(delayed, "cast_transpose", counted):  # the op itself runs: this only counts its calls
