@@ -225,10 +225,13 @@ class FP8Config(ConfigModel):
         "none (default: torch.compile generates every cast and fuses the inputs' casts into the kernels producing "
         "them, e.g. RMSNorm and SwiGLU), grad_output (output gradients), weight_grad (weights and output gradients) or "
         "all. Same bits either way. "
-        "Measured on the H100: all is fastest on one linear (1.64x bf16 at 16384x4096x14336 vs 1.53x with none) "
-        "but not on Llama-3-8B layers (1.14-1.26x vs 1.26x, +3.3 GiB peak), where the kernel, opaque to inductor, "
-        "reads a shared input once per module and stops inductor's fusion of the cast into RMSNorm / SwiGLU "
-        "(docs/benchmarks.md section 6).",
+        "all trades memory for speed: under torch.compile the weights' and inputs' backward copies it writes in the "
+        "forward are held until the backward (+2.5 GiB at Llama-3-8B x8 layers, seq 4096, micro-batch 2) where "
+        "none casts them again in the backward. Measured on an H200 (session 50, one run each): that 8B step "
+        "1.442x BF16 with all (23.1 GiB peak) vs 1.403x with none (20.6 GiB) and 1.419x with grad_output; "
+        "one linear: all is faster than torchao tensorwise at 7 of the 8 small shapes where none is slower "
+        "(e.g. 4096x4096x6144: 1.51x vs 1.37x, none 1.32x). Casting the weights again in the backward under all "
+        "saved 1.6 GiB and lost all of its gain (docs/benchmarks.md section 6, Session 50).",
     )
     stats_every: int = Field(
         0, ge=0,
