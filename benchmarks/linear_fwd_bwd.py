@@ -36,6 +36,11 @@ symbolic too. Inductor's reduction kernel for the delayed recipe's output-gradie
 transposed copy) ran 5-6x slower with a symbolic row count, which put the delayed linear at 0.68-0.96x of BF16 at
 every shape after the first (session 48's grid).
 
+The delayed variants time steps on history scales with no roll of the state in them (``DelayedScalingState.manual``;
+one untimed step on dynamic scales, then one roll, as ``bench-layers`` does). Until session 50 the state rolled
+before every timed forward, inside the captured graph: about 15 small kernels that a model runs once per step for
+all its modules, here counted once per linear (a few percent at the 2048 shapes).
+
 Also measured: the achieved bandwidth of fp8kit's quantization kernels (bytes read + written / time,
 against a bf16 copy of the same tensor timed in the same run, the practical DRAM limit of whichever GPU runs it)
 next to torchao's two separate activation casts, and a ``torch.profiler``
@@ -98,6 +103,7 @@ def build(variant: str, base: nn.Linear) -> nn.Module:
         return AOBlockwise.from_float(lin)
     if variant.startswith("fp8kit_delayed"):  # per-tensor scales from the amax history; static shapes
         state = DelayedScalingState(DelayedScaling(fused_cast=DELAYED_FUSED[variant]))
+        state.manual = True  # rolled once by start_delayed, not before every timed step (module docstring)
         return torch.compile(Float8DelayedLinear.from_linear(lin, state, "linear"), dynamic=False)
     return Float8BlockwiseLinear.from_linear(lin, cache_weight=variant == "fp8kit_cached",
                                              keep_weight_copy=variant != "fp8kit_requant",
@@ -108,6 +114,16 @@ SAME_GRANULARITY = {"fp8kit": "ao_blockwise", "fp8kit_cached": "ao_blockwise", "
                     "fp8kit_wgrad2d": "ao_blockwise", "fp8kit_delayed": "ao_tensorwise",
                     "fp8kit_delayed_fused": "ao_tensorwise", "fp8kit_delayed_grad": "ao_tensorwise",
                     "fp8kit_delayed_wg": "ao_tensorwise"}
+
+
+def start_delayed(mod: nn.Module, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> None:
+    """For a delayed variant (else nothing): one training step on dynamic scales, rolled into the history, so that
+    the timed steps cast with history scales and run no roll (``bench-layers``' timer does the same,
+    ``fp8kit.bench.layers``): in a model one roll per step serves every module."""
+    state = getattr(getattr(mod, "_orig_mod", mod), "state", None)
+    if isinstance(state, DelayedScalingState):
+        torch.autograd.grad(mod(x), (x, w), dy)
+        state.roll(sync=True)
 
 
 def below_torchao(rows: list[dict]) -> list[list]:
@@ -179,6 +195,7 @@ def bench_shape(m: int, k: int, n: int, variants) -> dict:
             elif ref_y is not None:
                 row["sqnr_db"][v] = round(sqnr(ref_y, y.detach().float()), 1)
             del y
+            start_delayed(mod, xv, w, dy)
 
             def step(mod=mod, w=w, xv=xv):
                 return torch.autograd.grad(mod(xv), (xv, w), dy)
@@ -259,6 +276,7 @@ def profile_breakdown(variant: str, m: int, k: int, n: int, iters: int = 5) -> d
     w = weight_of(mod)
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+    start_delayed(mod, x, w, dy)
     for _ in range(3):
         torch.autograd.grad(mod(x), (x, w), dy)
     torch.cuda.synchronize()
