@@ -137,7 +137,12 @@ class TrainConfig(ConfigModel):
     section: ClassVar[str] = "train"
     steps: int = Field(100, gt=0, description="Optimizer steps to train.")
     micro_batch_size: int = Field(4, gt=0, description="Sequences per micro-batch (per forward/backward).")
-    grad_accum: int = Field(1, gt=0, description="Micro-batches accumulated per optimizer step.")
+    grad_accum: int = Field(
+        1, gt=0, description="Micro-batches accumulated per optimizer step. Above 1, FP8 weights are cast once per "
+        "optimizer step and reused by its micro-batches (blockwise, delayed, fused MoE experts; not under FSDP2, and "
+        "for the delayed recipe not with cuda_graphs), the delayed recipe's weight scale held for the step as "
+        "Transformer Engine's is_first_microbatch does.",
+    )
     lr: float = Field(2e-3, gt=0, description="Peak learning rate (AdamW).")
     min_lr_ratio: float = Field(
         0.1, ge=0, le=1, description="Final learning rate of the cosine decay, as a fraction of lr."

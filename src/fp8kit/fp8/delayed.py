@@ -58,6 +58,10 @@ group of all data- and tensor-parallel ranks with ``tp > 1``) the roll all-reduc
 scales, as TE reduces amax over the data-parallel group. The warm-start steps' dynamic scales are reduced
 over the group in the step.
 
+With gradient accumulation (``DelayedScaling.cache_weights``, set by ``prepare_model``) a weight is cast once per
+optimizer step, at a weight scale the roll holds for the step, and its two E4M3 layouts are reused by the step's
+micro-batches (:mod:`fp8kit.fp8.delayed_weight_cache`, Transformer Engine's ``is_first_microbatch``).
+
 SwiGLU MLPs (HF Llama / Qwen2 / Qwen3 / Mistral) whose three projections are delayed linears run as one function
 by default (``fp8.delayed_fused_mlp``, :mod:`fp8kit.fp8.delayed_mlp`): the same formats, scales and histories, with
 the SwiGLU backward's casts in one Triton kernel.
@@ -93,6 +97,7 @@ from fp8kit.fp8.delayed_state import (
     record_,
     reduce_max,
 )
+from fp8kit.fp8.delayed_weight_cache import cached_weight_cast
 from fp8kit.fp8.kernels.cast_ops import cast_transpose
 from fp8kit.fp8.linear import sharded_linear
 from fp8kit.fp8.recipes import GEMMS
@@ -181,13 +186,18 @@ def gathered_fp8(weight: torch.Tensor) -> bool:
     return cls is not None and isinstance(weight, cls)
 
 
-def _weight_both(weight: torch.Tensor, scale: torch.Tensor | None, group, col_major: bool, fused: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+def _weight_both(weight: torch.Tensor, scale: torch.Tensor | None, group, col_major: bool, fused: bool,
+                 cache: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """:func:`_cast_both` of a weight ``[N, K]``; an E4M3 weight all-gathered by FSDP2 (:func:`gathered_fp8`) is used
-    as it came, with the scale it was cast with, and no amax (recorded at its all-gather)."""
+    as it came, with the scale it was cast with, and no amax (recorded at its all-gather). With ``cache``
+    (``DelayedScaling.cache_weights``) and a history scale, both layouts come from the once-per-optimizer-step cast
+    of :mod:`fp8kit.fp8.delayed_weight_cache` (the same bits)."""
     if gathered_fp8(weight):
         w8 = weight._data
         return w8, _col_major(w8) if col_major else None, weight._scale, None
+    if cache and scale is not None:
+        w8, w8t, amax = cached_weight_cast(weight, scale)
+        return w8, w8t.t() if col_major else None, scale, amax
     return _cast_both(weight, scale, E4M3, group, col_major, fused)
 
 
@@ -221,14 +231,15 @@ class _DelayedLinearFn(torch.autograd.Function):
     ``DelayedEntry.scale`` / ``inv_scale``, the input's its group's; None: dynamic, from the tensors themselves),
     ``records`` (the entry's ``(forward_amax, grad_amax)``, written with this step's input and weight amax here
     and the output gradient's in the backward; None: nothing recorded), ``group`` (reduces the dynamic scales of a recorded
-    step), ``fused`` (the operands cast by ``fp8kit::cast_transpose``) and ``fast_accum`` (the GEMMs with fast
-    accumulation, ``DelayedScaling.fast_accum``). Output ``y`` ``[M, N]`` in ``x``'s dtype.
+    step), ``fused`` (the operands cast by ``fp8kit::cast_transpose``), ``fast_accum`` (the GEMMs with fast
+    accumulation, ``DelayedScaling.fast_accum``) and ``cache_weight`` (the weight's casts from the once-per-step cache,
+    ``DelayedScaling.cache_weights``). Output ``y`` ``[M, N]`` in ``x``'s dtype.
 
     Under activation checkpointing with ``torch.compile`` the recomputed forward takes the two amaxes again in
     the backward, so there the forward's fused row amaxes are extra work (small: they ride on the casts)."""
 
     @staticmethod
-    def forward(ctx, x, weight, sx, ix, sw, iw, sg, ig, records, group, fused, fast_accum):
+    def forward(ctx, x, weight, sx, ix, sw, iw, sg, ig, records, group, fused, fast_accum, cache_weight):
         # The warm-start (dynamic) scales of a recorded step are reduced over the group as the roll reduces the
         # records; an unrecorded forward (evaluation) communicates nothing: not every rank may run it.
         warm = group if records is not None else None
@@ -239,7 +250,7 @@ class _DelayedLinearFn(torch.autograd.Function):
         # beside the bf16 tensor it keeps anyway (+1 byte per input element of q/k/v and gate/up).
         recast_x = wgrad and "input" not in fused and torch.compiler.is_compiling()
         x8, x8_cm, sx, ax = _cast_both(x, sx, E4M3, warm, wgrad and not recast_x, "input" in fused)
-        w8, w8_cm, sw, aw = _weight_both(weight, sw, warm, dgrad, "weight" in fused)
+        w8, w8_cm, sw, aw = _weight_both(weight, sw, warm, dgrad, "weight" in fused, cache_weight)
         ix = sx.reciprocal() if ix is None else ix
         iw = sw.reciprocal() if iw is None else iw
         if records is not None:
@@ -281,7 +292,7 @@ class _DelayedLinearFn(torch.autograd.Function):
             dw = scaled_mm(g8_cm.t(), x8_cm, ig, ix, w_dtype, "wgrad", ctx.fast_accum)
         if records is not None:  # the step's record is complete: the next roll takes it into the history
             record_(records[1], 0, ag)
-        return dx, dw, None, None, None, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None, None, None, None
 
 
 class Float8DelayedLinear(nn.Module):
@@ -370,7 +381,7 @@ class Float8DelayedLinear(nn.Module):
         record = self.training and torch.is_grad_enabled()
         n, k = weight.shape
         y = _DelayedLinearFn.apply(x.reshape(-1, k), weight, *scales, (e.forward_amax, e.grad_amax) if record else None, state.group,
-                                   self._fused_casts(), state.config.fast_accum)
+                                   self._fused_casts(), state.config.fast_accum, state.config.cache_weights)
         y = y.reshape(*x.shape[:-1], n)
         if self.health_probe is not None:  # the scales passed to the casts above, not a second read of the entry
             self.health_probe(x, weight, scales, y)

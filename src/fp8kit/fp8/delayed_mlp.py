@@ -51,7 +51,8 @@ _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 class _DelayedSwiGLUMLPFn(torch.autograd.Function):
     """Inputs: ``x`` ``[M, H]``, weights gate / up ``[I, H]``, down ``[H_out, I]``, ``group``, ``fused``
     (``fp8.delayed_fused_cast``'s operands), ``fast_accum`` (the GEMMs with fast accumulation,
-    ``DelayedScaling.fast_accum``), then 22 state tensors: 16 float32 ``[]`` scales and reciprocals, as
+    ``DelayedScaling.fast_accum``), ``cache_weight`` (``DelayedScaling.cache_weights``: the weights' casts from the
+    once-per-step cache), then 22 state tensors: 16 float32 ``[]`` scales and reciprocals, as
     ``Float8DelayedLinear._scales_and_inverses`` gives them (gate: input, weight, output gradient; up: weight, output
     gradient, its input scale being gate's, the group's smaller one, at which ``x`` is cast once:
     fp8.delayed_siblings; down: input, weight, output gradient), then the three entries' ``forward_amax`` ``[2]``
@@ -59,16 +60,16 @@ class _DelayedSwiGLUMLPFn(torch.autograd.Function):
     dtype."""
 
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, group, fused, fast_accum, *state):
+    def forward(ctx, x, w_gate, w_up, w_down, group, fused, fast_accum, cache_weight, *state):
         sx, ix, swg, iwg, sgg, igg, swu, iwu, sgu, igu, sa, ia, swd, iwd, sy, iy = state[:16]
         records, grad_records = state[16:19], state[19:22]
         dgrad, wgrad_x = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         recast_x = wgrad_x and "input" not in fused and torch.compiler.is_compiling()
         x8, x8_cm, _, ax = _cast_both(x, sx, E4M3, None, wgrad_x and not recast_x, "input" in fused)
         w_fused = "weight" in fused
-        wg8, wg8_cm, _, awg = _weight_both(w_gate, swg, None, dgrad, w_fused)
-        wu8, wu8_cm, _, awu = _weight_both(w_up, swu, None, dgrad, w_fused)
-        wd8, wd8_cm, _, awd = _weight_both(w_down, swd, None, True, w_fused)
+        wg8, wg8_cm, _, awg = _weight_both(w_gate, swg, None, dgrad, w_fused, cache_weight)
+        wu8, wu8_cm, _, awu = _weight_both(w_up, swu, None, dgrad, w_fused, cache_weight)
+        wd8, wd8_cm, _, awd = _weight_both(w_down, swd, None, True, w_fused, cache_weight)
         g = scaled_mm(x8, wg8.t(), ix, iwg, x.dtype, "fprop", fast_accum)
         u = scaled_mm(x8, wu8.t(), ix, iwu, x.dtype, "fprop", fast_accum)
         gf = g.float()
@@ -114,7 +115,7 @@ class _DelayedSwiGLUMLPFn(torch.autograd.Function):
         # the three projections' output-gradient amaxes complete their records (the roll reduces them)
         for rec, a_out in zip(ctx.records, (amax_gu[0], amax_gu[1], ay), strict=True):
             record_(rec, 0, a_out)
-        return (dx, d_gate, d_up, d_down, None, None, None) + (None,) * 22
+        return (dx, d_gate, d_up, d_down, None, None, None, None) + (None,) * 22
 
 
 def can_run_fused(projections: list[Float8DelayedLinear], x: torch.Tensor) -> bool:
@@ -149,5 +150,6 @@ def delayed_swiglu_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     records = [p._entry.forward_amax for p in projs] + [p._entry.grad_amax for p in projs]
     # one operand set for the whole MLP (its projections share the state): down_proj's, whose output gradient it casts
     y = _DelayedSwiGLUMLPFn.apply(x.reshape(-1, h), projs[0].weight, projs[1].weight, projs[2].weight, state.group,
-                                  projs[2]._fused_casts(), state.config.fast_accum, *scales, *records)
+                                  projs[2]._fused_casts(), state.config.fast_accum, state.config.cache_weights,
+                                  *scales, *records)
     return y.reshape(*x.shape[:-1], projs[2].out_features)

@@ -31,7 +31,9 @@ When the state changes, and why there (``torch.compile`` without graph breaks, h
 
 The schedule is the one of rolling the history in at the end of the backward: step t casts with the history of
 steps < t. With gradient accumulation every micro-batch is a step of the history (each is a forward of the
-attached model). A module's record is written by its forward and completed by its backward; one without its
+attached model); with ``DelayedScaling.cache_weights`` (set with gradient accumulation where the weight cache applies)
+the weight row advances only at the first roll after an optimizer step, so a step's micro-batches cast their weights
+at one scale and share one cast (:mod:`fp8kit.fp8.delayed_weight_cache`). A module's record is written by its forward and completed by its backward; one without its
 backward (an evaluation forward with grad enabled, a forward whose output needs no gradient) is dropped.
 
 One :class:`DelayedScalingState` per run owns the tensors, keyed by the module's plain FQN, outside the
@@ -49,8 +51,10 @@ from dataclasses import dataclass
 
 import torch
 
+from fp8kit.fp8.delayed_weight_cache import weight_scales_changed
 from fp8kit.fp8.recipes import GEMMS, RECIPES
 from fp8kit.fp8.scaling import scale_from_amax
+from fp8kit.fp8.weight_cache import install_step_hook, optimizer_steps
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -73,7 +77,9 @@ class DelayedScaling:
     """The delayed-scaling settings (``[fp8]`` ``amax_history_len``, ``amax_compute_algo``, ``margin``,
     ``delayed_fused_cast``: a key of :data:`FUSED_CASTS`; ``fast_accum``: the GEMMs of ``fp8.recipes.GEMMS`` that
     run with fast accumulation, ``fp8.fast_accum`` resolved by ``fp8.recipes.fast_accum_for``, by default the
-    recipe table's: fprop and wgrad).
+    recipe table's: fprop and wgrad; ``cache_weights``: each weight is cast once per optimizer step, at a weight scale
+    held for the step, and reused by the step's micro-batches (:mod:`fp8kit.fp8.delayed_weight_cache`; set by
+    ``prepare_model`` with gradient accumulation)).
 
     Raises:
         ValueError: ``amax_history_len < 1``, an unknown ``amax_compute_algo`` or ``fused_cast``, a
@@ -85,6 +91,7 @@ class DelayedScaling:
     margin: int = 0
     fused_cast: str = "none"
     fast_accum: tuple[str, ...] = RECIPES["delayed"].fast_accum
+    cache_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.amax_history_len < 1:
@@ -217,6 +224,8 @@ class _Layout:
         self.local_views = [v for row in self.local.unbind(0) for v in (row[:2], row[2:])]
         self.grad_records = self.records[1::2]
         self.unrecorded = [torch.full((1,), UNRECORDED, dtype=torch.float32, device=device)] * n
+        # True but for the weight row: the rows a roll takes when the weights did not change (cache_weights)
+        self.rows_but_weight = torch.tensor([op != "weight" for op in OPERANDS], device=device).view(1, 3, 1)
         self.scales = torch.empty(n, 6, dtype=torch.float32, device=device)
         self.scale_tensors = [[t for e in live for t in e.sets[k][:6]] for k in (0, 1)]
         self.scale_views = list(self.scales.view(-1).unbind(0))
@@ -271,6 +280,9 @@ class DelayedScalingState:
         # (layout, pinned host copy of its step counts, event recorded after the copy): read at the next roll
         self._steps_copy: tuple[_Layout, torch.Tensor, torch.cuda.Event] | None = None
         self._lay: _Layout | None = None
+        # config.cache_weights: the optimizer step count (fp8.weight_cache) at the last roll; the weight row of the
+        # records is rolled in only when it changed (the weights changed), so the weight scale holds for a step
+        self._weights_of_step: int | None = None
 
     # -- entries ---------------------------------------------------------------------------------------
 
@@ -373,11 +385,27 @@ class DelayedScalingState:
         amax = reduce_max(lay.local, self.group)  # [N, 3]
         done = amax[:, 2] >= 0  # the backward wrote its amax: a complete step
         rolled = torch.cat([amax[:, :, None], lay.history[:, :, :length - 1]], dim=2)
-        lay.history.copy_(torch.where(done[:, None, None], rolled, lay.history))
+        take = done[:, None, None]
+        if not self._weights_changed():  # the same weights as the last roll's: their row and scale hold
+            take = take & lay.rows_but_weight
+        lay.history.copy_(torch.where(take, rolled, lay.history))
         lay.steps.add_(done)
         torch._foreach_copy_(lay.grad_records, lay.unrecorded)
         self._write_scales(lay)
         self._update_started(live, lay.steps, sync)
+
+    def _weights_changed(self) -> bool:
+        """Whether this roll takes the records' weight amaxes into the histories: always, unless
+        ``config.cache_weights``; then only at the first roll after an optimizer step (or the first roll), so the
+        weight scale is the same at every micro-batch of a step (:mod:`fp8kit.fp8.delayed_weight_cache`)."""
+        if not self.config.cache_weights:
+            return True
+        install_step_hook()
+        now = optimizer_steps()
+        changed, self._weights_of_step = now != self._weights_of_step, now
+        if changed:  # new weight scales: a weight cast since the optimizer step (an evaluation's) is outdated
+            weight_scales_changed()
+        return changed
 
     def _write_scales(self, lay: _Layout) -> None:
         """Every entry's scales and reciprocals from the histories (the module docstring's formula of
@@ -501,5 +529,6 @@ class DelayedScalingState:
             e._scalars(device)  # with the others, on ``device``; fresh record
             e.started = steps > 0
         self._steps_copy = None
+        self._weights_of_step = None  # the loaded weight rows are new: the roll below counts them as changed
         self.update_groups(list(self.entries.values()))
         self.roll(sync=True)  # the scales of the loaded histories

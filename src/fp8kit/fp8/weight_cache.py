@@ -19,8 +19,10 @@ is not seen: call :func:`clear_weight_caches` after it (``fp8kit train`` does af
 Entries are keyed on (device, data pointer, shape, stride, dtype); an entry whose storage was freed is dropped
 at the next miss. A cache made with ``requantize`` computes a new version of a weight it holds an outdated entry of
 as ``requantize(w, outdated_result)`` (the MoE expert weights: cast with the previous step's scales as hints, one
-read instead of two; the same bits). Used by the blockwise linear (:mod:`fp8kit.fp8.kernels.ops`, 128x128 copies) and the fused
-rowwise MoE experts (:mod:`fp8kit.moe.fused_experts`, fprop + dgrad copies of the 3-D expert weights).
+read instead of two; the same bits). Used by the blockwise linear (:mod:`fp8kit.fp8.kernels.ops`, 128x128 copies), the fused
+rowwise MoE experts (:mod:`fp8kit.moe.fused_experts`, fprop + dgrad copies of the 3-D expert weights) and the
+delayed-scaling linear (:mod:`fp8kit.fp8.delayed_weight_cache`: E4M3 copies at a weight scale held for the optimizer
+step).
 Memory: an entry holds the FP8 copies (2 bytes per weight element for two layouts) from the forward through
 the optimizer step, where without the cache the dgrad copy lives from forward to backward only.
 """
@@ -55,14 +57,14 @@ class WeightCache:
     """The results of ``quantize(w)`` by weight, valid while the weight is unchanged (module docstring).
 
     Args:
-        quantize: ``w -> tuple of tensors`` (the FP8 copies and their scales); must not depend on anything but
-            ``w``'s values.
+        quantize: ``(w, *args) -> tuple of tensors`` (the FP8 copies and their scales); must not depend on anything
+            but ``w``'s values and ``args`` (:meth:`get`).
         name: for :func:`weight_cache_stats`.
         requantize: ``(w, outdated) -> quantize(w)``, given the outdated result for the same storage (for instance
             to reuse its scales as hints); None: always ``quantize(w)``.
     """
 
-    def __init__(self, quantize: Callable[[torch.Tensor], tuple[torch.Tensor, ...]], name: str,
+    def __init__(self, quantize: Callable[..., tuple[torch.Tensor, ...]], name: str,
                  requantize: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]] | None = None
                  ) -> None:
         self.quantize, self.name, self.requantize = quantize, name, requantize
@@ -72,10 +74,11 @@ class WeightCache:
         self.requantized = 0  # misses computed by requantize
         _REGISTRY.append(self)
 
-    def get(self, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``quantize(w)``, computed at most once per weight version and optimizer step."""
-        if not _HOOK:
-            _HOOK.append(register_optimizer_step_post_hook(_step_done))
+    def get(self, w: torch.Tensor, *args) -> tuple[torch.Tensor, ...]:
+        """``quantize(w, *args)``, computed at most once per weight version and optimizer step. ``args`` (e.g. the
+        delayed recipe's weight scale) are the caller's promise: constant while the weight and the optimizer step
+        are (a hit ignores them)."""
+        install_step_hook()
         key = (w.device, w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype)
         storage = w.untyped_storage()
         entry = self.entries.get(key)
@@ -86,7 +89,7 @@ class WeightCache:
         self.misses += 1
         outdated = entry is not None and entry.storage() is storage and self.requantize is not None
         self.requantized += outdated
-        out = self.requantize(w, entry.out) if outdated else self.quantize(w)
+        out = self.requantize(w, entry.out) if outdated else self.quantize(w, *args)
         del entry
         self.entries = {k: e for k, e in self.entries.items() if e.storage() is not None and k != key}
         self.entries[key] = _Entry(weakref.ref(storage), w._version, _GENERATION[0], out)
@@ -101,6 +104,17 @@ class WeightCache:
         computed from an outdated entry by ``requantize``)."""
         return {"hits": self.hits, "misses": self.misses, "requantized": self.requantized,
                 "entries": len(self.entries)}
+
+
+def install_step_hook() -> None:
+    """Count optimizer steps from now on (the global step post-hook, installed once; :func:`optimizer_steps`)."""
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_post_hook(_step_done))
+
+
+def optimizer_steps() -> int:
+    """``torch.optim.Optimizer.step()`` calls counted since :func:`install_step_hook` (every cache's generation)."""
+    return _GENERATION[0]
 
 
 def clear_weight_caches() -> None:

@@ -78,10 +78,11 @@ class PrepareOptions:
         param_dtype: the parameters' dtype (FSDP2's mixed precision computes in bf16 either way).
         fp8_reduce_scatter: ``"off"``, or the FP8 format of FSDP2's gradient reduce-scatter
             (``fp8kit.comm.apply_fp8_reduce_scatter``; ``distributed.fp8_reduce_scatter``).
-        cache_weights: keep the FP8 copies of blockwise linears' and fused experts' weights across the
-            micro-batches of an optimizer step (``fp8kit.fp8.weight_cache``; ``fp8kit train``: with
+        cache_weights: keep the FP8 copies of blockwise linears', fused experts' and delayed linears' weights across
+            the micro-batches of an optimizer step (``fp8kit.fp8.weight_cache``; the delayed recipe's also holds the
+            weight scale for the step, ``fp8kit.fp8.delayed_weight_cache``; ``fp8kit train``: with
             ``train.grad_accum > 1``). Ignored under FSDP2, where the cache would hold unsharded copies of every
-            layer's weights until the next step.
+            layer's weights until the next step; the delayed recipe's also with ``cuda_graphs``.
         blockwise_recompute: blockwise linears keep no FP8 copy of their input or weight from forward to
             backward and quantize both again there, blockwise experts their weights (``fp8.blockwise_recompute``;
             with ``cache_weights`` the cached weight is still reused).
@@ -183,7 +184,8 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
         wgrad_x=options.blockwise_wgrad_x,
         fused_mlp=options.blockwise_fused_mlp,
         delayed_fused_mlp=options.delayed_fused_mlp,
-        delayed=DelayedScalingState(options.delayed),
+        # the delayed recipe's weight cache: not with CUDA graphs (their replay would skip its lookup)
+        delayed=DelayedScalingState(replace(options.delayed, cache_weights=cache and not options.cuda_graphs)),
         fast_accum=options.fast_accum,
     )
     done = Prepared(conversion=conversion)

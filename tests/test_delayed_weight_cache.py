@@ -1,0 +1,150 @@
+"""The delayed recipe's weight cast once per optimizer step (``DelayedScaling.cache_weights``,
+``fp8kit.fp8.delayed_weight_cache``): the weight scale held for the step, one cast per weight version and step, the
+same bits as casting every micro-batch at that scale, eager and compiled, and the run-level wiring (``train.grad_accum``)
+with an exact resume. CPU: the op's reference path (the Triton cast is ``fp8kit::cast_transpose``'s, tested bit for bit
+in ``tests/test_cast_transpose_gpu.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fp8kit.fp8.delayed import DelayedScaling, DelayedScalingState, Float8DelayedLinear
+from fp8kit.fp8.delayed_weight_cache import CACHE
+from fp8kit.fp8.weight_cache import clear_weight_caches
+
+STEPS, MICRO = 3, 3
+#: the CPU (the reference cast, what CI runs) and a GPU (the Triton cast; marker ``gpu``)
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
+def _make(cache: bool, device: str = "cpu"):
+    torch.manual_seed(0)
+    state = DelayedScalingState(DelayedScaling(amax_history_len=4, cache_weights=cache))
+    lin = Float8DelayedLinear.from_linear(nn.Linear(64, 96, bias=False), state, "l").bfloat16().to(device)
+    return lin, state
+
+
+def _run(lin, state, fn=None, clear_each_forward=False, change_weight_at=None, evaluate=False):
+    """STEPS optimizer steps (SGD) of MICRO micro-batches; per micro-batch: output, input grad, the weight's grad so
+    far, the history after the forward's roll. ``clear_each_forward``: drop the cache before every forward (every
+    micro-batch casts its weight anew); ``change_weight_at``: (step, micro) before whose forward the weight is scaled
+    in place (an update outside the optimizer); ``evaluate``: a forward without grad after each optimizer step (it
+    casts the new weights at the scales of the last roll)."""
+    fn = lin if fn is None else fn
+    device = lin.weight.device
+    state.attach(fn)  # the roll before each forward, outside a compiled graph
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    out = []
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            g = torch.Generator().manual_seed(100 * step + micro)
+            x = (torch.randn(32, 64, generator=g) * (1 + micro)).bfloat16().to(device).requires_grad_(True)
+            if clear_each_forward:
+                clear_weight_caches()
+            if change_weight_at == (step, micro):
+                with torch.no_grad():
+                    lin.weight.mul_(1.5)
+            y = fn(x)
+            y.backward(torch.randn(y.shape, generator=g).bfloat16().to(device))
+            out.append([y.detach(), x.grad, lin.weight.grad.clone(), state.entries["l"].history.clone()])
+        opt.step()
+        opt.zero_grad()
+        if evaluate:
+            with torch.no_grad():
+                x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step)).bfloat16().to(device)
+                out.append([fn(x)])
+    return out
+
+
+def _assert_same(a_run, b_run, what):
+    for i, (a, b) in enumerate(zip(a_run, b_run, strict=True)):
+        for name, u, v in zip(("y", "dx", "dw", "history")[:len(a)], a, b, strict=True):
+            assert torch.equal(u, v), f"{what}: micro-batch {i} {name} differs (max {(u.float() - v.float()).abs().max()})"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_cast_per_step_the_same_bits_as_a_cast_per_micro_batch(device):
+    before = CACHE.stats()
+    cached = _run(*_make(True, device))
+    after = CACHE.stats()
+    misses, hits = after["misses"] - before["misses"], after["hits"] - before["hits"]
+    # the first micro-batch (two on CUDA: fp8.delayed_state) casts on dynamic warm-start scales, uncached; then one
+    # miss per optimizer step and hits after it
+    warm = 1 if device == "cpu" else 2
+    assert (misses, hits) == (STEPS, STEPS * MICRO - warm - STEPS), (misses, hits)
+    _assert_same(cached, _run(*_make(True, device), clear_each_forward=True), "cached vs cast every micro-batch")
+
+
+def test_the_weight_row_advances_once_per_optimizer_step_the_others_per_micro_batch():
+    run = _run(*_make(True))
+    hist = [r[3] for r in run]  # after each forward's roll
+    for step in range(STEPS):
+        for micro in range(1, MICRO):
+            i = step * MICRO + micro
+            if i < 2:
+                continue  # the first roll (before micro-batch 1 of step 0) takes the warm-start record in
+            assert torch.equal(hist[i][1], hist[i - 1][1]), f"weight row moved inside step {step} (micro {micro})"
+            assert not torch.equal(hist[i][0], hist[i - 1][0]), f"input row held at step {step} micro {micro}"
+    firsts = [hist[s * MICRO][1] for s in range(1, STEPS)]
+    assert all(not torch.equal(a, hist[s * MICRO - 1][1]) for s, a in zip(range(1, STEPS), firsts, strict=True)), \
+        "the weight row must advance at the first roll after each optimizer step"
+
+
+def test_a_weight_changed_in_place_is_cast_again():
+    lin, state = _make(True)
+    before = CACHE.stats()["misses"]
+    changed = _run(lin, state, change_weight_at=(1, 2))
+    assert CACHE.stats()["misses"] - before == STEPS + 1, "the in-place change must miss the cache"
+    ref_lin, ref_state = _make(True)
+    _assert_same(changed, _run(ref_lin, ref_state, clear_each_forward=True, change_weight_at=(1, 2)),
+                 "changed weight vs cast every micro-batch")
+
+
+def test_an_evaluation_between_steps_leaves_no_outdated_cast():
+    """An evaluation forward after an optimizer step casts the new weights at the scales of the last roll, in the new
+    optimizer step; the next training forward's roll changes the weight scales and must not reuse that cast."""
+    cached = _run(*_make(True), evaluate=True)
+    _assert_same(cached, _run(*_make(True), clear_each_forward=True, evaluate=True), "with evaluations")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_equals_eager_without_a_graph_break(device):
+    eager = _run(*_make(True, device))
+    lin, state = _make(True, device)
+    compiled = torch.compile(lin, fullgraph=True)
+    _assert_same(eager, _run(lin, state, fn=compiled), "compiled vs eager")
+
+
+@pytest.mark.parametrize("sets, want", [
+    (["train.grad_accum=2"], True),
+    (["train.grad_accum=1"], False),
+    (["train.grad_accum=2", "train.compile=true", "train.cuda_graphs=true"], False),
+])
+def test_the_run_caches_delayed_weights_with_gradient_accumulation_only(sets, want):
+    from tests.conftest import prepared_llama
+
+    _, done = prepared_llama(["train.mixed_precision=fp8", "fp8.recipe=delayed", *sets])
+    assert done.conversion.delayed.config.cache_weights is want, sets
+
+
+@pytest.mark.slow
+def test_a_run_with_gradient_accumulation_resumes_exactly(small_run, tmp_path):
+    """``fp8kit train`` with ``train.grad_accum = 2``: the delayed linears reuse cached weights, and a resume from the
+    step-2 checkpoint (written after an evaluation that cast the new weights at the old scales) continues bit for
+    bit."""
+    from fp8kit.config import load_config
+    from fp8kit.train.trainer import train
+
+    base = [*small_run, "fp8.recipe=delayed", "train.warmup_steps=2", "train.steps=4", "train.checkpoint_every=2",
+            "train.eval_every=2", "train.grad_accum=2"]
+    hits = CACHE.stats()["hits"]
+    full = train(load_config(None, base), tmp_path / "full").metrics
+    assert CACHE.stats()["hits"] > hits, "the run's delayed linears never reused a cached weight"
+    ck = tmp_path / "full" / "checkpoints" / "step_000002"
+    resumed = train(load_config(None, base), tmp_path / "resumed", resume=ck).metrics
+    assert len(resumed) == 2, resumed
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[2:]], (resumed, full)
+    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in full[2:]]
