@@ -93,6 +93,25 @@ def test_the_weight_row_advances_once_per_optimizer_step_the_others_per_micro_ba
         "the weight row must advance at the first roll after each optimizer step"
 
 
+def test_a_roll_before_the_first_forward_still_takes_the_first_weight_amax():
+    """A roll before any record (``link_input_siblings`` at conversion, a checkpoint's ``state_dict``, a BF16 -> FP8
+    switch) is the first after the step: the first recorded step must still take its weight row, or the weight
+    scale comes from an all-zero row and every weight saturates (found in review: relative error 1.0). Within the
+    first optimizer step the weights, so their amax, are the same at every micro-batch: the outputs equal those
+    without the cache bit for bit."""
+    runs = {}
+    for cache in (True, False):
+        lin, state = _make(cache)
+        state.attach(lin)
+        state.roll()
+        runs[cache] = _run(lin, state)
+    for i in range(1, MICRO):  # micro-batch 0 runs on dynamic scales
+        hist = runs[True][i][3]
+        assert hist[1, 0] > 0, f"micro-batch {i}: the weight history row is {hist[1].tolist()}"
+        y, y_ref = runs[True][i][0], runs[False][i][0]
+        assert torch.equal(y, y_ref), f"micro-batch {i}: max diff {(y.float() - y_ref.float()).abs().max().item()}"
+
+
 def test_a_weight_changed_in_place_is_cast_again():
     lin, state = _make(True)
     before = CACHE.stats()["misses"]

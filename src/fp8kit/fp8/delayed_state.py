@@ -79,7 +79,8 @@ class DelayedScaling:
     run with fast accumulation, ``fp8.fast_accum`` resolved by ``fp8.recipes.fast_accum_for``, by default the
     recipe table's: fprop and wgrad; ``cache_weights``: each weight is cast once per optimizer step, at a weight scale
     held for the step, and reused by the step's micro-batches (:mod:`fp8kit.fp8.delayed_weight_cache`; set by
-    ``prepare_model`` with gradient accumulation)).
+    ``prepare_model`` with gradient accumulation; the weights must be updated by ``torch.optim`` optimizers, whose
+    steps advance the weight histories)).
 
     Raises:
         ValueError: ``amax_history_len < 1``, an unknown ``amax_compute_algo`` or ``fused_cast``, a
@@ -386,8 +387,11 @@ class DelayedScalingState:
         done = amax[:, 2] >= 0  # the backward wrote its amax: a complete step
         rolled = torch.cat([amax[:, :, None], lay.history[:, :, :length - 1]], dim=2)
         take = done[:, None, None]
-        if not self._weights_changed():  # the same weights as the last roll's: their row and scale hold
-            take = take & lay.rows_but_weight
+        if not self._weights_changed():
+            # the same weights as the last roll's: their row and scale hold, except in an entry's first recorded
+            # step (no weight amax yet: its scale is dynamic until it starts, so nothing of it is cached)
+            fresh = (lay.steps == 0)[:, None, None]
+            take = take & (lay.rows_but_weight | fresh)
         lay.history.copy_(torch.where(take, rolled, lay.history))
         lay.steps.add_(done)
         torch._foreach_copy_(lay.grad_records, lay.unrecorded)
@@ -397,7 +401,8 @@ class DelayedScalingState:
     def _weights_changed(self) -> bool:
         """Whether this roll takes the records' weight amaxes into the histories: always, unless
         ``config.cache_weights``; then only at the first roll after an optimizer step (or the first roll), so the
-        weight scale is the same at every micro-batch of a step (:mod:`fp8kit.fp8.delayed_weight_cache`)."""
+        weight scale is the same at every micro-batch of a step (:mod:`fp8kit.fp8.delayed_weight_cache`); the roll
+        also takes an entry's first recorded step whole. Clears the cached weight casts when it returns True."""
         if not self.config.cache_weights:
             return True
         install_step_hook()
