@@ -284,6 +284,8 @@ class DelayedScalingState:
         # config.cache_weights: the optimizer step count (fp8.weight_cache) at the last roll; the weight row of the
         # records is rolled in only when it changed (the weights changed), so the weight scale holds for a step
         self._weights_of_step: int | None = None
+        if self.config.cache_weights:
+            install_step_hook()  # before the first optimizer step: optimizer_steps() counts from here
 
     # -- entries ---------------------------------------------------------------------------------------
 
@@ -387,7 +389,7 @@ class DelayedScalingState:
         done = amax[:, 2] >= 0  # the backward wrote its amax: a complete step
         rolled = torch.cat([amax[:, :, None], lay.history[:, :, :length - 1]], dim=2)
         take = done[:, None, None]
-        if not self._weights_changed():
+        if self._hold_weight_scales():
             # the same weights as the last roll's: their row and scale hold, except in an entry's first recorded
             # step (no weight amax yet: its scale is dynamic until it starts, so nothing of it is cached)
             fresh = (lay.steps == 0)[:, None, None]
@@ -398,19 +400,21 @@ class DelayedScalingState:
         self._write_scales(lay)
         self._update_started(live, lay.steps, sync)
 
-    def _weights_changed(self) -> bool:
-        """Whether this roll takes the records' weight amaxes into the histories: always, unless
-        ``config.cache_weights``; then only at the first roll after an optimizer step (or the first roll), so the
-        weight scale is the same at every micro-batch of a step (:mod:`fp8kit.fp8.delayed_weight_cache`); the roll
-        also takes an entry's first recorded step whole. Clears the cached weight casts when it returns True."""
+    def _hold_weight_scales(self) -> bool:
+        """Whether this roll leaves the weight rows of the histories (so the weight scales) as they are: with
+        ``config.cache_weights``, at every roll but the first after an optimizer step (or the first roll), so the
+        weight scale is the same at every micro-batch of a step (:mod:`fp8kit.fp8.delayed_weight_cache`; the roll
+        still takes an entry's first recorded step whole). At a roll that takes them, the step marker advances and
+        the cached weight casts are dropped (one made since the optimizer step, an evaluation's, used the old
+        scale)."""
         if not self.config.cache_weights:
-            return True
-        install_step_hook()
+            return False
         now = optimizer_steps()
-        changed, self._weights_of_step = now != self._weights_of_step, now
-        if changed:  # new weight scales: a weight cast since the optimizer step (an evaluation's) is outdated
-            weight_scales_changed()
-        return changed
+        if now == self._weights_of_step:
+            return True
+        self._weights_of_step = now
+        weight_scales_changed()
+        return False
 
     def _write_scales(self, lay: _Layout) -> None:
         """Every entry's scales and reciprocals from the histories (the module docstring's formula of

@@ -25,6 +25,7 @@ step's scale, so such a loop must not use the cache. A weight shared by two dela
 (their histories started at different steps, or two states) is cached once, for the first of them. A linear back in
 FP8 from a BF16 phase of the precision schedule casts with its earlier weight scale until the next optimizer step (its
 first record comes after the step's first roll).
+
 An update of the weight or of the delayed state that bypasses those checks (a hand-written ``weight.data.copy_``, a
 state loaded mid-step) needs :func:`fp8kit.fp8.weight_cache.clear_weight_caches` (``fp8kit train`` calls it after a
 checkpoint load). Memory: the two copies (2 bytes per weight element) live from the first micro-batch's forward through
