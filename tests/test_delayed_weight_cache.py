@@ -141,6 +141,7 @@ def test_compiled_equals_eager_without_a_graph_break(device):
     (["train.grad_accum=2"], True),
     (["train.grad_accum=1"], False),
     (["train.grad_accum=2", "train.compile=true", "train.cuda_graphs=true"], False),
+    (["train.grad_accum=2", "fp8.weight_cache=false"], False),
 ])
 def test_the_run_caches_delayed_weights_with_gradient_accumulation_only(sets, want):
     from tests.conftest import prepared_llama

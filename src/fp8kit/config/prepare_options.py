@@ -14,9 +14,10 @@ from fp8kit.parallel.prepare import PrepareOptions, weight_cache_applies
 
 
 def weight_cache_requested(cfg: RunConfig) -> bool:
-    """Whether the run asks for the FP8 weight cache (``PrepareOptions.cache_weights``): only when micro-batches share
-    an optimizer step (``train.grad_accum > 1``); ``prepare_model`` still turns it off under FSDP2."""
-    return cfg.train.grad_accum > 1
+    """Whether the run asks for the FP8 weight cache (``PrepareOptions.cache_weights``): ``fp8.weight_cache`` and
+    micro-batches that share an optimizer step (``train.grad_accum > 1``); ``prepare_model`` still turns it off under
+    FSDP2."""
+    return cfg.fp8.weight_cache and cfg.train.grad_accum > 1
 
 
 def weight_cast_accumulation(cfg: RunConfig, mesh=None) -> int:

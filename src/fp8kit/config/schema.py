@@ -227,11 +227,24 @@ class FP8Config(ConfigModel):
         "all. Same bits either way. "
         "all trades memory for speed: under torch.compile the weights' and inputs' backward copies it writes in the "
         "forward are held until the backward (+2.5 GiB at Llama-3-8B x8 layers, seq 4096, micro-batch 2) where "
-        "none casts them again in the backward. Measured on an H200 (session 50, one run each): that 8B step "
-        "1.442x BF16 with all (23.1 GiB peak) vs 1.403x with none (20.6 GiB) and 1.419x with grad_output; "
-        "one linear: all is faster than torchao tensorwise at 7 of the 8 small shapes where none is slower "
-        "(e.g. 4096x4096x6144: 1.51x vs 1.37x, none 1.32x). Casting the weights again in the backward under all "
-        "saved 1.6 GiB and lost all of its gain (docs/benchmarks.md section 6, Session 50).",
+        "none casts them again in the backward. Measured on an H200 (sessions 50-51, one run each): one linear "
+        "is faster with grad_output and all at every shape of the 18-shape grid (all: 1.10-1.24x of torchao "
+        "tensorwise's speed; none: 0.98-1.11x), but not in a model: the 8B step 1.442x BF16 with all (23.1 GiB) vs "
+        "1.403x with none (20.6 GiB), grad_output even with none (121.7 vs 121.6 ms, +0.2 GiB); llama3-1b 0.98x "
+        "(grad_output) and 1.01x (all) vs 1.24x with none, on a shared host (docs/benchmarks.md section 6, "
+        "Sessions 50-51).",
+    )
+    weight_cache: bool = Field(
+        True,
+        description="With train.grad_accum > 1: cast each FP8 weight once per optimizer step and reuse the cast "
+        "copies in the step's other micro-batches (blockwise linears, delayed linears, fused MoE experts; not under "
+        "FSDP2, whose all-gather frees the weight after each use, and for the delayed recipe not with "
+        "train.cuda_graphs). The delayed recipe then holds each weight's scale for the step, as Transformer "
+        "Engine's is_first_microbatch does. Costs 2 bytes per FP8 weight element from the step's first forward to "
+        "the optimizer step. false: cast at every micro-batch (no memory held). No effect with grad_accum = 1. "
+        "Measured at Llama-3-8B layers x 8, 2 micro-batches of 8192 tokens (H200): 0.6% faster per step for 3.4 GiB "
+        "more peak, above BF16's (docs/benchmarks.md section 6, Session 51): worth more at smaller micro-batches, "
+        "and a switch to turn off under memory pressure.",
     )
     stats_every: int = Field(
         0, ge=0,

@@ -139,10 +139,8 @@ class TrainConfig(ConfigModel):
     micro_batch_size: int = Field(4, gt=0, description="Sequences per micro-batch (per forward/backward).")
     grad_accum: int = Field(
         1, gt=0, description="Micro-batches accumulated per optimizer step. Above 1, FP8 weights are cast once per "
-        "optimizer step and reused by its micro-batches (blockwise, delayed, fused MoE experts; not under FSDP2, and "
-        "for the delayed recipe not with cuda_graphs), the delayed recipe's weight scale held for the step as "
-        "Transformer Engine's is_first_microbatch does. The cached copies hold 2 bytes per FP8 weight element from "
-        "the step's first forward to the optimizer step.",
+        "optimizer step and reused by its micro-batches unless fp8.weight_cache = false (see there: where it "
+        "applies, and its memory).",
     )
     lr: float = Field(2e-3, gt=0, description="Peak learning rate (AdamW).")
     min_lr_ratio: float = Field(
