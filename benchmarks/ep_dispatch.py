@@ -22,10 +22,14 @@ expert with ``routing.dispatch``, as ``moe/expert_parallel.py`` does):
 
 - ``dispatch-bf16``: bf16 gather of the sorted pairs -> all-to-all (bf16) -> ``gather_quantize_rows`` (the fused
   experts' own gather + rowwise cast on the receiver): what ``ep_fp8_dispatch = false`` costs with FP8 experts;
-- ``dispatch-fp8``: ``gather_quantize_payload`` (the same cast, on the sender, written into the uint8 payload) ->
+- ``dispatch-fp8``: ``gather_quantize_payload`` (the same cast, on the sender, written into the uint8 payload; from
+  the tokens' side: each token read once, as ``distributed.ep_fp8_dispatch`` runs it since session 51) ->
   all-to-all (uint8, H + 16 bytes per row) -> ``payload_rows`` (a gather of the E4M3 bytes and scales): what
   ``ep_fp8_dispatch = true`` costs (``moe/fp8_dispatch.rowwise_dispatch``); both end in the same bits (checked);
-- ``rowwise-exchange``: the rowwise payload's all-to-all alone.
+- ``rowwise-exchange``: the rowwise payload's all-to-all alone;
+- ``dispatch-fp8-gather``: ``dispatch-fp8`` with the sender's gather kernel (each row read through the index: the
+  path before session 51); ``payload-scatter`` / ``payload-gather`` / ``payload-rows``: the sender's two kernels and
+  the receiver's regroup alone.
 
 Time: ``fp8kit.bench.timing.time_ms`` (the GPU is held while the host enqueues, so launch overhead is
 hidden), slowest rank's value. Writes ``OUT/ep_dispatch.json`` (rewritten after each shape) and prints a table.
@@ -66,7 +70,8 @@ def routed(tokens: int, experts: int, topk: int, world: int, device: torch.devic
     local_ids = torch.repeat_interleave(torch.arange(local, device=device).repeat(world), recv_counts)
     d = routing.dispatch(local_ids[:, None], local,
                          rows=routing.bucketed_rows(local_ids.numel(), local, ids.numel()))
-    return {"token_rows": order // topk, "send": send, "recv": recv, "local": d}
+    pair_rows = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=device))
+    return {"token_rows": order // topk, "pair_rows": pair_rows, "send": send, "recv": recv, "local": d}
 
 
 def bench_whole_dispatch(name: str, hidden: int, args, device: torch.device, world: int, t) -> dict:
@@ -80,16 +85,22 @@ def bench_whole_dispatch(name: str, hidden: int, args, device: torch.device, wor
         recv = _exchange(routing.gather_rows(x, token_rows), r["recv"], r["send"], group)
         return rq.gather_quantize_rows(recv, d.gather_idx)
 
-    def fp8():
-        received = _exchange(gather_quantize_payload(x, token_rows), r["recv"], r["send"], group)
+    def fp8(pairs=r["pair_rows"]):
+        received = _exchange(gather_quantize_payload(x, token_rows, pairs), r["recv"], r["send"], group)
         return payload_rows(received, d.gather_idx, hidden)
 
-    (q1, s1), (q2, s2) = bf16(), fp8()
+    (q1, s1), (q2, s2), (q3, s3) = bf16(), fp8(), fp8(None)
     assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s1, s2), \
         "FP8 dispatch does not deliver the bits the experts' own cast makes"
+    assert torch.equal(q2.view(torch.uint8), q3.view(torch.uint8)) and torch.equal(s2, s3), \
+        "the payload's scatter kernel and its gather kernel differ"
     payload = gather_quantize_payload(x, token_rows)
-    ms = {"dispatch-bf16": t(bf16), "dispatch-fp8": t(fp8),
-          "rowwise-exchange": t(lambda: _exchange(payload, r["recv"], r["send"], group))}
+    received = _exchange(payload, r["recv"], r["send"], group)
+    ms = {"dispatch-bf16": t(bf16), "dispatch-fp8": t(fp8), "dispatch-fp8-gather": t(lambda: fp8(None)),
+          "rowwise-exchange": t(lambda: _exchange(payload, r["recv"], r["send"], group)),
+          "payload-scatter": t(lambda: gather_quantize_payload(x, token_rows, r["pair_rows"])),
+          "payload-gather": t(lambda: gather_quantize_payload(x, token_rows)),
+          "payload-rows": t(lambda: payload_rows(received, d.gather_idx, hidden))}
     rows_sent = sum(r["send"]) - r["send"][dist.get_rank()]
     return {"ms": ms, "dispatch_fp8_vs_bf16": ms["dispatch-fp8"] / ms["dispatch-bf16"],
             "rowwise_exchange_vs_bf16": ms["rowwise-exchange"] / ms["dispatch-bf16"],
@@ -184,11 +195,13 @@ def main() -> int:
                  f"{r['ms']['fp8-exchange']:.3f}", f"{r['ms']['pack']:.3f}", f"{r['ms']['unpack']:.3f}",
                  f"{r['bytes_ratio']:.3f}") for r in rows])
         _table("Whole dispatch to the FP8 experts' fprop operand (ms, slowest rank)",
-               ("model", "experts", "dispatch-bf16", "dispatch-fp8 (rowwise)", "fp8 / bf16", "rowwise a2a alone",
-                "bytes"),
+               ("model", "experts", "dispatch-bf16", "dispatch-fp8 (rowwise)", "fp8 / bf16", "with the gather kernel",
+                "rowwise a2a alone", "sender scatter / gather", "receiver regroup", "bytes"),
                [(r["model"], r["experts"], f"{r['ms']['dispatch-bf16']:.3f}", f"{r['ms']['dispatch-fp8']:.3f}",
-                 f"{r['dispatch_fp8_vs_bf16']:.3f}x", f"{r['ms']['rowwise-exchange']:.3f}",
-                 f"{r['rowwise_bytes_ratio']:.3f}") for r in rows])
+                 f"{r['dispatch_fp8_vs_bf16']:.3f}x",
+                 f"{r['ms']['dispatch-fp8-gather']:.3f} ({r['ms']['dispatch-fp8-gather'] / r['ms']['dispatch-bf16']:.3f}x)",
+                 f"{r['ms']['rowwise-exchange']:.3f}", f"{r['ms']['payload-scatter']:.3f} / {r['ms']['payload-gather']:.3f}",
+                 f"{r['ms']['payload-rows']:.3f}", f"{r['rowwise_bytes_ratio']:.3f}") for r in rows])
     dist.destroy_process_group()
     return 0
 

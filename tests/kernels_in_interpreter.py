@@ -17,7 +17,8 @@ What it checks, every autotune configuration launched in turn (the interpreter h
   bits for exact, zero, partly wrong and NaN hints, its fix in one and in several segments, at three tiles and in
   both program orders (the expert count differs from every tile count, so swapped program ids show), and recasts
   exactly the rows and columns whose hint was wrong;
-- the scatter dispatch kernel at two more tiles;
+- the scatter dispatch kernel at two more tiles, and writing expert parallelism's payload rows (strided views of one
+  uint8 buffer) as the gather kernel does;
 - the FP8AdamW step (``optim.triton_step``, per block and per tensor, stochastic rounding of ``m``) equals the
   reference ``optim.numerics.adamw_update`` bit for bit in ``m``, ``v``, the master and their scales, with the FP8
   gradient buffer and with ``param.grad`` read through the address table by element and by 16-byte vector loads
@@ -209,6 +210,19 @@ def moe_rowwise_fusions() -> None:
     same(rqt.scatter_quantize_rows(x, d.gather_idx, d.pair_rows, cast=False)[2:], (kept,), "moe scatter rows only")
     same(rqt.scatter_quantize_rows(grad, d.gather_idx, d.pair_rows, weight=weights.reshape(-1), keep_rows=True),
          (q, inv, rows), "moe weighted scatter")
+    # expert parallelism's payload from the tokens' side: the scatter kernel writing into the (P, K + 16) uint8 rows'
+    # strided views (send order: pairs sorted by destination, no padding) equals the gather kernel writing there
+    from fp8kit.moe import rowwise_payload as rp
+
+    order = torch.argsort(top.reshape(-1), stable=True)
+    token_rows = order // 2
+    pair_rows = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel()))
+    payloads = [torch.full((90, rp.rowwise_payload_bytes(144)), 0xAB, dtype=torch.uint8) for _ in range(2)]
+    x144 = rnd(45, 144, seed=14)
+    assert rqt.scatter_quantize_rows(x144, token_rows, pair_rows, out=rp.payload_views(payloads[0], 144)) is not None
+    rqt.gather_quantize_rows(x144, token_rows, out=rp.payload_views(payloads[1], 144))
+    same(rp.payload_views(payloads[0], 144), rp.payload_views(payloads[1], 144), "moe payload scatter vs gather")
+    assert torch.equal(payloads[0][:, 148:], payloads[1][:, 148:]), "moe payload scatter wrote into the row padding"
     # the shipped tile rule (H100 sweep, session 27): 64 elements per thread, at least 4096 per program
     got = {w: rqt._scatter_tile(w) for w in (256, 1024, 2048, 4096, 8192)}
     assert got == {256: (16, 2), 1024: (4, 2), 2048: (2, 2), 4096: (1, 2), 8192: (1, 4)}, got

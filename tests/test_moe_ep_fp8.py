@@ -109,6 +109,26 @@ def test_rowwise_payload_holds_the_experts_fprop_cast_and_regathers_it_bit_for_b
     assert dequantize_payload(empty, HIDDEN, torch.bfloat16, index=torch.zeros(16, dtype=torch.long)).abs().max() == 0
 
 
+def test_payload_from_the_tokens_side_takes_the_send_layout_and_refuses_a_wrong_one():
+    """``gather_quantize_payload(x, token_rows, pair_rows)`` (expert parallelism's send order, the layout known from
+    both sides: the scatter kernel on CUDA) gives the payload of ``gather_quantize_payload(x, token_rows)``; a
+    ``pair_rows`` that is not a whole number of rows per token is refused, naming the op (the CPU reference path;
+    the kernel's bits: ``tests/test_moe_ep_fp8_gpu.py``)."""
+    from fp8kit.moe.rowwise_payload import gather_quantize_payload
+
+    g = torch.Generator().manual_seed(8)
+    tokens, topk = 37, 4
+    x = (torch.randn(tokens, HIDDEN, generator=g) * 3).to(torch.bfloat16)
+    ids = torch.rand(tokens, 16, generator=g).argsort(dim=1)[:, :topk].reshape(-1)
+    order = torch.argsort(ids, stable=True)  # sorted row -> pair, as moe/expert_parallel.py sorts by rank
+    token_rows = order // topk
+    pair_rows = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel()))
+    assert torch.equal(token_rows[pair_rows], torch.arange(tokens * topk) // topk)  # the layout's contract
+    assert torch.equal(gather_quantize_payload(x, token_rows, pair_rows), gather_quantize_payload(x, token_rows))
+    with pytest.raises(ValueError, match="moe_rw_gather_quant_payload: pair_rows must hold topk rows per token"):
+        gather_quantize_payload(x, token_rows, pair_rows[:-1])
+
+
 def test_hidden_size_not_a_multiple_of_128_is_refused():
     check_dispatch_hidden(256, "model.layers.0.mlp.experts")
     with pytest.raises(ConfigError) as e:

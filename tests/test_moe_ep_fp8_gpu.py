@@ -1,6 +1,7 @@
 """FP8 expert-parallel dispatch payload on a CUDA GPU (marker ``gpu``; skipped without CUDA): the Triton pack /
 unpack of :mod:`fp8kit.moe.fp8_dispatch_triton` against the PyTorch references on the same GPU, bit for bit; the
-rowwise payload (``rowwise_payload.gather_quantize_payload``: the fused gather + cast kernel writing into payload rows),
+rowwise payload (``rowwise_payload.gather_quantize_payload``: the fused gather + cast kernel, or from the tokens' side
+the scatter kernel, writing into payload rows),
 its receiver-side gather and dequantization (compiled) against their references, and the fused FP8 experts fed the
 payload against the same experts casting the tokens themselves (Hopper GEMMs), bit for bit.
 
@@ -84,6 +85,30 @@ def test_rowwise_payload_kernel_equals_reference(hidden, rows, dtype):
     assert torch.equal(gi.view(torch.int32), ri.view(torch.int32)), f"scales differ (hidden {hidden}, rows {rows})"
     q, inv = rq.gather_quantize_rows(tokens, index)  # the experts' own cast: same bits
     assert torch.equal(gq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(gi, inv)
+
+
+@pytest.mark.parametrize("hidden", [2048, 7168])
+@pytest.mark.parametrize("tokens, topk", [(1, 8), (4099, 8), (16384, 8), (333, 2), (500, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_payload_from_the_tokens_side_equals_the_gathered_payload(hidden, tokens, topk, dtype):
+    """Expert parallelism's send layout (pairs sorted by destination; ``pair_rows`` the inverse): with ``pair_rows``
+    the payload is written by the scatter kernel (each token read once, stored at its top-k rows; top-1 keeps the
+    gather) into a payload allocated over NaN-poisoned memory; its E4M3 bytes and scales equal the gather kernel's
+    and the reference's bit for bit."""
+    x = _tokens(tokens, hidden, dtype, seed=9)
+    g = torch.Generator(device="cuda").manual_seed(10)
+    ids = torch.rand(tokens, 64, generator=g, device="cuda").argsort(dim=1)[:, :topk].reshape(-1)
+    order = torch.argsort(ids, stable=True)
+    token_rows = order // topk
+    pair_rows = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device="cuda"))
+    torch.empty(4 * tokens * topk * (hidden + 16), dtype=torch.uint8, device="cuda").fill_(0xFF)  # NaN bytes freed
+    got = rp.gather_quantize_payload(x, token_rows, pair_rows)
+    for name, want in (("gather kernel", rp.gather_quantize_payload(x, token_rows)),
+                       ("reference", rp.gather_quantize_payload_ref(x, token_rows))):
+        (gq, gi), (wq, wi) = rp.payload_views(got, hidden), rp.payload_views(want, hidden)
+        diff = (gq.view(torch.uint8) != wq.view(torch.uint8)).sum().item()
+        assert diff == 0, f"{diff} E4M3 bytes differ from the {name} (hidden {hidden}, {tokens} tokens top-{topk})"
+        assert torch.equal(gi.view(torch.int32), wi.view(torch.int32)), f"scales differ from the {name}"
 
 
 @pytest.mark.parametrize("hidden", [2048, 7168])

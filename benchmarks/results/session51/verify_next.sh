@@ -3,6 +3,9 @@
 #             failure among 20 twice, its name lost to -q output cut by the time limit)
 #   small     (~8 min): llama3-1b and llama-125m alone on the machine (session 51 ran them beside another GPU's
 #             compiles): BF16 / torchao tensorwise / delayed with each fp8.delayed_fused_cast
+#   ep        (nvidia-h200-x2, ~4 min): the EP=2 dispatch with the payload written from the tokens' side (session 51,
+#             built after the device time was spent): its GPU test, then benchmarks/ep_dispatch.py (dispatch-fp8 vs
+#             the gather kernel's dispatch-fp8-gather in one run; the target is dispatch-fp8 <= 0.6x dispatch-bf16)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
 mkdir -p $OUT/keep
 nvidia-smi --query-gpu=name,power.limit --format=csv,noheader | tee $OUT/keep/gpu.txt
@@ -21,5 +24,11 @@ small)
     --out /tmp/t2 --variants "$V" > $OUT/keep/e2e_125m.log 2>&1
   cp /tmp/t2/results.md $OUT/keep/125m_results.md; cp /tmp/t2/results.json $OUT/keep/125m_results.json
   sed -i '/DEBUG/d' $OUT/keep/*.log; cat $OUT/keep/1b_results.md $OUT/keep/125m_results.md ;;
-*) echo "usage: verify_next.sh gpu_tests | small"; exit 2 ;;
+ep)
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -v -m gpu tests/test_moe_ep_fp8_gpu.py -n 4 -p no:cacheprovider \
+    -W ignore 2>&1 | grep -v DEBUG | grep "PASS\|FAIL\|Error\|passed\|failed" | tail -40 > $OUT/keep/ep_gpu_tests.log
+  tail -5 $OUT/keep/ep_gpu_tests.log
+  timeout 150 torchrun --nproc_per_node 2 benchmarks/ep_dispatch.py 2>&1 | grep -v DEBUG | tail -16 \
+    | tee $OUT/keep/ep_dispatch.log ;;
+*) echo "usage: verify_next.sh gpu_tests | small | ep"; exit 2 ;;
 esac

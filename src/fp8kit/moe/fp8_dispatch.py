@@ -9,8 +9,9 @@ consume (``expert_parallel.dispatch_format``):
 ```
 forward   hidden (T, H) bf16 --gather_quantize_payload(token of each sorted pair)--> payload (S, H + 16) uint8:
           per row the H E4M3 bytes and the float32 inv_scale of the rowwise recipe (moe/quantize.py: one
-          power-of-two scale per token row), written by the fused gather + cast kernel the experts' own fprop
-          cast uses (moe/rowwise_payload.py, moe/rowwise_quant.py), so the bf16 sorted copy is never written
+          power-of-two scale per token row), written by the fused cast kernel the experts' own fprop cast uses
+          (from the tokens' side: each token read once, stored at its top-k rows; moe/rowwise_payload.py,
+          moe/rowwise_quant.py), so the bf16 sorted copy is never written
           -> all_to_all (uint8) -> received (R, H + 16)
           -> payload_rows(received, local dispatch index): the fprop GEMM's E4M3 operand and its row scales,
              gathered into expert order (1 byte per element each way; no unpack, no second cast)
@@ -205,7 +206,7 @@ class _RowwiseDispatch(torch.autograd.Function):
     def forward(ctx, hidden, token_rows, pair_rows, recv_splits, send_splits, group):
         ctx.splits, ctx.group, ctx.tokens = (recv_splits, send_splits), group, hidden.shape[0]
         ctx.save_for_backward(pair_rows)
-        received = _exchange(gather_quantize_payload(hidden, token_rows), recv_splits, send_splits, group)
+        received = _exchange(gather_quantize_payload(hidden, token_rows, pair_rows), recv_splits, send_splits, group)
         ctx.mark_non_differentiable(received)
         return hidden.new_zeros(()).expand(received.shape[0], hidden.shape[1]), received
 

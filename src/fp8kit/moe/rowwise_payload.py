@@ -9,8 +9,9 @@ cast depends only on its token, so under expert parallelism the sending rank can
   bytes of padding (unspecified contents) so that every row starts on a 16-byte boundary when ``K % 16 == 0``
   (16-byte stores and loads; the FP8 GEMM needs ``K % 16 == 0`` anyway): :data:`PAYLOAD_TAIL`,
   :func:`rowwise_payload_bytes`, :func:`payload_views`;
-- sender: :func:`gather_quantize_payload`, the Triton kernel of ``gather_quantize_rows`` writing straight into the
-  payload rows (custom op ``fp8kit::moe_rw_gather_quant_payload``; the PyTorch reference elsewhere);
+- sender: :func:`gather_quantize_payload`, the Triton kernel of ``dispatch_quantize_rows`` (each token read once
+  and stored at its top-k rows) or of ``gather_quantize_rows`` writing straight into the payload rows (custom op
+  ``fp8kit::moe_rw_gather_quant_payload``; the PyTorch reference elsewhere);
 - receiver: :func:`payload_rows` (the E4M3 rows and scales gathered into local-expert order: the fprop operand,
   bit for bit what ``gather_quantize_rows`` of the same tokens gives, padding rows included) and
   :func:`dequantize_payload` (``q * inv_scale``, exact in bf16: what gate_up's weight gradient reads).
@@ -72,47 +73,70 @@ def gather_quantize_payload_ref(src: torch.Tensor, index: torch.Tensor) -> torch
 
 
 @torch.library.custom_op("fp8kit::moe_rw_gather_quant_payload", mutates_args=())
-def _payload_op(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def _payload_op(src: torch.Tensor, index: torch.Tensor, pair_rows: torch.Tensor | None) -> torch.Tensor:
+    _check_pairs(src, index, pair_rows)
     return gather_quantize_payload_ref(src, index)
 
 
 @_payload_op.register_kernel("cuda")
-def _(src, index):
+def _(src, index, pair_rows):
     rq._check_gather(src, index)
     _check_k(src)
+    topk = _check_pairs(src, index, pair_rows)
     kernels = rq._triton_kernels()
     if kernels is None or index.numel() == 0 or src.shape[1] == 0:
         return gather_quantize_payload_ref(src, index)
     payload = torch.empty(index.shape[0], rowwise_payload_bytes(src.shape[1]), dtype=torch.uint8, device=src.device)
+    out = payload_views(payload, src.shape[1])
+    src, index = rq._rows_last(src), index.contiguous()
     with torch.cuda.device(src.device):
-        kernels.gather_quantize_rows(rq._rows_last(src), index.contiguous(), out=payload_views(payload, src.shape[1]))
+        if topk >= rq.SCATTER_MIN_TOPK and kernels.scatter_quantize_rows(src, index, pair_rows.contiguous(),
+                                                                         out=out) is not None:
+            return payload
+        kernels.gather_quantize_rows(src, index, out=out)
     return payload
 
 
 @_payload_op.register_fake
-def _(src, index):
+def _(src, index, pair_rows):
     rq._check_gather(src, index)
     _check_k(src)
+    _check_pairs(src, index, pair_rows)
     return src.new_empty(index.shape[0], rowwise_payload_bytes(src.shape[1]), dtype=torch.uint8)
 
 
-def gather_quantize_payload(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def _check_pairs(src: torch.Tensor, index: torch.Tensor, pair_rows: torch.Tensor | None) -> int:
+    """``topk`` of the layout ``pair_rows`` gives (0 without it), after checking it as
+    ``fp8kit::moe_rw_dispatch_quant`` does."""
+    return 0 if pair_rows is None else rq._check_dispatch(src, index, pair_rows, None,
+                                                          "fp8kit::moe_rw_gather_quant_payload")
+
+
+def gather_quantize_payload(src: torch.Tensor, index: torch.Tensor,
+                            pair_rows: torch.Tensor | None = None) -> torch.Tensor:
     """``rowwise_quant.gather_quantize_rows(src, index)`` written into payload rows (module docstring).
 
-    The ``q`` and ``inv_scale`` bits equal ``gather_quantize_rows``'s; on CUDA the same Triton kernel writes them in
-    place (one pass, no separate pack). :func:`payload_views` reads them back without a copy.
+    The ``q`` and ``inv_scale`` bits equal ``gather_quantize_rows``'s; on CUDA a Triton kernel writes them in place
+    (one pass, no separate pack): with ``pair_rows`` (the layout known from the tokens' side too) and top-k >=
+    ``rowwise_quant.SCATTER_MIN_TOPK``, the scatter kernel of ``rowwise_quant.dispatch_quantize_rows`` (each token row
+    read and cast once, stored at its top-k payload rows); otherwise the gather kernel (each row read through
+    ``index``). :func:`payload_views` reads them back without a copy.
 
     Args:
         src: ``(T, K)`` bf16 / fp16 / fp32 tokens, ``K`` a multiple of 16.
         index: ``(P,)`` int64 / int32 source row of each output row (``T``: a zero row), as ``gather_quantize_rows``.
+        pair_rows: optional ``(T * topk,)`` int64 / int32 output row of each (token, slot) pair in token-major order
+            (``index[pair_rows[i]] == i // topk``, ``index == T`` on the other rows; the CUDA kernel does not check
+            it): expert parallelism's send order (``moe/expert_parallel.py``).
 
     Returns:
         ``(P, K + 16)`` uint8, contiguous.
 
     Raises:
-        ValueError: as ``gather_quantize_rows``, or ``K`` not a multiple of 16.
+        ValueError: as ``gather_quantize_rows``, or ``K`` not a multiple of 16, or ``pair_rows`` not a whole number
+            of rows per token of ``src`` (``rowwise_quant.dispatch_quantize_rows``).
     """
-    return torch.ops.fp8kit.moe_rw_gather_quant_payload(src, index)
+    return torch.ops.fp8kit.moe_rw_gather_quant_payload(src, index, pair_rows)
 
 
 @functools.cache

@@ -80,9 +80,9 @@ def _check_gather(src: torch.Tensor, index: torch.Tensor) -> None:
 
 
 def _check_dispatch(src: torch.Tensor, index: torch.Tensor, pair_rows: torch.Tensor,
-                    weight: torch.Tensor | None) -> int:
-    """``topk`` of the dispatch layout, after checking the arguments of ``fp8kit::moe_rw_dispatch_quant``."""
-    where = "fp8kit::moe_rw_dispatch_quant"
+                    weight: torch.Tensor | None, where: str = "fp8kit::moe_rw_dispatch_quant") -> int:
+    """``topk`` of the dispatch layout, after checking the arguments of ``where`` (an op taking the layout from both
+    sides)."""
     _check_float(src, 2, "src", where)
     _check_index(index, src.device, "index", where)
     _check_index(pair_rows, src.device, "pair_rows", where)

@@ -386,7 +386,7 @@ def _scatter_tile(block_k: int) -> tuple[int, int]:
 
 def scatter_quantize_rows(src: torch.Tensor, index: torch.Tensor, pair_rows: torch.Tensor,
                           weight: torch.Tensor | None = None, keep_rows: bool = False, cast: bool = True,
-                          tile: tuple[int, int] | None = None
+                          tile: tuple[int, int] | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None
                           ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None:
     """:func:`gather_quantize_rows` of ``index`` computed from the tokens' side: each row of ``src`` read once and
     stored at its ``topk`` rows ``pair_rows``, padding rows (``index == T``) zeroed by the same launch; with
@@ -405,6 +405,9 @@ def scatter_quantize_rows(src: torch.Tensor, index: torch.Tensor, pair_rows: tor
         tile: ``(ROWS, num_warps)``, token rows per program (a power of two) and its warps (measurements only,
             ``benchmarks/experiments/scatter_rows/tiles.py``; default ``_SCATTER_TILE`` where set, else
             :func:`_scatter_tile`; ``(0, 0)``: ``_row_blocks``'). Any tile gives the same bits.
+        out: ``(q (P, K) E4M3, inv (P,) float32)`` to write into (with ``cast``), each row of ``q`` contiguous and any
+            row strides (the rowwise dispatch payload's views, as :func:`gather_quantize_rows`' ``out``); default new
+            contiguous tensors. Not written when None is returned.
     """
     keep_rows = keep_rows or not cast
     t, k = src.shape
@@ -419,13 +422,16 @@ def scatter_quantize_rows(src: torch.Tensor, index: torch.Tensor, pair_rows: tor
         if tile[0] < 1 or tile[0] & (tile[0] - 1):
             raise ValueError(f"scatter_quantize_rows: tile rows must be a power of two, got {tile}")
         rows, warps = tile
-    q = torch.empty(p if cast else 0, k, dtype=FP8, device=src.device)
-    inv = torch.empty(p if cast else 0, dtype=torch.float32, device=src.device)
+    if out is not None and cast:
+        q, inv = out
+    else:
+        q = torch.empty(p if cast else 0, k, dtype=FP8, device=src.device)
+        inv = torch.empty(p if cast else 0, dtype=torch.float32, device=src.device)
     rows_out = torch.empty(p, k, dtype=src.dtype, device=src.device) if keep_rows else None
     token_programs, pad_rows = triton.cdiv(t, rows), 64
     _scatter_rows_kernel[(token_programs + triton.cdiv(p, pad_rows),)](
         src, pair_rows, index, q, inv, q if rows_out is None else rows_out, inv if weight is None else weight,
-        t, p, k, src.stride(0), q.stride(0), 1, token_programs,
+        t, p, k, src.stride(0), q.stride(0), inv.stride(0) if cast else 1, token_programs,
         TOPK=pair_rows.shape[0] // t, ROWS=rows, BLOCK_K=block_k, PAD_ROWS=pad_rows, HAS_W=weight is not None,
         STORE_ROWS=keep_rows, CAST=cast, num_warps=warps, **_KW)
     return (q, inv, rows_out) if cast else (None, None, rows_out)
