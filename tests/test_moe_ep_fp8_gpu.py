@@ -90,11 +90,15 @@ def test_rowwise_payload_kernel_equals_reference(hidden, rows, dtype):
 @pytest.mark.parametrize("hidden", [2048, 7168])
 @pytest.mark.parametrize("tokens, topk", [(1, 8), (4099, 8), (16384, 8), (333, 2), (500, 1)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_payload_from_the_tokens_side_equals_the_gathered_payload(hidden, tokens, topk, dtype):
+def test_payload_from_the_tokens_side_equals_the_gathered_payload(hidden, tokens, topk, dtype, monkeypatch):
     """Expert parallelism's send layout (pairs sorted by destination; ``pair_rows`` the inverse): with ``pair_rows``
     the payload is written by the scatter kernel (each token read once, stored at its top-k rows; top-1 keeps the
-    gather) into a payload allocated over NaN-poisoned memory; its E4M3 bytes and scales equal the gather kernel's
-    and the reference's bit for bit."""
+    gather; asserted by counting its launches) into a payload allocated over NaN-poisoned memory; its E4M3 bytes and
+    scales equal the gather kernel's and the reference's bit for bit."""
+    kernels = rq._triton_kernels()
+    launches = []
+    scatter = kernels.scatter_quantize_rows
+    monkeypatch.setattr(kernels, "scatter_quantize_rows", lambda *a, **k: launches.append(1) or scatter(*a, **k))
     x = _tokens(tokens, hidden, dtype, seed=9)
     g = torch.Generator(device="cuda").manual_seed(10)
     ids = torch.rand(tokens, 64, generator=g, device="cuda").argsort(dim=1)[:, :topk].reshape(-1)
@@ -103,6 +107,7 @@ def test_payload_from_the_tokens_side_equals_the_gathered_payload(hidden, tokens
     pair_rows = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device="cuda"))
     torch.empty(4 * tokens * topk * (hidden + 16), dtype=torch.uint8, device="cuda").fill_(0xFF)  # NaN bytes freed
     got = rp.gather_quantize_payload(x, token_rows, pair_rows)
+    assert len(launches) == (topk >= rq.SCATTER_MIN_TOPK), (topk, len(launches))
     for name, want in (("gather kernel", rp.gather_quantize_payload(x, token_rows)),
                        ("reference", rp.gather_quantize_payload_ref(x, token_rows))):
         (gq, gi), (wq, wi) = rp.payload_views(got, hidden), rp.payload_views(want, hidden)

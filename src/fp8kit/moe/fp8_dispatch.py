@@ -195,7 +195,8 @@ def fp8_all_to_all(x: torch.Tensor, recv_splits: list[int], send_splits: list[in
 
 
 class _RowwiseDispatch(torch.autograd.Function):
-    """Forward: fused gather + rowwise cast into the payload -> all-to-all. Outputs ``(carrier, received)``:
+    """Forward: fused rowwise cast into the payload (from the tokens' side: each token read once, stored at its
+    top-k send rows) -> all-to-all. Outputs ``(carrier, received)``:
     ``received`` the uint8 payload rows (not differentiable), ``carrier`` a ``(R, H)`` stand-in of the received
     tokens that holds no memory (an expanded zero) and only carries their gradient back: the consumer
     (``fused_experts`` with ``received=``) reads the payload, never the carrier's values, and returns the

@@ -133,8 +133,9 @@ def gather_quantize_payload(src: torch.Tensor, index: torch.Tensor,
         ``(P, K + 16)`` uint8, contiguous.
 
     Raises:
-        ValueError: as ``gather_quantize_rows``, or ``K`` not a multiple of 16, or ``pair_rows`` not a whole number
-            of rows per token of ``src`` (``rowwise_quant.dispatch_quantize_rows``).
+        ValueError: as ``gather_quantize_rows``, or ``K`` not a multiple of 16, or ``pair_rows`` not a 1-D integer
+            tensor on ``src``'s device holding a whole number of rows per token of ``src`` and no more than
+            ``index``'s rows (``rowwise_quant.dispatch_quantize_rows``' checks).
     """
     return torch.ops.fp8kit.moe_rw_gather_quant_payload(src, index, pair_rows)
 
