@@ -84,6 +84,38 @@ def test_blockwise_loop_recomputes_weight_copies_with_the_same_bits_and_saves_no
     assert GroupedGemmConfig().keep_weight_copies is True
 
 
+def test_blockwise_loop_casts_each_expert_weight_once_per_optimizer_step_with_the_cache():
+    """``cache_weight=True`` (``fp8kit train`` with ``train.grad_accum > 1``): two micro-batches of the same step
+    cast each expert weight with rows once (4 misses, then 4 hits), with the same out / dx / dw bits as casting
+    every call; after an optimizer step the updated weights are cast again (4 misses), and equal an uncached cast
+    of the new weights."""
+    from fp8kit.fp8.kernels import ops
+
+    x, w, offs, g = _case(torch.bfloat16)
+    ww = w.clone().requires_grad_()
+    opt = torch.optim.SGD([ww], lr=0.5)
+
+    def run(weight, cache):
+        xx = x.clone().requires_grad_()
+        out = fp8_grouped_mm(xx, weight, offs, "blockwise_loop", cache_weight=cache)
+        out.backward(g)
+        return out, xx.grad
+
+    for step in range(2):
+        plain_w = ww.detach().clone().requires_grad_()
+        before = ops.weight_cache_stats()
+        cached = [run(ww, True) for _ in range(2)]
+        after = ops.weight_cache_stats()
+        misses, hits = after["misses"] - before["misses"], after["hits"] - before["hits"]
+        assert (misses, hits) == (4, 4), f"step {step}: {misses} misses, {hits} hits (want 4 and 4: 4 experts with rows)"
+        plain = [run(plain_w, False) for _ in range(2)]
+        for (co, cdx), (po, pdx) in zip(cached, plain, strict=True):
+            assert torch.equal(co, po) and torch.equal(cdx, pdx), f"step {step}: cached out / dx differ"
+        assert torch.equal(ww.grad, plain_w.grad), f"step {step}: cached dw differs"
+        opt.step()
+        opt.zero_grad()
+
+
 def test_blockwise_beats_rowwise_on_outlier_blocks():
     """Outlier input channels 1e5x larger, confined to one 128-wide block of K (the engine issue's case; the
     weights of those channels scaled by 1e-5 so that both parts of the output matter): blockwise keeps the

@@ -49,3 +49,29 @@ def test_cublas_loop_matches_emulation_and_float64(k, n, wgrad_x):
     for i, s in enumerate(sizes):
         if not s:
             assert outs[False][2][i].abs().max().item() == 0.0, f"empty expert {i} got a nonzero wgrad"
+
+
+def test_cached_expert_weights_give_the_uncached_bits_on_cuda():
+    """``cache_weight=True`` on CUDA (the cached op over the Triton weight cast; 3 experts with rows): two calls in one optimizer step give
+    the bits of the uncached loop, the second without casting (hits, no misses)."""
+    from fp8kit.fp8.kernels import ops
+
+    sizes, k, n = [512, 0, 300, 128], 2048, 1536
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(1)
+    offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+    x = torch.randn(int(offs[-1]), k, device=dev, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(len(sizes), n, k, device=dev, generator=gen) / k**0.5).to(torch.bfloat16)
+    g = torch.randn(int(offs[-1]), n, device=dev, generator=gen).to(torch.bfloat16)
+    runs = []
+    for cache in (False, True, True):
+        xx, ww = x.clone().requires_grad_(), (w if cache else w.clone()).requires_grad_()
+        ww.grad = None  # the cached runs share w (its storage is the cache key): a fresh gradient each
+        before = ops.weight_cache_stats()
+        y = blockwise_loop_mm(xx, ww, offs, cache_weight=cache)
+        y.backward(g)
+        after = ops.weight_cache_stats()
+        runs.append(((y, xx.grad, ww.grad.clone()), after["misses"] - before["misses"], after["hits"] - before["hits"]))
+    assert [r[1:] for r in runs] == [(0, 0), (3, 0), (0, 3)], [r[1:] for r in runs]
+    for name, a, b in zip(("out", "dx", "dw"), runs[0][0], runs[2][0], strict=True):
+        assert torch.equal(a, b), f"{name}: cached differs from uncached, max |diff| {(a - b).abs().max().item()}"

@@ -1,6 +1,7 @@
 # For the next session's device calls (carry .whl; bash benchmarks/results/session51/verify_next.sh CASE), one H200.
-#   gpu_tests (~7 min): the SwiGLU / delayed-MLP GPU files, verbose, stopping at the first failure (session 51 saw one
-#             failure among 20 twice, its name lost to -q output cut by the time limit)
+#   gpu_tests (~9 min): the SwiGLU / delayed-MLP GPU files, verbose, stopping at the first failure (session 51 saw one
+#             failure among 20 twice, its name lost to -q output cut by the time limit); then the blockwise-loop
+#             experts' weight-cache GPU test
 #   small     (~9 min): llama3-1b and llama-125m alone on the machine (session 51 ran them beside another GPU's
 #             compiles): BF16 / torchao tensorwise / delayed with each fp8.delayed_fused_cast
 #   profile1b (~4 min): benchmarks/step_profile.py on llama3-1b, delayed default vs grad_output (GPU busy / idle)
@@ -12,10 +13,13 @@ mkdir -p $OUT/keep
 nvidia-smi --query-gpu=name,power.limit --format=csv,noheader | tee $OUT/keep/gpu.txt
 case "$1" in
 gpu_tests)
-  timeout 420 python3 -m pytest -v -x --tb=short -m gpu tests/test_swiglu_mlp_gpu.py tests/test_delayed_mlp_gpu.py -n 8 \
+  timeout 400 python3 -m pytest -v -x --tb=short -m gpu tests/test_swiglu_mlp_gpu.py tests/test_delayed_mlp_gpu.py -n 8 \
     -p no:cacheprovider -W ignore 2>&1 | grep -v DEBUG | grep -v "^bringing\|PytestBenchmarkWarning\|warner(" \
     > $OUT/keep/gpu_mlp_tests.log
-  tail -60 $OUT/keep/gpu_mlp_tests.log ;;
+  tail -60 $OUT/keep/gpu_mlp_tests.log
+  # the blockwise-loop experts' weight cache (built in session 51 after the device time was spent)
+  timeout 120 python3 -m pytest -v -m gpu tests/test_moe_blockwise_gpu.py -k cached -p no:cacheprovider -W ignore \
+    2>&1 | grep -v DEBUG | tail -5 | tee $OUT/keep/blockwise_experts_cache_gpu.log ;;
 small)
   V='bf16,tensorwise,delayed,delayed+fp8.delayed_fused_cast=grad_output,delayed+fp8.delayed_fused_cast=all'
   timeout 280 python3 benchmarks/train_throughput.py --workload llama3-1b-seq2048-mbs4 --steps 20 --repeats 1 \

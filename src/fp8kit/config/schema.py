@@ -237,7 +237,7 @@ class FP8Config(ConfigModel):
     weight_cache: bool = Field(
         True,
         description="With train.grad_accum > 1: cast each FP8 weight once per optimizer step and reuse the cast "
-        "copies in the step's other micro-batches (blockwise linears, delayed linears, fused MoE experts; not under "
+        "copies in the step's other micro-batches (blockwise linears, delayed linears, fused and blockwise MoE experts; not under "
         "FSDP2, whose all-gather frees the weight after each use, and for the delayed recipe not with "
         "train.cuda_graphs). The delayed recipe then holds each weight's scale for the step, as Transformer "
         "Engine's is_first_microbatch does. Costs 2 bytes per FP8 weight element from the step's first forward to "

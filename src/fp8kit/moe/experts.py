@@ -200,7 +200,7 @@ class Float8GroupedExperts(nn.Module):
             return fp8_grouped_mm(x, w, offs, self.grouped_kernel(x.device), compile_quantize=self.config.compile_quantize,
                                   emulate=self.config.emulate, bounds=bounds,
                                   keep_weight_copy=self.config.keep_weight_copies,
-                                  wgrad_x=self.config.blockwise_wgrad_x)
+                                  wgrad_x=self.config.blockwise_wgrad_x, cache_weight=self.config.cache_weights)
         return bf16_grouped_mm(x, w, offs)
 
     def _host_bounds(self, offs: torch.Tensor, device: torch.device) -> list[tuple[int, int]] | None:

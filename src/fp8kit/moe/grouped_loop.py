@@ -27,7 +27,10 @@ Per GEMM (``y = x @ w[e]^T``; rows of expert e: ``x[a:b]``):
 
 Saved for the backward: the FP8 ``x^T`` copies (1 byte per element) and the FP8 ``w[e]^T`` copies, not the bf16
 input; with ``keep_weight_copy=False`` (what ``prepare_model`` sets under FSDP2, where those copies would be of the
-unsharded experts) the weights instead, quantized again per expert in the backward (same bits).
+unsharded experts) the weights instead, quantized again per expert in the backward (same bits). With
+``cache_weight`` (``fp8kit train`` with ``train.grad_accum > 1``, ``fp8.weight_cache``, not under FSDP2) each
+expert's 128x128 copies come from the blockwise weight cache (``ops.quantize_weight(w[e], cache=True)``: one cast
+per weight version and optimizer step, shared by the step's micro-batches; :mod:`fp8kit.fp8.weight_cache`).
 On the CPU (and with ``emulate``) the same quantized operands are multiplied in float32
 (``fp8.blockwise.blockwise_mm_emulated``): CI tests these numerics.
 """
@@ -48,7 +51,7 @@ def group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
 
 class _BlockwiseLoopFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, bounds, emulate, keep_weight_copy, wgrad_x="128x1"):
+    def forward(ctx, x, w, bounds, emulate, keep_weight_copy, wgrad_x="128x1", cache_weight=False):
         p, _ = x.shape
         e, n, k = w.shape
         y = x.new_empty(p, n)
@@ -60,12 +63,12 @@ class _BlockwiseLoopFn(torch.autograd.Function):
             if b == a:
                 continue
             xq, xs_t, xtq, xts = ops.quantize_act(x[a:b], wgrad_x)
-            wq, ws, wtq, wts = ops.quantize_weight(w[i], False)
+            wq, ws, wtq, wts = ops.quantize_weight(w[i], cache_weight)
             y[a:b] = ops.blockwise_mm(xq, xs_t, wq, ws, BLOCK, x.dtype, emulate)[: b - a]
             saved += [xtq, xts, wtq, wts] if keep_weight_copy else [xtq, xts]
             live.append(i)
         ctx.save_for_backward(*saved, *(() if keep_weight_copy else (w,)))
-        ctx.bounds, ctx.live, ctx.emulate, ctx.keep = bounds, live, emulate, keep_weight_copy
+        ctx.bounds, ctx.live, ctx.emulate, ctx.keep, ctx.cache = bounds, live, emulate, keep_weight_copy, cache_weight
         ctx.x_block = wgrad_x_block(wgrad_x)  # the wgrad GEMM's blocks of x^T
         ctx.meta = (p, e, n, k, x.dtype, w.dtype)
         return y
@@ -87,16 +90,17 @@ class _BlockwiseLoopFn(torch.autograd.Function):
                 if ctx.keep:
                     wtq, wts = w_copy
                 else:  # the weights were saved last
-                    wtq, wts = ops.quantize_weight(saved[-1][i], cache=False)[2:]
+                    wtq, wts = ops.quantize_weight(saved[-1][i], cache=ctx.cache)[2:]
                 dx[a:b] = ops.blockwise_mm(dyq, dys_t, wtq, wts, BLOCK, x_dtype, ctx.emulate)[: b - a]
             if want_dw:
                 dw[i] = ops.blockwise_mm(dytq, dyts, xtq, xts, ctx.x_block, w_dtype, ctx.emulate)
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 def blockwise_loop_mm(
     x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, emulate: bool = False,
     bounds: list[tuple[int, int]] | None = None, keep_weight_copy: bool = True, wgrad_x: str = "128x1",
+    cache_weight: bool = False,
 ) -> torch.Tensor:
     """Differentiable blockwise FP8 grouped GEMM ``out[rows of group e] = x[rows] @ w[e]^T`` (module docstring).
 
@@ -110,6 +114,8 @@ def blockwise_loop_mm(
         keep_weight_copy: keep each expert's FP8 ``w[e]^T`` from forward to backward (False: quantize it again
             in the backward; see the module docstring).
         wgrad_x: the blocks of each expert's wgrad copy of ``x``: ``"128x1"`` (DeepSeek-V3) or ``"128x128"``.
+        cache_weight: take each expert's FP8 copies from the blockwise weight cache (one cast per weight version and
+            optimizer step; module docstring); the same bits as casting each call.
 
     Returns:
         (P, N) in ``x.dtype``; rows past ``offs[-1]`` are zero.
@@ -128,4 +134,4 @@ def blockwise_loop_mm(
     check_wgrad_x(wgrad_x, "blockwise_loop_mm")
     if bounds is None:
         bounds = group_bounds(offs)
-    return _BlockwiseLoopFn.apply(x, w, bounds, emulate, keep_weight_copy, wgrad_x)
+    return _BlockwiseLoopFn.apply(x, w, bounds, emulate, keep_weight_copy, wgrad_x, cache_weight)

@@ -96,8 +96,9 @@ class GroupedGemmConfig:
         compile_quantize: ``torch.compile`` the quantization functions on CUDA (fuses amax, scale and
             cast into one or two kernels per operand).
         emulate: allow the emulation on a CUDA GPU without an FP8 grouped kernel (``fp8.emulate``).
-        cache_weights: the ``fused`` kernel quantizes each expert weight once per weight version and optimizer
-            step and reuses it across gradient-accumulation micro-batches (:mod:`fp8kit.fp8.weight_cache`). Off by
+        cache_weights: the ``fused`` and ``blockwise_loop`` kernels quantize each expert weight once per weight
+            version and optimizer step and reuse it across gradient-accumulation micro-batches
+            (:mod:`fp8kit.fp8.weight_cache`). Off by
             default: it only pays with ``train.grad_accum > 1`` and it keeps both FP8 copies of every layer's
             experts alive until the next step (2 bytes per expert weight element; under FSDP2 of the unsharded
             weights, which would undo the sharding). ``fp8kit train`` turns it on for ``grad_accum > 1`` without
@@ -443,7 +444,7 @@ def _check(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> None:
 def fp8_grouped_mm(
     x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, kernel: str, *, compile_quantize: bool = True,
     emulate: bool = False, bounds: list[tuple[int, int]] | None = None, keep_weight_copy: bool = True,
-    wgrad_x: str = "128x1",
+    wgrad_x: str = "128x1", cache_weight: bool = False,
 ) -> torch.Tensor:
     """Differentiable FP8 grouped GEMM ``out[rows of group e] = x[rows] @ w[e]^T``.
 
@@ -461,6 +462,8 @@ def fp8_grouped_mm(
         keep_weight_copy: ``blockwise_loop`` only: keep the FP8 weight copies for the backward
             (:attr:`GroupedGemmConfig.keep_weight_copies`).
         wgrad_x: ``blockwise_loop`` only: :attr:`GroupedGemmConfig.blockwise_wgrad_x`.
+        cache_weight: ``blockwise_loop`` only: the experts' FP8 copies from the weight cache
+            (:attr:`GroupedGemmConfig.cache_weights`).
 
     Returns:
         (P, N) in bf16 on CUDA (the kernel's output dtype), in ``x.dtype`` when emulated; rows past
@@ -483,7 +486,7 @@ def fp8_grouped_mm(
         return fp8_grouped_mm(x, w, offs, per_weight_kernel(x.device), compile_quantize=compile_quantize)
     if kernel == "blockwise_loop":
         return blockwise_loop_mm(x, w, offs, emulate=emulate, bounds=bounds, keep_weight_copy=keep_weight_copy,
-                                 wgrad_x=wgrad_x)
+                                 wgrad_x=wgrad_x, cache_weight=cache_weight)
     raise ValueError(f"fp8_grouped_mm: kernel must be resolved first (scaled_grouped_mm, torchao, emulated, blockwise_loop), "
                      f"got {kernel!r}")
 
