@@ -491,3 +491,53 @@ def test_on_one_gpu_the_bf16_side_of_the_expert_mlp_is_the_transformers_module_t
     a, b = bf16.fn(bf16.x).float(), fp8.fn(fp8.x).float()
     assert a.shape == b.shape == (70, 128) and sqnr(a, b) >= 20, sqnr(a, b)
     assert bf16(warmup=0, iters=1) > 0 and fp8(warmup=0, iters=1) > 0
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "delayed"])
+def test_with_accumulation_dense_sites_are_timed_with_cached_weights_and_a_share_of_their_cast(recipe, tmp_path):
+    """``BenchLayersArgs.accumulate = N`` for fp8kit's own dense recipes: the site's linears run with their weight
+    cache (the timed steps hit it; nothing is cast in them) and the time adds a 1/N share of the weights' cast, timed
+    alone; ``auto``'s cache keys those timings apart (``:accum=N``), and the run-level accumulation follows
+    ``fp8.weight_cache``, ``train.grad_accum`` and (delayed) ``train.cuda_graphs``."""
+    from fp8kit.bench.auto import shape_keys
+    from fp8kit.bench.layers import BenchLayersArgs, _Timer
+    from fp8kit.bench.sites import BenchSite
+    from fp8kit.config.prepare_options import dense_weight_cast_accumulation, weight_cast_accumulation
+    from fp8kit.fp8.delayed_weight_cache import CACHE as DELAYED_CACHE
+    from fp8kit.fp8.kernels import ops
+
+    stats = ops.weight_cache_stats if recipe == "blockwise" else DELAYED_CACHE.stats
+    site = BenchSite("llm", "column", "qkv", [(256, 128), (256, 128)], [(256, 128), (256, 128)], tp=1)
+    for accumulate in (1, 3):
+        args = BenchLayersArgs(model=ModelConfig(), vocab_size=0, recipe=recipe, warmup=0, iters=4, compile=False,
+                               accumulate=accumulate)
+        timer = _Timer(site, "fp8", args, CPU)
+        before = dict(stats())
+        ms = timer(128)
+        after = stats()
+        hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+        if accumulate == 1:
+            assert (hits, misses) == (0, 0), "one micro-batch per step: every step casts, uncached"
+            assert "weight_cast_ms" not in timer.parts and ms == timer.parts["step_ms"]
+        else:  # two linears, 4 calls (iters): each linear misses in the first call and hits in the other 3
+            assert (hits, misses) == (2 * 3, 2), (hits, misses)
+            p = timer.parts
+            assert p["weight_cast_ms"] > 0 and abs(ms - (p["step_ms"] + p["weight_cast_ms"] / 3)) < 1e-9, p
+    bf16 = _Timer(site, "bf16", BenchLayersArgs(model=ModelConfig(), vocab_size=0, recipe=recipe, warmup=0, iters=1,
+                                                compile=False, accumulate=3), CPU)
+    assert bf16.accumulate == 1, "BF16 has no weight cast to share"
+
+    base = ["train.grad_accum=4", f"fp8.recipe={recipe}", f"data.cache_dir={tmp_path}"]
+    assert dense_weight_cast_accumulation(load_config(None, base), weight_cast_accumulation(load_config(None, base))) == 4
+    for extra in (["fp8.weight_cache=false"], ["train.grad_accum=1"]):
+        cfg = load_config(None, [*base, *extra])
+        assert dense_weight_cast_accumulation(cfg, weight_cast_accumulation(cfg)) == 1, extra
+    graphs = load_config(None, [*base, "train.compile=true", "train.cuda_graphs=true"])
+    want = 4 if recipe == "blockwise" else 1  # the delayed linears' cache is off with CUDA graphs
+    assert dense_weight_cast_accumulation(graphs, 4) == want
+    assert dense_weight_cast_accumulation(load_config(None, [*base, "fp8.recipe=tensorwise"]), 4) == 1
+
+    shape = AutoShape(((128, 256), (128, 256)), num_tokens=128)
+    keys = [shape_keys([shape], recipe=recipe, device=CPU, tp=1, ep=1, compiled=False, dense_accumulate=n)[shape]
+            for n in (1, 3)]
+    assert keys[0] != keys[1] and ":accum=3" in json.dumps(keys[1]) and ":accum" not in json.dumps(keys[0])

@@ -38,6 +38,7 @@ from fp8kit.bench.layers import BenchLayersArgs, _GroupedTimer, _Timer
 from fp8kit.bench.sites import BenchSite
 from fp8kit.config import ModelConfig, RunConfig
 from fp8kit.config.options import grouped_gemm_config, requested_fast_accum
+from fp8kit.config.prepare_options import dense_weight_cast_accumulation
 from fp8kit.fp8.recipes import fast_accum_for, recipe_info
 from fp8kit.fp8.weight_cache import clear_weight_caches
 from fp8kit.selective.auto import (
@@ -91,20 +92,23 @@ def grouped_recipe_key(device: torch.device, recipe: str = "tensorwise", config=
 
 def shape_recipe_key(shape: AutoShape, recipe: str, grouped_key: str | None, wgrad: str = "auto",
                      gemm: str = "auto", accumulate: int = 1, wgrad_x: str = "128x1",
-                     fast_accum: tuple[str, ...] | None = None) -> str:
+                     fast_accum: tuple[str, ...] | None = None, dense_accumulate: int = 1) -> str:
     """The ``recipe`` part of a shape's cache key: the dense recipe or the grouped kernel key of one expert weight
     (both with ``:wgrad_x=128x128`` for the blockwise recipe with ``fp8.blockwise_wgrad_x = "128x128"``; a dense
     recipe that takes fast accumulation with ``:fast_accum=<gemms joined by +, or none>``, ``fp8.fast_accum``
     resolved by ``fp8.recipes.fast_accum_for``: spelled out always, so that a change of a recipe's default
     accumulation cannot reuse timings of the old one), or for an
     expert MLP (``shape.mlp``, only on the fused kernel) ``grouped:fused:wgrad=<fp8.grouped_wgrad>:gemm=<fp8.grouped_gemm>``,
-    with ``:accum=<N>`` when its FP8 weights are cast once per ``N`` micro-batches (``ExpertsMLPTimer(accumulate=)``)."""
+    with ``:accum=<N>`` when its FP8 weights are cast once per ``N`` micro-batches (``ExpertsMLPTimer(accumulate=)``);
+    a dense shape with ``:accum=<dense_accumulate>`` likewise (``BenchLayersArgs.accumulate``)."""
     if shape.mlp:
         return f"grouped:fused:wgrad={wgrad}:gemm={gemm}" + (f":accum={accumulate}" if accumulate > 1 else "")
     key = grouped_key if shape.is_grouped else recipe
     if not shape.is_grouped and recipe_info(recipe).fast_accum_gemms:
         key += ":fast_accum=" + ("+".join(fast_accum_for(recipe, fast_accum)) or "none")
-    return f"{key}:wgrad_x={wgrad_x}" if recipe == "blockwise" and wgrad_x != "128x1" else key
+    if recipe == "blockwise" and wgrad_x != "128x1":
+        key += f":wgrad_x={wgrad_x}"
+    return key + (f":accum={dense_accumulate}" if dense_accumulate > 1 and not shape.is_grouped else "")
 
 
 def run_auto_options(auto: AutoOptions, cfg: RunConfig, device: torch.device) -> AutoOptions:
@@ -124,18 +128,19 @@ def run_units(decisions: list[Decision], cfg: RunConfig, auto: AutoOptions) -> l
 
 def shape_keys(shapes: Sequence[AutoShape], *, recipe: str, device: torch.device, tp: int, ep: int, compiled: bool,
                grouped=None, accumulate: int = 1, wgrad_x: str = "128x1",
-               fast_accum: tuple[str, ...] | None = None) -> dict[AutoShape, dict]:
+               fast_accum: tuple[str, ...] | None = None, dense_accumulate: int = 1) -> dict[AutoShape, dict]:
     """The cache key of each shape for one run (:func:`~fp8kit.selective.auto_cache.cache_key` with
     :func:`shape_recipe_key`): the one place :func:`measure_shapes` (which stores) and :func:`lookup_cached` (which only
     reads) build them. ``grouped``: the run's ``GroupedGemmConfig`` (None: the recipe's defaults); ``wgrad_x``:
-    ``fp8.blockwise_wgrad_x``; ``fast_accum``: ``fp8.fast_accum``."""
+    ``fp8.blockwise_wgrad_x``; ``fast_accum``: ``fp8.fast_accum``; ``dense_accumulate``: the dense linears' weight-cast
+    accumulation (``config.prepare_options.dense_weight_cast_accumulation``)."""
     dev_name, vers = device_name(device), _key_versions()
     grouped_key = grouped_recipe_key(device, recipe) if any(s.is_grouped for s in shapes) else None
     wgrad = grouped.wgrad if grouped is not None else "auto"
     gemm = grouped.gemm if grouped is not None else "auto"
     return {s: cache_key(s, device=dev_name, versions=vers,
                          recipe=shape_recipe_key(s, recipe, grouped_key, wgrad, gemm, accumulate, wgrad_x,
-                                                          fast_accum), tp=tp, ep=ep,
+                                                          fast_accum, dense_accumulate), tp=tp, ep=ep,
                          compiled=compiled)
             for s in shapes}
 
@@ -144,7 +149,7 @@ def measure_shapes(
     shapes: Sequence[tuple[AutoShape, str]], *, recipe: str, device: torch.device, tp: int, ep: int,
     cache: AutoCache, compile: bool, warmup: int = AUTO_WARMUP, iters: int = AUTO_ITERS,
     progress: Callable[[int, int, str], None] | None = None, grouped=None, accumulate: int = 1,
-    wgrad_x: str = "128x1", fast_accum: tuple[str, ...] | None = None,
+    wgrad_x: str = "128x1", fast_accum: tuple[str, ...] | None = None, dense_accumulate: int = 1,
 ) -> Measured:
     """Time each ``(shape, name)`` in BF16 and in FP8, or read it from ``cache`` (module docstring).
 
@@ -154,14 +159,16 @@ def measure_shapes(
     ``grouped``: the run's ``GroupedGemmConfig`` (kernel, wgrad, gemm) for grouped shapes; default the recipe's.
     ``accumulate``: micro-batches per optimizer step that share their cast FP8 expert weights (expert MLP shapes are
     timed in that steady state; :class:`~fp8kit.bench.experts_timer.ExpertsMLPTimer`). ``wgrad_x``: the blockwise
-    linears' ``fp8.blockwise_wgrad_x``; ``fast_accum``: the dense linears' ``fp8.fast_accum``.
+    linears' ``fp8.blockwise_wgrad_x``; ``fast_accum``: the dense linears' ``fp8.fast_accum``; ``dense_accumulate``:
+    micro-batches per optimizer step that share the dense linears' cast weights (``BenchLayersArgs.accumulate``).
     """
     t0 = time.perf_counter()
     out = Measured()
     wgrad = grouped.wgrad if grouped is not None else "auto"
     gemm = grouped.gemm if grouped is not None else "auto"
     keys = shape_keys([s for s, _ in shapes], recipe=recipe, device=device, tp=tp, ep=ep, compiled=compile,
-                      grouped=grouped, accumulate=accumulate, wgrad_x=wgrad_x, fast_accum=fast_accum)
+                      grouped=grouped, accumulate=accumulate, wgrad_x=wgrad_x, fast_accum=fast_accum,
+                      dense_accumulate=dense_accumulate)
     todo = []
     for shape, name in shapes:
         key = keys[shape]
@@ -187,7 +194,8 @@ def measure_shapes(
             try:
                 ms[precision] = _time_one(shape, name, precision, recipe=recipe, device=device, compile=compile,
                                           warmup=warmup, iters=iters, wgrad=wgrad, gemm=gemm, accumulate=accumulate,
-                                          ep=ep, wgrad_x=wgrad_x, fast_accum=fast_accum)
+                                          ep=ep, wgrad_x=wgrad_x, fast_accum=fast_accum,
+                                          dense_accumulate=dense_accumulate)
             except (CapabilityError, ConfigError) as e:
                 ms[precision], error = None, f"{precision}: {e}"
             except torch.OutOfMemoryError:
@@ -224,7 +232,8 @@ def _key_versions() -> dict[str, str]:
 
 def _time_one(shape: AutoShape, name: str, precision: str, *, recipe: str, device: torch.device, compile: bool,
               warmup: int, iters: int, wgrad: str = "auto", gemm: str = "auto", accumulate: int = 1,
-              ep: int = 1, wgrad_x: str = "128x1", fast_accum: tuple[str, ...] | None = None) -> float:
+              ep: int = 1, wgrad_x: str = "128x1", fast_accum: tuple[str, ...] | None = None,
+              dense_accumulate: int = 1) -> float:
     """Milliseconds of one forward + backward of ``shape``'s linears in ``precision`` (``bench-layers``' timers; an
     expert MLP shape: ``bench/experts_timer.ExpertsMLPTimer``)."""
     if shape.mlp:
@@ -238,7 +247,8 @@ def _time_one(shape: AutoShape, name: str, precision: str, *, recipe: str, devic
     site = BenchSite("llm", "column_grouped" if shape.is_grouped else "column", name, list(shape.gemms),
                      list(shape.gemms), tp=1, num_gemms=shape.num_gemms)
     args = BenchLayersArgs(model=ModelConfig(), vocab_size=0, recipe=recipe, warmup=warmup, iters=iters,
-                           compile=compile, dynamic=False, blockwise_wgrad_x=wgrad_x, fast_accum=fast_accum)
+                           compile=compile, dynamic=False, blockwise_wgrad_x=wgrad_x, fast_accum=fast_accum,
+                           accumulate=dense_accumulate)
     timer = _GroupedTimer(site, precision, args, device) if shape.is_grouped else _Timer(site, precision, args, device)
     return timer(shape.num_tokens)
 
@@ -265,7 +275,8 @@ def resolve_auto(cfg: RunConfig, sites: list[Site], decisions: list[Decision], o
         topk: experts per token (grouped units are timed at ``tokens x topk`` pairs).
         status: one-line progress messages (the trainer's spinner).
         accumulate: micro-batches per optimizer step that reuse their cast FP8 expert weights (``train.grad_accum``
-            where the weight cache applies; 1 otherwise): FP8 expert MLPs are timed in that steady state.
+            where the weight cache applies; 1 otherwise): FP8 expert MLPs are timed in that steady state, and so are
+            the dense blockwise and delayed linears (``config.prepare_options.dense_weight_cast_accumulation``).
 
     Raises:
         ConfigError: tp / ep do not divide a unit's dimension or expert count.
@@ -331,7 +342,8 @@ def lookup_cached(units: list[AutoUnit], cfg: RunConfig, device: torch.device, c
     d = cfg.distributed
     keys = shape_keys(list(distinct_shapes(units)), recipe=cfg.fp8.recipe, device=device, tp=d.tp, ep=d.ep,
                       compiled=cfg.train.compile, grouped=grouped_gemm_config(cfg), accumulate=accumulate,
-                      wgrad_x=cfg.fp8.blockwise_wgrad_x, fast_accum=requested_fast_accum(cfg.fp8))
+                      wgrad_x=cfg.fp8.blockwise_wgrad_x, fast_accum=requested_fast_accum(cfg.fp8),
+                      dense_accumulate=dense_weight_cast_accumulation(cfg, accumulate))
     out = {}
     for shape, key in keys.items():
         hit, _ = cache.load(key)
@@ -354,7 +366,8 @@ def _measure_on_rank0(units: list[AutoUnit], cfg: RunConfig, device: torch.devic
                                   compile=cfg.train.compile, warmup=warmup, iters=iters,
                                   progress=_progress_line(status), grouped=grouped_gemm_config(cfg),
                                   accumulate=accumulate, wgrad_x=cfg.fp8.blockwise_wgrad_x,
-                                  fast_accum=requested_fast_accum(cfg.fp8))
+                                  fast_accum=requested_fast_accum(cfg.fp8),
+                                  dense_accumulate=dense_weight_cast_accumulation(cfg, accumulate))
     if distributed:
         box = [measured]
         dist.broadcast_object_list(box, src=0)

@@ -103,6 +103,11 @@ class BenchLayersArgs:
         fast_accum: the dense linears' GEMMs with fast accumulation (``fp8.fast_accum``; None: the recipe table's).
         grouped: how the run's FP8 experts compute (``config.options.grouped_gemm_config``: ``fp8.grouped_kernel``,
             ``grouped_wgrad``, ``grouped_gemm``); None: ``GroupedGemmConfig.for_fp8_recipe(recipe)``'s defaults.
+        accumulate: micro-batches per optimizer step that share their cast FP8 weights (``fp8.weight_cache`` with
+            ``train.grad_accum``: ``config.prepare_options.dense_weight_cast_accumulation``). Above 1, the dense
+            ``blockwise`` and ``delayed`` sites run with their weight cache, as training does, and are timed in that
+            steady state: the step with the cached weights plus the weights' cast (timed alone) divided by
+            ``accumulate``. The torchao recipes, which cast every micro-batch, and grouped sites ignore it.
     """
 
     model: ModelConfig
@@ -123,6 +128,7 @@ class BenchLayersArgs:
     blockwise_wgrad_x: str = "128x1"
     fast_accum: tuple[str, ...] | None = None
     grouped: GroupedGemmConfig | None = None
+    accumulate: int = 1
 
     def grouped_config(self) -> GroupedGemmConfig:
         """:attr:`grouped`, or the recipe's default experts config."""
@@ -179,7 +185,7 @@ class SiteModule(nn.Module):
 
 def build_site_module(
     site: BenchSite, precision: str, recipe: str, device: torch.device, mesh=None, *, wgrad_x: str = "128x1",
-    fast_accum: tuple[str, ...] | None = None,
+    fast_accum: tuple[str, ...] | None = None, cache_weights: bool = False,
 ) -> SiteModule:
     """The bf16 :class:`SiteModule` of ``site``; for ``precision == "fp8"`` its linears become torchao
     ``Float8Linear`` modules with ``float8_linear_config(recipe)`` (``fp8/recipes.py``), or fp8kit's
@@ -190,7 +196,8 @@ def build_site_module(
     have the whole shapes ``site.full_gemms`` and are parallelized in place (``bench/tensor_parallel.py``).
     Weights: ``nn.Linear`` initialisation with ``torch.manual_seed(0)``, bf16. ``wgrad_x``: the blockwise
     linears' ``wgrad_x`` (``fp8.blockwise_wgrad_x``); ``fast_accum``: the GEMMs with fast accumulation
-    (``fp8.fast_accum``; None: the recipe table's).
+    (``fp8.fast_accum``; None: the recipe table's); ``cache_weights``: the blockwise and delayed linears keep their
+    cast weights (the weight cache of a run with gradient accumulation: :attr:`BenchLayersArgs.accumulate`).
 
     Raises:
         ConfigError: ``recipe`` is not a recipe name (FP8 only).
@@ -208,7 +215,8 @@ def build_site_module(
             from fp8kit.fp8.delayed import DelayedScaling, DelayedScalingState
 
             # under real TP one scale per whole tensor: amaxes MAX-reduced over the tp ranks (parallel/tp_own.py)
-            state = DelayedScalingState(DelayedScaling(fast_accum=fast_accum_for(recipe, fast_accum)),
+            state = DelayedScalingState(DelayedScaling(fast_accum=fast_accum_for(recipe, fast_accum),
+                                                       cache_weights=cache_weights),
                                         group=mesh.get_group() if mesh is not None else None)
             # the timer rolls once, after a first step, then times steps on those history scales: in a model one
             # roll per step serves every module, a share of it per site too small to time
@@ -221,10 +229,11 @@ def build_site_module(
 
                     module.linears[i] = Float8DelayedLinear.from_linear(lin, state, f"{site.name} gemm {i}")
                 else:
-                    # cache_weight=False: the timed steps run no optimizer step, so a cached weight would hit on
-                    # every step and leave the weight's casts out; a training step with one micro-batch pays them
+                    # the timed steps run no optimizer step, so a cached weight hits on every step and leaves the
+                    # weight's casts out: without cache_weights (one micro-batch per step) every step casts, as
+                    # training does; with it _Timer adds the casts' share per micro-batch
                     module.linears[i] = Float8BlockwiseLinear.from_linear(lin, name=f"{site.name} gemm {i}",
-                                                                          cache_weight=False, wgrad_x=wgrad_x)
+                                                                          cache_weight=cache_weights, wgrad_x=wgrad_x)
             except ValueError as e:
                 raise CapabilityError(f"bench-layers: {e}") from None
     elif precision == "fp8":
@@ -320,8 +329,12 @@ class _Timer:
     ):
         self.site, self.device, self.args, self.mesh = site, device, args, mesh
         self.tp = mesh.size() if mesh is not None else 1
+        # the weight cache's steady state (BenchLayersArgs.accumulate): fp8kit's own recipes only
+        own = precision == "fp8" and recipe_info(args.recipe, "--recipe").engine == "fp8kit"
+        self.accumulate = max(1, args.accumulate) if own else 1
         self.module = build_site_module(site, precision, args.recipe, device, mesh, wgrad_x=args.blockwise_wgrad_x,
-                                        fast_accum=args.fast_accum)
+                                        fast_accum=args.fast_accum, cache_weights=self.accumulate > 1)
+        self.parts: dict = {}
         self.scaling = float8_linear_scaling(self.module) if precision == "fp8" else None
         self.delayed = getattr(self.module, "delayed_state", None)  # rolled by the timer (build_site_module)
         self.fn, self._static_rows = self.module, None
@@ -376,7 +389,27 @@ class _Timer:
         if fresh:  # compile here, not in time_ms's untimed call, whose host time sizes the GPU hold (--warmup 0)
             reset()
             step()
-        return time_ms(step, device=self.device, warmup=self.args.warmup, iters=self.args.iters, before=reset)
+        ms = time_ms(step, device=self.device, warmup=self.args.warmup, iters=self.args.iters, before=reset)
+        self.parts = {"step_ms": ms}
+        if self.accumulate > 1:  # the cached step, plus one cast of the weights shared by accumulate micro-batches
+            cast = time_ms(self._cast_weights, device=self.device, warmup=self.args.warmup, iters=self.args.iters)
+            self.parts.update(weight_cast_ms=cast, accumulate=self.accumulate)
+            ms += cast / self.accumulate
+        return ms
+
+    def _cast_weights(self) -> None:
+        """The casts a weight-cache miss runs for every linear of the site (the same ops, uncached): blockwise
+        ``ops.quantize_weight``, delayed the both-layouts cast at the weight's history scale."""
+        from fp8kit.fp8.kernels import ops
+        from fp8kit.fp8.kernels.cast_ops import cast_transpose
+
+        with torch.no_grad():
+            for lin in self.module.linears:
+                w = lin.weight.to_local() if hasattr(lin.weight, "to_local") else lin.weight  # a TP shard
+                if isinstance(lin, Float8BlockwiseLinear):
+                    ops.quantize_weight(w, cache=False)
+                else:
+                    cast_transpose(w, lin.cast_scales()[1], torch.float8_e4m3fn)
 
 
 def balanced_offs(rows: int, experts: int, align: int, device: torch.device) -> tuple[torch.Tensor, int]:

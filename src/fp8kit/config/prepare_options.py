@@ -27,6 +27,16 @@ def weight_cast_accumulation(cfg: RunConfig, mesh=None) -> int:
     return cfg.train.grad_accum if weight_cache_applies(weight_cache_requested(cfg), mesh) else 1
 
 
+def dense_weight_cast_accumulation(cfg: RunConfig, accumulate: int) -> int:
+    """Micro-batches per optimizer step that share the cast weights of this run's dense FP8 linears, given
+    ``accumulate`` (:func:`weight_cast_accumulation`): the blockwise and delayed linears cache them
+    (``prepare_model``), the delayed ones not with ``train.cuda_graphs``; torchao's recipes cast every micro-batch
+    (1). What ``selective_fp8 = "auto"`` times the dense sites with (``BenchLayersArgs.accumulate``)."""
+    recipe = cfg.fp8.recipe
+    cached = recipe == "blockwise" or (recipe == "delayed" and not cfg.train.cuda_graphs)
+    return accumulate if cached else 1
+
+
 def prepare_options(cfg: RunConfig, *, fp8_now: bool, emulate: bool) -> PrepareOptions:
     """The model-preparation options of a run.
 
