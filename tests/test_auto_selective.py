@@ -541,3 +541,33 @@ def test_with_accumulation_dense_sites_are_timed_with_cached_weights_and_a_share
     keys = [shape_keys([shape], recipe=recipe, device=CPU, tp=1, ep=1, compiled=False, dense_accumulate=n)[shape]
             for n in (1, 3)]
     assert keys[0] != keys[1] and ":accum=3" in json.dumps(keys[1]) and ":accum" not in json.dumps(keys[0])
+
+
+def test_with_accumulation_blockwise_experts_are_timed_with_cached_weights_and_a_share_of_their_cast():
+    """The blockwise-loop experts of a grouped site (``_GroupedTimer``) with ``accumulate = N``: cached expert weights
+    in the timed steps (one miss per expert with rows and weight, then hits) plus 1/N of those experts' cast timed
+    alone; the rowwise grouped GEMM (other recipes) ignores it. Keys: ``:accum=N`` for blockwise-loop expert weights
+    only."""
+    from fp8kit.bench.auto import shape_keys
+    from fp8kit.bench.layers import BenchLayersArgs, _GroupedTimer
+    from fp8kit.bench.sites import BenchSite
+    from fp8kit.fp8.kernels import ops
+
+    site = BenchSite("llm", "column_grouped", "experts.gate_up_proj", [(128, 256)], [(128, 256)], tp=1, num_gemms=4)
+    args = BenchLayersArgs(model=ModelConfig(), vocab_size=0, recipe="blockwise", warmup=0, iters=3, compile=False,
+                           accumulate=2)
+    timer = _GroupedTimer(site, "fp8", args, CPU)
+    assert timer.backend == "blockwise_loop" and timer.accumulate == 2
+    before = dict(ops.weight_cache_stats())
+    ms = timer(3)  # 3 pairs over 4 experts: 3 experts with a row (padded to 16), one empty (the loop skips it)
+    after = ops.weight_cache_stats()
+    hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+    assert (hits, misses) == (3 * 2, 3), (hits, misses)  # 3 calls: a miss per live expert, then hits
+    p = timer.parts
+    assert p["weight_cast_ms"] > 0 and abs(ms - (p["step_ms"] + p["weight_cast_ms"] / 2)) < 1e-9, p
+    rowwise = _GroupedTimer(site, "fp8", replace(args, recipe="tensorwise", grouped=None), CPU)
+    assert rowwise.accumulate == 1, rowwise.backend
+    grouped = AutoShape(((128, 256),), num_tokens=48, num_gemms=4)
+    for recipe, tagged in (("blockwise", True), ("tensorwise", False)):
+        key = shape_keys([grouped], recipe=recipe, device=CPU, tp=1, ep=1, compiled=False, dense_accumulate=2)[grouped]
+        assert (":accum=2" in json.dumps(key)) is tagged, (recipe, key)

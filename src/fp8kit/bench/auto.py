@@ -100,7 +100,8 @@ def shape_recipe_key(shape: AutoShape, recipe: str, grouped_key: str | None, wgr
     accumulation cannot reuse timings of the old one), or for an
     expert MLP (``shape.mlp``, only on the fused kernel) ``grouped:fused:wgrad=<fp8.grouped_wgrad>:gemm=<fp8.grouped_gemm>``,
     with ``:accum=<N>`` when its FP8 weights are cast once per ``N`` micro-batches (``ExpertsMLPTimer(accumulate=)``);
-    a dense shape with ``:accum=<dense_accumulate>`` likewise (``BenchLayersArgs.accumulate``)."""
+    a dense shape or a blockwise-loop expert weight with ``:accum=<dense_accumulate>`` likewise
+    (``BenchLayersArgs.accumulate``)."""
     if shape.mlp:
         return f"grouped:fused:wgrad={wgrad}:gemm={gemm}" + (f":accum={accumulate}" if accumulate > 1 else "")
     key = grouped_key if shape.is_grouped else recipe
@@ -108,7 +109,8 @@ def shape_recipe_key(shape: AutoShape, recipe: str, grouped_key: str | None, wgr
         key += ":fast_accum=" + ("+".join(fast_accum_for(recipe, fast_accum)) or "none")
     if recipe == "blockwise" and wgrad_x != "128x1":
         key += f":wgrad_x={wgrad_x}"
-    return key + (f":accum={dense_accumulate}" if dense_accumulate > 1 and not shape.is_grouped else "")
+    cached = not shape.is_grouped or grouped_key == "grouped:blockwise_loop"  # where BenchLayersArgs.accumulate acts
+    return key + (f":accum={dense_accumulate}" if dense_accumulate > 1 and cached else "")
 
 
 def run_auto_options(auto: AutoOptions, cfg: RunConfig, device: torch.device) -> AutoOptions:

@@ -58,6 +58,7 @@ from fp8kit.bench.timing import suspect_points, time_ms
 from fp8kit.config import ModelConfig
 from fp8kit.fp8.linear import Float8BlockwiseLinear
 from fp8kit.fp8.recipes import RECIPE_NAMES, fast_accum_for, float8_linear_config, recipe_info
+from fp8kit.moe.grouped_loop import group_bounds
 from fp8kit.moe.grouped_mm import GroupedGemmConfig, bf16_grouped_mm, fp8_grouped_mm, resolve_grouped_kernel
 from fp8kit.selective.auto import unit_topk
 
@@ -107,7 +108,8 @@ class BenchLayersArgs:
             ``train.grad_accum``: ``config.prepare_options.dense_weight_cast_accumulation``). Above 1, the dense
             ``blockwise`` and ``delayed`` sites run with their weight cache, as training does, and are timed in that
             steady state: the step with the cached weights plus the weights' cast (timed alone) divided by
-            ``accumulate``. The torchao recipes, which cast every micro-batch, and grouped sites ignore it.
+            ``accumulate``; so are the blockwise-loop experts of grouped sites. The torchao recipes, which cast every
+            micro-batch, and the rowwise grouped GEMM ignore it (the fused experts' unit has its own timer).
     """
 
     model: ModelConfig
@@ -434,6 +436,9 @@ class _GroupedTimer:
         self.config = args.grouped_config()
         self.backend = resolve_grouped_kernel(self.config, device) if precision == "fp8" else None
         self.scaling = None  # rowwise grouped GEMM, or blockwise experts for the blockwise recipe (moe/grouped_mm.py)
+        # the blockwise experts' weight cache (BenchLayersArgs.accumulate), as the dense _Timer
+        self.accumulate = max(1, args.accumulate) if self.backend == "blockwise_loop" else 1
+        self.parts: dict = {}
 
     def __call__(self, num_pairs: int) -> float:
         e, k = self.site.num_gemms, self.site.gemms[0][0]
@@ -450,12 +455,30 @@ class _GroupedTimer:
         def step() -> None:
             if fp8:
                 outs = [fp8_grouped_mm(x, w, offs, self.backend, emulate=self.config.emulate,
-                                       wgrad_x=self.config.blockwise_wgrad_x) for w in self.weights]
+                                       wgrad_x=self.config.blockwise_wgrad_x, cache_weight=self.accumulate > 1)
+                        for w in self.weights]
             else:
                 outs = [bf16_grouped_mm(x, w, offs) for w in self.weights]
             torch.autograd.backward(outs, grads)
 
-        return time_ms(step, device=self.device, warmup=self.args.warmup, iters=self.args.iters, before=reset)
+        ms = time_ms(step, device=self.device, warmup=self.args.warmup, iters=self.args.iters, before=reset)
+        self.parts = {"step_ms": ms}
+        if self.accumulate > 1:  # the cached step, plus one cast of the experts' weights shared by N micro-batches
+            live = [i for i, (a, b) in enumerate(group_bounds(offs)) if b > a]  # the loop casts experts with rows
+            cast = time_ms(lambda: self._cast_weights(live), device=self.device, warmup=self.args.warmup,
+                           iters=self.args.iters)
+            self.parts.update(weight_cast_ms=cast, accumulate=self.accumulate)
+            ms += cast / self.accumulate
+        return ms
+
+    def _cast_weights(self, experts: list[int]) -> None:
+        """The blockwise weight casts cache misses run for ``experts`` of every weight of the site (uncached)."""
+        from fp8kit.fp8.kernels import ops
+
+        with torch.no_grad():
+            for w in self.weights:
+                for i in experts:
+                    ops.quantize_weight(w[i], cache=False)
 
 
 class _ExpertsMLPSiteTimer:

@@ -16,8 +16,9 @@ quantization function ``quantize(w) -> tuple of tensors`` and reuses its result 
 
 An update that bypasses all three (``weight.data.copy_(...)`` outside an optimizer step, e.g. a hand-written EMA)
 is not seen: call :func:`clear_weight_caches` after it (``fp8kit train`` does after loading a checkpoint).
-Entries are keyed on (device, data pointer, shape, stride, dtype); an entry whose storage was freed is dropped
-at the next miss. A cache made with ``requantize`` computes a new version of a weight it holds an outdated entry of
+Entries are keyed on (device, data pointer, shape, stride, dtype); an entry is dropped when its storage is freed
+(a weak-reference callback: no sweep over the entries, whose number grows with per-expert keys, e.g. 48 layers x 128
+experts x 2 weights of blockwise MoE experts). A cache made with ``requantize`` computes a new version of a weight it holds an outdated entry of
 as ``requantize(w, outdated_result)`` (the MoE expert weights: cast with the previous step's scales as hints, one
 read instead of two; the same bits). Used by the blockwise linear (:mod:`fp8kit.fp8.kernels.ops`, 128x128 copies), the fused
 rowwise MoE experts (:mod:`fp8kit.moe.fused_experts`, fprop + dgrad copies of the 3-D expert weights) and the
@@ -91,9 +92,21 @@ class WeightCache:
         self.requantized += outdated
         out = self.requantize(w, entry.out) if outdated else self.quantize(w, *args)
         del entry
-        self.entries = {k: e for k, e in self.entries.items() if e.storage() is not None and k != key}
-        self.entries[key] = _Entry(weakref.ref(storage), w._version, _GENERATION[0], out)
+        self.entries[key] = _Entry(weakref.ref(storage, self._dropper(key)), w._version, _GENERATION[0], out)
         return out
+
+    def _dropper(self, key: tuple) -> Callable[[weakref.ref], None]:
+        """The callback of an entry's storage reference: drops the entry when its storage is freed (unless the key
+        holds a newer entry by then: a new weight at a recycled address). Holds the cache weakly."""
+        cache = weakref.ref(self)
+
+        def drop(ref: weakref.ref) -> None:
+            me = cache()
+            entry = None if me is None else me.entries.get(key)
+            if entry is not None and entry.storage is ref:
+                del me.entries[key]
+
+        return drop
 
     def clear(self) -> None:
         """Drop every entry of this cache."""
