@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fp8kit.bench.timing import time_ms
+from fp8kit.bench.timing import time_ms, with_weight_cast_share
 from fp8kit.moe import routing
 from fp8kit.moe.experts import WEIGHTS, Float8GroupedExperts
 from fp8kit.moe.grouped_mm import GroupedGemmConfig
@@ -152,11 +152,9 @@ class ExpertsMLPTimer:
 
         try:
             ms = time_ms(step, device=self.device, warmup=max(warmup, 1), iters=iters, before=reset)
-            self.parts = {"step_ms": ms}
-            if self.accumulate > 1 and getattr(self.layer, "fp8_weights", None):
-                cast = time_ms(self._cast_weights, device=self.device, warmup=warmup, iters=iters)
-                self.parts.update(weight_cast_ms=cast, accumulate=self.accumulate)
-                ms += cast / self.accumulate
+            share = self.accumulate if getattr(self.layer, "fp8_weights", None) else 1
+            ms, self.parts = with_weight_cast_share(ms, self._cast_weights, share, device=self.device, warmup=warmup,
+                                                    iters=iters)
             return ms
         finally:
             reset()

@@ -54,7 +54,7 @@ from fp8kit.base.runtime import device_name, launched_rank, launched_world_size,
 from fp8kit.base.torchao_lib import torchao_float8
 from fp8kit.bench.experts_timer import ExpertsMLPTimer, unit_config
 from fp8kit.bench.sites import COLUMN_KINDS, ROW_KINDS, BenchSite, layer_sites
-from fp8kit.bench.timing import suspect_points, time_ms
+from fp8kit.bench.timing import suspect_points, time_ms, with_weight_cast_share
 from fp8kit.config import ModelConfig
 from fp8kit.fp8.linear import Float8BlockwiseLinear
 from fp8kit.fp8.recipes import RECIPE_NAMES, fast_accum_for, float8_linear_config, recipe_info
@@ -392,11 +392,8 @@ class _Timer:
             reset()
             step()
         ms = time_ms(step, device=self.device, warmup=self.args.warmup, iters=self.args.iters, before=reset)
-        self.parts = {"step_ms": ms}
-        if self.accumulate > 1:  # the cached step, plus one cast of the weights shared by accumulate micro-batches
-            cast = time_ms(self._cast_weights, device=self.device, warmup=self.args.warmup, iters=self.args.iters)
-            self.parts.update(weight_cast_ms=cast, accumulate=self.accumulate)
-            ms += cast / self.accumulate
+        ms, self.parts = with_weight_cast_share(ms, self._cast_weights, self.accumulate, device=self.device,
+                                                warmup=self.args.warmup, iters=self.args.iters)
         return ms
 
     def _cast_weights(self) -> None:
@@ -462,13 +459,9 @@ class _GroupedTimer:
             torch.autograd.backward(outs, grads)
 
         ms = time_ms(step, device=self.device, warmup=self.args.warmup, iters=self.args.iters, before=reset)
-        self.parts = {"step_ms": ms}
-        if self.accumulate > 1:  # the cached step, plus one cast of the experts' weights shared by N micro-batches
-            live = [i for i, (a, b) in enumerate(group_bounds(offs)) if b > a]  # the loop casts experts with rows
-            cast = time_ms(lambda: self._cast_weights(live), device=self.device, warmup=self.args.warmup,
-                           iters=self.args.iters)
-            self.parts.update(weight_cast_ms=cast, accumulate=self.accumulate)
-            ms += cast / self.accumulate
+        live = [i for i, (a, b) in enumerate(group_bounds(offs)) if b > a]  # the loop casts experts with rows
+        ms, self.parts = with_weight_cast_share(ms, lambda: self._cast_weights(live), self.accumulate,
+                                                device=self.device, warmup=self.args.warmup, iters=self.args.iters)
         return ms
 
     def _cast_weights(self, experts: list[int]) -> None:

@@ -65,6 +65,21 @@ def time_ms(fn: Callable[[], None], *, device: torch.device, warmup: int, iters:
     return statistics.median(results)
 
 
+def with_weight_cast_share(step_ms: float, cast: Callable[[], None], accumulate: int, *, device: torch.device,
+                           warmup: int, iters: int) -> tuple[float, dict]:
+    """One micro-batch's milliseconds when ``accumulate`` micro-batches share one cast of the FP8 weights (the weight
+    cache with ``train.grad_accum``): ``step_ms`` (timed with the weights cached) plus ``cast`` (the weights' cast,
+    timed alone with :func:`time_ms`) divided by ``accumulate``, the exact share of one micro-batch. Returns
+    ``(ms, parts)``, ``parts`` = ``{"step_ms"}`` plus ``{"weight_cast_ms", "accumulate"}`` when ``accumulate > 1``
+    (``step_ms`` alone otherwise)."""
+    parts: dict = {"step_ms": step_ms}
+    if accumulate <= 1:
+        return step_ms, parts
+    cast_ms = time_ms(cast, device=device, warmup=warmup, iters=iters)
+    parts.update(weight_cast_ms=cast_ms, accumulate=accumulate)
+    return step_ms + cast_ms / accumulate, parts
+
+
 def suspect_points(tokens: list[int], ms: list[float | None], *, next_tol: float = 1.10,
                    growth_tol: float = 1.25) -> list[int]:
     """Indices of a token sweep's timings that look like spikes, to be timed again.
