@@ -56,6 +56,8 @@ from fp8kit.bench.experts_timer import ExpertsMLPTimer, unit_config
 from fp8kit.bench.sites import COLUMN_KINDS, ROW_KINDS, BenchSite, layer_sites
 from fp8kit.bench.timing import suspect_points, time_ms, with_weight_cast_share
 from fp8kit.config import ModelConfig
+from fp8kit.fp8.delayed_weight_cache import weight_cast
+from fp8kit.fp8.kernels import ops
 from fp8kit.fp8.linear import Float8BlockwiseLinear
 from fp8kit.fp8.recipes import RECIPE_NAMES, fast_accum_for, float8_linear_config, recipe_info
 from fp8kit.moe.grouped_loop import group_bounds
@@ -398,17 +400,14 @@ class _Timer:
 
     def _cast_weights(self) -> None:
         """The casts a weight-cache miss runs for every linear of the site (the same ops, uncached): blockwise
-        ``ops.quantize_weight``, delayed the both-layouts cast at the weight's history scale."""
-        from fp8kit.fp8.kernels import ops
-        from fp8kit.fp8.kernels.cast_ops import cast_transpose
-
+        ``ops.quantize_weight``, delayed ``delayed_weight_cache.weight_cast`` at the weight's history scale."""
         with torch.no_grad():
             for lin in self.module.linears:
                 w = lin.weight.to_local() if hasattr(lin.weight, "to_local") else lin.weight  # a TP shard
                 if isinstance(lin, Float8BlockwiseLinear):
                     ops.quantize_weight(w, cache=False)
                 else:
-                    cast_transpose(w, lin.cast_scales()[1], torch.float8_e4m3fn)
+                    weight_cast(w, lin.cast_scales()[1])
 
 
 def balanced_offs(rows: int, experts: int, align: int, device: torch.device) -> tuple[torch.Tensor, int]:
@@ -466,8 +465,6 @@ class _GroupedTimer:
 
     def _cast_weights(self, experts: list[int]) -> None:
         """The blockwise weight casts cache misses run for ``experts`` of every weight of the site (uncached)."""
-        from fp8kit.fp8.kernels import ops
-
         with torch.no_grad():
             for w in self.weights:
                 for i in experts:

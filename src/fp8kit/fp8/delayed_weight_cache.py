@@ -45,11 +45,13 @@ E4M3 = torch.float8_e4m3fn
 Cast = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _cast(w: torch.Tensor, scale: torch.Tensor) -> Cast:
+def weight_cast(w: torch.Tensor, scale: torch.Tensor) -> Cast:
+    """The uncached cast a cache miss runs: :func:`cached_weight_cast`'s ``(w8, w8t, amax)`` computed now
+    (``fp8kit::cast_transpose``, both layouts). ``selective_fp8 = "auto"`` times it (``bench/layers.py``)."""
     return tuple(cast_transpose(w, scale, E4M3, True))
 
 
-CACHE = WeightCache(_cast, "delayed E4M3")
+CACHE = WeightCache(weight_cast, "delayed E4M3")
 
 
 @torch.library.custom_op(
