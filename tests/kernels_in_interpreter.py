@@ -19,6 +19,8 @@ What it checks, every autotune configuration launched in turn (the interpreter h
   exactly the rows and columns whose hint was wrong;
 - the scatter dispatch kernel at two more tiles, and writing expert parallelism's payload rows (strided views of one
   uint8 buffer) as the gather kernel does;
+- the delayed recipe's fused cast-transpose (``fp8.kernels.cast_transpose_triton``) in every config, its amax (an integer
+  atomic max of the float bits) equal to ``torch.amax``'s, NaN included;
 - the FP8AdamW step (``optim.triton_step``, per block and per tensor, stochastic rounding of ``m``) equals the
   reference ``optim.numerics.adamw_update`` bit for bit in ``m``, ``v``, the master and their scales, with the FP8
   gradient buffer and with ``param.grad`` read through the address table by element and by 16-byte vector loads
@@ -170,6 +172,7 @@ def main() -> int:
     moe_expert_weights_hinted()
     fp8_adamw_step()
     delayed_swiglu_backward()
+    delayed_cast_transpose()
     return 0
 
 
@@ -367,6 +370,40 @@ def delayed_swiglu_backward() -> None:
 
     each_config(sd, "_swiglu_bwd_cast_kernel", run)
     print("delayed swiglu backward: every config the same bits, transposes and amaxes consistent", flush=True)
+
+
+
+def delayed_cast_transpose() -> None:
+    """``fp8.kernels.cast_transpose_triton`` (the delayed recipe's fused cast, a ``triton_op``): every config writes the
+    same bits, for E4M3 and E5M2, at tiles cut at both edges and one row; ``qt`` is ``q`` transposed; the amax from
+    the tiles' integer atomic max is ``torch.amax``'s bit for bit, a NaN (of either sign) included; float32 inputs
+    take ``q.T`` copied; an empty input gives amax 0."""
+    from fp8kit.fp8.kernels import cast_transpose_triton as ct
+
+    scale = torch.tensor(57.3)
+    cases = [rnd(150, 200, scale=3.0, seed=21), rnd(1, 96, seed=22), rnd(70, 33, seed=23).float()]
+    nan = rnd(90, 130, seed=24)
+    nan[17, 5], nan[60, 100] = float("nan"), -float("nan")
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for x in cases:
+            def run(cfg, x=x, dtype=dtype):
+                q, qt, amax = ct.cast_transpose(x, scale, dtype, True)
+                assert torch.equal(qt.view(torch.uint8), q.view(torch.uint8).t()), f"cast_transpose {cfg}: transpose"
+                assert torch.equal(amax, x.abs().amax().float()), (cfg, amax, x.abs().amax())
+                q2, qt2, _ = ct.cast_transpose(x, scale, dtype, False)
+                assert qt2.shape == (0,) and torch.equal(q2.view(torch.uint8), q.view(torch.uint8)), cfg
+                return [q.view(torch.uint8), qt.view(torch.uint8), amax]
+            each_config(ct, "_cast_transpose_kernel", run)
+
+    def nan_and_empty(cfg):
+        amax = ct.cast_transpose(nan, scale, torch.float8_e4m3fn, True)[2]
+        assert amax.isnan(), f"cast_transpose {cfg}: a NaN must reach the amax, got {amax}"
+        q, qt, empty = ct.cast_transpose(rnd(0, 64), scale, torch.float8_e4m3fn, True)
+        assert q.shape == (0, 64) and qt.shape == (64, 0) and empty.item() == 0.0, (q.shape, qt.shape, empty)
+        return [amax.isnan().reshape(1)]
+
+    each_config(ct, "_cast_transpose_kernel", nan_and_empty)
+    print("delayed cast-transpose: every config the same bits, transposes, amax = torch.amax (NaN too)", flush=True)
 
 
 if __name__ == "__main__":

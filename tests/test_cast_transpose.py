@@ -85,3 +85,38 @@ def test_delayed_linear_same_bits_whichever_operands_use_the_op():
         for step, (a, b) in enumerate(zip(ref, _train(mode), strict=True)):
             for name, ta, tb in zip(("y", "dx", "dw", "history"), a, b, strict=True):
                 assert torch.equal(ta, tb), f"{mode} step {step} {name}: max diff {(ta - tb).abs().max().item()}"
+
+
+class _TwoCasts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, s):
+        a = cast_transpose(x, s, E4M3, True, mergeable=True)
+        b = cast_transpose(x, s, E4M3, True, mergeable=True)
+        return a[0].float().sum() + b[1].float().sum() + a[2] + b[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, None
+
+
+def test_mergeable_casts_of_one_input_are_merged_in_a_compiled_training_graph():
+    """The premise of ``mergeable`` (sibling linears' input cast, ``fp8.delayed``): in a compiled training step the
+    partitioner Inductor uses (min-cut, with CSE) keeps one ``fp8kit::cast_transpose`` of an input cast twice at one
+    scale. (On CUDA the non-mergeable casts are the triton_op, launched once per call: the GPU test.)"""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def forward_compiler(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=forward_compiler, partition_fn=min_cut_rematerialization_partition)
+    fn = torch.compile(lambda x, s: _TwoCasts.apply(x * 2, s), backend=backend, fullgraph=True)
+    x = torch.randn(64, 32).bfloat16().requires_grad_()
+    scale = torch.tensor(2.0)
+    assert torch.equal(fn(x, scale), _TwoCasts.apply(x * 2, scale))
+    casts = [sum("cast_transpose" in str(n.target) for n in g.graph.nodes) for g in graphs]
+    assert casts == [1], f"casts per forward graph: {casts} (expected one merged cast)"

@@ -26,14 +26,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("src", [torch.bfloat16, torch.float32])
-def test_kernel_equals_reference_bit_for_bit(shape, dtype, src):
+@pytest.mark.parametrize("mergeable", [False, True], ids=["triton_op", "custom_op"])
+def test_kernel_equals_reference_bit_for_bit(shape, dtype, src, mergeable):
     g = torch.Generator(device="cuda").manual_seed(sum(shape))
     x = (torch.randn(shape, generator=g, device="cuda") * 3).to(src)
     if x.numel():
         x.view(-1)[:: max(1, x.numel() // 7)] *= 1e3  # saturating values at this scale (E4M3)
     scale = torch.tensor(57.3, device="cuda")
     for transpose in (True, False):
-        got = cast_transpose(x, scale, dtype, transpose)
+        got = cast_transpose(x, scale, dtype, transpose, mergeable=mergeable)
         ref = cast_transpose_reference(x, scale, dtype, transpose)
         assert torch.equal(_bits(got[0]), _bits(ref[0])), f"q differs at {shape} {dtype}"
         assert got[1].shape == ref[1].shape and torch.equal(_bits(got[1]), _bits(ref[1])), f"qt differs at {shape}"
@@ -58,3 +59,57 @@ def test_compiled_equals_eager():
     got, ref = fn(x, scale), cast_transpose(x * 2, scale, torch.float8_e5m2)
     assert torch.equal(_bits(got[0]), _bits(ref[0])) and torch.equal(_bits(got[1]), _bits(ref[1]))
     assert torch.equal(got[2], ref[2])
+
+
+def _launches(fn, *args) -> dict[str, int]:
+    """Kernel launches and fp8kit host ops of one call of ``fn`` (profiled)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+        torch.cuda.synchronize()
+    counts: dict[str, int] = {}
+    for e in prof.events():
+        on_gpu = e.device_type == torch.autograd.DeviceType.CUDA
+        # kernels counted on the GPU (Inductor also names a host record after each launch), ops on the host
+        for k, where in (("_cast_transpose_kernel", True), ("aten::amax", False),
+                         ("fp8kit::cast_transpose", False)):
+            if k in e.name and on_gpu == where and "cast_transpose_triton" not in e.name:
+                counts[k] = counts.get(k, 0) + 1
+    return counts
+
+
+class _TwoCasts(torch.autograd.Function):
+    """Two casts of one input at one scale inside a training graph's forward, as sibling linears make them
+    (AOTAutograd's CSE runs on the joint graph of a compiled training step, not on an inference graph)."""
+
+    @staticmethod
+    def forward(ctx, x, s, mergeable):
+        a = cast_transpose(x, s, torch.float8_e4m3fn, True, mergeable=mergeable)
+        b = cast_transpose(x, s, torch.float8_e4m3fn, True, mergeable=mergeable)
+        return a[0].view(torch.uint8).float().sum() + b[1].view(torch.uint8).float().sum() + a[2] + b[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, None, None
+
+
+def test_compiled_triton_op_launches_one_kernel_without_a_python_op():
+    """Compiled, the triton_op is launched from Inductor's code: one kernel per cast (its amax by atomic max, no
+    reduction after it) and no ``fp8kit::cast_transpose`` host op; the mergeable custom op casts one input at one
+    scale once however many times a training graph calls it (CSE), the triton_op once per call."""
+    torch._dynamo.reset()
+    x = torch.randn(4096, 2048, device="cuda").bfloat16().requires_grad_()
+    scale = torch.tensor(3.0, device="cuda")
+    for mergeable in (False, True):
+        fn = torch.compile(lambda x, s, m=mergeable: _TwoCasts.apply(x * 2, s, m), fullgraph=True)
+        eager = _TwoCasts.apply(x * 2, scale, mergeable)
+        assert torch.equal(fn(x, scale), eager), f"mergeable={mergeable}: compiled != eager"
+        counts = _launches(fn, x, scale)
+        print(f"mergeable={mergeable}: {counts}")
+        kernels = counts.get("_cast_transpose_kernel", 0)
+        if mergeable:
+            assert kernels == 1 and counts.get("fp8kit::cast_transpose", 0) == 1, counts
+        else:
+            assert kernels == 2 and counts.get("fp8kit::cast_transpose", 0) == 0, counts
+        assert counts.get("aten::amax", 0) == 0, f"an amax reduction beside the cast: {counts}"

@@ -98,7 +98,7 @@ from fp8kit.fp8.delayed_state import (
     reduce_max,
 )
 from fp8kit.fp8.delayed_weight_cache import cached_weight_cast
-from fp8kit.fp8.kernels.cast_ops import cast_transpose
+from fp8kit.fp8.kernels.cast_ops import cast_transpose, load_cuda_kernels
 from fp8kit.fp8.linear import sharded_linear
 from fp8kit.fp8.recipes import GEMMS
 from fp8kit.fp8.scaling import DTYPE_MAX, scale_from_amax
@@ -214,12 +214,15 @@ def _recast_col_major(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def _cast_both(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, group, col_major: bool,
-               fused: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+               fused: bool, mergeable: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
+                                                            torch.Tensor]:
     """``(x8, x8 column-major or None, scale, amax)`` of ``x`` ``[M, K]``. With a known ``scale`` and ``fused``
-    one ``fp8kit::cast_transpose`` call (one read of ``x``, both layouts, the amax); otherwise :func:`_cast`
-    and a transposing copy (under ``torch.compile`` both join the kernel that produces ``x``)."""
+    one fused cast-transpose (one read of ``x``, both layouts, the amax; ``mergeable``: the custom op that
+    ``torch.compile`` merges across sibling linears, :func:`fp8kit.fp8.kernels.cast_ops.cast_transpose`);
+    otherwise :func:`_cast` and a transposing copy (under ``torch.compile`` both join the kernel that produces
+    ``x``)."""
     if scale is not None and fused:
-        x8, x8t, amax = cast_transpose(x, scale, dtype, col_major)
+        x8, x8t, amax = cast_transpose(x, scale, dtype, col_major, mergeable=mergeable)
         return x8, x8t.t() if col_major else None, scale, amax
     x8, scale, amax = _cast(x, scale, dtype, group)
     return x8, _col_major(x8) if col_major else None, scale, amax
@@ -249,7 +252,8 @@ class _DelayedLinearFn(torch.autograd.Function):
         # the bf16 input, as torchao's Float8Linear does: the partitioner would otherwise save the FP8 copy
         # beside the bf16 tensor it keeps anyway (+1 byte per input element of q/k/v and gate/up).
         recast_x = wgrad and "input" not in fused and torch.compiler.is_compiling()
-        x8, x8_cm, sx, ax = _cast_both(x, sx, E4M3, warm, wgrad and not recast_x, "input" in fused)
+        # the input cast is the mergeable op: sibling linears reading x at their group's scale share it (CSE)
+        x8, x8_cm, sx, ax = _cast_both(x, sx, E4M3, warm, wgrad and not recast_x, "input" in fused, mergeable=True)
         w8, w8_cm, sw, aw = _weight_both(weight, sw, warm, dgrad, "weight" in fused, cache_weight)
         ix = sx.reciprocal() if ix is None else ix
         iw = sw.reciprocal() if iw is None else iw
@@ -315,6 +319,7 @@ class Float8DelayedLinear(nn.Module):
         self.name = name
         self._state = state
         self._entry = state.entry(name, weight.device)
+        load_cuda_kernels()  # the fused cast's triton_op, registered outside traced code (cast_ops)
         # the entries of the delayed linears that read this module's input tensor, itself included (set by
         # fp8.delayed_siblings.link_input_siblings): their shared input scale makes one cast of that input
         self._input_siblings: tuple[DelayedEntry, ...] = ()

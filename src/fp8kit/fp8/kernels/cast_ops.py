@@ -6,6 +6,12 @@ before the cast. One op, two implementations: CUDA runs the Triton kernel
 every other device :func:`cast_transpose_reference` (the same float32 math op by op), so CPU CI runs the
 same op as the GPU. ``register_fake`` gives ``torch.compile`` the output shapes; the op is opaque to
 Inductor (not fused into the producer of ``x``, not reordered).
+
+On CUDA, once :func:`load_cuda_kernels` ran, :func:`cast_transpose` calls the kernel's ``torch.library.triton_op``
+(``fp8kit::cast_transpose_triton``) instead, which ``torch.compile`` launches from Inductor's generated code with
+no Python call around it (same bits). The custom op stays for ``mergeable`` casts: AOTAutograd's CSE merges
+identical calls of an opaque op (the input cast of sibling linears reading one tensor at one scale,
+:mod:`fp8kit.fp8.delayed_siblings`), never a Triton kernel's launch, whose outputs are allocated in the graph.
 """
 
 from __future__ import annotations
@@ -64,7 +70,23 @@ def _(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool)
             x.new_empty((), dtype=torch.float32))
 
 
-def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool = True) -> Cast:
+#: The Triton kernel module once :func:`load_cuda_kernels` imported it (None before, and without CUDA or triton).
+_TRITON = None
+
+
+def load_cuda_kernels() -> bool:
+    """Import the Triton cast-transpose kernel (registering its ``triton_op``) when CUDA and triton are there;
+    idempotent. Called outside traced code (importing is not traceable): by
+    :class:`fp8kit.fp8.delayed.Float8DelayedLinear` at construction and by eager :func:`cast_transpose` calls.
+    Returns whether the ``triton_op`` path is on."""
+    global _TRITON
+    if _TRITON is None and torch.cuda.is_available():
+        _TRITON = triton_module("fp8kit.fp8.kernels.cast_transpose_triton", "FP8 cast-transpose")
+    return _TRITON is not None
+
+
+def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool = True,
+                   mergeable: bool = False) -> Cast:
     """Both FP8 layouts of ``x`` at a known per-tensor scale, and ``x``'s amax, from one read of ``x``.
 
     Args:
@@ -72,6 +94,9 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, tra
         scale: float32, one element: the encoding scale (``q = x * scale``; decoding scale ``1 / scale``).
         dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
         transpose: also write ``qt`` (the layout a backward GEMM takes); otherwise ``qt`` is empty ``[0]``.
+        mergeable: call the opaque custom op ``fp8kit::cast_transpose``, whose identical calls ``torch.compile``
+            merges into one (sibling linears casting one input); otherwise a CUDA ``x`` takes the ``triton_op``
+            (module docstring; the same bits).
 
     Returns:
         ``q`` ``[M, N]`` and ``qt`` ``[N, M]`` (contiguous) of ``dtype`` (values beyond the format's
@@ -80,4 +105,14 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, tra
     Raises:
         ValueError: ``x`` not 2-D, ``dtype`` not an FP8 format, ``scale`` not one float32 value.
     """
+    if not mergeable and x.is_cuda:
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            load_cuda_kernels()
+        if _TRITON is not None:
+            x = _check(x, scale, dtype)
+            if compiling:  # Inductor places the launch itself
+                return torch.ops.fp8kit.cast_transpose_triton(x, scale, dtype, transpose)
+            with torch.cuda.device(x.device):  # an eager launch runs on the current device
+                return torch.ops.fp8kit.cast_transpose_triton(x, scale, dtype, transpose)
     return torch.ops.fp8kit.cast_transpose(x, scale, dtype, transpose)

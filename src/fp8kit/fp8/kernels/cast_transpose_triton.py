@@ -9,8 +9,9 @@ pass instead of a separate reduction before it).
 
 One program per ``BM x BN`` tile of ``x[M, N]``: it reads the tile once, converts it once, writes ``q``'s tile
 row-major and the same bytes transposed into ``qt[N, M]`` (Triton stages the transposed store through shared memory so both stores
-are coalesced), and its tile amax into ``partial[program]``; the host reduces the partials with
-``torch.amax`` (one small kernel). Bytes per element: 2 read (bf16) + 2 written (two FP8 copies).
+are coalesced), and joins its tile amax to the tensor's with an integer atomic max on the float bits (one launch in all; the
+partial amaxes and their ``torch.amax`` launch of sessions 20-51 are gone). Bytes per element: 2 read (bf16) + 2
+written (two FP8 copies).
 Autotuned over the tile shape and warps (key: ``M``, ``N``); every configuration computes the same bits.
 
 float32 inputs: the kernel writes ``q`` only and ``qt`` is ``q.t().contiguous()`` (one more 1-byte read and
@@ -35,9 +36,6 @@ _CONFIGS = [
 ]
 
 
-_TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
-
-
 @triton.jit
 def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
@@ -46,9 +44,9 @@ def _max_nan(a, b):
 @triton.autotune(configs=_CONFIGS, key=["M", "N", "TRANSPOSE"])
 @triton.jit
 def _cast_transpose_kernel(
-    x_ptr, scale_ptr, q_ptr, qt_ptr, partial_ptr,
+    x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr,
     M, N, stride_xm,
-    FP8_MAX: tl.constexpr, FP8: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    FP8_MAX: tl.constexpr, E5M2: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -64,37 +62,50 @@ def _cast_transpose_kernel(
                    propagate_nan=tl.PropagateNan.ALL)
     # Convert once, then move bits: the transposed store of the FP8 values themselves may be lowered to a
     # second conversion in the transposed layout (float32 inputs did round differently there on sm90).
-    q = y.to(FP8).to(tl.uint8, bitcast=True)
+    if E5M2:
+        q = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    else:
+        q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     tl.store(q_ptr + r64[:, None] * N + c64[None, :], q, mask=mask)
     if TRANSPOSE:
         tl.store(qt_ptr + c64[:, None] * M + r64[None, :], tl.trans(q), mask=tl.trans(mask))
+    # The tile's amax joins the tensor's by an integer atomic max of its bits: |x| >= 0 (or a NaN with its sign
+    # cleared by abs), whose int32 bit patterns order as the values do, NaN above +inf, so a NaN wins as in
+    # torch.amax; max is exact and idempotent, so the autotuner's repeated launches leave the same value.
     amax = tl.reduce(tl.reduce(tl.abs(x), 1, _max_nan), 0, _max_nan)
-    tl.store(partial_ptr + pid_m * tl.num_programs(1) + pid_n, amax)
+    tl.atomic_max(amax_ptr, amax.to(tl.int32, bitcast=True), sem="relaxed")
 
 
+@torch.library.triton_op("fp8kit::cast_transpose_triton", mutates_args=())
 def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                    transpose: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(q[M, N], qt[N, M] or [0], amax[])`` of a CUDA ``x[M, N]`` with unit stride along N.
+    """``(q[M, N], qt[N, M] or [0], amax[])`` of a CUDA ``x[M, N]`` with unit stride along N: one launch.
+
+    A ``torch.library.triton_op``: eagerly a plain launch; under ``torch.compile`` Inductor launches the kernel
+    from its generated code, with no Python custom-op call around it (the host time of those calls left the
+    GPU idle: 25 ms of gaps per llama3-1b step with every cast fused, session 52, ``docs/benchmarks.md``).
 
     Args:
         x: bf16 / fp16 / fp32 CUDA tensor, 2-D, ``x.stride(1) == 1``.
-        scale: float32 CUDA tensor with one element (the encoding scale, ``q = x * scale``).
+        scale: float32 CUDA tensor with one element (the encoding scale, ``q = x * scale``), shape ``[]``.
         dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
         transpose: write ``qt``; otherwise ``qt`` is an empty ``[0]`` tensor.
     """
     m, n = x.shape
-    q = torch.empty(m, n, dtype=dtype, device=x.device)
-    qt = torch.empty((n, m) if transpose else (0,), dtype=dtype, device=x.device)
-    if m == 0 or n == 0:
-        return q, qt, x.new_zeros((), dtype=torch.float32)
-    # The grid's tile counts depend on the autotuned BM / BN: the partials buffer is sized for the smallest tile,
-    # left uninitialised, and only the launched grid's entries are reduced (no fill kernel).
-    grid = lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]))  # noqa: E731
-    partial = torch.empty((triton.cdiv(m, 32) * triton.cdiv(n, 32),), dtype=torch.float32, device=x.device)
+    # The kernel writes bytes (it converts once, then moves bits); the outputs are their FP8 views. No view is
+    # passed to the launch: wrap_triton's functionalization then sees plain buffers.
+    q = torch.empty(m, n, dtype=torch.uint8, device=x.device)
     in_kernel = transpose and x.dtype != torch.float32  # float32: see the module docstring
-    _cast_transpose_kernel[grid](x, scale, q.view(torch.uint8), qt.view(torch.uint8), partial, m, n, x.stride(0),
-                                 FP8_MAX=DTYPE_MAX[dtype], FP8=_TL_FP8[dtype], TRANSPOSE=in_kernel)
-    if transpose and not in_kernel:
-        qt.copy_(q.t())
-    best = _cast_transpose_kernel.best_config.kwargs  # the configuration this launch ran (set by the autotuner)
-    return q, qt, partial[: triton.cdiv(m, best["BM"]) * triton.cdiv(n, best["BN"])].amax()
+    qt = torch.empty((n, m) if in_kernel else (0,), dtype=torch.uint8, device=x.device)
+    # amax's float32 bits as int32, zero (+0.0) before the tiles' atomic max
+    amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
+    if m and n:
+        grid = lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]))  # noqa: E731
+        torch.library.wrap_triton(_cast_transpose_kernel)[grid](
+            x, scale, q, qt, amax_bits, m, n, x.stride(0),
+            FP8_MAX=DTYPE_MAX[dtype], E5M2=dtype == torch.float8_e5m2, TRANSPOSE=in_kernel)
+    q8 = q.view(dtype)
+    # float32: a fresh copy of q.T (a contiguous() of a one-row or empty q.T would be q itself, an output
+    # aliasing another, which a custom op may not return)
+    qt8 = q8.t().clone(memory_format=torch.contiguous_format) if transpose and not in_kernel else qt.view(dtype)
+    return q8, qt8, amax_bits.view(torch.float32)
