@@ -230,9 +230,10 @@ class FP8Config(ConfigModel):
         "none casts them again in the backward. Measured on an H200 (sessions 50-51, one run each): one linear "
         "is faster with grad_output and all at every shape of the 18-shape grid (all: 1.10-1.24x of torchao "
         "tensorwise's speed; none: 0.98-1.11x), but not in a model: the 8B step 1.442x BF16 with all (23.1 GiB) vs "
-        "1.403x with none (20.6 GiB), grad_output even with none (121.7 vs 121.6 ms, +0.2 GiB); llama3-1b 0.98x "
-        "(grad_output) and 1.01x (all) vs 1.24x with none, on a shared host (docs/benchmarks.md section 6, "
-        "Sessions 50-51).",
+        "1.403x with none (20.6 GiB), grad_output even with none (121.7 vs 121.6 ms, +0.2 GiB); llama3-1b alone "
+        "(session 52, after the fused cast became a triton_op with one launch): all 1.10x, grad_output 1.09x vs "
+        "1.21x with none: the fused casts leave the GPU the least work but cost host time (docs/benchmarks.md "
+        "section 6, Sessions 50-52).",
     )
     weight_cache: bool = Field(
         True,
