@@ -529,9 +529,13 @@ def test_with_accumulation_dense_sites_are_timed_with_cached_weights_and_a_share
 
     base = ["train.grad_accum=4", f"fp8.recipe={recipe}", f"data.cache_dir={tmp_path}"]
     assert dense_weight_cast_accumulation(load_config(None, base), weight_cast_accumulation(load_config(None, base))) == 4
-    for extra in (["fp8.weight_cache=false"], ["train.grad_accum=1"]):
+    # FSDP2 turns the cache off: plan (no mesh) reads it from the config's data-parallel sizes, as train's mesh says
+    for extra in (["fp8.weight_cache=false"], ["train.grad_accum=1"], ["distributed.dp_shard=2"],
+                  ["distributed.dp_replicate=2"]):
         cfg = load_config(None, [*base, *extra])
         assert dense_weight_cast_accumulation(cfg, weight_cast_accumulation(cfg)) == 1, extra
+    filled = load_config(None, [*base, "distributed.dp_shard=-1", "distributed.tp=1"])
+    assert weight_cast_accumulation(filled) == 4, "dp_shard = -1 fills a mesh plan cannot see: one process"
     graphs = load_config(None, [*base, "train.compile=true", "train.cuda_graphs=true"])
     want = 4 if recipe == "blockwise" else 1  # the delayed linears' cache is off with CUDA graphs
     assert dense_weight_cast_accumulation(graphs, 4) == want

@@ -274,7 +274,7 @@ def _plan_auto(cfg, sites, decisions, options):
     auto = run_auto_options(options.auto, cfg, device)
     units = run_units(decisions, cfg, auto)
     timings = lookup_cached(units, cfg, device, AutoCache(resolve_cache_dir(cfg.data.cache_dir)),
-                            weight_cast_accumulation(cfg))  # one process: no FSDP2
+                            weight_cast_accumulation(cfg))  # FSDP2 or not from the config's dp sizes
     total = len(distinct_shapes(units))
     note = (f'selective_fp8 = "auto": {len(timings)} of {total} shapes cached for {device_name(device)}'
             + ("" if len(timings) == total else "; the others keep their static rule here and are timed by "

@@ -127,18 +127,23 @@ class Prepared(Parallelized):
     conversion: ConversionOptions = field(default_factory=ConversionOptions)
 
 
-def uses_fsdp(mesh) -> bool:
-    """Whether a run on ``mesh`` (None: one process) shards or replicates its parameters with FSDP2 / HSDP."""
+def uses_fsdp(mesh, sizes: tuple[int, int] | None = None) -> bool:
+    """Whether a run on ``mesh`` shards or replicates its parameters with FSDP2 / HSDP.
+
+    ``mesh`` None: a run not launched yet, seen from one process (``fp8kit plan``), described by ``sizes``, the
+    config's ``(distributed.dp_shard, distributed.dp_replicate)``: FSDP2 when either is above 1 (``dp_shard = -1``
+    fills a mesh this process cannot see: counted as 1). ``sizes`` None too: one process, no FSDP2."""
     if mesh is None:
-        return False
+        return sizes is not None and (sizes[0] > 1 or sizes[1] > 1)
     return mesh["dp_shard"].size() > 1 or mesh["dp_replicate"].size() > 1
 
 
-def weight_cache_applies(requested: bool, mesh) -> bool:
-    """Whether the FP8 weight cache (``PrepareOptions.cache_weights``) is used on ``mesh``: as ``requested``, except
-    under FSDP2, where it would hold unsharded FP8 copies of every layer's weights. The one place this is decided
-    (``prepare_model``, and ``config.prepare_options.weight_cast_accumulation`` for the ``auto`` timer of the experts)."""
-    return requested and not uses_fsdp(mesh)
+def weight_cache_applies(requested: bool, mesh, sizes: tuple[int, int] | None = None) -> bool:
+    """Whether the FP8 weight cache (``PrepareOptions.cache_weights``) is used on ``mesh`` (or, without one, on the
+    data-parallel ``sizes`` a config names: :func:`uses_fsdp`): as ``requested``, except under FSDP2, where it would
+    hold unsharded FP8 copies of every layer's weights. The one place this is decided (``prepare_model``, and
+    ``config.prepare_options.weight_cast_accumulation`` for the ``auto`` timers)."""
+    return requested and not uses_fsdp(mesh, sizes)
 
 
 def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareOptions, mesh=None,
