@@ -1,0 +1,31 @@
+# For the next session's device calls (carry .whl; bash benchmarks/results/session52/verify_next.sh CASE), one H200.
+#   tests  (~3 min): the rewritten compiled cast-transpose GPU test (triton_op vs mergeable custom op in a training
+#           graph: 2 launches vs 1 merged), the whole cast-transpose / delayed / weight-cache GPU files
+#   graphs (~9 min): llama3-1b with train.cuda_graphs (the 1B delayed step is host-bound: GPU busy 72-77 ms, wall
+#           84-93 ms, session 52): bf16 / delayed none / grad_output / all, each with CUDA graphs, in one run
+#   big    (~8 min): the 8B step (8 layers, seq 4096, mbs 2, FP8 head) bf16 / delayed none / all with the triton_op
+#           cast (session 51: all 1.442x at 23.1 GiB, none 1.403x)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
+mkdir -p $OUT/keep
+nvidia-smi --query-gpu=name,power.limit --format=csv,noheader | tee $OUT/keep/gpu.txt
+case "$1" in
+tests)
+  timeout 300 python3 -m pytest -v -m gpu tests/test_cast_transpose_gpu.py tests/test_delayed_weight_cache.py \
+    tests/test_delayed_mlp_gpu.py tests/test_delayed_gpu.py -n 8 -p no:cacheprovider -W ignore -s 2>&1 \
+    | grep -v DEBUG | grep "PASS\|FAIL\|Error\|passed\|failed\|mergeable=\|assert" | tail -80 > $OUT/keep/gpu_tests.log
+  grep -v PASSED $OUT/keep/gpu_tests.log | tail -20 ;;
+graphs)
+  V='bf16+train.cuda_graphs=true,delayed+train.cuda_graphs=true'
+  V="$V,delayed+fp8.delayed_fused_cast=grad_output+train.cuda_graphs=true,delayed+fp8.delayed_fused_cast=all+train.cuda_graphs=true"
+  timeout 560 python3 benchmarks/train_throughput.py --workload llama3-1b-seq2048-mbs4 --steps 20 --repeats 1 \
+    --out /tmp/g --variants "$V" > $OUT/keep/e2e_1b_graphs.log 2>&1
+  cp /tmp/g/results.md $OUT/keep/1b_graphs.md; cp /tmp/g/results.json $OUT/keep/1b_graphs.json
+  sed -i '/DEBUG/d' $OUT/keep/*.log; cat $OUT/keep/1b_graphs.md ;;
+big)
+  V='bf16,delayed+fp8.output_head=true,delayed+fp8.output_head=true+fp8.delayed_fused_cast=all'
+  timeout 560 python3 benchmarks/train_throughput.py --workload llama3-8b-seq4096 --steps 20 --repeats 1 \
+    --out /tmp/b --variants "$V" > $OUT/keep/e2e_8b.log 2>&1
+  cp /tmp/b/results.md $OUT/keep/8b.md; cp /tmp/b/results.json $OUT/keep/8b.json
+  sed -i '/DEBUG/d' $OUT/keep/*.log; cat $OUT/keep/8b.md ;;
+*) echo "usage: verify_next.sh tests | graphs | big"; exit 2 ;;
+esac
