@@ -382,8 +382,11 @@ def delayed_cast_transpose() -> None:
 
     scale = torch.tensor(57.3)
     cases = [rnd(150, 200, scale=3.0, seed=21), rnd(1, 96, seed=22), rnd(70, 33, seed=23).float()]
-    nan = rnd(90, 130, seed=24)
-    nan[17, 5], nan[60, 100] = float("nan"), -float("nan")
+    # one NaN each: +NaN (bf16 bits 0x7FC0) and -NaN (0xFFC0; assigning -float("nan") to a bf16 tensor stores +NaN)
+    nan, neg_nan = rnd(90, 130, seed=24), rnd(90, 130, seed=25)
+    nan[17, 5] = float("nan")
+    neg_nan.view(torch.int16)[60, 100] = -64  # 0xFFC0
+    assert neg_nan.view(torch.int16)[60, 100].item() == -64 and neg_nan.isnan().sum().item() == 1
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         for x in cases:
             def run(cfg, x=x, dtype=dtype):
@@ -396,11 +399,11 @@ def delayed_cast_transpose() -> None:
             each_config(ct, "_cast_transpose_kernel", run)
 
     def nan_and_empty(cfg):
-        amax = ct.cast_transpose(nan, scale, torch.float8_e4m3fn, True)[2]
-        assert amax.isnan(), f"cast_transpose {cfg}: a NaN must reach the amax, got {amax}"
+        amax = torch.stack([ct.cast_transpose(t, scale, torch.float8_e4m3fn, True)[2] for t in (nan, neg_nan)])
+        assert amax.isnan().all(), f"cast_transpose {cfg}: a NaN (+, -) must reach the amax, got {amax}"
         q, qt, empty = ct.cast_transpose(rnd(0, 64), scale, torch.float8_e4m3fn, True)
         assert q.shape == (0, 64) and qt.shape == (64, 0) and empty.item() == 0.0, (q.shape, qt.shape, empty)
-        return [amax.isnan().reshape(1)]
+        return [amax.isnan()]
 
     each_config(ct, "_cast_transpose_kernel", nan_and_empty)
     print("delayed cast-transpose: every config the same bits, transposes, amax = torch.amax (NaN too)", flush=True)

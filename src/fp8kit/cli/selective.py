@@ -264,7 +264,7 @@ def _plan_auto(cfg, sites, decisions, options):
                            "rules are shown; `fp8kit train` on CUDA times the FP8 candidates at start-up (cached)")
     from fp8kit.base.runtime import device_name
     from fp8kit.bench.auto import lookup_cached, run_auto_options, run_units
-    from fp8kit.config.prepare_options import weight_cast_accumulation
+    from fp8kit.config.prepare_options import weight_cache_requested, weight_cast_accumulation
     from fp8kit.data.tokenizer import resolve_cache_dir
     from fp8kit.selective.auto import distinct_shapes
     from fp8kit.selective.auto_cache import AutoCache
@@ -279,6 +279,11 @@ def _plan_auto(cfg, sites, decisions, options):
     note = (f'selective_fp8 = "auto": {len(timings)} of {total} shapes cached for {device_name(device)}'
             + ("" if len(timings) == total else "; the others keep their static rule here and are timed by "
                "`fp8kit train` at start-up"))
+    if weight_cache_requested(cfg) and cfg.distributed.dp_shard == -1 and cfg.distributed.dp_replicate == 1:
+        # train's mesh decides; plan sees no launch: dp_shard = -1 under torchrun fills the mesh with FSDP2, which
+        # turns the weight cache off, so that run's timings are keyed without train.grad_accum's accumulation
+        note += ("; looked up as one process (distributed.dp_shard = -1): for a torchrun launch with FSDP2 set "
+                 "distributed.dp_shard to its size to see the timings that run caches")
     return decide(sites, replace(options, auto=replace(auto, timings=timings))), note
 
 

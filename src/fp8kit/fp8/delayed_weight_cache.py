@@ -14,8 +14,8 @@ lookup). Two parts:
   roll also empties the cache (:func:`weight_scales_changed`): a forward between the optimizer step and it (an
   evaluation) cast the new weights at the old scale, in the same optimizer step.
 - This op returns ``(w8 [N, K], w8t [K, N], amax [])``, the E4M3 cast of the weight at that scale in both layouts
-  (``fp8kit::cast_transpose``: one read; the same bits as the uncached casts) from a
-  :class:`~fp8kit.fp8.weight_cache.WeightCache`: computed at the first micro-batch of an optimizer step, returned as
+  (``fp8.kernels.cast_ops.cast_transpose``, on CUDA the triton_op ``fp8kit::cast_transpose_triton``: one read;
+  the same bits as the uncached casts) from a :class:`~fp8kit.fp8.weight_cache.WeightCache`: computed at the first micro-batch of an optimizer step, returned as
   they are until the weight changes (its storage, ``_version``, or an optimizer step: the cache's checks). The cache
   ignores the scale argument on a hit: the first part makes it the scale of the miss.
 
@@ -47,7 +47,7 @@ Cast = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 def weight_cast(w: torch.Tensor, scale: torch.Tensor) -> Cast:
     """The uncached cast a cache miss runs: :func:`cached_weight_cast`'s ``(w8, w8t, amax)`` computed now
-    (``fp8kit::cast_transpose``, both layouts). ``selective_fp8 = "auto"`` times it (``bench/layers.py``)."""
+    (``fp8.kernels.cast_ops.cast_transpose``, both layouts). ``selective_fp8 = "auto"`` times it (``bench/layers.py``)."""
     return tuple(cast_transpose(w, scale, E4M3, True))
 
 
@@ -74,7 +74,7 @@ def cached_weight_cast(w: torch.Tensor, scale: torch.Tensor) -> Cast:
     ``amax = max |w|`` float32 ``[]``; cast at most once per weight version and optimizer step (module docstring).
 
     Raises:
-        ValueError: ``w`` not 2-D, ``scale`` not one float32 value (``fp8kit::cast_transpose``'s checks).
+        ValueError: ``w`` not 2-D, ``scale`` not one float32 value (``cast_ops.cast_transpose``'s checks).
     """
     return torch.ops.fp8kit.delayed_weight_cached(w, scale)
 

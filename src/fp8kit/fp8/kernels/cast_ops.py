@@ -96,7 +96,9 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, tra
         transpose: also write ``qt`` (the layout a backward GEMM takes); otherwise ``qt`` is empty ``[0]``.
         mergeable: call the opaque custom op ``fp8kit::cast_transpose``, whose identical calls ``torch.compile``
             merges into one (sibling linears casting one input); otherwise a CUDA ``x`` takes the ``triton_op``
-            (module docstring; the same bits).
+            (module docstring; the same bits) once :func:`load_cuda_kernels` ran: an eager call runs it, and so does
+            every :class:`~fp8kit.fp8.delayed.Float8DelayedLinear` at construction. Code compiled before that
+            takes the custom op (the same bits, a Python call per cast).
 
     Returns:
         ``q`` ``[M, N]`` and ``qt`` ``[N, M]`` (contiguous) of ``dtype`` (values beyond the format's

@@ -9,8 +9,9 @@ pass instead of a separate reduction before it).
 
 One program per ``BM x BN`` tile of ``x[M, N]``: it reads the tile once, converts it once, writes ``q``'s tile
 row-major and the same bytes transposed into ``qt[N, M]`` (Triton stages the transposed store through shared memory so both stores
-are coalesced), and joins its tile amax to the tensor's with an integer atomic max on the float bits (one launch in all; the
-partial amaxes and their ``torch.amax`` launch of sessions 20-51 are gone). Bytes per element: 2 read (bf16) + 2
+are coalesced), and joins its tile amax to the tensor's with an integer atomic max on the float bits into a zeroed scalar (one cast
+kernel and a one-element fill, which Inductor may merge into another small kernel; the partial amaxes and their
+``torch.amax`` launch of sessions 20-51 are gone). Bytes per element: 2 read (bf16) + 2
 written (two FP8 copies).
 Autotuned over the tile shape and warps (key: ``M``, ``N``); every configuration computes the same bits.
 
@@ -79,7 +80,8 @@ def _cast_transpose_kernel(
 @torch.library.triton_op("fp8kit::cast_transpose_triton", mutates_args=())
 def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                    transpose: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(q[M, N], qt[N, M] or [0], amax[])`` of a CUDA ``x[M, N]`` with unit stride along N: one launch.
+    """``(q[M, N], qt[N, M] or [0], amax[])`` of a CUDA ``x[M, N]`` with unit stride along N: one cast kernel (and
+    the zero fill of the amax scalar).
 
     A ``torch.library.triton_op``: eagerly a plain launch; under ``torch.compile`` Inductor launches the kernel
     from its generated code, with no Python custom-op call around it (the host time of those calls left the
