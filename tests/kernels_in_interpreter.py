@@ -21,6 +21,8 @@ What it checks, every autotune configuration launched in turn (the interpreter h
   uint8 buffer) as the gather kernel does;
 - the delayed recipe's fused cast-transpose (``fp8.kernels.cast_transpose_triton``) in every config, its amax (an integer
   atomic max of the float bits) equal to ``torch.amax``'s, NaN included;
+- expert parallelism's receiver gather (``moe.payload_triton``) in every config against its PyTorch reference, byte
+  for byte (nothing is converted), at R = 0 / 1 and P = 1;
 - the FP8AdamW step (``optim.triton_step``, per block and per tensor, stochastic rounding of ``m``) equals the
   reference ``optim.numerics.adamw_update`` bit for bit in ``m``, ``v``, the master and their scales, with the FP8
   gradient buffer and with ``param.grad`` read through the address table by element and by 16-byte vector loads
@@ -173,6 +175,7 @@ def main() -> int:
     fp8_adamw_step()
     delayed_swiglu_backward()
     delayed_cast_transpose()
+    ep_payload_rows()
     return 0
 
 
@@ -407,6 +410,34 @@ def delayed_cast_transpose() -> None:
 
     each_config(ct, "_cast_transpose_kernel", nan_and_empty)
     print("delayed cast-transpose: every config the same bits, transposes, amax = torch.amax (NaN too)", flush=True)
+
+
+
+def ep_payload_rows() -> None:
+    """``moe.payload_triton`` (expert parallelism's receiver gather): in every config the reference's bytes and scale
+    bits exactly (bytes are moved, no conversion, so the interpreter compares with PyTorch itself), zero rows for
+    index R with the zero row's scale bits, the payload's padding bytes never copied, at R = 0 and 1 and P = 1."""
+    from fp8kit.moe import payload_triton as pt
+    from fp8kit.moe import rowwise_payload as rp
+
+    zero_inv = rp._zero_row_inv_bits()
+    for tokens, hidden, rows in ((37, 48, 90), (1, 2048, 5), (5, 2048, 1), (0, 64, 7)):
+        src = rnd(tokens, hidden, scale=3.0, seed=30 + tokens)
+        payload = rp.gather_quantize_payload_ref(src, torch.arange(tokens))
+        payload.view(-1, hidden + 16)[:, hidden + 4:] = 0xAB  # padding: must not reach the outputs
+        g = torch.Generator().manual_seed(31)
+        index = torch.randint(0, tokens + 1, (rows,), generator=g)  # value `tokens` (= R): a zero row
+        if rows > 1:
+            index[-1] = tokens
+        want_q, want_inv = rp.payload_rows_reference(payload, index, hidden)
+
+        def run(cfg, payload=payload, index=index, hidden=hidden, want_q=want_q, want_inv=want_inv):
+            q, inv = pt.payload_rows(payload, index, hidden, zero_inv)
+            assert torch.equal(q, want_q.view(torch.uint8)), f"payload rows {cfg} {hidden}: bytes differ"
+            assert torch.equal(inv, want_inv.view(torch.int32)), f"payload rows {cfg} {hidden}: scales differ"
+            return [q, inv]
+        each_config(pt, "_payload_rows_kernel", run)
+    print("ep payload rows: every config the reference's bytes and scales, zero rows, padding never copied", flush=True)
 
 
 if __name__ == "__main__":

@@ -107,6 +107,12 @@ def test_rowwise_payload_holds_the_experts_fprop_cast_and_regathers_it_bit_for_b
     want_q, want_inv = gather_quantize_rows(x[:0], torch.zeros(16, dtype=torch.long))
     assert torch.equal(zq.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(zinv, want_inv)
     assert dequantize_payload(empty, HIDDEN, torch.bfloat16, index=torch.zeros(16, dtype=torch.long)).abs().max() == 0
+    # one output row (its two outputs would be views of one gathered row), an int32 index, and a bad index
+    one_q, one_inv = payload_rows(payload, index[:1].int(), HIDDEN)
+    assert torch.equal(one_q.view(torch.uint8), got_q[:1].view(torch.uint8)) and torch.equal(one_inv, got_inv[:1])
+    for bad in (index.float(), index[None]):
+        with pytest.raises(ValueError, match="index must be a 1-D int64 / int32 tensor"):
+            payload_rows(payload, bad, HIDDEN)
 
 
 def test_payload_from_the_tokens_side_takes_the_send_layout_and_refuses_a_wrong_one():

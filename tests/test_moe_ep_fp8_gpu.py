@@ -2,7 +2,8 @@
 unpack of :mod:`fp8kit.moe.fp8_dispatch_triton` against the PyTorch references on the same GPU, bit for bit; the
 rowwise payload (``rowwise_payload.gather_quantize_payload``: the fused gather + cast kernel, or from the tokens' side
 the scatter kernel, writing into payload rows),
-its receiver-side gather and dequantization (compiled) against their references, and the fused FP8 experts fed the
+its receiver-side gather (the Triton kernel of ``moe.payload_triton``) and dequantization (compiled) against their
+references, and the fused FP8 experts fed the
 payload against the same experts casting the tokens themselves (Hopper GEMMs), bit for bit.
 
 Run on a Hopper GPU: ``pytest -m gpu tests/test_moe_ep_fp8_gpu.py``. Shapes: Qwen3-30B-A3B (hidden 2048) and
@@ -132,6 +133,32 @@ def test_payload_rows_and_dequantize_compiled_equal_eager(hidden):
     assert torch.equal(deq, (pq.float() * pinv[:, None]).to(torch.bfloat16))
     assert torch.equal(dequantize_payload(payload, hidden, torch.bfloat16, index=index), deq[index.clamp(max=4098)]
                        * (index < 4099)[:, None])
+
+
+@pytest.mark.parametrize("tokens, hidden, rows", [(4099, 2048, 6040), (3001, 7168, 5000), (1, 2048, 33),
+                                                  (77, 2048, 1), (0, 2048, 40)])
+def test_payload_rows_kernel_moves_the_references_bytes(tokens, hidden, rows):
+    """The receiver's Triton gather (``moe.payload_triton``) against :func:`rowwise_payload.payload_rows_reference`,
+    byte for byte, with NaN-poisoned padding bytes in the payload, zero rows (index R), one received row, one output
+    row and an empty receive; compiled (fullgraph) the same bytes, and the kernel ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    payload = rp.gather_quantize_payload(_tokens(tokens, hidden, torch.bfloat16, seed=7), torch.arange(tokens,
+                                                                                                      device="cuda"))
+    payload[:, hidden + 4:] = 0xFF  # the padding's unspecified bytes: never copied
+    g = torch.Generator(device="cuda").manual_seed(8)
+    index = torch.randint(0, tokens + 1, (rows,), generator=g, device="cuda")
+    want = rp.payload_rows_reference(payload, index, hidden)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        got = payload_rows(payload, index, hidden)
+        torch.cuda.synchronize()
+    assert any("_payload_rows_kernel" in e.name for e in prof.events()), "the Triton gather did not run"
+    compiled = torch.compile(payload_rows, fullgraph=True)(payload, index.int(), hidden)
+    for out in (got, compiled):
+        diff = (out[0].view(torch.uint8) != want[0].view(torch.uint8)).sum().item()
+        assert diff == 0, f"{diff} E4M3 bytes differ (hidden {hidden}, {tokens} received, {rows} rows)"
+        assert torch.equal(out[1].view(torch.int32), want[1].view(torch.int32)), "scales differ"
+        assert out[0].is_contiguous() and out[1].is_contiguous()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),

@@ -13,7 +13,8 @@ cast depends only on its token, so under expert parallelism the sending rank can
   and stored at its top-k rows) or of ``gather_quantize_rows`` writing straight into the payload rows (custom op
   ``fp8kit::moe_rw_gather_quant_payload``; the PyTorch reference elsewhere);
 - receiver: :func:`payload_rows` (the E4M3 rows and scales gathered into local-expert order: the fprop operand,
-  bit for bit what ``gather_quantize_rows`` of the same tokens gives, padding rows included) and
+  bit for bit what ``gather_quantize_rows`` of the same tokens gives, padding rows included; custom op
+  ``fp8kit::moe_payload_rows``, a Triton kernel on CUDA, :mod:`fp8kit.moe.payload_triton`) and
   :func:`dequantize_payload` (``q * inv_scale``, exact in bf16: what gate_up's weight gradient reads).
 
 Bytes per token: ``K + 16`` instead of bf16's ``2 K`` (0.504x at K = 2048).
@@ -26,6 +27,7 @@ import functools
 import torch
 
 from fp8kit.base.cuda_compile import compiled_on_cuda
+from fp8kit.base.triton_lib import triton_module
 from fp8kit.moe import rowwise_quant as rq
 from fp8kit.moe.quantize import quantize_rows
 
@@ -157,26 +159,72 @@ def _gather_words(words: torch.Tensor, index: torch.Tensor, hidden_words: int, z
     return rows[:, :hidden_words], rows[:, hidden_words]
 
 
-def payload_rows(received: torch.Tensor, index: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fprop operand of the fused experts from a rowwise payload: rows gathered into expert order.
-
-    Args:
-        received: ``(R, H + 16)`` uint8 rowwise payload (``R`` may be 0).
-        index: ``(P,)`` int64 payload row of each output row, ``R`` meaning a zero row
-            (``routing.Dispatch.gather_idx`` of the local dispatch).
-        hidden: ``H``.
-
-    Returns:
-        ``(q (P, H) E4M3 row-major, inv_scale (P,) float32)``: equal bit for bit to ``gather_quantize_rows(tokens,
-        index)`` of the tokens the payload was made from (zero rows included). One gather of 32-bit words
-        (compiled on CUDA).
-    """
+def payload_rows_reference(received: torch.Tensor, index: torch.Tensor, hidden: int
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`payload_rows` in PyTorch: one gather of 32-bit words (compiled on CUDA); the CPU's path and the GPU
+    tests' reference."""
     payload_views(received, hidden)  # checks the layout
     q, inv = _gather_words(received.view(torch.int32), index, hidden // 4, _zero_row_inv_bits())
     # Compiled, the two outputs are written as their own buffers; eagerly (the CPU, or Dynamo's recompile limit
     # reached) they are strided views of the gathered rows, which torch._scaled_grouped_mm refuses
     # ("scale must be contiguous"): a copy then, a no-op otherwise.
     return q.contiguous().view(FP8), inv.contiguous().view(torch.float32)
+
+
+def _check_index(received: torch.Tensor, index: torch.Tensor) -> None:
+    if index.dim() != 1 or index.dtype not in (torch.int64, torch.int32) or index.device != received.device:
+        raise ValueError(f"fp8kit::moe_payload_rows: index must be a 1-D int64 / int32 tensor on {received.device}, "
+                         f"got {index.dtype} {tuple(index.shape)} on {index.device}")
+
+
+@torch.library.custom_op("fp8kit::moe_payload_rows", mutates_args=())
+def _payload_rows_op(received: torch.Tensor, index: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_index(received, index)
+    q, inv = payload_rows_reference(received, index, hidden)
+    return q.clone(), inv.clone()  # one row: both are views of the gathered row (outputs may not alias)
+
+
+@_payload_rows_op.register_kernel("cuda")
+def _(received, index, hidden):
+    payload_views(received, hidden)
+    _check_index(received, index)
+    kernels = triton_module("fp8kit.moe.payload_triton", "EP payload rows")
+    if kernels is None:
+        q, inv = payload_rows_reference(received, index, hidden)
+        return q.clone(), inv.clone()
+    with torch.cuda.device(received.device):
+        q, inv = kernels.payload_rows(received, index.contiguous(), hidden, _zero_row_inv_bits())
+    return q.view(FP8), inv.view(torch.float32)
+
+
+@_payload_rows_op.register_fake
+def _(received, index, hidden):
+    payload_views(received, hidden)
+    _check_index(received, index)
+    return received.new_empty(index.shape[0], hidden, dtype=FP8), received.new_empty(index.shape[0],
+                                                                                     dtype=torch.float32)
+
+
+def payload_rows(received: torch.Tensor, index: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fprop operand of the fused experts from a rowwise payload: rows gathered into expert order.
+
+    Args:
+        received: ``(R, H + 16)`` uint8 rowwise payload (``R`` may be 0).
+        index: ``(P,)`` int64 / int32 payload row of each output row, ``R`` meaning a zero row
+            (``routing.Dispatch.gather_idx`` of the local dispatch).
+        hidden: ``H``.
+
+    Returns:
+        ``(q (P, H) E4M3 row-major, inv_scale (P,) float32)``, contiguous: equal bit for bit to
+        ``gather_quantize_rows(tokens, index)`` of the tokens the payload was made from (zero rows included). On
+        CUDA a Triton kernel moving 16-byte pieces (:mod:`fp8kit.moe.payload_triton`), elsewhere
+        :func:`payload_rows_reference`; a custom op (``fp8kit::moe_payload_rows``), so ``torch.compile`` traces it.
+
+    Raises:
+        ValueError: ``received`` not a ``(R, H + 16)`` contiguous uint8 tensor with ``H % 16 == 0``, or ``index`` not a
+            1-D int64 / int32 tensor on its device.
+    """
+    return torch.ops.fp8kit.moe_payload_rows(received, index, hidden)
 
 
 @compiled_on_cuda
