@@ -29,7 +29,8 @@ expert with ``routing.dispatch``, as ``moe/expert_parallel.py`` does):
 - ``rowwise-exchange``: the rowwise payload's all-to-all alone;
 - ``dispatch-fp8-gather``: ``dispatch-fp8`` with the sender's gather kernel (each row read through the index: the
   path before session 51); ``payload-scatter`` / ``payload-gather`` / ``payload-rows``: the sender's two kernels and
-  the receiver's regroup alone.
+  the receiver's regroup alone (``payload-rows``: the Triton kernel since session 52; ``payload-rows-torch``: the
+  compiled PyTorch gather it replaced, its reference).
 
 Time: ``fp8kit.bench.timing.time_ms`` (the GPU is held while the host enqueues, so launch overhead is
 hidden), slowest rank's value. Writes ``OUT/ep_dispatch.json`` (rewritten after each shape) and prints a table.
@@ -50,7 +51,12 @@ from fp8kit.bench.timing import time_ms
 from fp8kit.moe import routing
 from fp8kit.moe import rowwise_quant as rq
 from fp8kit.moe.fp8_dispatch import _exchange, fp8_all_to_all, pack, payload_row_bytes, unpack
-from fp8kit.moe.rowwise_payload import gather_quantize_payload, payload_rows, rowwise_payload_bytes
+from fp8kit.moe.rowwise_payload import (
+    gather_quantize_payload,
+    payload_rows,
+    payload_rows_reference,
+    rowwise_payload_bytes,
+)
 
 MODELS = {"qwen3-30b-a3b": 2048, "deepseek-v3": 7168}
 EXPERTS = {"qwen3-30b-a3b": 128, "deepseek-v3": 256}
@@ -100,7 +106,8 @@ def bench_whole_dispatch(name: str, hidden: int, args, device: torch.device, wor
           "rowwise-exchange": t(lambda: _exchange(payload, r["recv"], r["send"], group)),
           "payload-scatter": t(lambda: gather_quantize_payload(x, token_rows, r["pair_rows"])),
           "payload-gather": t(lambda: gather_quantize_payload(x, token_rows)),
-          "payload-rows": t(lambda: payload_rows(received, d.gather_idx, hidden))}
+          "payload-rows": t(lambda: payload_rows(received, d.gather_idx, hidden)),
+          "payload-rows-torch": t(lambda: payload_rows_reference(received, d.gather_idx, hidden))}
     rows_sent = sum(r["send"]) - r["send"][dist.get_rank()]
     return {"ms": ms, "dispatch_fp8_vs_bf16": ms["dispatch-fp8"] / ms["dispatch-bf16"],
             "rowwise_exchange_vs_bf16": ms["rowwise-exchange"] / ms["dispatch-bf16"],
@@ -196,12 +203,13 @@ def main() -> int:
                  f"{r['bytes_ratio']:.3f}") for r in rows])
         _table("Whole dispatch to the FP8 experts' fprop operand (ms, slowest rank)",
                ("model", "experts", "dispatch-bf16", "dispatch-fp8 (rowwise)", "fp8 / bf16", "with the gather kernel",
-                "rowwise a2a alone", "sender scatter / gather", "receiver regroup", "bytes"),
+                "rowwise a2a alone", "sender scatter / gather", "receiver regroup (torch's)", "bytes"),
                [(r["model"], r["experts"], f"{r['ms']['dispatch-bf16']:.3f}", f"{r['ms']['dispatch-fp8']:.3f}",
                  f"{r['dispatch_fp8_vs_bf16']:.3f}x",
                  f"{r['ms']['dispatch-fp8-gather']:.3f} ({r['ms']['dispatch-fp8-gather'] / r['ms']['dispatch-bf16']:.3f}x)",
                  f"{r['ms']['rowwise-exchange']:.3f}", f"{r['ms']['payload-scatter']:.3f} / {r['ms']['payload-gather']:.3f}",
-                 f"{r['ms']['payload-rows']:.3f}", f"{r['rowwise_bytes_ratio']:.3f}") for r in rows])
+                 f"{r['ms']['payload-rows']:.3f} ({r['ms']['payload-rows-torch']:.3f})", f"{r['rowwise_bytes_ratio']:.3f}")
+                for r in rows])
     dist.destroy_process_group()
     return 0
 

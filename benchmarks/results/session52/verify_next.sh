@@ -5,6 +5,9 @@
 #           84-93 ms, session 52): bf16 / delayed none / grad_output / all, each with CUDA graphs, in one run
 #   big    (~8 min): the 8B step (8 layers, seq 4096, mbs 2, FP8 head) bf16 / delayed none / all with the triton_op
 #           cast (session 51: all 1.442x at 23.1 GiB, none 1.403x)
+#   ep     (nvidia-h200-x2, ~3 min): the EP receiver's new Triton gather (session 52, built after the device time was
+#           spent): its GPU tests, then benchmarks/ep_dispatch.py (payload-rows = the kernel, payload-rows-torch = the
+#           compiled gather it replaced: 0.361 / 1.640 ms at Qwen3 / DeepSeek-V3; target dispatch-fp8 <= 0.6x bf16)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
 mkdir -p $OUT/keep
 nvidia-smi --query-gpu=name,power.limit --format=csv,noheader | tee $OUT/keep/gpu.txt
@@ -27,5 +30,11 @@ big)
     --out /tmp/b --variants "$V" > $OUT/keep/e2e_8b.log 2>&1
   cp /tmp/b/results.md $OUT/keep/8b.md; cp /tmp/b/results.json $OUT/keep/8b.json
   sed -i '/DEBUG/d' $OUT/keep/*.log; cat $OUT/keep/8b.md ;;
-*) echo "usage: verify_next.sh tests | graphs | big"; exit 2 ;;
+ep)
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -v -m gpu tests/test_moe_ep_fp8_gpu.py -n 4 -p no:cacheprovider \
+    -W ignore 2>&1 | grep -v DEBUG | grep "PASS\|FAIL\|Error\|passed\|failed\|assert" | tail -40 > $OUT/keep/ep_gpu_tests.log
+  tail -8 $OUT/keep/ep_gpu_tests.log
+  timeout 150 torchrun --nproc_per_node 2 benchmarks/ep_dispatch.py 2>&1 | grep -v DEBUG | tail -16 \
+    | tee $OUT/keep/ep_dispatch.log ;;
+*) echo "usage: verify_next.sh tests | graphs | big | ep"; exit 2 ;;
 esac
