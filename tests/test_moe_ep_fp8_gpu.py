@@ -136,11 +136,12 @@ def test_payload_rows_and_dequantize_compiled_equal_eager(hidden):
 
 
 @pytest.mark.parametrize("tokens, hidden, rows", [(4099, 2048, 6040), (3001, 7168, 5000), (1, 2048, 33),
-                                                  (77, 2048, 1), (0, 2048, 40)])
+                                                  (77, 2048, 1), (0, 2048, 40), (300_000, 7168, 4096)])
 def test_payload_rows_kernel_moves_the_references_bytes(tokens, hidden, rows):
     """The receiver's Triton gather (``moe.payload_triton``) against :func:`rowwise_payload.payload_rows_reference`,
     byte for byte, with NaN-poisoned padding bytes in the payload, zero rows (index R), one received row, one output
-    row and an empty receive; compiled (fullgraph) the same bytes, and the kernel ran."""
+    row, an empty receive, and a payload past 2**31 bytes read at its last rows (64-bit offsets); compiled (fullgraph)
+    the same bytes, and the kernel ran."""
     from torch.profiler import ProfilerActivity, profile
 
     payload = rp.gather_quantize_payload(_tokens(tokens, hidden, torch.bfloat16, seed=7), torch.arange(tokens,
@@ -148,6 +149,8 @@ def test_payload_rows_kernel_moves_the_references_bytes(tokens, hidden, rows):
     payload[:, hidden + 4:] = 0xFF  # the padding's unspecified bytes: never copied
     g = torch.Generator(device="cuda").manual_seed(8)
     index = torch.randint(0, tokens + 1, (rows,), generator=g, device="cuda")
+    if rows > 2:
+        index[-2:] = torch.tensor([tokens, max(tokens - 1, 0)])  # a zero row, and the payload's last row
     want = rp.payload_rows_reference(payload, index, hidden)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         got = payload_rows(payload, index, hidden)

@@ -11,7 +11,9 @@ DeepSeek-V3's x 7168), a third of a copy's rate, and it is on the dispatch's cri
 and the experts' first GEMM (and again in gate_up's weight gradient, :func:`dequantize_payload` with ``index``).
 Here each program copies a ``BLOCK_P x BLOCK_H`` tile of bytes with 16-byte accesses (payload rows start on 16-byte
 boundaries: ``H + 16`` bytes, ``H % 16 == 0``), its rows' source offsets loaded once, and the programs of the first
-column tile also move the scales. ``R`` and ``P`` are not specialized on (Triton 3.6 miscompiled a row count equal
+column tile also move the scales. The 16-byte accesses need ``received`` to start on a 16-byte boundary, as a fresh
+buffer (the all-to-all's output) and any slice of whole rows do; otherwise Triton falls back to byte accesses (the
+same bytes, slower). ``R`` and ``P`` are not specialized on (Triton 3.6 miscompiled a row count equal
 to 1 turned into a constant in fp8kit's activation casts, ``base.triton_lib.two_rows_if_one``).
 
 Imported only on CUDA (triton is absent from CPU installs).
@@ -41,7 +43,7 @@ def _payload_rows_kernel(
     rows = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     in_rows = rows < P
     src_row = tl.load(index_ptr + rows, mask=in_rows, other=0).to(tl.int64)
-    real = in_rows & (src_row < R)  # index R: a zero row
+    real = in_rows & (src_row < R) & (src_row >= 0)  # index R: a zero row (and no read outside the payload)
     cols = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     in_cols = cols < H
     v = tl.load(src_ptr + src_row[:, None] * SRC_STRIDE + cols[None, :], mask=real[:, None] & in_cols[None, :],
@@ -66,8 +68,8 @@ def payload_rows(received: torch.Tensor, index: torch.Tensor, hidden: int,
     p = index.shape[0]
     q = torch.empty(p, hidden, dtype=torch.uint8, device=received.device)
     inv = torch.empty(p, dtype=torch.int32, device=received.device)
-    if p and hidden:
-        grid = lambda meta: (triton.cdiv(p, meta["BLOCK_P"]), triton.cdiv(hidden, meta["BLOCK_H"]))  # noqa: E731
+    if p:  # at least one column of programs: they write the scales, for H = 0 too
+        grid = lambda meta: (triton.cdiv(p, meta["BLOCK_P"]), max(1, triton.cdiv(hidden, meta["BLOCK_H"])))  # noqa: E731
         _payload_rows_kernel[grid](received, received.view(torch.int32), index, q, inv, received.shape[0], p, hidden,
                                    received.stride(0), zero_inv)
     return q, inv

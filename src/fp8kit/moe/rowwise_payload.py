@@ -177,11 +177,18 @@ def _check_index(received: torch.Tensor, index: torch.Tensor) -> None:
                          f"got {index.dtype} {tuple(index.shape)} on {index.device}")
 
 
+def _own_storage(q: torch.Tensor, inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`payload_rows_reference`'s outputs as a custom op may return them: with one row both can be views of the
+    one gathered row (outputs may not alias), then copies; otherwise as they are."""
+    if q.untyped_storage().data_ptr() == inv.untyped_storage().data_ptr():
+        return q.clone(), inv.clone()
+    return q, inv
+
+
 @torch.library.custom_op("fp8kit::moe_payload_rows", mutates_args=())
 def _payload_rows_op(received: torch.Tensor, index: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     _check_index(received, index)
-    q, inv = payload_rows_reference(received, index, hidden)
-    return q.clone(), inv.clone()  # one row: both are views of the gathered row (outputs may not alias)
+    return _own_storage(*payload_rows_reference(received, index, hidden))
 
 
 @_payload_rows_op.register_kernel("cuda")
@@ -190,8 +197,7 @@ def _(received, index, hidden):
     _check_index(received, index)
     kernels = triton_module("fp8kit.moe.payload_triton", "EP payload rows")
     if kernels is None:
-        q, inv = payload_rows_reference(received, index, hidden)
-        return q.clone(), inv.clone()
+        return _own_storage(*payload_rows_reference(received, index, hidden))
     with torch.cuda.device(received.device):
         q, inv = kernels.payload_rows(received, index.contiguous(), hidden, _zero_row_inv_bits())
     return q.view(FP8), inv.view(torch.float32)
