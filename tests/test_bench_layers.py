@@ -21,6 +21,7 @@ from fp8kit.bench.layers import (
 from fp8kit.bench.sites import layer_sites
 from fp8kit.cli.main import main
 from fp8kit.config import ModelConfig
+from fp8kit.fp8.delayed_state import FUSED_CASTS
 from fp8kit.fp8.recipes import RECIPE_NAMES, RECIPES
 
 TINY = ["--set", "model.num_layers=1", "--set", "data.vocab_size=1024"]
@@ -339,3 +340,30 @@ def test_the_report_says_how_its_sites_were_compiled(capsys, tmp_path, flags, ex
     default), ``static`` by default when compiled, ``dynamic`` with ``--dynamic``."""
     rep, _ = _bench(capsys, tmp_path, [*flags, "--precisions", "bf16"])
     assert rep["compiled"] is bool(flags) and rep["compile_shapes"] == expected, (rep["compiled"], rep["compile_shapes"])
+
+
+def test_delayed_sites_are_timed_with_the_runs_fused_cast(tmp_path):
+    """``fp8.delayed_fused_cast`` reaches the timed delayed linears (``BenchLayersArgs.delayed_fused_cast``, from
+    ``bench-layers`` and ``auto``) and ``auto``'s cache key; the default's key is unchanged."""
+    from fp8kit.bench.auto import shape_keys, shape_recipe_key
+    from fp8kit.bench.layers import _Timer
+    from fp8kit.selective.auto import AutoShape
+
+    sites, _ = layer_sites(ModelConfig(num_layers=1), 1024)
+    fc1 = next(s for s in sites if s.name == "fc1")
+    for fused in ("none", "all"):
+        args = BenchLayersArgs(model=ModelConfig(num_layers=1), vocab_size=1024, recipe="delayed", warmup=0, iters=1,
+                               compile=False, delayed_fused_cast=fused)
+        timer = _Timer(fc1, "fp8", args, CPU)
+        assert timer.module.delayed_state.config.fused_cast == fused
+        assert [lin._fused_casts() for lin in timer.module.linears][0] == FUSED_CASTS[fused]
+        assert timer(32) > 0
+    shape = AutoShape(gemms=((4096, 4096),), num_tokens=8192)
+    assert shape_recipe_key(shape, "delayed", None) == "delayed:fast_accum=fprop+wgrad"
+    assert shape_recipe_key(shape, "delayed", None, fused_cast="all") == "delayed:fast_accum=fprop+wgrad:fused_cast=all"
+    assert shape_recipe_key(shape, "blockwise", None, fused_cast="all") == "blockwise"  # the delayed recipe's only
+    grouped = AutoShape(gemms=((4096, 4096),), num_tokens=8192, num_gemms=8)
+    assert ":fused_cast" not in shape_recipe_key(grouped, "delayed", "grouped:rowwise", fused_cast="all")
+    keys = [shape_keys([shape], recipe="delayed", device=CPU, tp=1, ep=1, compiled=False, fused_cast=f)[shape]
+            for f in ("none", "grad_output")]
+    assert keys[0] != keys[1], keys

@@ -92,7 +92,8 @@ def grouped_recipe_key(device: torch.device, recipe: str = "tensorwise", config=
 
 def shape_recipe_key(shape: AutoShape, recipe: str, grouped_key: str | None, wgrad: str = "auto",
                      gemm: str = "auto", accumulate: int = 1, wgrad_x: str = "128x1",
-                     fast_accum: tuple[str, ...] | None = None, dense_accumulate: int = 1) -> str:
+                     fast_accum: tuple[str, ...] | None = None, dense_accumulate: int = 1,
+                     fused_cast: str = "none") -> str:
     """The ``recipe`` part of a shape's cache key: the dense recipe or the grouped kernel key of one expert weight
     (both with ``:wgrad_x=128x128`` for the blockwise recipe with ``fp8.blockwise_wgrad_x = "128x128"``; a dense
     recipe that takes fast accumulation with ``:fast_accum=<gemms joined by +, or none>``, ``fp8.fast_accum``
@@ -101,7 +102,8 @@ def shape_recipe_key(shape: AutoShape, recipe: str, grouped_key: str | None, wgr
     expert MLP (``shape.mlp``, only on the fused kernel) ``grouped:fused:wgrad=<fp8.grouped_wgrad>:gemm=<fp8.grouped_gemm>``,
     with ``:accum=<N>`` when its FP8 weights are cast once per ``N`` micro-batches (``ExpertsMLPTimer(accumulate=)``);
     a dense shape or a blockwise-loop expert weight with ``:accum=<dense_accumulate>`` likewise
-    (``BenchLayersArgs.accumulate``)."""
+    (``BenchLayersArgs.accumulate``); a dense delayed shape with ``:fused_cast=<fp8.delayed_fused_cast>`` when not
+    ``"none"`` (so the default's keys are those of before the setting was timed)."""
     if shape.mlp:
         return f"grouped:fused:wgrad={wgrad}:gemm={gemm}" + (f":accum={accumulate}" if accumulate > 1 else "")
     key = grouped_key if shape.is_grouped else recipe
@@ -109,6 +111,8 @@ def shape_recipe_key(shape: AutoShape, recipe: str, grouped_key: str | None, wgr
         key += ":fast_accum=" + ("+".join(fast_accum_for(recipe, fast_accum)) or "none")
     if recipe == "blockwise" and wgrad_x != "128x1":
         key += f":wgrad_x={wgrad_x}"
+    if recipe == "delayed" and not shape.is_grouped and fused_cast != "none":
+        key += f":fused_cast={fused_cast}"
     cached = not shape.is_grouped or grouped_key == "grouped:blockwise_loop"  # where BenchLayersArgs.accumulate acts
     return key + (f":accum={dense_accumulate}" if dense_accumulate > 1 and cached else "")
 
@@ -130,19 +134,21 @@ def run_units(decisions: list[Decision], cfg: RunConfig, auto: AutoOptions) -> l
 
 def shape_keys(shapes: Sequence[AutoShape], *, recipe: str, device: torch.device, tp: int, ep: int, compiled: bool,
                grouped=None, accumulate: int = 1, wgrad_x: str = "128x1",
-               fast_accum: tuple[str, ...] | None = None, dense_accumulate: int = 1) -> dict[AutoShape, dict]:
+               fast_accum: tuple[str, ...] | None = None, dense_accumulate: int = 1,
+               fused_cast: str = "none") -> dict[AutoShape, dict]:
     """The cache key of each shape for one run (:func:`~fp8kit.selective.auto_cache.cache_key` with
     :func:`shape_recipe_key`): the one place :func:`measure_shapes` (which stores) and :func:`lookup_cached` (which only
     reads) build them. ``grouped``: the run's ``GroupedGemmConfig`` (None: the recipe's defaults); ``wgrad_x``:
     ``fp8.blockwise_wgrad_x``; ``fast_accum``: ``fp8.fast_accum``; ``dense_accumulate``: the dense linears' weight-cast
-    accumulation (``config.prepare_options.dense_weight_cast_accumulation``)."""
+    accumulation (``config.prepare_options.dense_weight_cast_accumulation``); ``fused_cast``:
+    ``fp8.delayed_fused_cast``."""
     dev_name, vers = device_name(device), _key_versions()
     grouped_key = grouped_recipe_key(device, recipe) if any(s.is_grouped for s in shapes) else None
     wgrad = grouped.wgrad if grouped is not None else "auto"
     gemm = grouped.gemm if grouped is not None else "auto"
     return {s: cache_key(s, device=dev_name, versions=vers,
                          recipe=shape_recipe_key(s, recipe, grouped_key, wgrad, gemm, accumulate, wgrad_x,
-                                                          fast_accum, dense_accumulate), tp=tp, ep=ep,
+                                                 fast_accum, dense_accumulate, fused_cast), tp=tp, ep=ep,
                          compiled=compiled)
             for s in shapes}
 
@@ -152,6 +158,7 @@ def measure_shapes(
     cache: AutoCache, compile: bool, warmup: int = AUTO_WARMUP, iters: int = AUTO_ITERS,
     progress: Callable[[int, int, str], None] | None = None, grouped=None, accumulate: int = 1,
     wgrad_x: str = "128x1", fast_accum: tuple[str, ...] | None = None, dense_accumulate: int = 1,
+    fused_cast: str = "none",
 ) -> Measured:
     """Time each ``(shape, name)`` in BF16 and in FP8, or read it from ``cache`` (module docstring).
 
@@ -162,7 +169,8 @@ def measure_shapes(
     ``accumulate``: micro-batches per optimizer step that share their cast FP8 expert weights (expert MLP shapes are
     timed in that steady state; :class:`~fp8kit.bench.experts_timer.ExpertsMLPTimer`). ``wgrad_x``: the blockwise
     linears' ``fp8.blockwise_wgrad_x``; ``fast_accum``: the dense linears' ``fp8.fast_accum``; ``dense_accumulate``:
-    micro-batches per optimizer step that share the dense linears' cast weights (``BenchLayersArgs.accumulate``).
+    micro-batches per optimizer step that share the dense linears' cast weights (``BenchLayersArgs.accumulate``);
+    ``fused_cast``: the delayed linears' ``fp8.delayed_fused_cast``.
     """
     t0 = time.perf_counter()
     out = Measured()
@@ -170,7 +178,7 @@ def measure_shapes(
     gemm = grouped.gemm if grouped is not None else "auto"
     keys = shape_keys([s for s, _ in shapes], recipe=recipe, device=device, tp=tp, ep=ep, compiled=compile,
                       grouped=grouped, accumulate=accumulate, wgrad_x=wgrad_x, fast_accum=fast_accum,
-                      dense_accumulate=dense_accumulate)
+                      dense_accumulate=dense_accumulate, fused_cast=fused_cast)
     todo = []
     for shape, name in shapes:
         key = keys[shape]
@@ -197,7 +205,7 @@ def measure_shapes(
                 ms[precision] = _time_one(shape, name, precision, recipe=recipe, device=device, compile=compile,
                                           warmup=warmup, iters=iters, wgrad=wgrad, gemm=gemm, accumulate=accumulate,
                                           ep=ep, wgrad_x=wgrad_x, fast_accum=fast_accum,
-                                          dense_accumulate=dense_accumulate)
+                                          dense_accumulate=dense_accumulate, fused_cast=fused_cast)
             except (CapabilityError, ConfigError) as e:
                 ms[precision], error = None, f"{precision}: {e}"
             except torch.OutOfMemoryError:
@@ -235,7 +243,7 @@ def _key_versions() -> dict[str, str]:
 def _time_one(shape: AutoShape, name: str, precision: str, *, recipe: str, device: torch.device, compile: bool,
               warmup: int, iters: int, wgrad: str = "auto", gemm: str = "auto", accumulate: int = 1,
               ep: int = 1, wgrad_x: str = "128x1", fast_accum: tuple[str, ...] | None = None,
-              dense_accumulate: int = 1) -> float:
+              dense_accumulate: int = 1, fused_cast: str = "none") -> float:
     """Milliseconds of one forward + backward of ``shape``'s linears in ``precision`` (``bench-layers``' timers; an
     expert MLP shape: ``bench/experts_timer.ExpertsMLPTimer``)."""
     if shape.mlp:
@@ -250,7 +258,7 @@ def _time_one(shape: AutoShape, name: str, precision: str, *, recipe: str, devic
                      list(shape.gemms), tp=1, num_gemms=shape.num_gemms)
     args = BenchLayersArgs(model=ModelConfig(), vocab_size=0, recipe=recipe, warmup=warmup, iters=iters,
                            compile=compile, dynamic=False, blockwise_wgrad_x=wgrad_x, fast_accum=fast_accum,
-                           accumulate=dense_accumulate)
+                           accumulate=dense_accumulate, delayed_fused_cast=fused_cast)
     timer = _GroupedTimer(site, precision, args, device) if shape.is_grouped else _Timer(site, precision, args, device)
     return timer(shape.num_tokens)
 
@@ -345,7 +353,8 @@ def lookup_cached(units: list[AutoUnit], cfg: RunConfig, device: torch.device, c
     keys = shape_keys(list(distinct_shapes(units)), recipe=cfg.fp8.recipe, device=device, tp=d.tp, ep=d.ep,
                       compiled=cfg.train.compile, grouped=grouped_gemm_config(cfg), accumulate=accumulate,
                       wgrad_x=cfg.fp8.blockwise_wgrad_x, fast_accum=requested_fast_accum(cfg.fp8),
-                      dense_accumulate=dense_weight_cast_accumulation(cfg, accumulate))
+                      dense_accumulate=dense_weight_cast_accumulation(cfg, accumulate),
+                      fused_cast=cfg.fp8.delayed_fused_cast)
     out = {}
     for shape, key in keys.items():
         hit, _ = cache.load(key)
@@ -369,7 +378,8 @@ def _measure_on_rank0(units: list[AutoUnit], cfg: RunConfig, device: torch.devic
                                   progress=_progress_line(status), grouped=grouped_gemm_config(cfg),
                                   accumulate=accumulate, wgrad_x=cfg.fp8.blockwise_wgrad_x,
                                   fast_accum=requested_fast_accum(cfg.fp8),
-                                  dense_accumulate=dense_weight_cast_accumulation(cfg, accumulate))
+                                  dense_accumulate=dense_weight_cast_accumulation(cfg, accumulate),
+                                  fused_cast=cfg.fp8.delayed_fused_cast)
     if distributed:
         box = [measured]
         dist.broadcast_object_list(box, src=0)

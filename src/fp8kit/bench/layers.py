@@ -112,6 +112,8 @@ class BenchLayersArgs:
             steady state: the step with the cached weights plus the weights' cast (timed alone) divided by
             ``accumulate``; so are the blockwise-loop experts of grouped sites. The torchao recipes, which cast every
             micro-batch, and the rowwise grouped GEMM ignore it (the fused experts' unit has its own timer).
+        delayed_fused_cast: recipe ``delayed``: the operands cast by fp8kit's fused cast-transpose
+            (``fp8.delayed_fused_cast``; ``DelayedScaling.fused_cast``), so a site is timed as the run casts it.
     """
 
     model: ModelConfig
@@ -133,6 +135,7 @@ class BenchLayersArgs:
     fast_accum: tuple[str, ...] | None = None
     grouped: GroupedGemmConfig | None = None
     accumulate: int = 1
+    delayed_fused_cast: str = "none"
 
     def grouped_config(self) -> GroupedGemmConfig:
         """:attr:`grouped`, or the recipe's default experts config."""
@@ -189,7 +192,7 @@ class SiteModule(nn.Module):
 
 def build_site_module(
     site: BenchSite, precision: str, recipe: str, device: torch.device, mesh=None, *, wgrad_x: str = "128x1",
-    fast_accum: tuple[str, ...] | None = None, cache_weights: bool = False,
+    fast_accum: tuple[str, ...] | None = None, cache_weights: bool = False, fused_cast: str = "none",
 ) -> SiteModule:
     """The bf16 :class:`SiteModule` of ``site``; for ``precision == "fp8"`` its linears become torchao
     ``Float8Linear`` modules with ``float8_linear_config(recipe)`` (``fp8/recipes.py``), or fp8kit's
@@ -201,7 +204,8 @@ def build_site_module(
     Weights: ``nn.Linear`` initialisation with ``torch.manual_seed(0)``, bf16. ``wgrad_x``: the blockwise
     linears' ``wgrad_x`` (``fp8.blockwise_wgrad_x``); ``fast_accum``: the GEMMs with fast accumulation
     (``fp8.fast_accum``; None: the recipe table's); ``cache_weights``: the blockwise and delayed linears keep their
-    cast weights (the weight cache of a run with gradient accumulation: :attr:`BenchLayersArgs.accumulate`).
+    cast weights (the weight cache of a run with gradient accumulation: :attr:`BenchLayersArgs.accumulate`);
+    ``fused_cast``: the delayed linears' ``fp8.delayed_fused_cast``.
 
     Raises:
         ConfigError: ``recipe`` is not a recipe name (FP8 only).
@@ -220,7 +224,7 @@ def build_site_module(
 
             # under real TP one scale per whole tensor: amaxes MAX-reduced over the tp ranks (parallel/tp_own.py)
             state = DelayedScalingState(DelayedScaling(fast_accum=fast_accum_for(recipe, fast_accum),
-                                                       cache_weights=cache_weights),
+                                                       cache_weights=cache_weights, fused_cast=fused_cast),
                                         group=mesh.get_group() if mesh is not None else None)
             # the timer rolls once, after a first step, then times steps on those history scales: in a model one
             # roll per step serves every module, a share of it per site too small to time
@@ -337,7 +341,8 @@ class _Timer:
         own = precision == "fp8" and recipe_info(args.recipe, "--recipe").engine == "fp8kit"
         self.accumulate = max(1, args.accumulate) if own else 1
         self.module = build_site_module(site, precision, args.recipe, device, mesh, wgrad_x=args.blockwise_wgrad_x,
-                                        fast_accum=args.fast_accum, cache_weights=self.accumulate > 1)
+                                        fast_accum=args.fast_accum, cache_weights=self.accumulate > 1,
+                                        fused_cast=args.delayed_fused_cast)
         self.parts: dict = {}
         self.scaling = float8_linear_scaling(self.module) if precision == "fp8" else None
         self.delayed = getattr(self.module, "delayed_state", None)  # rolled by the timer (build_site_module)

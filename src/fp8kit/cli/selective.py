@@ -312,6 +312,7 @@ def _bench(args: argparse.Namespace, console) -> int:
         shape_sweep=parse_shape_sweep(args.shape_sweep) if args.shape_sweep else auto_sweep(args.max_tokens),
         device=args.device, simulate_tp=args.simulate_tp, compile=args.compile, dynamic=args.dynamic,
         blockwise_wgrad_x=cfg.fp8.blockwise_wgrad_x, fast_accum=requested_fast_accum(cfg.fp8),
+        delayed_fused_cast=cfg.fp8.delayed_fused_cast,
         grouped=grouped_for_fp8(cfg.fp8.model_copy(update={"recipe": values["recipe"]})),
     )
     recipe_info(values["recipe"], sources["recipe"])  # an unknown recipe: its error before anything is printed
