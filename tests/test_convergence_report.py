@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
 
+from tests.script_loader import load_script
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "convergence.py"
 
 
 @pytest.fixture(scope="module")
 def convergence():
-    spec = importlib.util.spec_from_file_location("convergence_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT)
 
 
 def _losses(n: int, offset: float = 1.0) -> list[dict]:

@@ -6,10 +6,9 @@ difference 1."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
+from tests.script_loader import load_script
 from tests.test_distributed import ROOT
 
 SETS = ["model.preset=tiny-moe", "data.vocab_size=1024", "data.seq_length=64", "train.micro_batch_size=2",
@@ -18,9 +17,7 @@ SETS = ["model.preset=tiny-moe", "data.vocab_size=1024", "data.seq_length=64", "
 
 
 def test_dump_is_deterministic_and_compare_names_a_zeroed_gradient(tmp_path):
-    spec = importlib.util.spec_from_file_location("debug_step_compare", ROOT / "benchmarks" / "debug_step_compare.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script(ROOT / "benchmarks" / "debug_step_compare.py")
     a = mod.dump(SETS, str(tmp_path / "a.pt"))
     b = torch.load(tmp_path / "a.pt")
     assert a["loss_train"] == b["loss_train"] and torch.isfinite(torch.tensor(a["loss_eval"]))

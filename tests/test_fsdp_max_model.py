@@ -11,7 +11,6 @@ when the linear fit is right, overshoots, undershoots, or memory runs out below 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -19,6 +18,7 @@ import sys
 
 import pytest
 
+from tests.script_loader import load_script
 from tests.test_distributed import ROOT, _env
 
 SCRIPT = ROOT / "benchmarks" / "fsdp_max_model.py"
@@ -26,10 +26,7 @@ CAP = 0.01  # GiB per rank: about 6 tiny layers with AdamW (16 B/param), 11 with
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("fsdp_max_model", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT)
 
 
 @pytest.fixture(scope="module")

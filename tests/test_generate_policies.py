@@ -5,16 +5,13 @@ claims)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 
+from tests.script_loader import load_script
 from tests.test_distributed import ROOT
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("generate_policies", ROOT / "benchmarks" / "generate_policies.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "benchmarks" / "generate_policies.py")
 
 
 def _args(tmp_path, **kw):

@@ -6,11 +6,11 @@ tensorwise at 15 of the 18 shapes, with ``delayed_fused_cast`` grad_output or al
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
+from tests.script_loader import load_script
 from tests.test_distributed import ROOT
 
 RUN = ROOT / "benchmarks" / "results" / "session51"
@@ -19,10 +19,7 @@ FILES = [RUN / "call1" / "delayed8.json", RUN / "call4" / "grid10.json"]
 
 @pytest.fixture(scope="module")
 def plg():
-    spec = importlib.util.spec_from_file_location("plot_linear_grid", ROOT / "benchmarks" / "plot_linear_grid.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "benchmarks" / "plot_linear_grid.py")
 
 
 def test_the_recorded_grid_gives_the_documented_counts_and_a_figure(plg, tmp_path, monkeypatch, capsys):

@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
+from tests.script_loader import load_script
 from tests.test_distributed import ROOT
 
 RUN = ROOT / "benchmarks" / "results" / "session52"
@@ -15,10 +14,7 @@ BEFORE, AFTER = RUN / "call3" / "step_profile_1b.log", RUN / "call6" / "step_pro
 
 @pytest.fixture(scope="module")
 def psp():
-    spec = importlib.util.spec_from_file_location("plot_step_profile", ROOT / "benchmarks" / "plot_step_profile.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "benchmarks" / "plot_step_profile.py")
 
 
 def test_the_recorded_profiles_give_the_documented_figures_and_a_plot(psp, tmp_path, monkeypatch, capsys):

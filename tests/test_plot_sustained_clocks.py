@@ -7,11 +7,11 @@ The run itself needs a GPU (``benchmarks/sustained_clocks.py``); its recorded ou
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
+from tests.script_loader import load_script
 from tests.test_distributed import ROOT
 
 RUN = ROOT / "benchmarks" / "results" / "session30"
@@ -19,11 +19,7 @@ RUN = ROOT / "benchmarks" / "results" / "session30"
 
 @pytest.fixture(scope="module")
 def psc():
-    spec = importlib.util.spec_from_file_location("plot_sustained_clocks",
-                                                  ROOT / "benchmarks" / "plot_sustained_clocks.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "benchmarks" / "plot_sustained_clocks.py")
 
 
 def test_steady_window_gives_the_recorded_speedups(psc):

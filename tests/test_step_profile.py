@@ -7,19 +7,15 @@ Llama-3-8B step (cuBLAS ``nvjet`` tile tags ``qrtst`` / ``qqtst`` are FP8 operan
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
+from tests.script_loader import load_script
 from tests.test_distributed import ROOT
 
 
 @pytest.fixture(scope="module")
 def sp():
-    spec = importlib.util.spec_from_file_location("step_profile", ROOT / "benchmarks" / "step_profile.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "benchmarks" / "step_profile.py")
 
 
 def test_union_counts_overlaps_once_and_gaps_not_at_all(sp):
