@@ -20,7 +20,10 @@ default, as in the FP8 engine and FP8-LM issues):
   400 steps by default: :data:`STUDY_DEFAULTS`) with its optimizer (FP8AdamW, bf16 working weights): ``bf16`` vs the delayed recipe with the FP8
   LM head, with the default accumulation (fast fprop and wgrad since session 42), with fast fprop only
   (Transformer Engine's), and with ``fp8.fast_accum = "all"``: the long reductions
-  of real 8B shapes (K up to 14336, wgrad over 8192 tokens), which llama-125m does not have.
+  of real 8B shapes (K up to 14336, wgrad over 8192 tokens), which llama-125m does not have;
+- ``--study weight-cache``: llama-125m with 2 micro-batches of 8 per optimizer step (the same tokens per step):
+  ``bf16`` vs the ``delayed`` and ``blockwise`` recipes with their FP8 weights cast once per step
+  (``fp8.weight_cache``, the default) and at every micro-batch (``*-weight-cache-off``).
 
 Writes ``<study>.png`` (train loss, EMA-smoothed; validation loss; both as gaps to the baseline in percent,
 the train loss's as window means, :func:`train_gap_windows`) and ``<study>.md`` (final losses, gap of the final
@@ -32,6 +35,7 @@ the variants at once on one GPU: the losses do not depend on it, the step times 
     python benchmarks/convergence.py --study optimizers --out DIR --parallel
     python benchmarks/convergence.py --study recipes --out DIR --plot-only
     python benchmarks/convergence.py --study llama3-8b --out DIR --parallel
+    python benchmarks/convergence.py --study weight-cache --out DIR --parallel
 """
 
 from __future__ import annotations
@@ -68,6 +72,10 @@ VARIANTS = {
     "blockwise-recompute": [*FULL_FP8, "fp8.recipe=blockwise", "fp8.blockwise_recompute=true", *FP32_MASTER],
     # blockwise with the wgrad GEMM's x^T copy in 128x128 blocks (cuBLAS's faster kernel)
     "blockwise-wgrad2d": [*FULL_FP8, "fp8.recipe=blockwise", "fp8.blockwise_wgrad_x=128x128", *FP32_MASTER],
+    # study "weight-cache" (run with --grad-accum 2): the FP8 weights cast at every micro-batch instead of once per
+    # optimizer step (fp8.weight_cache, on by default; the delayed recipe then holds each weight's scale for the step)
+    "delayed-weight-cache-off": [*FULL_FP8, "fp8.recipe=delayed", "fp8.weight_cache=false", *FP32_MASTER],
+    "blockwise-weight-cache-off": [*FULL_FP8, "fp8.recipe=blockwise", "fp8.weight_cache=false", *FP32_MASTER],
     # study "moe-qwen3": the experts' wgrad GEMMs in FP8 (the default "auto" picks bf16 for 768-wide experts)
     "tensorwise-gwfp8": [*FULL_FP8, "fp8.recipe=tensorwise", "fp8.grouped_wgrad=fp8", *FP32_MASTER],
     # study "optimizers": optimizer state precision, FP8 tensorwise matmuls everywhere
@@ -104,6 +112,7 @@ VARIANTS = {
 STUDIES = {
     "recipes": ["bf16", "tensorwise", "blockwise", "delayed"],
     "moe-tiny": ["bf16", "blockwise", "tensorwise"],
+    "weight-cache": ["bf16", "delayed", "delayed-weight-cache-off", "blockwise", "blockwise-weight-cache-off"],
     "moe-qwen3": ["bf16", "blockwise", "tensorwise", "tensorwise-gwfp8"],
     "optimizers": ["adamw-fp32", "fp8adamw", "fp8adamw-paper", "fp8adamw-v-e4m3", "fp8adamw-block"],
     "llama3-8b": ["bf16-default-optim", "delayed-head-default-optim", "delayed-head-fprop-default-optim",
@@ -116,10 +125,13 @@ MODELS = {
     "moe-qwen3": [f"model.hf_config={Path(__file__).resolve().parent / 'configs' / 'qwen3-moe-small.json'}"],
 }
 #: The run's length and shape unless given (``--steps`` etc.): llama-125m's; a study with its own model has its own.
-DEFAULTS = {"steps": 1200, "seq": 1024, "mbs": 16, "lr": 1e-3, "eval_every": 200}
-STUDY_DEFAULTS = {"llama3-8b": {"steps": 400, "seq": 4096, "mbs": 2, "lr": 3e-4, "eval_every": 100}}
+DEFAULTS = {"steps": 1200, "seq": 1024, "mbs": 16, "grad_accum": 1, "lr": 1e-3, "eval_every": 200}
+STUDY_DEFAULTS = {"llama3-8b": {"steps": 400, "seq": 4096, "mbs": 2, "lr": 3e-4, "eval_every": 100},
+                  # the same 16 x 1024 tokens per optimizer step, as 2 micro-batches (the weight cache needs > 1)
+                  "weight-cache": {"mbs": 8, "grad_accum": 2}}
 TITLES = {
     "recipes": "llama-125m on the stdlib corpus: FP8 recipes vs BF16 (AdamW, FP32 master; *-default-optim: FP8AdamW)",
+    "weight-cache": "llama-125m, 2 micro-batches per step: FP8 weights cast once per step (default) or per micro-batch",
     "moe-tiny": "tiny-moe (8 experts x 128, top-2) on the stdlib corpus: FP8 experts vs BF16",
     "moe-qwen3": "Qwen3-MoE-shaped (16 experts x 768, hidden 2048, top-4) on the stdlib corpus: FP8 experts vs BF16",
     "optimizers": "llama-125m on the stdlib corpus, FP8 matmuls: optimizer state precision",
@@ -130,7 +142,7 @@ TITLES = {
 def common(args) -> list[str]:
     return [
         *MODELS.get(args.study, ["model.preset=llama-125m"]), "data.vocab_size=32000", f"data.seq_length={args.seq}",
-        f"train.micro_batch_size={args.mbs}", f"train.steps={args.steps}", f"train.lr={args.lr}",
+        f"train.micro_batch_size={args.mbs}", f"train.grad_accum={args.grad_accum}", f"train.steps={args.steps}", f"train.lr={args.lr}",
         "train.warmup_steps=100", "train.weight_decay=0.1",
         f"train.compile={str(args.compile).lower()}", f"train.eval_every={args.eval_every}", "train.eval_batches=16",
         "train.checkpoint_every=0", "train.final_checkpoint=false", "train.log_every=100",
@@ -276,10 +288,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--study", choices=sorted(STUDIES), required=True)
     ap.add_argument("--out", default="runs/convergence")
-    for flag, kind in (("--steps", int), ("--seq", int), ("--mbs", int), ("--lr", float), ("--eval-every", int)):
+    for flag, kind in (("--steps", int), ("--seq", int), ("--mbs", int), ("--grad-accum", int), ("--lr", float), ("--eval-every", int)):
         dest = flag[2:].replace("-", "_")
         ap.add_argument(flag, type=kind, default=None,
-                        help=f"default {DEFAULTS[dest]} ({', '.join(f'{k}: {v[dest]}' for k, v in STUDY_DEFAULTS.items())})")
+                        help=f"default {DEFAULTS[dest]}" + "".join(f"; {k}: {v[dest]}" for k, v in STUDY_DEFAULTS.items()
+                                                                 if dest in v))
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--variants", default=None, help="comma-separated subset of the study's variants")
     ap.add_argument("--parallel", action="store_true", help="run the variants at the same time on one GPU")

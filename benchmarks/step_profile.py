@@ -19,16 +19,21 @@ Per variant it reports, per step:
   each with the host operators running when it began.
 
 One process per variant (``--one``), so compile state and memory do not carry over. Variants are those of
-``benchmarks/train_throughput.py`` (``bf16``, a recipe, ``@optimizer``, ``+key=value``).
+``benchmarks/train_throughput.py`` (``bf16``, a recipe, ``@optimizer``, ``+key=value``). ``--nproc N`` runs each
+variant under ``torchrun`` on N GPUs (a distributed workload, e.g. ``qwen3-30b-a3b-ep2``); rank 0's step and
+kernels are reported (the ranks' steps end together: the step's collectives).
 
     python benchmarks/step_profile.py --out /tmp/step_profile --variants bf16,tensorwise,delayed
     python benchmarks/step_profile.py --workload llama-125m-seq1024 --variants bf16,delayed --steps 5
+    python benchmarks/step_profile.py --workload qwen3-30b-a3b-ep2 --nproc 2 \
+        --variants bf16,tensorwise,tensorwise+distributed.ep_fp8_dispatch=true
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -176,6 +181,7 @@ def main() -> int:
     ap.add_argument("--gap-us", type=float, default=50.0,
                     help="with --trace: count GPU idle gaps longer than this (us), summed by the host operator running")
     ap.add_argument("--gpu", default="h100", help="suffix of the shipped policy for adaptive variants")
+    ap.add_argument("--nproc", type=int, default=1, help="GPUs per variant (torchrun --nproc_per_node)")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="extra config override")
     ap.add_argument("--out", default="runs/step-profile")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: profile one variant in this process
@@ -189,11 +195,14 @@ def main() -> int:
         row = profile_one(sets, args.warmup, args.steps, args.top,
                           out / f"{args.one}.trace.json" if args.trace else None, args.gap_us)
         row.update(variant=args.one, sets=sets)
-        (out / f"{args.one}.json").write_text(json.dumps(row, indent=1))
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun (--nproc): rank 0's step
+            (out / f"{args.one}.json").write_text(json.dumps(row, indent=1))
         return 0
     rows = []
     for v in split_variants(args.variants):
-        cmd = [sys.executable, __file__, "--one", v, "--workload", args.workload, "--warmup", str(args.warmup),
+        launcher = [sys.executable] if args.nproc == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc)]
+        cmd = [*launcher, __file__, "--one", v, "--workload", args.workload, "--warmup", str(args.warmup),
                "--steps", str(args.steps), "--top", str(args.top), "--gpu", args.gpu, "--out", str(out)]
         cmd += ["--trace", "--gap-us", str(args.gap_us)] if args.trace else []
         for s in args.sets:

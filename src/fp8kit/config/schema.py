@@ -232,8 +232,10 @@ class FP8Config(ConfigModel):
         "tensorwise's speed; none: 0.98-1.11x), but not in a model: the 8B step 1.442x BF16 with all (23.1 GiB) vs "
         "1.403x with none (20.6 GiB), grad_output even with none (121.7 vs 121.6 ms, +0.2 GiB); llama3-1b alone "
         "(session 52, after the fused cast became a triton_op with one launch): all 1.10x, grad_output 1.09x vs "
-        "1.21x with none: the fused casts leave the GPU the least work but cost host time (docs/benchmarks.md "
-        "section 6, Sessions 50-52).",
+        "1.21x with none: the fused casts leave the GPU the least work but cost host time; with train.cuda_graphs "
+        "(no launch cost) all is the fastest: llama3-1b 1.29x vs 1.24x, and the 8B step 1.456x vs 1.406x (23.0 vs "
+        "20.6 GiB, session 53): set all where the step is GPU-bound or graphed and memory allows "
+        "(docs/benchmarks.md section 6, Sessions 50-53).",
     )
     weight_cache: bool = Field(
         True,
@@ -496,8 +498,10 @@ class DistributedConfig(ConfigModel):
         "the combine stays bf16, as in DeepSeek-V3, and the gate_up weight gradient of FP8 experts reads the "
         "tokens as they arrived (E4M3), also with fp8.grouped_wgrad = bf16. Measured on 2 x H100 (NVLink): to "
         "fused FP8 experts the whole dispatch takes 0.49-0.51x the time of bf16's; the 1x128 payload pays only "
-        "on slow links (1.5-1.8x bf16's time over NVLink, its casts cost more than the bytes save). No effect "
-        "(a warning) with ep = 1.",
+        "on slow links (1.5-1.8x bf16's time over NVLink, its casts cost more than the bytes save). On 2 x H200 "
+        "(session 53) the whole dispatch takes 0.56x (Qwen3-30B-A3B) / 0.41x (DeepSeek-V3) of bf16's, but the "
+        "Qwen3 training step is slower with it (107 vs 93 ms, 4 layers, EP 2; cause not found yet, "
+        "docs/benchmarks.md section 6, Session 53): leave it off over NVLink. No effect (a warning) with ep = 1.",
     )
     fp8_reduce_scatter: Literal["off", "e5m2", "e4m3"] = Field(
         "off",

@@ -226,7 +226,9 @@ class _Layout:
         self.grad_records = self.records[1::2]
         self.unrecorded = [torch.full((1,), UNRECORDED, dtype=torch.float32, device=device)] * n
         # True but for the weight row: the rows a roll takes when the weights did not change (cache_weights)
-        self.rows_but_weight = torch.tensor([op != "weight" for op in OPERANDS], device=device).view(1, 3, 1)
+        # (made by a fill, not from a list: a host-to-device copy here waits for the GPU, see ``rows``)
+        self.rows_but_weight = torch.ones(1, 3, 1, dtype=torch.bool, device=device)
+        self.rows_but_weight[:, OPERANDS.index("weight")] = False
         self.scales = torch.empty(n, 6, dtype=torch.float32, device=device)
         self.scale_tensors = [[t for e in live for t in e.sets[k][:6]] for k in (0, 1)]
         self.scale_views = list(self.scales.view(-1).unbind(0))

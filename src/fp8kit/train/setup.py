@@ -33,7 +33,11 @@ from fp8kit.bench.auto import resolve_auto
 from fp8kit.config import RunConfig
 from fp8kit.config.optim_choice import resolve_optimizer
 from fp8kit.config.options import grouped_gemm_config, load_policies, moe_topk, options_from_config
-from fp8kit.config.prepare_options import prepare_options, weight_cast_accumulation
+from fp8kit.config.prepare_options import (
+    dense_weight_cast_accumulation,
+    prepare_options,
+    weight_cast_accumulation,
+)
 from fp8kit.config.pretrained import resolve_pretrained
 from fp8kit.data.prepare import PreparedData, prepare_data
 from fp8kit.fp8.recipes import GEMMS, fast_accum_for
@@ -155,6 +159,22 @@ def output_head_resume_note(resume_ckpt: Path, state: dict, decisions: list[Deci
     was, will = ("FP8", "BF16") if saved else ("BF16", "FP8")
     return (f"--resume {str(resume_ckpt)!r}: the output head ran in {was} in the checkpoint's run and runs in {will} "
             f"from here on (fp8.output_head and the FP8 decisions of this run)")
+
+
+def weight_cast_reuse(cfg: RunConfig, mesh, decisions) -> dict[str, int] | None:
+    """How many micro-batches share one cast of each FP8 weight in this run: ``"dense"`` where some dense linears
+    are FP8, ``"experts"`` where some MoE expert weights are (``config.prepare_options``:
+    ``fp8.weight_cache`` with ``train.grad_accum > 1``, not under FSDP2, the delayed linears not with CUDA graphs,
+    torchao's recipes never); None for a BF16 run, one micro-batch per step, or no FP8 weight."""
+    if cfg.train.mixed_precision != "fp8" or cfg.train.grad_accum == 1:
+        return None
+    accumulate = weight_cast_accumulation(cfg, mesh)
+    reuse = {}
+    if any(d.is_fp8 and not d.site.is_grouped_weight for d in decisions):
+        reuse["dense"] = dense_weight_cast_accumulation(cfg, accumulate)
+    if any(d.is_fp8 and d.site.is_grouped_weight for d in decisions):
+        reuse["experts"] = accumulate
+    return reuse or None
 
 
 def run_fast_accum(cfg: RunConfig, conversion: ConversionOptions, decisions: list[Decision]) -> list[str] | None:
@@ -457,6 +477,9 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
         # the dense FP8 GEMMs with fast accumulation (fp8.fast_accum resolved against the recipe's default, which
         # changed in session 42 for delayed; None: no dense linear in FP8), as the checkpoints record it
         "fast_accum": fast_accum,
+        # micro-batches that share one cast of each FP8 weight (fp8.weight_cache; 1: cast at every micro-batch), for
+        # the dense linears and, where some are FP8, the MoE experts; None: no FP8 or no gradient accumulation
+        "weight_cast_reuse": weight_cast_reuse(cfg, mesh, decisions),
         "selective_auto": auto.info,  # selective_fp8 = "auto": the measured table, or why nothing was measured
         "training_state_bytes": training_state_bytes([p for p in model.parameters() if p.requires_grad], optimizer),
         "parallel": {

@@ -147,7 +147,7 @@ def train(
     desc = {
         "model": _model_desc(cfg),
         "params_m": setup.params["total"] / 1e6,
-        "precision": _precision_desc(cfg, setup.info.get("fast_accum")),
+        "precision": _precision_desc(cfg, setup.info.get("fast_accum"), setup.info.get("weight_cast_reuse")),
         "optimizer": _optim_desc(cfg),
         "state_bytes_per_param": setup.info["training_state_bytes"]["total"],
         "fp8_sites": " ".join(filter(None, [f"{summarize(setup.decisions)['fp8_sites']} of {len(setup.decisions)}",
@@ -260,15 +260,25 @@ def _model_desc(cfg: RunConfig) -> str:
     return name
 
 
-def _precision_desc(cfg: RunConfig, fast_accum: list[str] | None = None) -> str:
+def _precision_desc(cfg: RunConfig, fast_accum: list[str] | None = None,
+                    weight_cast_reuse: dict[str, int] | None = None) -> str:
     """The run's precision in words; ``fast_accum``: the dense FP8 GEMMs with fast accumulation
     (``setup.run_fast_accum``, None when no dense linear is FP8), e.g. ``fp8 delayed (fast accumulation: fprop,
-    wgrad)``."""
+    wgrad)``; ``weight_cast_reuse``: micro-batches per cast of the FP8 weights (``setup.weight_cast_reuse``), e.g.
+    ``...; weights cast once per step of 2 micro-batches``."""
     if cfg.train.mixed_precision != "fp8":
         return "bf16"
     notes = []
     if fast_accum is not None:
         notes.append(f"fast accumulation: {', '.join(fast_accum) or 'none'}")
+    if weight_cast_reuse:
+        said = {n: f"once per step of {n} micro-batches" if n > 1 else "at every micro-batch"
+                for n in weight_cast_reuse.values()}
+        if len(said) == 1:
+            notes.append(f"weights cast {said.popitem()[1]}")
+        else:
+            kinds = {"dense": "dense", "experts": "expert"}
+            notes.extend(f"{kinds[kind]} weights cast {said[n]}" for kind, n in weight_cast_reuse.items())
     if cfg.fp8.bf16_warmup_steps or cfg.fp8.bf16_cooldown_steps:
         notes.append(f"bf16 warmup {cfg.fp8.bf16_warmup_steps}, cooldown {cfg.fp8.bf16_cooldown_steps} steps")
     return f"fp8 {cfg.fp8.recipe}" + (f" ({'; '.join(notes)})" if notes else "")
@@ -287,7 +297,7 @@ def _print_start(setup: Setup, console: Console) -> None:
     cfg, info = setup.cfg, setup.info
     console.print(
         f"[bold]fp8kit train[/bold]: {_model_desc(cfg)}, {setup.params['total'] / 1e6:.1f}M parameters, "
-        f"{_precision_desc(cfg, info.get('fast_accum'))} on {info['device']}"
+        f"{_precision_desc(cfg, info.get('fast_accum'), info.get('weight_cast_reuse'))} on {info['device']}"
     )
     console.print(f"data: {info['corpus']}; {info['tokens']:,} tokens ({info['tokenizer']})")
     if cfg.train.mixed_precision == "fp8":  # a bf16 run has no FP8 GEMM to describe
