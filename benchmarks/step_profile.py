@@ -44,6 +44,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from train_throughput import COMMON, WORKLOADS, split_variants, variant_sets  # noqa: E402
 
+#: Workloads of several processes (``--nproc``), beside ``train_throughput.WORKLOADS``: Qwen3-30B-A3B layers under
+#: expert parallelism on 2 GPUs (64 experts per GPU, micro-batch 2 per rank), as ``distributed_throughput.py``'s
+#: ``moe-ep-*``.
+DISTRIBUTED_WORKLOADS = {
+    "qwen3-30b-a3b-ep2": ["model.preset=qwen3-30b-a3b", "model.num_layers=4", "data.seq_length=4096",
+                          "train.micro_batch_size=2", "distributed.ep=2"],
+}
+ALL_WORKLOADS = {**WORKLOADS, **DISTRIBUTED_WORKLOADS}
+
 GROUPS = ("fp8_gemm", "bf16_gemm", "fp8_cast", "triton_other", "attention", "optimizer", "other")
 
 
@@ -172,7 +181,7 @@ def idle_gaps(events, device_type, min_us: float = 50.0, top: int = 15) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", default="bf16,tensorwise,delayed")
-    ap.add_argument("--workload", default="llama3-8b-seq4096", choices=sorted(WORKLOADS))
+    ap.add_argument("--workload", default="llama3-8b-seq4096", choices=sorted(ALL_WORKLOADS))
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps (compilation, delayed-scaling warm start)")
     ap.add_argument("--steps", type=int, default=3, help="profiled steps")
     ap.add_argument("--top", type=int, default=40)
@@ -188,14 +197,17 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    wl = WORKLOADS[args.workload]
+    wl = ALL_WORKLOADS[args.workload]
+    if args.workload in DISTRIBUTED_WORKLOADS and args.nproc < 2 and not args.one:
+        ap.error(f"--workload {args.workload} runs on several GPUs: give --nproc (2)")
     preset = next(s.split("=", 1)[1] for s in wl if s.startswith("model.preset="))
     if args.one:
         sets = [*COMMON, *wl, f"data.cache_dir={out / 'cache'}", *variant_sets(args.one, preset, args.gpu), *args.sets]
-        row = profile_one(sets, args.warmup, args.steps, args.top,
-                          out / f"{args.one}.trace.json" if args.trace else None, args.gap_us)
-        row.update(variant=args.one, sets=sets)
-        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun (--nproc): rank 0's step
+        rank = int(os.environ.get("RANK", "0"))  # under torchrun (--nproc): every rank traces, rank 0 reports
+        trace = out / (f"{args.one}.trace.json" if rank == 0 else f"{args.one}.trace.rank{rank}.json")
+        row = profile_one(sets, args.warmup, args.steps, args.top, trace if args.trace else None, args.gap_us)
+        row.update(variant=args.one, sets=sets, nproc=int(os.environ.get("WORLD_SIZE", "1")))  # tokens_per_step: per rank
+        if rank == 0:
             (out / f"{args.one}.json").write_text(json.dumps(row, indent=1))
         return 0
     rows = []

@@ -54,10 +54,6 @@ WORKLOADS = {
     # = 131072 routed pairs = 1024 per expert
     "qwen3-30b-a3b-seq4096": ["model.preset=qwen3-30b-a3b", "model.num_layers=4", "data.seq_length=4096",
                               "train.micro_batch_size=4"],
-    # the same layers under expert parallelism on 2 GPUs (64 experts per GPU, micro-batch 2 per rank: the same
-    # 16384 tokens per step), as benchmarks/distributed_throughput.py's moe-ep-* (run with torchrun / --nproc 2)
-    "qwen3-30b-a3b-ep2": ["model.preset=qwen3-30b-a3b", "model.num_layers=4", "data.seq_length=4096",
-                          "train.micro_batch_size=2", "distributed.ep=2"],
 }
 
 

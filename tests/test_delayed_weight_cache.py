@@ -178,19 +178,23 @@ def test_a_run_with_gradient_accumulation_resumes_exactly(small_run, tmp_path):
     (["fp8.recipe=tensorwise", "train.grad_accum=3"],  # torchao casts every micro-batch
      ({"dense": 1}, "fp8 tensorwise (weights cast at every micro-batch)")),
     (["fp8.recipe=delayed", "train.grad_accum=1"], (None, "fp8 delayed")),
-    (["model.preset=tiny-moe", "fp8.recipe=delayed", "train.grad_accum=2"],
-     ({"dense": 2, "experts": 2}, "fp8 delayed (weights cast once per step of 2 micro-batches)")),
-    (["model.preset=tiny-moe", "fp8.recipe=tensorwise", "train.grad_accum=2"],  # fp8kit's fused experts cache
-     ({"dense": 1, "experts": 2},
-      "fp8 tensorwise (dense weights cast at every micro-batch; expert weights cast once per step of 2 micro-batches)")),
+    # the experts as prepared on this CPU: blockwise runs its per-expert loop, which caches; tensorwise the emulated
+    # grouped GEMM, which casts at every call (the fused rowwise MLP, which caches, needs a Hopper GPU)
+    (["model.preset=tiny-moe", "fp8.recipe=blockwise", "fp8.emulate=true", "train.grad_accum=2"],
+     ({"dense": 2, "experts": 2}, "fp8 blockwise (weights cast once per step of 2 micro-batches)")),
+    (["model.preset=tiny-moe", "fp8.recipe=tensorwise", "train.grad_accum=2"],
+     ({"dense": 1, "experts": 1}, "fp8 tensorwise (weights cast at every micro-batch)")),
 ])
 def test_the_precision_line_says_how_often_the_weights_are_cast(sets, want):
     """The run's start line and summary (``train.setup.weight_cast_reuse``, ``trainer._precision_desc``) say whether
     the FP8 weights are cast once per optimizer step (``fp8.weight_cache`` with gradient accumulation) or at every
-    micro-batch, as the conversion decides it (torchao's recipes: every micro-batch)."""
+    micro-batch, as the prepared model does it (torchao's dense recipes and the experts' grouped kernels other than
+    the fused MLP and the blockwise loop: every micro-batch)."""
     from fp8kit.config import load_config
     from fp8kit.config.options import options_from_config
+    from fp8kit.config.prepare_options import prepare_options
     from fp8kit.models.build import build_hf_config, build_model
+    from fp8kit.parallel.prepare import prepare_model
     from fp8kit.selective.decide import decide
     from fp8kit.selective.sites import find_sites
     from fp8kit.train.setup import weight_cast_reuse
@@ -198,7 +202,21 @@ def test_the_precision_line_says_how_often_the_weights_are_cast(sets, want):
 
     cfg = load_config(None, ["model.preset=llama-125m", "model.num_layers=1", "data.vocab_size=1024",
                              "train.mixed_precision=fp8", *sets])  # a later model.preset wins
-    model = build_model(cfg.model, cfg.data.vocab_size, device="meta", dtype=torch.bfloat16, seed=0)
-    decisions = decide(find_sites(model), options_from_config(cfg, build_hf_config(cfg.model, 1024), "cpu"))
-    reuse = weight_cast_reuse(cfg, None, decisions)
+    model = build_model(cfg.model, cfg.data.vocab_size, device="cpu", dtype=torch.bfloat16, seed=0)
+    hf_cfg = build_hf_config(cfg.model, cfg.data.vocab_size)
+    decisions = decide(find_sites(model), options_from_config(cfg, hf_cfg, "cpu"))
+    prepare_model(model, decisions, prepare_options(cfg, fp8_now=True, emulate=cfg.fp8.emulate), None, hf_cfg=hf_cfg)
+    reuse = weight_cast_reuse(cfg, None, decisions, model, torch.device("cpu"))
     assert (reuse, _precision_desc(cfg, None, reuse)) == want, sets
+
+
+def test_the_precision_line_names_dense_and_expert_casts_apart():
+    """Where the dense linears and the experts differ, the line names each."""
+    from fp8kit.config import load_config
+    from fp8kit.train.trainer import _precision_desc
+
+    cfg = load_config(None, ["train.mixed_precision=fp8", "fp8.recipe=tensorwise", "train.grad_accum=2"])
+    got = _precision_desc(cfg, ["fprop"], {"dense": 1, "experts": 2})
+    want = ("fp8 tensorwise (fast accumulation: fprop; dense weights cast at every micro-batch; expert weights cast "
+            "once per step of 2 micro-batches)")
+    assert got == want, got

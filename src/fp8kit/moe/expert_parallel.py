@@ -281,6 +281,16 @@ def _ep_rows_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
     dist.all_to_all_single(recv_counts, counts, group=group.group)  # [src, local expert] counts for me
     splits = torch.stack([counts.view(ep, local).sum(1), recv_counts.view(ep, local).sum(1)]).tolist()
     send_splits, recv_splits = splits
+    # The local dispatch of the rows to come, made before the all-to-all is queued: it needs only the counts, and
+    # with output_size its repeat_interleave does not wait for the GPU (without it, a host sync per layer that waited
+    # for the all-to-all too where the payload path had already waited on it)
+    local_ids = torch.repeat_interleave(torch.arange(local, device=ids.device).repeat(ep), recv_counts,
+                                        output_size=sum(recv_splits))
+    # The received row count changes every step. torchao's token-keyed autotuning is made once per process
+    # (Float8GroupedExperts.grouped_kernel -> grouped_mm.tune_once_for_all_row_counts; without it every new
+    # count re-tunes for seconds). The padded buffer is also bucketed (<= 1/8 extra rows) so that
+    # torch.compile and the caching allocator see a few shapes (step times: docs/benchmarks.md).
+    d = routing.dispatch(local_ids[:, None], local, rows=routing.bucketed_rows(local_ids.numel(), local, ids.numel()))
     fmt, received = dispatch_format(module, hidden.device), None
     if fmt == "rowwise":  # E4M3 rows for the fused experts' fprop GEMM, the bf16 gradient back
         recv, received = rowwise_dispatch(hidden, token_rows, pair_rows, recv_splits, send_splits, group.group)
@@ -290,12 +300,6 @@ def _ep_rows_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
             recv = fp8_all_to_all(x_sorted, recv_splits, send_splits, group.group)
         else:
             recv = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, group.group)
-    local_ids = torch.repeat_interleave(torch.arange(local, device=ids.device).repeat(ep), recv_counts)
-    # The received row count changes every step. torchao's token-keyed autotuning is made once per process
-    # (Float8GroupedExperts.grouped_kernel -> grouped_mm.tune_once_for_all_row_counts; without it every new
-    # count re-tunes for seconds). The padded buffer is also bucketed (<= 1/8 extra rows) so that
-    # torch.compile and the caching allocator see a few shapes (step times: docs/benchmarks.md).
-    d = routing.dispatch(local_ids[:, None], local, rows=routing.bucketed_rows(local_ids.numel(), local, ids.numel()))
     y = module.local_experts(recv, d, received)  # (P, H) in local-expert order
     back = all_to_all_single_autograd(routing.pick_rows(y, d.pair_rows), send_splits, recv_splits, group.group)
     return routing.combine_pairs(back, pair_rows, top_k_weights, hidden.dtype)

@@ -226,6 +226,15 @@ class Float8GroupedExperts(nn.Module):
             return f"only {sorted(self.fp8_weights)} in FP8 (the fused path needs both weights)"
         return self.gate_problem
 
+    def caches_weights(self, device: torch.device) -> bool:
+        """Whether this layer casts its FP8 weights once per optimizer step on ``device`` and reuses them across
+        micro-batches (``GroupedGemmConfig.cache_weights``, set by ``prepare_model`` with ``fp8.weight_cache`` and
+        gradient accumulation): only the fused rowwise MLP (:meth:`runs_fused`) and the ``blockwise_loop`` kernel
+        keep a cache; the other kernels (``torchao``, ``scaled_grouped_mm``, ``emulated``) cast at every call."""
+        if not (self.config.cache_weights and self.fp8_weights):
+            return False
+        return self.runs_fused(device) or self.grouped_kernel(device) == "blockwise_loop"
+
     def runs_fused(self, device: torch.device) -> bool:
         """Whether this layer's experts run the fused rowwise FP8 MLP on ``device`` (:meth:`fused_problem` is None)."""
         return bool(self.fp8_weights) and self.fused_problem(device) is None

@@ -209,11 +209,16 @@ class _RowwiseDispatch(torch.autograd.Function):
         ctx.save_for_backward(pair_rows)
         received = _exchange(gather_quantize_payload(hidden, token_rows, pair_rows), recv_splits, send_splits, group)
         ctx.mark_non_differentiable(received)
+        # no zero gradient materialized for the (R, H + 16) payload (a fill per layer and step): backward gets None
+        ctx.set_materialize_grads(False)
+        ctx.carrier_shape, ctx.carrier_dtype = (received.shape[0], hidden.shape[1]), hidden.dtype
         return hidden.new_zeros(()).expand(received.shape[0], hidden.shape[1]), received
 
     @staticmethod
     def backward(ctx, d_carrier, _d_received):
         (pair_rows,) = ctx.saved_tensors
+        if d_carrier is None:  # no loss reached the carrier: zeros still cross, every rank joins the collective
+            d_carrier = torch.zeros(ctx.carrier_shape, dtype=ctx.carrier_dtype, device=pair_rows.device)
         recv_splits, send_splits = ctx.splits
         d_sorted = _exchange(d_carrier, send_splits, recv_splits, ctx.group)
         dhidden = sum_token_rows(d_sorted, pair_rows, ctx.tokens, d_carrier.dtype)

@@ -50,6 +50,7 @@ from fp8kit.models.pretrained import (
     load_sharded,
     materialize,
 )
+from fp8kit.moe.experts import Float8GroupedExperts
 from fp8kit.optim.memory import training_state_bytes
 from fp8kit.parallel.convert import ConversionOptions
 from fp8kit.parallel.mesh import ParallelDims, resolve_dims
@@ -161,19 +162,24 @@ def output_head_resume_note(resume_ckpt: Path, state: dict, decisions: list[Deci
             f"from here on (fp8.output_head and the FP8 decisions of this run)")
 
 
-def weight_cast_reuse(cfg: RunConfig, mesh, decisions) -> dict[str, int] | None:
-    """How many micro-batches share one cast of each FP8 weight in this run: ``"dense"`` where some dense linears
-    are FP8, ``"experts"`` where some MoE expert weights are (``config.prepare_options``:
-    ``fp8.weight_cache`` with ``train.grad_accum > 1``, not under FSDP2, the delayed linears not with CUDA graphs,
-    torchao's recipes never); None for a BF16 run, one micro-batch per step, or no FP8 weight."""
+def weight_cast_reuse(cfg: RunConfig, mesh, decisions: list[Decision], model: nn.Module,
+                      device: torch.device) -> dict[str, int] | None:
+    """How many micro-batches share one cast of each FP8 weight in this run, as prepared: ``"dense"`` where some
+    dense linears are FP8 (``config.prepare_options.dense_weight_cast_accumulation``: ``fp8.weight_cache`` with
+    ``train.grad_accum > 1``, not under FSDP2, the delayed linears not with CUDA graphs, torchao's recipes never; a
+    delayed linear's first step, before its history has a scale, casts at every micro-batch), ``"experts"`` where
+    some converted MoE expert layers are FP8 (``grad_accum`` if every such layer of ``model`` caches its weights on
+    ``device``, ``Float8GroupedExperts.caches_weights``, else 1; left out while they are not converted yet, in a BF16
+    phase of the precision schedule); None for a BF16 run, one micro-batch per step, or no FP8 weight."""
     if cfg.train.mixed_precision != "fp8" or cfg.train.grad_accum == 1:
         return None
     accumulate = weight_cast_accumulation(cfg, mesh)
     reuse = {}
     if any(d.is_fp8 and not d.site.is_grouped_weight for d in decisions):
         reuse["dense"] = dense_weight_cast_accumulation(cfg, accumulate)
-    if any(d.is_fp8 and d.site.is_grouped_weight for d in decisions):
-        reuse["experts"] = accumulate
+    experts = [m for m in model.modules() if isinstance(m, Float8GroupedExperts) and m.fp8_weights]
+    if experts:
+        reuse["experts"] = accumulate if all(m.caches_weights(device) for m in experts) else 1
     return reuse or None
 
 
@@ -479,7 +485,7 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
         "fast_accum": fast_accum,
         # micro-batches that share one cast of each FP8 weight (fp8.weight_cache; 1: cast at every micro-batch), for
         # the dense linears and, where some are FP8, the MoE experts; None: no FP8 or no gradient accumulation
-        "weight_cast_reuse": weight_cast_reuse(cfg, mesh, decisions),
+        "weight_cast_reuse": weight_cast_reuse(cfg, mesh, decisions, model, device),
         "selective_auto": auto.info,  # selective_fp8 = "auto": the measured table, or why nothing was measured
         "training_state_bytes": training_state_bytes([p for p in model.parameters() if p.requires_grad], optimizer),
         "parallel": {
