@@ -291,8 +291,11 @@ def _ep_rows_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
     # count re-tunes for seconds). The padded buffer is also bucketed (<= 1/8 extra rows) so that
     # torch.compile and the caching allocator see a few shapes (step times: docs/benchmarks.md).
     d = routing.dispatch(local_ids[:, None], local, rows=routing.bucketed_rows(local_ids.numel(), local, ids.numel()))
-    fmt, received = dispatch_format(module, hidden.device), None
+    fmt, received, weights = dispatch_format(module, hidden.device), None, None
     if fmt == "rowwise":  # E4M3 rows for the fused experts' fprop GEMM, the bf16 gradient back
+        # the experts' weight casts queued before the all-to-all, which this path waits for at once: they run while
+        # the tokens travel, as on the bf16 path, whose all-to-all is waited for inside the experts
+        weights = module.fp8_weight_copies(hidden.device)
         recv, received = rowwise_dispatch(hidden, token_rows, pair_rows, recv_splits, send_splits, group.group)
     else:
         x_sorted = routing.gather_pairs(hidden, token_rows, pair_rows)
@@ -300,6 +303,6 @@ def _ep_rows_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
             recv = fp8_all_to_all(x_sorted, recv_splits, send_splits, group.group)
         else:
             recv = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, group.group)
-    y = module.local_experts(recv, d, received)  # (P, H) in local-expert order
+    y = module.local_experts(recv, d, received, weights=weights)  # (P, H) in local-expert order
     back = all_to_all_single_autograd(routing.pick_rows(y, d.pair_rows), send_splits, recv_splits, group.group)
     return routing.combine_pairs(back, pair_rows, top_k_weights, hidden.dtype)

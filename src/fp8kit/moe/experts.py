@@ -25,7 +25,7 @@ from torch import nn
 from fp8kit.base.errors import CapabilityError, Fp8kitError
 from fp8kit.moe import routing
 from fp8kit.moe.expert_parallel import ep_experts_forward, local_weight
-from fp8kit.moe.fused_experts import fused_rowwise_experts
+from fp8kit.moe.fused_experts import expert_weight_copies, fused_rowwise_experts
 from fp8kit.moe.grouped_loop import group_bounds
 from fp8kit.moe.grouped_mm import (
     GroupedGemmConfig,
@@ -226,6 +226,17 @@ class Float8GroupedExperts(nn.Module):
             return f"only {sorted(self.fp8_weights)} in FP8 (the fused path needs both weights)"
         return self.gate_problem
 
+    def fp8_weight_copies(self, device: torch.device) -> tuple[tuple[torch.Tensor, ...], ...] | None:
+        """This step's FP8 copies of both local weights as the fused MLP makes them
+        (``fused_experts.expert_weight_copies``: cached, or cast with the scale hints), to pass to
+        :meth:`local_experts` as ``weights``; None where this layer does not run fused or has nothing to make ahead.
+        Expert parallelism calls it before its dispatch all-to-all, so the casts run while the tokens travel."""
+        if not self.runs_fused(device):
+            return None
+        w_up, w_down = local_weight(self.gate_up_proj), local_weight(self.down_proj)
+        hints = None if self.config.cache_weights else self.scale_hints(w_up, w_down)
+        return expert_weight_copies(w_up, w_down, self.config.cache_weights, hints)
+
     def caches_weights(self, device: torch.device) -> bool:
         """Whether this layer casts its FP8 weights once per optimizer step on ``device`` and reuses them across
         micro-batches (``GroupedGemmConfig.cache_weights``, set by ``prepare_model`` with ``fp8.weight_cache`` and
@@ -240,7 +251,8 @@ class Float8GroupedExperts(nn.Module):
         return bool(self.fp8_weights) and self.fused_problem(device) is None
 
     def local_experts(self, x: torch.Tensor, d: routing.Dispatch, received: torch.Tensor | None = None,
-                      top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
+                      top_k_weights: torch.Tensor | None = None,
+                      weights: tuple[tuple[torch.Tensor, ...], ...] | None = None) -> torch.Tensor:
         """The MLP of this rank's experts on the token rows ``x`` (T, H) dispatched by ``d``: ``(P, H)`` rows in
         expert order (rows past ``d.offs[-1]`` undefined). The fused rowwise FP8 MLP where :meth:`runs_fused`, else
         the per-weight grouped GEMMs (each weight FP8 or BF16). ``received``: the rowwise FP8 payload of
@@ -248,7 +260,8 @@ class Float8GroupedExperts(nn.Module):
         ``top_k_weights`` (T, topk): return ``routing.combine`` of those rows, (T, H) in ``x``'s dtype; the fused
         MLP takes the combine in, and its backward reads the combine's gradient through the pairs
         (``fused_rowwise_experts``), where ``x`` is in the GEMMs' output dtype (bf16 tokens on CUDA; float32 tokens
-        under autocast combine outside, see ``fused_rowwise_experts``)."""
+        under autocast combine outside, see ``fused_rowwise_experts``). ``weights``: the fused MLP's FP8 weight copies
+        from :meth:`fp8_weight_copies` of this step (None: made here)."""
         if received is not None and top_k_weights is not None:
             raise ValueError("Float8GroupedExperts.local_experts: received (expert parallelism) and top_k_weights "
                              "cannot be given together: expert parallelism combines after its return all-to-all")
@@ -263,7 +276,7 @@ class Float8GroupedExperts(nn.Module):
             y = run(x, w_up, w_down, d.gather_idx, d.pair_rows, d.offs, gemm, out_dtype, self.config.cache_weights,
                     self.config.wgrad, received=received, top_k_weights=inside,
                     scale_hints=None if self.config.cache_weights else self.scale_hints(w_up, w_down),
-                    keep_rows=resolve_wgrad_input(self.config.wgrad_input, False) == "saved")
+                    keep_rows=resolve_wgrad_input(self.config.wgrad_input, False) == "saved", weights=weights)
             return y if top_k_weights is None or inside is not None else routing.combine(y, d, top_k_weights, x.dtype)
         if received is not None:
             raise ValueError("Float8GroupedExperts.local_experts: a rowwise FP8 payload needs the fused FP8 experts "
@@ -308,14 +321,14 @@ class Float8GroupedExperts(nn.Module):
 
 @torch.compiler.disable
 def _fused_loop_experts(x, w_up, w_down, gather_idx, pair_rows, offs, _gemm, out_dtype, cache_weights, wgrad,
-                        received=None, top_k_weights=None, scale_hints=None, keep_rows=False):
+                        received=None, top_k_weights=None, scale_hints=None, keep_rows=False, weights=None):
     """``fused_rowwise_experts`` with the loop of dense GEMMs (``moe/rowwise_loop.py``), run eagerly inside a compiled
     block: the group bounds are read on the host here (one copy per layer, reused by the backward), and a traced
     list of bounds would make Dynamo recompile for every routing."""
     gemm = partial(loop_scaled_grouped_mm, bounds=group_bounds(offs))
     return fused_rowwise_experts(x, w_up, w_down, gather_idx, pair_rows, offs, gemm, out_dtype, cache_weights, wgrad,
                                  received=received, top_k_weights=top_k_weights, scale_hints=scale_hints,
-                                 keep_rows=keep_rows)
+                                 keep_rows=keep_rows, weights=weights)
 
 
 _GEMM_SAID: set[tuple] = set()  # (choice, asked, experts, hidden, width) already printed

@@ -199,6 +199,7 @@ def fused_rowwise_experts(
     pair_rows: torch.Tensor, offs: torch.Tensor, gemm: GemmFn, out_dtype: torch.dtype, cache_weights: bool = True,
     wgrad: str = "auto", received: torch.Tensor | None = None, top_k_weights: torch.Tensor | None = None,
     scale_hints: tuple[torch.Tensor, ...] | None = None, keep_rows: bool = False,
+    weights: tuple[tuple[torch.Tensor, ...], ...] | None = None,
 ) -> torch.Tensor:
     """The expert MLP of the dispatched tokens in rowwise FP8 with fused quantization (module docstring), and with
     ``top_k_weights`` the combine too.
@@ -233,6 +234,9 @@ def fused_rowwise_experts(
         keep_rows: with a bf16 wgrad (and not ``received``), write the tokens' bf16 rows in expert order beside
             their FP8 copy in the forward and save them for ``gate_up_proj``'s wgrad (``(P, H)`` more saved), instead
             of gathering them again in the backward (``GroupedGemmConfig.wgrad_input``). The same bits either way.
+        weights: both weights' FP8 copies, already made by :func:`expert_weight_copies` with these
+            ``cache_weights`` / ``scale_hints`` (expert parallelism casts them before its dispatch all-to-all, so
+            that the casts run while the tokens travel); None: made here.
 
     Returns:
         (P, H) expert outputs in expert order, in ``out_dtype`` (rows past ``offs[-1]`` undefined on CUDA); with
@@ -257,14 +261,22 @@ def fused_rowwise_experts(
     if w_down.shape != (e, hdim, two_i // 2) or hidden.shape[1] != hdim:
         raise ValueError(f"fused_rowwise_experts: hidden {tuple(hidden.shape)}, gate_up_proj {tuple(w_up.shape)} and "
                          f"down_proj {tuple(w_down.shape)} are not (T, H), (E, 2I, H), (E, H, I)")
-    if cache_weights:
-        cached = _cached_weights(w_up, w_down)
-    elif scale_hints is not None:
-        cached = _hinted_weights(w_up, w_down, scale_hints)
-    else:
-        cached = None
+    cached = weights if weights is not None else expert_weight_copies(w_up, w_down, cache_weights, scale_hints)
     return _FusedRowwiseMLP.apply(hidden, w_up, w_down, top_k_weights, gather_idx, pair_rows, offs, gemm, out_dtype,
                                   cached, wgrad == "fp8", received, keep_rows)
+
+
+def expert_weight_copies(w_up: torch.Tensor, w_down: torch.Tensor, cache_weights: bool,
+                         scale_hints: tuple[torch.Tensor, ...] | None) -> tuple[tuple[torch.Tensor, ...], ...] | None:
+    """The FP8 copies of both expert weights that :func:`fused_rowwise_experts` uses (``((q, inv_scale) of fprop,
+    (q, inv_scale) of dgrad)`` per weight, ``rowwise_quant.quantize_experts_dual``): from the weight cache with
+    ``cache_weights``, else cast with ``scale_hints`` (and the hints advanced); None without either (the
+    forward casts them itself)."""
+    if cache_weights:
+        return _cached_weights(w_up, w_down)
+    if scale_hints is not None:
+        return _hinted_weights(w_up, w_down, scale_hints)
+    return None
 
 
 def _hinted_weights(w_up: torch.Tensor, w_down: torch.Tensor, hints: tuple[torch.Tensor, ...]
