@@ -220,3 +220,30 @@ def test_the_precision_line_names_dense_and_expert_casts_apart():
     want = ("fp8 tensorwise (fast accumulation: fprop; dense weights cast at every micro-batch; expert weights cast "
             "once per step of 2 micro-batches)")
     assert got == want, got
+    # a run starting in a BF16 phase: the expert layers are converted, and their casts decided, at the switch
+    got = _precision_desc(cfg, None, {"dense": 2, "experts": None})
+    want = ("fp8 tensorwise (dense weights cast once per step of 2 micro-batches; expert weights cast as decided at "
+            "the switch to FP8)")
+    assert got == want, got
+
+
+def test_a_run_starting_in_bf16_leaves_the_experts_casts_to_the_switch():
+    """``fp8.bf16_warmup_steps``: the experts are still BF16 modules at set-up, so ``weight_cast_reuse`` does not
+    claim how their FP8 weights will be cast (None), while the dense linears' casts follow from the config."""
+    from fp8kit.config import load_config
+    from fp8kit.config.options import options_from_config
+    from fp8kit.config.prepare_options import prepare_options
+    from fp8kit.models.build import build_hf_config, build_model
+    from fp8kit.parallel.prepare import prepare_model
+    from fp8kit.selective.decide import decide
+    from fp8kit.selective.sites import find_sites
+    from fp8kit.train.setup import weight_cast_reuse
+
+    cfg = load_config(None, ["model.preset=tiny-moe", "model.num_layers=1", "data.vocab_size=1024",
+                             "train.mixed_precision=fp8", "fp8.recipe=blockwise", "fp8.emulate=true",
+                             "train.grad_accum=2", "fp8.bf16_warmup_steps=2"])
+    model = build_model(cfg.model, cfg.data.vocab_size, device="cpu", dtype=torch.bfloat16, seed=0)
+    hf_cfg = build_hf_config(cfg.model, cfg.data.vocab_size)
+    decisions = decide(find_sites(model), options_from_config(cfg, hf_cfg, "cpu"))
+    prepare_model(model, decisions, prepare_options(cfg, fp8_now=False, emulate=True), None, hf_cfg=hf_cfg)
+    assert weight_cast_reuse(cfg, None, decisions, model, torch.device("cpu")) == {"dense": 2, "experts": None}

@@ -380,9 +380,9 @@ def _record_payloads(log: list[dict]) -> None:
 
     real = fp8_dispatch._exchange
 
-    def exchange(t, out_splits, in_splits, group):
+    def exchange(t, out_splits, in_splits, group, during=None):
         log.append({"dtype": str(t.dtype), "cols": t.shape[1], "rows_sent": sum(in_splits)})
-        return real(t, out_splits, in_splits, group)
+        return real(t, out_splits, in_splits, group, during)
 
     fp8_dispatch._exchange = exchange
 

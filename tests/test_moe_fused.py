@@ -514,3 +514,33 @@ def test_received_rowwise_payload_gives_the_same_bits_as_casting_the_tokens_here
     assert torch.equal(got[0], plain[0]), f"output differs from casting the bf16 tokens: {(got[0] - plain[0]).abs().max()}"
     for what, a, b in zip(("output", "d tokens", "dw_up", "dw_down"), got, here, strict=True):
         assert torch.equal(a, b), f"{what} ({wgrad} wgrad) differs from the arrived tokens' run by {(a - b).abs().max()}"
+
+
+@pytest.mark.parametrize("cache_weights", [False, True])
+def test_weight_copies_made_ahead_equal_the_layers_own_casts(cache_weights):
+    """Expert parallelism makes the fused layer's FP8 weight copies while its dispatch all-to-all is in flight
+    (``Float8GroupedExperts.fp8_weight_copies`` -> ``local_experts(weights=)``): the output, every gradient and the
+    scale hints afterwards equal the layer casting its weights itself, bit for bit."""
+    both = frozenset(("gate_up_proj", "down_proj"))
+    torch.manual_seed(5)
+    t = 48
+    hidden = torch.randn(t, 128, dtype=torch.bfloat16)
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(t)])
+    dy = torch.randn(t, 2, 128, dtype=torch.bfloat16)
+    results = []
+    for ahead in (False, True):
+        torch.manual_seed(6)  # the same expert weights in both layers
+        module = Float8GroupedExperts(_hf_experts(), both, GroupedGemmConfig(kernel="fused", cache_weights=cache_weights))
+        module = module.to(torch.bfloat16)
+        d = routing.dispatch(idx, module.num_experts)
+        x = hidden.clone().requires_grad_()
+        weights = module.fp8_weight_copies(x.device) if ahead else None
+        assert (weights is not None) == ahead, "a fused layer has copies to make ahead (cached or hinted)"
+        y = module.local_experts(x, d, weights=weights)
+        rows = y[d.pair_rows].view(t, 2, 128)
+        (rows.float() * dy.float()).sum().backward()
+        hints = [getattr(module, n).clone() for n in module.scratch_buffers]
+        results.append([y, x.grad, module.gate_up_proj.grad, module.down_proj.grad, *hints])
+    names = ["y", "dx", "dw_up", "dw_down", *[f"hint {i}" for i in range(4)]]
+    wrong = [n for n, a, b in zip(names, *results, strict=True) if not torch.equal(a, b)]
+    assert not wrong, f"made ahead != made by the layer: {wrong}"

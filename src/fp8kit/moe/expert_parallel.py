@@ -293,10 +293,12 @@ def _ep_rows_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
     d = routing.dispatch(local_ids[:, None], local, rows=routing.bucketed_rows(local_ids.numel(), local, ids.numel()))
     fmt, received, weights = dispatch_format(module, hidden.device), None, None
     if fmt == "rowwise":  # E4M3 rows for the fused experts' fprop GEMM, the bf16 gradient back
-        # the experts' weight casts queued before the all-to-all, which this path waits for at once: they run while
-        # the tokens travel, as on the bf16 path, whose all-to-all is waited for inside the experts
-        weights = module.fp8_weight_copies(hidden.device)
-        recv, received = rowwise_dispatch(hidden, token_rows, pair_rows, recv_splits, send_splits, group.group)
+        # the experts' weight casts queued once the all-to-all is, before it is waited for: they run while the tokens
+        # travel, as on the bf16 path, whose all-to-all is waited for inside the experts after their casts
+        copies = []
+        recv, received = rowwise_dispatch(hidden, token_rows, pair_rows, recv_splits, send_splits, group.group,
+                                          during=lambda: copies.append(module.fp8_weight_copies(hidden.device)))
+        weights = copies[0]
     else:
         x_sorted = routing.gather_pairs(hidden, token_rows, pair_rows)
         if fmt == "1x128":  # E4M3 + 1x128 scales out, dequantized here; the bf16 gradient back

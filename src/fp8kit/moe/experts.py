@@ -230,7 +230,8 @@ class Float8GroupedExperts(nn.Module):
         """This step's FP8 copies of both local weights as the fused MLP makes them
         (``fused_experts.expert_weight_copies``: cached, or cast with the scale hints), to pass to
         :meth:`local_experts` as ``weights``; None where this layer does not run fused or has nothing to make ahead.
-        Expert parallelism calls it before its dispatch all-to-all, so the casts run while the tokens travel."""
+        Expert parallelism calls it while its FP8 dispatch all-to-all is in flight, so the casts run while the tokens
+        travel."""
         if not self.runs_fused(device):
             return None
         w_up, w_down = local_weight(self.gate_up_proj), local_weight(self.down_proj)

@@ -52,6 +52,8 @@ stays bf16 here too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from fp8kit.base.errors import ConfigError
@@ -153,11 +155,18 @@ def unpack(payload: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tens
     return _unpack_op(payload, hidden, dtype)
 
 
-def _exchange(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    """All-to-all of rows: ``in_splits[j]`` rows of ``t`` go to rank ``j``, ``out_splits[j]`` come from it."""
+def _exchange(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
+              during: Callable[[], None] | None = None) -> torch.Tensor:
+    """All-to-all of rows: ``in_splits[j]`` rows of ``t`` go to rank ``j``, ``out_splits[j]`` come from it.
+    ``during``: called once the all-to-all is queued and before this stream waits for it, so that the GPU work it
+    queues (which must not need the rows) runs while they travel; work queued before the collective would run
+    before it starts (the collective's stream waits for everything queued ahead of it)."""
     from torch.distributed._functional_collectives import all_to_all_single
 
-    return all_to_all_single(t.contiguous(), out_splits, in_splits, group).wait()
+    pending = all_to_all_single(t.contiguous(), out_splits, in_splits, group)
+    if during is not None:
+        during()
+    return pending.wait()
 
 
 class _FP8Dispatch(torch.autograd.Function):
@@ -204,10 +213,11 @@ class _RowwiseDispatch(torch.autograd.Function):
     (bf16, straight-through) and summed over each token's top-k rows."""
 
     @staticmethod
-    def forward(ctx, hidden, token_rows, pair_rows, recv_splits, send_splits, group):
+    def forward(ctx, hidden, token_rows, pair_rows, recv_splits, send_splits, group, during):
         ctx.splits, ctx.group, ctx.tokens = (recv_splits, send_splits), group, hidden.shape[0]
         ctx.save_for_backward(pair_rows)
-        received = _exchange(gather_quantize_payload(hidden, token_rows, pair_rows), recv_splits, send_splits, group)
+        received = _exchange(gather_quantize_payload(hidden, token_rows, pair_rows), recv_splits, send_splits, group,
+                             during)
         ctx.mark_non_differentiable(received)
         # no zero gradient materialized for the (R, H + 16) payload (a fill per layer and step): backward gets None
         ctx.set_materialize_grads(False)
@@ -222,11 +232,12 @@ class _RowwiseDispatch(torch.autograd.Function):
         recv_splits, send_splits = ctx.splits
         d_sorted = _exchange(d_carrier, send_splits, recv_splits, ctx.group)
         dhidden = sum_token_rows(d_sorted, pair_rows, ctx.tokens, d_carrier.dtype)
-        return dhidden, None, None, None, None, None
+        return dhidden, None, None, None, None, None, None
 
 
 def rowwise_dispatch(hidden: torch.Tensor, token_rows: torch.Tensor, pair_rows: torch.Tensor,
-                     recv_splits: list[int], send_splits: list[int], group) -> tuple[torch.Tensor, torch.Tensor]:
+                     recv_splits: list[int], send_splits: list[int], group,
+                     during: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The dispatch all-to-all with the rowwise E4M3 payload (module docstring, ``rowwise``).
 
     Args:
@@ -235,10 +246,13 @@ def rowwise_dispatch(hidden: torch.Tensor, token_rows: torch.Tensor, pair_rows: 
         pair_rows: ``(S,)`` int64 sorted row of each pair in ``top_k_index.reshape(-1)`` order (the inverse of the
             sort): the gradient of token ``t`` sums rows ``pair_rows[t * topk : (t + 1) * topk]``.
         recv_splits / send_splits: rows received from / sent to each rank of ``group`` (the EP process group).
+        during: optional work to queue while the payload travels (called once, between queuing the all-to-all and
+            waiting for it; expert parallelism casts the experts' weights there), e.g. a closure that keeps its
+            result.
 
     Returns:
         ``(carrier (R, H) of hidden's dtype, received (R, H + 16) uint8)``, ``R = sum(recv_splits)``: pass both to
         ``fused_rowwise_experts(carrier, ..., received=received)``. The gradient of ``carrier`` reaches ``hidden``
         (straight-through, bf16 reverse all-to-all).
     """
-    return _RowwiseDispatch.apply(hidden, token_rows, pair_rows, list(recv_splits), list(send_splits), group)
+    return _RowwiseDispatch.apply(hidden, token_rows, pair_rows, list(recv_splits), list(send_splits), group, during)

@@ -163,14 +163,15 @@ def output_head_resume_note(resume_ckpt: Path, state: dict, decisions: list[Deci
 
 
 def weight_cast_reuse(cfg: RunConfig, mesh, decisions: list[Decision], model: nn.Module,
-                      device: torch.device) -> dict[str, int] | None:
+                      device: torch.device) -> dict[str, int | None] | None:
     """How many micro-batches share one cast of each FP8 weight in this run, as prepared: ``"dense"`` where some
     dense linears are FP8 (``config.prepare_options.dense_weight_cast_accumulation``: ``fp8.weight_cache`` with
     ``train.grad_accum > 1``, not under FSDP2, the delayed linears not with CUDA graphs, torchao's recipes never; a
     delayed linear's first step, before its history has a scale, casts at every micro-batch), ``"experts"`` where
     some converted MoE expert layers are FP8 (``grad_accum`` if every such layer of ``model`` caches its weights on
-    ``device``, ``Float8GroupedExperts.caches_weights``, else 1; left out while they are not converted yet, in a BF16
-    phase of the precision schedule); None for a BF16 run, one micro-batch per step, or no FP8 weight."""
+    ``device``, ``Float8GroupedExperts.caches_weights``, else 1; None while they are not converted yet, in a BF16
+    phase of the precision schedule: decided at the switch); None for a BF16 run, one micro-batch per step, or no FP8
+    weight."""
     if cfg.train.mixed_precision != "fp8" or cfg.train.grad_accum == 1:
         return None
     accumulate = weight_cast_accumulation(cfg, mesh)
@@ -180,6 +181,8 @@ def weight_cast_reuse(cfg: RunConfig, mesh, decisions: list[Decision], model: nn
     experts = [m for m in model.modules() if isinstance(m, Float8GroupedExperts) and m.fp8_weights]
     if experts:
         reuse["experts"] = accumulate if all(m.caches_weights(device) for m in experts) else 1
+    elif any(d.is_fp8 and d.site.is_grouped_weight for d in decisions):
+        reuse["experts"] = None  # FP8 from the precision switch on: the layers are converted there
     return reuse or None
 
 

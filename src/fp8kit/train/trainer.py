@@ -261,7 +261,7 @@ def _model_desc(cfg: RunConfig) -> str:
 
 
 def _precision_desc(cfg: RunConfig, fast_accum: list[str] | None = None,
-                    weight_cast_reuse: dict[str, int] | None = None) -> str:
+                    weight_cast_reuse: dict[str, int | None] | None = None) -> str:
     """The run's precision in words; ``fast_accum``: the dense FP8 GEMMs with fast accumulation
     (``setup.run_fast_accum``, None when no dense linear is FP8), e.g. ``fp8 delayed (fast accumulation: fprop,
     wgrad)``; ``weight_cast_reuse``: micro-batches per cast of the FP8 weights (``setup.weight_cast_reuse``), e.g.
@@ -272,13 +272,13 @@ def _precision_desc(cfg: RunConfig, fast_accum: list[str] | None = None,
     if fast_accum is not None:
         notes.append(f"fast accumulation: {', '.join(fast_accum) or 'none'}")
     if weight_cast_reuse:
-        said = {n: f"once per step of {n} micro-batches" if n > 1 else "at every micro-batch"
-                for n in weight_cast_reuse.values()}
-        if len(said) == 1:
-            notes.append(f"weights cast {said.popitem()[1]}")
+        said = {kind: "as decided at the switch to FP8" if n is None else f"once per step of {n} micro-batches"
+                if n > 1 else "at every micro-batch" for kind, n in weight_cast_reuse.items()}
+        if len(set(said.values())) == 1:
+            notes.append(f"weights cast {next(iter(said.values()))}")
         else:
             kinds = {"dense": "dense", "experts": "expert"}
-            notes.extend(f"{kinds[kind]} weights cast {said[n]}" for kind, n in weight_cast_reuse.items())
+            notes.extend(f"{kinds[kind]} weights cast {how}" for kind, how in said.items())
     if cfg.fp8.bf16_warmup_steps or cfg.fp8.bf16_cooldown_steps:
         notes.append(f"bf16 warmup {cfg.fp8.bf16_warmup_steps}, cooldown {cfg.fp8.bf16_cooldown_steps} steps")
     return f"fp8 {cfg.fp8.recipe}" + (f" ({'; '.join(notes)})" if notes else "")
