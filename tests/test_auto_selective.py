@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fp8kit.base.errors import ConfigError
-from fp8kit.bench.auto import lookup_cached, measure_shapes, resolve_auto
+from fp8kit.bench.auto import FP8SiteOptions, lookup_cached, measure_shapes, resolve_auto
 from fp8kit.config import FP8Config, ModelConfig, SelectiveConfig, load_config
 from fp8kit.config.options import decide_options, options_from_config
 from fp8kit.models.build import build_hf_config, build_model
@@ -139,9 +139,10 @@ def test_measurement_runs_on_cpu_then_the_cache_is_hit(tmp_path):
     nothing is measured (counter) and no file is rewritten (mtime)."""
     cache = AutoCache(tmp_path)
     shapes = _cpu_shapes()
-    kw = dict(recipe="tensorwise", device=CPU, tp=1, ep=1, cache=cache, compile=False, warmup=0, iters=1)
+    kw = dict(device=CPU, tp=1, ep=1, cache=cache, compile=False, warmup=0, iters=1)
     seen = []
-    first = measure_shapes(shapes, progress=lambda done, total, what: seen.append((done, total)), **kw)
+    tw = FP8SiteOptions("tensorwise")
+    first = measure_shapes(shapes, tw, progress=lambda done, total, what: seen.append((done, total)), **kw)
     assert first.measured == len(shapes) == 5 and first.cached == 0 and first.warnings == [], first
     assert seen[-1] == (10, 10) and len(seen) == 11, seen  # bf16 + fp8 per shape, then done
     assert all(t.source == "measured" and t.error is None and t.bf16_ms > 0 and t.fp8_ms > 0
@@ -149,14 +150,14 @@ def test_measurement_runs_on_cpu_then_the_cache_is_hit(tmp_path):
     files = sorted(cache.dir.glob("*.json"))
     assert len(files) == 5, files
     mtimes = {f: f.stat().st_mtime_ns for f in files}
-    second = measure_shapes(shapes, **kw)
+    second = measure_shapes(shapes, tw, **kw)
     assert second.measured == 0 and second.cached == 5 and second.warnings == [], second
     assert {s: (t.bf16_ms, t.fp8_ms) for s, t in second.timings.items()} == {
         s: (t.bf16_ms, t.fp8_ms) for s, t in first.timings.items()}
     assert all(t.source == "cache" for t in second.timings.values())
     assert {f: f.stat().st_mtime_ns for f in files} == mtimes
     # another recipe is another key: measured again
-    assert measure_shapes(shapes[:1], **{**kw, "recipe": "rowwise"}).measured == 1
+    assert measure_shapes(shapes[:1], FP8SiteOptions("rowwise"), **kw).measured == 1
 
 
 @pytest.mark.parametrize("content, problem", [
@@ -171,19 +172,19 @@ def test_measurement_runs_on_cpu_then_the_cache_is_hit(tmp_path):
 def test_a_corrupt_cache_file_warns_in_one_line_and_is_measured_again(tmp_path, content, problem):
     cache = AutoCache(tmp_path)
     shape = AutoShape(((32, 48),), 16)
-    kw = dict(recipe="tensorwise", device=CPU, tp=1, ep=1, cache=cache, compile=False, warmup=0, iters=1)
-    assert measure_shapes([(shape, "x")], **kw).measured == 1
+    kw = dict(device=CPU, tp=1, ep=1, cache=cache, compile=False, warmup=0, iters=1)
+    assert measure_shapes([(shape, "x")], FP8SiteOptions("tensorwise"), **kw).measured == 1
     (path,) = cache.dir.glob("*.json")
     if content is None:  # the right key, a bad value
         data = json.loads(path.read_text())
         data["fp8_ms"] = -1.0
         content = json.dumps(data)
     path.write_text(content)
-    again = measure_shapes([(shape, "x")], **kw)
+    again = measure_shapes([(shape, "x")], FP8SiteOptions("tensorwise"), **kw)
     assert again.measured == 1 and again.cached == 0, again
     (w,) = again.warnings
     assert "\n" not in w and str(path) in w and problem in w and w.endswith("measuring again"), w
-    assert measure_shapes([(shape, "x")], **kw).cached == 1  # rewritten, trusted again
+    assert measure_shapes([(shape, "x")], FP8SiteOptions("tensorwise"), **kw).cached == 1  # rewritten, trusted again
 
 
 def test_selective_fp8_values_and_one_line_errors():
@@ -237,7 +238,7 @@ def test_cached_timings_are_found_for_a_forced_run(tmp_path):
     shapes = [(s, us[0].name) for s, us in distinct_shapes(units).items()]
     cache = AutoCache(tmp_path)  # data.cache_dir
     assert lookup_cached(units, cfg, CPU, cache) == {}
-    measure_shapes(shapes[:2], recipe="tensorwise", device=CPU, tp=1, ep=1, cache=cache, compile=False,
+    measure_shapes(shapes[:2], FP8SiteOptions("tensorwise"), device=CPU, tp=1, ep=1, cache=cache, compile=False,
                    warmup=0, iters=1)
     found = lookup_cached(units, cfg, CPU, cache)
     assert set(found) == {s for s, _ in shapes[:2]} and all(t.source == "cache" for t in found.values())
@@ -542,7 +543,8 @@ def test_with_accumulation_dense_sites_are_timed_with_cached_weights_and_a_share
     assert dense_weight_cast_accumulation(load_config(None, [*base, "fp8.recipe=tensorwise"]), 4) == 1
 
     shape = AutoShape(((128, 256), (128, 256)), num_tokens=128)
-    keys = [shape_keys([shape], recipe=recipe, device=CPU, tp=1, ep=1, compiled=False, dense_accumulate=n)[shape]
+    keys = [shape_keys([shape], FP8SiteOptions(recipe, dense_accumulate=n), device=CPU, tp=1, ep=1,
+                       compiled=False)[shape]
             for n in (1, 3)]
     assert keys[0] != keys[1] and ":accum=3" in json.dumps(keys[1]) and ":accum" not in json.dumps(keys[0])
 
@@ -573,5 +575,6 @@ def test_with_accumulation_blockwise_experts_are_timed_with_cached_weights_and_a
     assert rowwise.accumulate == 1, rowwise.backend
     grouped = AutoShape(((128, 256),), num_tokens=48, num_gemms=4)
     for recipe, tagged in (("blockwise", True), ("tensorwise", False)):
-        key = shape_keys([grouped], recipe=recipe, device=CPU, tp=1, ep=1, compiled=False, dense_accumulate=2)[grouped]
+        key = shape_keys([grouped], FP8SiteOptions(recipe, dense_accumulate=2), device=CPU, tp=1, ep=1,
+                         compiled=False)[grouped]
         assert (":accum=2" in json.dumps(key)) is tagged, (recipe, key)

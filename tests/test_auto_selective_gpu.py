@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8kit.bench.auto import measure_shapes, resolve_auto
+from fp8kit.bench.auto import FP8SiteOptions, measure_shapes, resolve_auto
 from fp8kit.config import SelectiveConfig, load_config
 from fp8kit.config.options import options_from_config
 from fp8kit.models.build import build_hf_config, build_model
@@ -71,8 +71,8 @@ def test_llama3_8b_startup_budget_then_cache_hit(tmp_path):
 def test_grouped_expert_shape_is_timed_through_the_fp8_grouped_gemm(tmp_path):
     """Qwen3-30B-A3B's expert gate_up at 16384 tokens x top-8 = 131072 routed pairs over 128 experts."""
     shape = AutoShape(((2048, 1536),), 16384 * 8, 128)
-    m = measure_shapes([(shape, "fc1 experts")], recipe="tensorwise", device=torch.device("cuda"), tp=1, ep=1,
-                       cache=AutoCache(tmp_path), compile=True)
+    m = measure_shapes([(shape, "fc1 experts")], FP8SiteOptions("tensorwise"), device=torch.device("cuda"), tp=1,
+                       ep=1, cache=AutoCache(tmp_path), compile=True)
     t = m.timings[shape]
     print(f"grouped {shape.describe()}: bf16 {t.bf16_ms} ms, fp8 {t.fp8_ms} ms, {t.speedup}x, error {t.error}")
     assert m.measured == 1 and t.error is None and t.bf16_ms > 0 and t.fp8_ms > 0, t
@@ -87,8 +87,8 @@ def test_expert_mlp_unit_is_timed_through_the_fused_fp8_mlp(tmp_path):
     from fp8kit.moe.grouped_mm import GroupedGemmConfig
 
     shape = AutoShape(((2048, 1536), (768, 2048)), 16384 * 8, 128, mlp=True, topk=8)
-    m = measure_shapes([(shape, "experts.mlp")], recipe="tensorwise", device=torch.device("cuda"), tp=1, ep=1,
-                       cache=AutoCache(tmp_path), compile=True, grouped=GroupedGemmConfig())
+    m = measure_shapes([(shape, "experts.mlp")], FP8SiteOptions("tensorwise", grouped=GroupedGemmConfig()),
+                       device=torch.device("cuda"), tp=1, ep=1, cache=AutoCache(tmp_path), compile=True)
     t = m.timings[shape]
     print(f"expert MLP {shape.describe()}: bf16 {t.bf16_ms} ms, fp8 {t.fp8_ms} ms, {t.speedup}x, error {t.error}")
     assert m.measured == 1 and t.error is None and t.bf16_ms > 0 and t.fp8_ms > 0, t

@@ -345,7 +345,7 @@ def test_the_report_says_how_its_sites_were_compiled(capsys, tmp_path, flags, ex
 def test_delayed_sites_are_timed_with_the_runs_fused_cast(tmp_path):
     """``fp8.delayed_fused_cast`` reaches the timed delayed linears (``BenchLayersArgs.delayed_fused_cast``, from
     ``bench-layers`` and ``auto``) and ``auto``'s cache key; the default's key is unchanged."""
-    from fp8kit.bench.auto import shape_keys, shape_recipe_key
+    from fp8kit.bench.auto import FP8SiteOptions, shape_keys, shape_recipe_key
     from fp8kit.bench.layers import _Timer
     from fp8kit.selective.auto import AutoShape
 
@@ -359,11 +359,12 @@ def test_delayed_sites_are_timed_with_the_runs_fused_cast(tmp_path):
         assert [lin._fused_casts() for lin in timer.module.linears][0] == FUSED_CASTS[fused]
         assert timer(32) > 0
     shape = AutoShape(gemms=((4096, 4096),), num_tokens=8192)
-    assert shape_recipe_key(shape, "delayed", None) == "delayed:fast_accum=fprop+wgrad"
-    assert shape_recipe_key(shape, "delayed", None, fused_cast="all") == "delayed:fast_accum=fprop+wgrad:fused_cast=all"
-    assert shape_recipe_key(shape, "blockwise", None, fused_cast="all") == "blockwise"  # the delayed recipe's only
+    assert shape_recipe_key(shape, FP8SiteOptions("delayed"), None) == "delayed:fast_accum=fprop+wgrad"
+    assert shape_recipe_key(shape, FP8SiteOptions("delayed", fused_cast="all"), None) == \
+        "delayed:fast_accum=fprop+wgrad:fused_cast=all"
+    assert shape_recipe_key(shape, FP8SiteOptions("blockwise", fused_cast="all"), None) == "blockwise"  # the delayed recipe's only
     grouped = AutoShape(gemms=((4096, 4096),), num_tokens=8192, num_gemms=8)
-    assert ":fused_cast" not in shape_recipe_key(grouped, "delayed", "grouped:rowwise", fused_cast="all")
-    keys = [shape_keys([shape], recipe="delayed", device=CPU, tp=1, ep=1, compiled=False, fused_cast=f)[shape]
+    assert ":fused_cast" not in shape_recipe_key(grouped, FP8SiteOptions("delayed", fused_cast="all"), "grouped:rowwise")
+    keys = [shape_keys([shape], FP8SiteOptions("delayed", fused_cast=f), device=CPU, tp=1, ep=1, compiled=False)[shape]
             for f in ("none", "grad_output")]
     assert keys[0] != keys[1], keys

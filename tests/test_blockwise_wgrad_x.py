@@ -165,13 +165,13 @@ def test_config_reaches_every_blockwise_linear_and_is_noted_elsewhere():
 
 
 def test_auto_cache_key_tells_the_layouts_apart():
-    from fp8kit.bench.auto import shape_recipe_key
+    from fp8kit.bench.auto import FP8SiteOptions, shape_recipe_key
     from fp8kit.selective.auto import AutoShape
 
     dense = AutoShape(gemms=((4096, 4096),), num_tokens=8192)
-    assert shape_recipe_key(dense, "blockwise", None) == "blockwise"
-    assert shape_recipe_key(dense, "blockwise", None, wgrad_x="128x128") == "blockwise:wgrad_x=128x128"
-    assert shape_recipe_key(dense, "tensorwise", None, wgrad_x="128x128") == "tensorwise:fast_accum=fprop"
+    assert shape_recipe_key(dense, FP8SiteOptions("blockwise"), None) == "blockwise"
+    assert shape_recipe_key(dense, FP8SiteOptions("blockwise", wgrad_x="128x128"), None) == "blockwise:wgrad_x=128x128"
+    assert shape_recipe_key(dense, FP8SiteOptions("tensorwise", wgrad_x="128x128"), None) == "tensorwise:fast_accum=fprop"
 
 
 def test_blockwise_experts_take_the_same_layout_per_expert():

@@ -224,22 +224,24 @@ def test_a_policy_measured_with_another_accumulation_is_warned_about():
 
 
 def test_auto_cache_keys_tell_the_accumulations_apart():
-    from fp8kit.bench.auto import shape_recipe_key
+    from fp8kit.bench.auto import FP8SiteOptions, shape_recipe_key
     from fp8kit.selective.auto import AutoShape
 
     shape = AutoShape(gemms=((4096, 4096),), num_tokens=8192)
     # spelled out always, the default too: a change of a recipe's default cannot reuse the old default's timings
-    assert shape_recipe_key(shape, "delayed", None) == "delayed:fast_accum=fprop+wgrad"
-    assert shape_recipe_key(shape, "delayed", None, fast_accum=("fprop", "wgrad")) == "delayed:fast_accum=fprop+wgrad"
-    assert shape_recipe_key(shape, "delayed", None, fast_accum=("fprop",)) == "delayed:fast_accum=fprop"
-    assert shape_recipe_key(shape, "delayed", None, fast_accum=GEMMS) == "delayed:fast_accum=fprop+dgrad+wgrad"
-    assert shape_recipe_key(shape, "tensorwise", None) == "tensorwise:fast_accum=fprop"
-    assert shape_recipe_key(shape, "tensorwise", None, fast_accum=()) == "tensorwise:fast_accum=none"
-    assert shape_recipe_key(shape, "rowwise_with_gw_hp", None, fast_accum=GEMMS) == \
+    assert shape_recipe_key(shape, FP8SiteOptions("delayed"), None) == "delayed:fast_accum=fprop+wgrad"
+    assert shape_recipe_key(shape, FP8SiteOptions("delayed", fast_accum=("fprop", "wgrad")), None) == \
+        "delayed:fast_accum=fprop+wgrad"
+    assert shape_recipe_key(shape, FP8SiteOptions("delayed", fast_accum=("fprop",)), None) == "delayed:fast_accum=fprop"
+    assert shape_recipe_key(shape, FP8SiteOptions("delayed", fast_accum=GEMMS), None) == \
+        "delayed:fast_accum=fprop+dgrad+wgrad"
+    assert shape_recipe_key(shape, FP8SiteOptions("tensorwise"), None) == "tensorwise:fast_accum=fprop"
+    assert shape_recipe_key(shape, FP8SiteOptions("tensorwise", fast_accum=()), None) == "tensorwise:fast_accum=none"
+    assert shape_recipe_key(shape, FP8SiteOptions("rowwise_with_gw_hp", fast_accum=GEMMS), None) == \
         "rowwise_with_gw_hp:fast_accum=fprop+dgrad"  # its wgrad runs in bf16
-    assert shape_recipe_key(shape, "blockwise", None, fast_accum=GEMMS) == "blockwise"  # takes none anyway
+    assert shape_recipe_key(shape, FP8SiteOptions("blockwise", fast_accum=GEMMS), None) == "blockwise"  # takes none anyway
     grouped = AutoShape(gemms=((2048, 768),), num_tokens=8192, num_gemms=128)
-    assert shape_recipe_key(grouped, "tensorwise", "grouped:fused") == "grouped:fused"  # the experts' kernels
+    assert shape_recipe_key(grouped, FP8SiteOptions("tensorwise"), "grouped:fused") == "grouped:fused"  # the experts' kernels
 
 
 @pytest.mark.parametrize("fused,option,forward,dgrad,wgrad", [

@@ -41,6 +41,7 @@ from fp8kit.config.options import grouped_gemm_config, requested_fast_accum
 from fp8kit.config.prepare_options import dense_weight_cast_accumulation
 from fp8kit.fp8.recipes import fast_accum_for, recipe_info
 from fp8kit.fp8.weight_cache import clear_weight_caches
+from fp8kit.moe.grouped_mm import GroupedGemmConfig, resolve_grouped_kernel
 from fp8kit.selective.auto import (
     AutoOptions,
     AutoShape,
@@ -82,19 +83,62 @@ def grouped_recipe_key(device: torch.device, recipe: str = "tensorwise", config=
     """``"grouped:<kernel>"``: what the FP8 grouped GEMM of this device runs for the run's ``recipe`` (the key
     of grouped units: blockwise experts for ``blockwise``, the rowwise grouped kernel otherwise); ``config``: a
     ``GroupedGemmConfig`` to resolve instead of the recipe's default."""
-    from fp8kit.moe.grouped_mm import GroupedGemmConfig, resolve_grouped_kernel
-
     try:
         return "grouped:" + resolve_grouped_kernel(config or GroupedGemmConfig.for_fp8_recipe(recipe), device)
     except (CapabilityError, ConfigError):
         return "grouped:unavailable"
 
 
-def shape_recipe_key(shape: AutoShape, recipe: str, grouped_key: str | None, wgrad: str = "auto",
-                     gemm: str = "auto", accumulate: int = 1, wgrad_x: str = "128x1",
-                     fast_accum: tuple[str, ...] | None = None, dense_accumulate: int = 1,
-                     fused_cast: str = "none") -> str:
-    """The ``recipe`` part of a shape's cache key: the dense recipe or the grouped kernel key of one expert weight
+@dataclass(frozen=True)
+class FP8SiteOptions:
+    """How a run builds its FP8 sites, as far as it changes their speed: what ``auto`` builds them with when it times
+    them, and what their cache keys say (:func:`shape_recipe_key`). :meth:`for_run` is the one place these are read
+    from a run's config; a new setting that changes an FP8 site's speed is added here.
+
+    Attributes:
+        recipe: ``fp8.recipe``.
+        grouped: the run's ``GroupedGemmConfig`` (kernel, ``wgrad``, ``gemm``) for grouped shapes; None: the recipe's
+            defaults.
+        accumulate: micro-batches per optimizer step that share their cast FP8 expert weights (expert MLP shapes are
+            timed in that steady state: :class:`~fp8kit.bench.experts_timer.ExpertsMLPTimer`;
+            ``config.prepare_options.weight_cast_accumulation``).
+        dense_accumulate: the same for the dense linears and blockwise-loop expert weights
+            (``BenchLayersArgs.accumulate``; ``config.prepare_options.dense_weight_cast_accumulation``).
+        wgrad_x: the blockwise linears' ``fp8.blockwise_wgrad_x``.
+        fast_accum: the dense linears' ``fp8.fast_accum`` (None: the recipe's default).
+        fused_cast: the delayed linears' ``fp8.delayed_fused_cast``.
+    """
+
+    recipe: str
+    grouped: GroupedGemmConfig | None = None
+    accumulate: int = 1
+    dense_accumulate: int = 1
+    wgrad_x: str = "128x1"
+    fast_accum: tuple[str, ...] | None = None
+    fused_cast: str = "none"
+
+    @classmethod
+    def for_run(cls, cfg: RunConfig, accumulate: int = 1) -> FP8SiteOptions:
+        """The options of the run ``cfg`` whose FP8 expert weights are cast once per ``accumulate`` micro-batches."""
+        return cls(recipe=cfg.fp8.recipe, grouped=grouped_gemm_config(cfg), accumulate=accumulate,
+                   dense_accumulate=dense_weight_cast_accumulation(cfg, accumulate),
+                   wgrad_x=cfg.fp8.blockwise_wgrad_x, fast_accum=requested_fast_accum(cfg.fp8),
+                   fused_cast=cfg.fp8.delayed_fused_cast)
+
+    @property
+    def wgrad(self) -> str:
+        """The fused experts' ``fp8.grouped_wgrad``."""
+        return self.grouped.wgrad if self.grouped is not None else "auto"
+
+    @property
+    def gemm(self) -> str:
+        """The fused experts' ``fp8.grouped_gemm``."""
+        return self.grouped.gemm if self.grouped is not None else "auto"
+
+
+def shape_recipe_key(shape: AutoShape, opts: FP8SiteOptions, grouped_key: str | None) -> str:
+    """The ``recipe`` part of a shape's cache key under ``opts``: the dense recipe or the grouped kernel key of one
+    expert weight
     (both with ``:wgrad_x=128x128`` for the blockwise recipe with ``fp8.blockwise_wgrad_x = "128x128"``; a dense
     recipe that takes fast accumulation with ``:fast_accum=<gemms joined by +, or none>``, ``fp8.fast_accum``
     resolved by ``fp8.recipes.fast_accum_for``: spelled out always, so that a change of a recipe's default
@@ -104,17 +148,18 @@ def shape_recipe_key(shape: AutoShape, recipe: str, grouped_key: str | None, wgr
     a dense shape or a blockwise-loop expert weight with ``:accum=<dense_accumulate>`` likewise
     (``BenchLayersArgs.accumulate``); a dense delayed shape with ``:fused_cast=<fp8.delayed_fused_cast>`` when not
     ``"none"`` (so the default's keys are those of before the setting was timed)."""
+    o, recipe = opts, opts.recipe
     if shape.mlp:
-        return f"grouped:fused:wgrad={wgrad}:gemm={gemm}" + (f":accum={accumulate}" if accumulate > 1 else "")
+        return f"grouped:fused:wgrad={o.wgrad}:gemm={o.gemm}" + (f":accum={o.accumulate}" if o.accumulate > 1 else "")
     key = grouped_key if shape.is_grouped else recipe
     if not shape.is_grouped and recipe_info(recipe).fast_accum_gemms:
-        key += ":fast_accum=" + ("+".join(fast_accum_for(recipe, fast_accum)) or "none")
-    if recipe == "blockwise" and wgrad_x != "128x1":
-        key += f":wgrad_x={wgrad_x}"
-    if recipe == "delayed" and not shape.is_grouped and fused_cast != "none":
-        key += f":fused_cast={fused_cast}"
+        key += ":fast_accum=" + ("+".join(fast_accum_for(recipe, o.fast_accum)) or "none")
+    if recipe == "blockwise" and o.wgrad_x != "128x1":
+        key += f":wgrad_x={o.wgrad_x}"
+    if recipe == "delayed" and not shape.is_grouped and o.fused_cast != "none":
+        key += f":fused_cast={o.fused_cast}"
     cached = not shape.is_grouped or grouped_key == "grouped:blockwise_loop"  # where BenchLayersArgs.accumulate acts
-    return key + (f":accum={dense_accumulate}" if dense_accumulate > 1 and cached else "")
+    return key + (f":accum={o.dense_accumulate}" if o.dense_accumulate > 1 and cached else "")
 
 
 def run_auto_options(auto: AutoOptions, cfg: RunConfig, device: torch.device) -> AutoOptions:
@@ -132,53 +177,33 @@ def run_units(decisions: list[Decision], cfg: RunConfig, auto: AutoOptions) -> l
                       topk=auto.topk, fused_experts=auto.fused_experts)
 
 
-def shape_keys(shapes: Sequence[AutoShape], *, recipe: str, device: torch.device, tp: int, ep: int, compiled: bool,
-               grouped=None, accumulate: int = 1, wgrad_x: str = "128x1",
-               fast_accum: tuple[str, ...] | None = None, dense_accumulate: int = 1,
-               fused_cast: str = "none") -> dict[AutoShape, dict]:
+def shape_keys(shapes: Sequence[AutoShape], opts: FP8SiteOptions, *, device: torch.device, tp: int, ep: int,
+               compiled: bool) -> dict[AutoShape, dict]:
     """The cache key of each shape for one run (:func:`~fp8kit.selective.auto_cache.cache_key` with
-    :func:`shape_recipe_key`): the one place :func:`measure_shapes` (which stores) and :func:`lookup_cached` (which only
-    reads) build them. ``grouped``: the run's ``GroupedGemmConfig`` (None: the recipe's defaults); ``wgrad_x``:
-    ``fp8.blockwise_wgrad_x``; ``fast_accum``: ``fp8.fast_accum``; ``dense_accumulate``: the dense linears' weight-cast
-    accumulation (``config.prepare_options.dense_weight_cast_accumulation``); ``fused_cast``:
-    ``fp8.delayed_fused_cast``."""
+    :func:`shape_recipe_key` of ``opts``): the one place :func:`measure_shapes` (which stores) and
+    :func:`lookup_cached` (which only reads) build them."""
     dev_name, vers = device_name(device), _key_versions()
-    grouped_key = grouped_recipe_key(device, recipe) if any(s.is_grouped for s in shapes) else None
-    wgrad = grouped.wgrad if grouped is not None else "auto"
-    gemm = grouped.gemm if grouped is not None else "auto"
-    return {s: cache_key(s, device=dev_name, versions=vers,
-                         recipe=shape_recipe_key(s, recipe, grouped_key, wgrad, gemm, accumulate, wgrad_x,
-                                                 fast_accum, dense_accumulate, fused_cast), tp=tp, ep=ep,
-                         compiled=compiled)
+    grouped_key = grouped_recipe_key(device, opts.recipe) if any(s.is_grouped for s in shapes) else None
+    return {s: cache_key(s, device=dev_name, versions=vers, recipe=shape_recipe_key(s, opts, grouped_key), tp=tp,
+                         ep=ep, compiled=compiled)
             for s in shapes}
 
 
 def measure_shapes(
-    shapes: Sequence[tuple[AutoShape, str]], *, recipe: str, device: torch.device, tp: int, ep: int,
+    shapes: Sequence[tuple[AutoShape, str]], opts: FP8SiteOptions, *, device: torch.device, tp: int, ep: int,
     cache: AutoCache, compile: bool, warmup: int = AUTO_WARMUP, iters: int = AUTO_ITERS,
-    progress: Callable[[int, int, str], None] | None = None, grouped=None, accumulate: int = 1,
-    wgrad_x: str = "128x1", fast_accum: tuple[str, ...] | None = None, dense_accumulate: int = 1,
-    fused_cast: str = "none",
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> Measured:
-    """Time each ``(shape, name)`` in BF16 and in FP8, or read it from ``cache`` (module docstring).
+    """Time each ``(shape, name)`` in BF16 and in FP8 built with ``opts``, or read it from ``cache`` (module
+    docstring).
 
     ``progress(done, total, what)`` is called before each timing and once at the end. A shape whose FP8
     module cannot be built here (a GPU without the FP8 grouped GEMM, blockwise dims) or that runs out of
     memory gets a :class:`Timing` with ``error`` (BF16 in the decision); out-of-memory results are not cached.
-    ``grouped``: the run's ``GroupedGemmConfig`` (kernel, wgrad, gemm) for grouped shapes; default the recipe's.
-    ``accumulate``: micro-batches per optimizer step that share their cast FP8 expert weights (expert MLP shapes are
-    timed in that steady state; :class:`~fp8kit.bench.experts_timer.ExpertsMLPTimer`). ``wgrad_x``: the blockwise
-    linears' ``fp8.blockwise_wgrad_x``; ``fast_accum``: the dense linears' ``fp8.fast_accum``; ``dense_accumulate``:
-    micro-batches per optimizer step that share the dense linears' cast weights (``BenchLayersArgs.accumulate``);
-    ``fused_cast``: the delayed linears' ``fp8.delayed_fused_cast``.
     """
     t0 = time.perf_counter()
     out = Measured()
-    wgrad = grouped.wgrad if grouped is not None else "auto"
-    gemm = grouped.gemm if grouped is not None else "auto"
-    keys = shape_keys([s for s, _ in shapes], recipe=recipe, device=device, tp=tp, ep=ep, compiled=compile,
-                      grouped=grouped, accumulate=accumulate, wgrad_x=wgrad_x, fast_accum=fast_accum,
-                      dense_accumulate=dense_accumulate, fused_cast=fused_cast)
+    keys = shape_keys([s for s, _ in shapes], opts, device=device, tp=tp, ep=ep, compiled=compile)
     todo = []
     for shape, name in shapes:
         key = keys[shape]
@@ -202,10 +227,8 @@ def measure_shapes(
                 ms[precision] = None
                 continue
             try:
-                ms[precision] = _time_one(shape, name, precision, recipe=recipe, device=device, compile=compile,
-                                          warmup=warmup, iters=iters, wgrad=wgrad, gemm=gemm, accumulate=accumulate,
-                                          ep=ep, wgrad_x=wgrad_x, fast_accum=fast_accum,
-                                          dense_accumulate=dense_accumulate, fused_cast=fused_cast)
+                ms[precision] = _time_one(shape, name, precision, opts, device=device, compile=compile,
+                                          warmup=warmup, iters=iters, ep=ep)
             except (CapabilityError, ConfigError) as e:
                 ms[precision], error = None, f"{precision}: {e}"
             except torch.OutOfMemoryError:
@@ -240,25 +263,23 @@ def _key_versions() -> dict[str, str]:
     return v
 
 
-def _time_one(shape: AutoShape, name: str, precision: str, *, recipe: str, device: torch.device, compile: bool,
-              warmup: int, iters: int, wgrad: str = "auto", gemm: str = "auto", accumulate: int = 1,
-              ep: int = 1, wgrad_x: str = "128x1", fast_accum: tuple[str, ...] | None = None,
-              dense_accumulate: int = 1, fused_cast: str = "none") -> float:
-    """Milliseconds of one forward + backward of ``shape``'s linears in ``precision`` (``bench-layers``' timers; an
-    expert MLP shape: ``bench/experts_timer.ExpertsMLPTimer``)."""
+def _time_one(shape: AutoShape, name: str, precision: str, opts: FP8SiteOptions, *, device: torch.device,
+              compile: bool, warmup: int, iters: int, ep: int = 1) -> float:
+    """Milliseconds of one forward + backward of ``shape``'s linears in ``precision``, FP8 built with ``opts``
+    (``bench-layers``' timers; an expert MLP shape: ``bench/experts_timer.ExpertsMLPTimer``)."""
     if shape.mlp:
-        timer = ExpertsMLPTimer(shape.gemms, shape.num_gemms, shape.num_tokens, precision, device=device, wgrad=wgrad,
-                                gemm=gemm, compile=compile, accumulate=accumulate, whole_layer=ep == 1,
-                                topk=shape.topk)
+        timer = ExpertsMLPTimer(shape.gemms, shape.num_gemms, shape.num_tokens, precision, device=device,
+                                wgrad=opts.wgrad, gemm=opts.gemm, compile=compile, accumulate=opts.accumulate,
+                                whole_layer=ep == 1, topk=shape.topk)
         try:
             return timer(warmup=warmup, iters=iters)
         finally:
             timer.close()
     site = BenchSite("llm", "column_grouped" if shape.is_grouped else "column", name, list(shape.gemms),
                      list(shape.gemms), tp=1, num_gemms=shape.num_gemms)
-    args = BenchLayersArgs(model=ModelConfig(), vocab_size=0, recipe=recipe, warmup=warmup, iters=iters,
-                           compile=compile, dynamic=False, blockwise_wgrad_x=wgrad_x, fast_accum=fast_accum,
-                           accumulate=dense_accumulate, delayed_fused_cast=fused_cast)
+    args = BenchLayersArgs(model=ModelConfig(), vocab_size=0, recipe=opts.recipe, warmup=warmup, iters=iters,
+                           compile=compile, dynamic=False, blockwise_wgrad_x=opts.wgrad_x, fast_accum=opts.fast_accum,
+                           accumulate=opts.dense_accumulate, delayed_fused_cast=opts.fused_cast)
     timer = _GroupedTimer(site, precision, args, device) if shape.is_grouped else _Timer(site, precision, args, device)
     return timer(shape.num_tokens)
 
@@ -350,11 +371,8 @@ def lookup_cached(units: list[AutoUnit], cfg: RunConfig, device: torch.device, c
     """The cached timings of ``units``' shapes on ``device`` for this run's recipe, sizes and weight-cast
     accumulation (no measuring)."""
     d = cfg.distributed
-    keys = shape_keys(list(distinct_shapes(units)), recipe=cfg.fp8.recipe, device=device, tp=d.tp, ep=d.ep,
-                      compiled=cfg.train.compile, grouped=grouped_gemm_config(cfg), accumulate=accumulate,
-                      wgrad_x=cfg.fp8.blockwise_wgrad_x, fast_accum=requested_fast_accum(cfg.fp8),
-                      dense_accumulate=dense_weight_cast_accumulation(cfg, accumulate),
-                      fused_cast=cfg.fp8.delayed_fused_cast)
+    keys = shape_keys(list(distinct_shapes(units)), FP8SiteOptions.for_run(cfg, accumulate), device=device, tp=d.tp,
+                      ep=d.ep, compiled=cfg.train.compile)
     out = {}
     for shape, key in keys.items():
         hit, _ = cache.load(key)
@@ -373,13 +391,9 @@ def _measure_on_rank0(units: list[AutoUnit], cfg: RunConfig, device: torch.devic
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     measured = None
     if not distributed or dist.get_rank() == 0:
-        measured = measure_shapes(shapes, recipe=cfg.fp8.recipe, device=device, tp=d.tp, ep=d.ep, cache=cache,
-                                  compile=cfg.train.compile, warmup=warmup, iters=iters,
-                                  progress=_progress_line(status), grouped=grouped_gemm_config(cfg),
-                                  accumulate=accumulate, wgrad_x=cfg.fp8.blockwise_wgrad_x,
-                                  fast_accum=requested_fast_accum(cfg.fp8),
-                                  dense_accumulate=dense_weight_cast_accumulation(cfg, accumulate),
-                                  fused_cast=cfg.fp8.delayed_fused_cast)
+        measured = measure_shapes(shapes, FP8SiteOptions.for_run(cfg, accumulate), device=device, tp=d.tp, ep=d.ep,
+                                  cache=cache, compile=cfg.train.compile, warmup=warmup, iters=iters,
+                                  progress=_progress_line(status))
     if distributed:
         box = [measured]
         dist.broadcast_object_list(box, src=0)
