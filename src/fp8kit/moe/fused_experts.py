@@ -235,8 +235,8 @@ def fused_rowwise_experts(
             their FP8 copy in the forward and save them for ``gate_up_proj``'s wgrad (``(P, H)`` more saved), instead
             of gathering them again in the backward (``GroupedGemmConfig.wgrad_input``). The same bits either way.
         weights: both weights' FP8 copies, already made by :func:`expert_weight_copies` with these
-            ``cache_weights`` / ``scale_hints`` (expert parallelism casts them before its dispatch all-to-all, so
-            that the casts run while the tokens travel); None: made here.
+            ``cache_weights`` / ``scale_hints`` (expert parallelism casts them while its FP8 dispatch all-to-all is
+            in flight, so that the casts run while the tokens travel); None: made here.
 
     Returns:
         (P, H) expert outputs in expert order, in ``out_dtype`` (rows past ``offs[-1]`` undefined on CUDA); with
