@@ -458,9 +458,10 @@ def test_with_accumulation_the_expert_mlp_is_timed_casting_its_weights_once_per_
     sites = find_sites(build_model(cfg.model, 1024, device="meta"))
     options = options_from_config(cfg, build_hf_config(cfg.model, 1024))
 
-    def run(accumulate: int) -> dict:
-        return measure_and_decide(cfg, sites, decide(sites, options), options, CPU, AutoCache(tmp_path), warmup=0,
-                                  iters=1, accumulate=accumulate).info
+    def run(accumulate: int) -> dict:  # train.grad_accum: the experts' weight-cast accumulation of this run
+        run_cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"grad_accum": accumulate})})
+        return measure_and_decide(run_cfg, sites, decide(sites, options), options, CPU, AutoCache(tmp_path),
+                                  warmup=0, iters=1).info
 
     first = run(1)
     assert run(4)["measured"] == 1, "accumulation changes what the expert MLP costs: measured again"
@@ -578,3 +579,25 @@ def test_with_accumulation_blockwise_experts_are_timed_with_cached_weights_and_a
         key = shape_keys([grouped], FP8SiteOptions(recipe, dense_accumulate=2), device=CPU, tp=1, ep=1,
                          compiled=False)[grouped]
         assert (":accum=2" in json.dumps(key)) is tagged, (recipe, key)
+
+
+def test_expert_parallel_experts_keep_their_weight_cache_under_fsdp2(tmp_path):
+    """FSDP2 turns the FP8 weight cache off (it would hold unsharded copies), but not for the experts under expert
+    parallelism, which FSDP2 leaves alone (``ignored_params``): each rank holds its experts whole, as one process
+    does. ``weight_cache_applies(not_fsdp=)`` decides it for ``prepare_model``'s grouped config and for ``auto``'s
+    expert timings (``weight_cast_accumulation(experts=True)``, ``FP8SiteOptions.for_run``); the dense linears keep
+    the FSDP2 rule."""
+    from fp8kit.bench.auto import FP8SiteOptions
+    from fp8kit.config.prepare_options import weight_cast_accumulation
+    from fp8kit.parallel.prepare import weight_cache_applies
+
+    assert not weight_cache_applies(True, None, (2, 1)) and weight_cache_applies(True, None, (2, 1), not_fsdp=True)
+    assert not weight_cache_applies(False, None, (1, 1), not_fsdp=True), "fp8.weight_cache = false is kept"
+    base = ["model.preset=tiny-moe", "train.mixed_precision=fp8", "train.grad_accum=2", f"data.cache_dir={tmp_path}"]
+    ep_fsdp = load_config(None, [*base, "distributed.ep=2", "distributed.dp_shard=2"])
+    assert (weight_cast_accumulation(ep_fsdp), weight_cast_accumulation(ep_fsdp, experts=True)) == (1, 2)
+    opts = FP8SiteOptions.for_run(load_config(None, [*base, "fp8.recipe=blockwise", "distributed.ep=2",
+                                                     "distributed.dp_shard=2"]))
+    assert (opts.accumulate, opts.dense_accumulate) == (2, 1), opts
+    fsdp_only = load_config(None, [*base, "distributed.dp_shard=2"])
+    assert weight_cast_accumulation(fsdp_only, experts=True) == 1, "without EP the experts are FSDP2's"

@@ -252,6 +252,15 @@ def test_ep2_fp8_dispatch_trains_like_one_process(reference, cache_dir, tmp_path
     _close(_losses(tmp_path / "fp8_rowwise"), _losses(tmp_path / "fp8_bf16_dispatch"),
            "ep=2, FP8 experts, rowwise FP8 dispatch vs bf16 dispatch", fall=0.5)
 
+    # gradient accumulation under EP x FSDP2: the experts' FP8 weights cast once per step (FSDP2 leaves them alone),
+    # the dense linears' at every micro-batch (FSDP2's), as the run says; the same losses as no cache at all
+    cached = json.loads((tmp_path / "accum_cached" / "summary.json").read_text())["precision"]
+    assert cached.endswith("dense weights cast at every micro-batch; expert weights cast once per step of 2 "
+                           "micro-batches)"), cached
+    uncached = json.loads((tmp_path / "accum_uncached" / "summary.json").read_text())["precision"]
+    assert uncached.endswith("(fast accumulation: fprop; weights cast at every micro-batch)"), uncached
+    assert _losses(tmp_path / "accum_cached") == _losses(tmp_path / "accum_uncached"), "the cache changed the bits"
+
 
 def test_ep_with_tp_matches_one_process(reference, cache_dir, tmp_path):
     _torchrun(4, ["eptp", str(tmp_path), str(cache_dir)])
@@ -419,6 +428,11 @@ def _worker(mode: str, out: Path, cache: str) -> None:
         if dist.get_rank() == 0:
             (out / "payloads_rowwise.json").write_text(json.dumps(log))
         train(load_config(None, fp8 + ["distributed.ep_fp8_dispatch=false"]), out / "fp8_bf16_dispatch")
+        # 2 micro-batches per step under EP x FSDP2: the experts (FSDP2's ignored_params) keep their weight cache,
+        # the FSDP2-managed dense linears do not; casting every micro-batch instead gives the same bits
+        accum = fp8 + ["train.grad_accum=2", "train.micro_batch_size=1", "train.steps=4"]
+        train(load_config(None, accum), out / "accum_cached")
+        train(load_config(None, accum + ["fp8.weight_cache=false"]), out / "accum_uncached")
     else:
         from torch.distributed.device_mesh import init_device_mesh
 

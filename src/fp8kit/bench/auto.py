@@ -38,7 +38,7 @@ from fp8kit.bench.layers import BenchLayersArgs, _GroupedTimer, _Timer
 from fp8kit.bench.sites import BenchSite
 from fp8kit.config import ModelConfig, RunConfig
 from fp8kit.config.options import grouped_gemm_config, requested_fast_accum
-from fp8kit.config.prepare_options import dense_weight_cast_accumulation
+from fp8kit.config.prepare_options import dense_weight_cast_accumulation, weight_cast_accumulation
 from fp8kit.fp8.recipes import fast_accum_for, recipe_info
 from fp8kit.fp8.weight_cache import clear_weight_caches
 from fp8kit.moe.grouped_mm import GroupedGemmConfig, resolve_grouped_kernel
@@ -118,10 +118,12 @@ class FP8SiteOptions:
     fused_cast: str = "none"
 
     @classmethod
-    def for_run(cls, cfg: RunConfig, accumulate: int = 1) -> FP8SiteOptions:
-        """The options of the run ``cfg`` whose FP8 expert weights are cast once per ``accumulate`` micro-batches."""
-        return cls(recipe=cfg.fp8.recipe, grouped=grouped_gemm_config(cfg), accumulate=accumulate,
-                   dense_accumulate=dense_weight_cast_accumulation(cfg, accumulate),
+    def for_run(cls, cfg: RunConfig, mesh=None) -> FP8SiteOptions:
+        """The options of the run ``cfg`` on ``mesh`` (the training run's DeviceMesh; None: one process, or, for
+        ``plan``, the launch the config's data-parallel sizes describe: ``weight_cast_accumulation``)."""
+        return cls(recipe=cfg.fp8.recipe, grouped=grouped_gemm_config(cfg),
+                   accumulate=weight_cast_accumulation(cfg, mesh, experts=True),
+                   dense_accumulate=dense_weight_cast_accumulation(cfg, weight_cast_accumulation(cfg, mesh)),
                    wgrad_x=cfg.fp8.blockwise_wgrad_x, fast_accum=requested_fast_accum(cfg.fp8),
                    fused_cast=cfg.fp8.delayed_fused_cast)
 
@@ -296,7 +298,7 @@ class AutoOutcome:
 
 def resolve_auto(cfg: RunConfig, sites: list[Site], decisions: list[Decision], options: DecideOptions,
                  device: torch.device, *, emulated: bool, topk: int = 1,
-                 status: Callable[[str], None] | None = None, accumulate: int = 1) -> AutoOutcome:
+                 status: Callable[[str], None] | None = None, mesh=None) -> AutoOutcome:
     """Apply ``selective.selective_fp8`` (module docstring) to the static ``decisions`` of ``sites``.
 
     Args:
@@ -305,9 +307,9 @@ def resolve_auto(cfg: RunConfig, sites: list[Site], decisions: list[Decision], o
         device: the training device; emulated: its FP8 GEMMs are emulated (``fp8.emulate``).
         topk: experts per token (grouped units are timed at ``tokens x topk`` pairs).
         status: one-line progress messages (the trainer's spinner).
-        accumulate: micro-batches per optimizer step that reuse their cast FP8 expert weights (``train.grad_accum``
-            where the weight cache applies; 1 otherwise): FP8 expert MLPs are timed in that steady state, and so are
-            the dense blockwise and delayed linears (``config.prepare_options.dense_weight_cast_accumulation``).
+        mesh: the run's DeviceMesh (None: one process): where the weight cache applies, FP8 expert MLPs and the
+            dense blockwise and delayed linears are timed with their weights cast once per ``train.grad_accum``
+            micro-batches (:meth:`FP8SiteOptions.for_run`).
 
     Raises:
         ConfigError: tp / ep do not divide a unit's dimension or expert count.
@@ -332,14 +334,14 @@ def resolve_auto(cfg: RunConfig, sites: list[Site], decisions: list[Decision], o
     if mode == "auto":
         if options.auto is None:  # no token count (not a training run): nothing to time at
             return AutoOutcome(decisions, [], info)
-        return measure_and_decide(cfg, sites, decisions, options, device, cache, status=status, accumulate=accumulate)
+        return measure_and_decide(cfg, sites, decisions, options, device, cache, status=status, mesh=mesh)
     if not real_gpu:
         return AutoOutcome(decisions, [], info)
     # false / policy: no measuring; warn where the cache says FP8 is slower at a site kept in FP8
     tokens = {"*": options.num_tokens or cfg.data.seq_length * cfg.train.micro_batch_size,
               **cfg.selective.component_num_tokens}
     units = run_units(fp8, cfg, run_auto_options(AutoOptions(tokens, topk), cfg, device))
-    timings = lookup_cached(units, cfg, device, cache, accumulate)
+    timings = lookup_cached(units, cfg, device, cache, mesh)
     slow = slower_in_fp8(units, timings, {x.fqn for x in fp8})
     if not slow:
         return AutoOutcome(decisions, [], info)
@@ -353,13 +355,13 @@ def resolve_auto(cfg: RunConfig, sites: list[Site], decisions: list[Decision], o
 
 def measure_and_decide(cfg: RunConfig, sites: list[Site], decisions: list[Decision], options: DecideOptions,
                        device: torch.device, cache: AutoCache, *, status: Callable[[str], None] | None = None,
-                       warmup: int = AUTO_WARMUP, iters: int = AUTO_ITERS, accumulate: int = 1) -> AutoOutcome:
+                       warmup: int = AUTO_WARMUP, iters: int = AUTO_ITERS, mesh=None) -> AutoOutcome:
     """The ``auto`` path of :func:`resolve_auto` on any device (the CPU only in tests): units of the FP8
     ``decisions``, timings (cache or measured; rank 0 under torchrun), ``decide`` again with the table.
-    ``accumulate``: as :func:`resolve_auto`."""
+    ``mesh``: as :func:`resolve_auto`."""
     auto = run_auto_options(options.auto, cfg, device)
     units = run_units(decisions, cfg, auto)
-    measured = _measure_on_rank0(units, cfg, device, cache, status, warmup, iters, accumulate)
+    measured = _measure_on_rank0(units, cfg, device, cache, status, warmup, iters, mesh)
     final = decide(sites, replace(options, auto=replace(auto, timings=measured.timings)))
     info = {"mode": cfg.selective.selective_fp8,
             **_table_info(units, measured, final, auto.min_speedup, cfg, device, cache.dir)}
@@ -367,11 +369,11 @@ def measure_and_decide(cfg: RunConfig, sites: list[Site], decisions: list[Decisi
 
 
 def lookup_cached(units: list[AutoUnit], cfg: RunConfig, device: torch.device, cache: AutoCache,
-                  accumulate: int = 1) -> dict:
+                  mesh=None) -> dict:
     """The cached timings of ``units``' shapes on ``device`` for this run's recipe, sizes and weight-cast
-    accumulation (no measuring)."""
+    accumulation on ``mesh`` (:meth:`FP8SiteOptions.for_run`; no measuring)."""
     d = cfg.distributed
-    keys = shape_keys(list(distinct_shapes(units)), FP8SiteOptions.for_run(cfg, accumulate), device=device, tp=d.tp,
+    keys = shape_keys(list(distinct_shapes(units)), FP8SiteOptions.for_run(cfg, mesh), device=device, tp=d.tp,
                       ep=d.ep, compiled=cfg.train.compile)
     out = {}
     for shape, key in keys.items():
@@ -382,7 +384,7 @@ def lookup_cached(units: list[AutoUnit], cfg: RunConfig, device: torch.device, c
 
 
 def _measure_on_rank0(units: list[AutoUnit], cfg: RunConfig, device: torch.device, cache: AutoCache,
-                      status: Callable[[str], None] | None, warmup: int, iters: int, accumulate: int = 1) -> Measured:
+                      status: Callable[[str], None] | None, warmup: int, iters: int, mesh=None) -> Measured:
     """Measure on this process, or under torchrun on rank 0 and broadcast the result to every rank."""
     import torch.distributed as dist
 
@@ -391,7 +393,7 @@ def _measure_on_rank0(units: list[AutoUnit], cfg: RunConfig, device: torch.devic
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     measured = None
     if not distributed or dist.get_rank() == 0:
-        measured = measure_shapes(shapes, FP8SiteOptions.for_run(cfg, accumulate), device=device, tp=d.tp, ep=d.ep,
+        measured = measure_shapes(shapes, FP8SiteOptions.for_run(cfg, mesh), device=device, tp=d.tp, ep=d.ep,
                                   cache=cache, compile=cfg.train.compile, warmup=warmup, iters=iters,
                                   progress=_progress_line(status))
     if distributed:

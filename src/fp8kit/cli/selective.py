@@ -264,7 +264,7 @@ def _plan_auto(cfg, sites, decisions, options):
                            "rules are shown; `fp8kit train` on CUDA times the FP8 candidates at start-up (cached)")
     from fp8kit.base.runtime import device_name
     from fp8kit.bench.auto import lookup_cached, run_auto_options, run_units
-    from fp8kit.config.prepare_options import weight_cache_requested, weight_cast_accumulation
+    from fp8kit.config.prepare_options import weight_cache_requested
     from fp8kit.data.tokenizer import resolve_cache_dir
     from fp8kit.selective.auto import distinct_shapes
     from fp8kit.selective.auto_cache import AutoCache
@@ -273,8 +273,8 @@ def _plan_auto(cfg, sites, decisions, options):
     device = torch.device("cuda")
     auto = run_auto_options(options.auto, cfg, device)
     units = run_units(decisions, cfg, auto)
-    timings = lookup_cached(units, cfg, device, AutoCache(resolve_cache_dir(cfg.data.cache_dir)),
-                            weight_cast_accumulation(cfg))  # FSDP2 or not from the config's dp sizes
+    # no mesh: FSDP2 or not from the config's dp sizes
+    timings = lookup_cached(units, cfg, device, AutoCache(resolve_cache_dir(cfg.data.cache_dir)))
     total = len(distinct_shapes(units))
     note = (f'selective_fp8 = "auto": {len(timings)} of {total} shapes cached for {device_name(device)}'
             + ("" if len(timings) == total else "; the others keep their static rule here and are timed by "

@@ -20,15 +20,18 @@ def weight_cache_requested(cfg: RunConfig) -> bool:
     return cfg.fp8.weight_cache and cfg.train.grad_accum > 1
 
 
-def weight_cast_accumulation(cfg: RunConfig, mesh=None) -> int:
+def weight_cast_accumulation(cfg: RunConfig, mesh=None, *, experts: bool = False) -> int:
     """Micro-batches per optimizer step that reuse their cast FP8 weights in this run: ``train.grad_accum`` where the
-    weight cache applies on ``mesh`` (:func:`~fp8kit.parallel.prepare.weight_cache_applies`), else 1. ``mesh`` None
+    weight cache applies on ``mesh`` (:func:`~fp8kit.parallel.prepare.weight_cache_applies`), else 1; ``experts``: for
+    the MoE experts, whose weights FSDP2 leaves alone under expert parallelism (``distributed.ep > 1``). ``mesh`` None
     (``fp8kit plan``, or one process): the config's ``distributed.dp_shard`` / ``dp_replicate`` say whether the run
     will use FSDP2, so ``plan`` looks up the timings ``fp8kit train`` cached under torchrun. What ``selective_fp8 =
-    "auto"`` times the FP8 experts with."""
+    "auto"`` times the FP8 experts (``experts=True``) and, through :func:`dense_weight_cast_accumulation`, the dense
+    linears with."""
     d = cfg.distributed
     sizes = (d.dp_shard, d.dp_replicate) if mesh is None else None
-    return cfg.train.grad_accum if weight_cache_applies(weight_cache_requested(cfg), mesh, sizes) else 1
+    applies = weight_cache_applies(weight_cache_requested(cfg), mesh, sizes, not_fsdp=experts and d.ep > 1)
+    return cfg.train.grad_accum if applies else 1
 
 
 def dense_weight_cast_accumulation(cfg: RunConfig, accumulate: int) -> int:

@@ -138,12 +138,15 @@ def uses_fsdp(mesh, sizes: tuple[int, int] | None = None) -> bool:
     return mesh["dp_shard"].size() > 1 or mesh["dp_replicate"].size() > 1
 
 
-def weight_cache_applies(requested: bool, mesh, sizes: tuple[int, int] | None = None) -> bool:
+def weight_cache_applies(requested: bool, mesh, sizes: tuple[int, int] | None = None, *,
+                         not_fsdp: bool = False) -> bool:
     """Whether the FP8 weight cache (``PrepareOptions.cache_weights``) is used on ``mesh`` (or, without one, on the
     data-parallel ``sizes`` a config names: :func:`uses_fsdp`): as ``requested``, except under FSDP2, where it would
-    hold unsharded FP8 copies of every layer's weights. The one place this is decided (``prepare_model``, and
-    ``config.prepare_options.weight_cast_accumulation`` for the ``auto`` timers)."""
-    return requested and not uses_fsdp(mesh, sizes)
+    hold unsharded FP8 copies of every layer's weights; ``not_fsdp``: for weights FSDP2 leaves alone (the experts
+    under expert parallelism, its ``ignored_params``: each rank holds its own experts whole), which cache as in one
+    process. The one place this is decided (``prepare_model``, and ``config.prepare_options.weight_cast_accumulation``
+    for the ``auto`` timers)."""
+    return requested and (not_fsdp or not uses_fsdp(mesh, sizes))
 
 
 def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareOptions, mesh=None,
@@ -173,8 +176,10 @@ def prepare_model(model: nn.Module, decisions: list[Decision], options: PrepareO
     dp_replicate = mesh["dp_replicate"].size() if mesh is not None else 1
     fsdp = uses_fsdp(mesh)
     cache = weight_cache_applies(options.cache_weights, mesh)
-    # FSDP2 re-gathers weights for the backward: blockwise linears and experts quantize them again there
-    grouped = replace(options.grouped, cache_weights=cache,
+    # FSDP2 re-gathers weights for the backward: blockwise linears and experts quantize them again there; expert
+    # parallel experts are not FSDP2's (ignored_params, step 2 below) and keep their cache
+    grouped = replace(options.grouped, cache_weights=weight_cache_applies(options.cache_weights, mesh,
+                                                                          not_fsdp=options.ep > 1),
                       keep_weight_copies=not (fsdp or options.blockwise_recompute),
                       blockwise_wgrad_x=options.blockwise_wgrad_x,
                       wgrad_input=resolve_wgrad_input(options.grouped.wgrad_input, options.activation_checkpointing))

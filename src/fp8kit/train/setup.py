@@ -179,8 +179,9 @@ def weight_cast_reuse(cfg: RunConfig, mesh, decisions: list[Decision], model: nn
     if any(d.is_fp8 and not d.site.is_grouped_weight for d in decisions):
         reuse["dense"] = dense_weight_cast_accumulation(cfg, accumulate)
     experts = [m for m in model.modules() if isinstance(m, Float8GroupedExperts) and m.fp8_weights]
-    if experts:
-        reuse["experts"] = accumulate if all(m.caches_weights(device) for m in experts) else 1
+    if experts:  # FSDP2 leaves the experts' weights alone under expert parallelism: their own accumulation
+        cached = all(m.caches_weights(device) for m in experts)
+        reuse["experts"] = weight_cast_accumulation(cfg, mesh, experts=True) if cached else 1
     elif any(d.is_fp8 and d.site.is_grouped_weight for d in decisions):
         reuse["experts"] = None  # FP8 from the precision switch on: the layers are converted there
     return reuse or None
@@ -405,7 +406,7 @@ def build_setup(cfg: RunConfig, *, resume: Path | None = None, status=None, warn
     # selective.selective_fp8 = "auto": time the candidates' shapes (CUDA; cached) and decide again
     # with gradient accumulation (and the weight cache on), FP8 expert weights are cast once per optimizer step
     auto = resolve_auto(cfg, sites, decide(sites, options), options, device, emulated=fp8_emulated(cfg, device),
-                        topk=moe_topk(hf_cfg), status=say, accumulate=weight_cast_accumulation(cfg, mesh))
+                        topk=moe_topk(hf_cfg), status=say, mesh=mesh)
     decisions = auto.decisions
     if resume_ckpt is not None:
         note = output_head_resume_note(resume_ckpt, resume_state, decisions)
