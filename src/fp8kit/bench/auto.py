@@ -38,7 +38,7 @@ from fp8kit.bench.layers import BenchLayersArgs, _GroupedTimer, _Timer
 from fp8kit.bench.sites import BenchSite
 from fp8kit.config import ModelConfig, RunConfig
 from fp8kit.config.options import grouped_gemm_config, requested_fast_accum
-from fp8kit.config.prepare_options import dense_weight_cast_accumulation, weight_cast_accumulation
+from fp8kit.config.prepare_options import weight_cast_accumulations
 from fp8kit.fp8.recipes import fast_accum_for, recipe_info
 from fp8kit.fp8.weight_cache import clear_weight_caches
 from fp8kit.moe.grouped_mm import GroupedGemmConfig, resolve_grouped_kernel
@@ -121,9 +121,9 @@ class FP8SiteOptions:
     def for_run(cls, cfg: RunConfig, mesh=None) -> FP8SiteOptions:
         """The options of the run ``cfg`` on ``mesh`` (the training run's DeviceMesh; None: one process, or, for
         ``plan``, the launch the config's data-parallel sizes describe: ``weight_cast_accumulation``)."""
-        return cls(recipe=cfg.fp8.recipe, grouped=grouped_gemm_config(cfg),
-                   accumulate=weight_cast_accumulation(cfg, mesh, experts=True),
-                   dense_accumulate=dense_weight_cast_accumulation(cfg, weight_cast_accumulation(cfg, mesh)),
+        dense, experts = weight_cast_accumulations(cfg, mesh)
+        return cls(recipe=cfg.fp8.recipe, grouped=grouped_gemm_config(cfg), accumulate=experts,
+                   dense_accumulate=dense,
                    wgrad_x=cfg.fp8.blockwise_wgrad_x, fast_accum=requested_fast_accum(cfg.fp8),
                    fused_cast=cfg.fp8.delayed_fused_cast)
 

@@ -44,6 +44,15 @@ def dense_weight_cast_accumulation(cfg: RunConfig, accumulate: int) -> int:
     return accumulate if cached else 1
 
 
+def weight_cast_accumulations(cfg: RunConfig, mesh=None) -> tuple[int, int]:
+    """``(dense, experts)``: micro-batches per optimizer step that share one cast of the dense FP8 linears' weights
+    (:func:`dense_weight_cast_accumulation`) and of the MoE experts' (:func:`weight_cast_accumulation` with
+    ``experts``) in this run on ``mesh``. The one place both are derived, for ``auto``'s timings
+    (``bench.auto.FP8SiteOptions.for_run``) and the run's start line (``train.setup.weight_cast_reuse``)."""
+    return (dense_weight_cast_accumulation(cfg, weight_cast_accumulation(cfg, mesh)),
+            weight_cast_accumulation(cfg, mesh, experts=True))
+
+
 def prepare_options(cfg: RunConfig, *, fp8_now: bool, emulate: bool) -> PrepareOptions:
     """The model-preparation options of a run.
 

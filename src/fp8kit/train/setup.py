@@ -33,11 +33,7 @@ from fp8kit.bench.auto import resolve_auto
 from fp8kit.config import RunConfig
 from fp8kit.config.optim_choice import resolve_optimizer
 from fp8kit.config.options import grouped_gemm_config, load_policies, moe_topk, options_from_config
-from fp8kit.config.prepare_options import (
-    dense_weight_cast_accumulation,
-    prepare_options,
-    weight_cast_accumulation,
-)
+from fp8kit.config.prepare_options import prepare_options, weight_cast_accumulations
 from fp8kit.config.pretrained import resolve_pretrained
 from fp8kit.data.prepare import PreparedData, prepare_data
 from fp8kit.fp8.recipes import GEMMS, fast_accum_for
@@ -165,7 +161,7 @@ def output_head_resume_note(resume_ckpt: Path, state: dict, decisions: list[Deci
 def weight_cast_reuse(cfg: RunConfig, mesh, decisions: list[Decision], model: nn.Module,
                       device: torch.device) -> dict[str, int | None] | None:
     """How many micro-batches share one cast of each FP8 weight in this run, as prepared: ``"dense"`` where some
-    dense linears are FP8 (``config.prepare_options.dense_weight_cast_accumulation``: ``fp8.weight_cache`` with
+    dense linears are FP8 (``config.prepare_options.weight_cast_accumulations``: ``fp8.weight_cache`` with
     ``train.grad_accum > 1``, not under FSDP2, the delayed linears not with CUDA graphs, torchao's recipes never; a
     delayed linear's first step, before its history has a scale, casts at every micro-batch), ``"experts"`` where
     some converted MoE expert layers are FP8 (``grad_accum`` if every such layer of ``model`` caches its weights on
@@ -174,14 +170,13 @@ def weight_cast_reuse(cfg: RunConfig, mesh, decisions: list[Decision], model: nn
     weight."""
     if cfg.train.mixed_precision != "fp8" or cfg.train.grad_accum == 1:
         return None
-    accumulate = weight_cast_accumulation(cfg, mesh)
+    dense, expert = weight_cast_accumulations(cfg, mesh)
     reuse = {}
     if any(d.is_fp8 and not d.site.is_grouped_weight for d in decisions):
-        reuse["dense"] = dense_weight_cast_accumulation(cfg, accumulate)
+        reuse["dense"] = dense
     experts = [m for m in model.modules() if isinstance(m, Float8GroupedExperts) and m.fp8_weights]
-    if experts:  # FSDP2 leaves the experts' weights alone under expert parallelism: their own accumulation
-        cached = all(m.caches_weights(device) for m in experts)
-        reuse["experts"] = weight_cast_accumulation(cfg, mesh, experts=True) if cached else 1
+    if experts:  # only the fused and blockwise-loop kernels keep a cache
+        reuse["experts"] = expert if all(m.caches_weights(device) for m in experts) else 1
     elif any(d.is_fp8 and d.site.is_grouped_weight for d in decisions):
         reuse["experts"] = None  # FP8 from the precision switch on: the layers are converted there
     return reuse or None
