@@ -153,6 +153,13 @@ def prepared_llama(sets: list[str], emulate: bool = False, preset: str = "llama-
     """``(model, Prepared)``: a two-layer ``preset`` (llama-125m by default; vocab 1024, bf16, CPU) built and prepared
     as ``fp8kit train`` does (sites, decisions, ``prepare_model``) with the config overrides ``sets`` (e.g. the
     recipe)."""
+    _, model, _, done = prepared_run(sets, emulate, preset)
+    return model, done
+
+
+def prepared_run(sets: list[str], emulate: bool = False, preset: str = "llama-125m", fp8_now: bool = True):
+    """``(cfg, model, decisions, Prepared)`` of :func:`prepared_llama` (a ``model.preset`` in ``sets`` wins over
+    ``preset``); ``fp8_now=False``: prepared as a run that starts in a BF16 phase of the precision schedule."""
     from fp8kit.config import load_config
     from fp8kit.config.options import options_from_config
     from fp8kit.config.prepare_options import prepare_options
@@ -165,9 +172,9 @@ def prepared_llama(sets: list[str], emulate: bool = False, preset: str = "llama-
                              "train.mixed_precision=fp8", *sets])
     model = build_model(cfg.model, cfg.data.vocab_size, device="cpu", dtype=torch.bfloat16, seed=0)
     hf_cfg = build_hf_config(cfg.model, cfg.data.vocab_size)
-    done = prepare_model(model, decide(find_sites(model), options_from_config(cfg, hf_cfg, "cpu")),
-                         prepare_options(cfg, fp8_now=True, emulate=emulate), None, hf_cfg=hf_cfg)
-    return model, done
+    decisions = decide(find_sites(model), options_from_config(cfg, hf_cfg, "cpu"))
+    done = prepare_model(model, decisions, prepare_options(cfg, fp8_now=fp8_now, emulate=emulate), None, hf_cfg=hf_cfg)
+    return cfg, model, decisions, done
 
 
 def llama_steps(model, n: int, seed: int = 0):

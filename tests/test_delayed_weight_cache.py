@@ -190,22 +190,11 @@ def test_the_precision_line_says_how_often_the_weights_are_cast(sets, want):
     the FP8 weights are cast once per optimizer step (``fp8.weight_cache`` with gradient accumulation) or at every
     micro-batch, as the prepared model does it (torchao's dense recipes and the experts' grouped kernels other than
     the fused MLP and the blockwise loop: every micro-batch)."""
-    from fp8kit.config import load_config
-    from fp8kit.config.options import options_from_config
-    from fp8kit.config.prepare_options import prepare_options
-    from fp8kit.models.build import build_hf_config, build_model
-    from fp8kit.parallel.prepare import prepare_model
-    from fp8kit.selective.decide import decide
-    from fp8kit.selective.sites import find_sites
     from fp8kit.train.setup import weight_cast_reuse
     from fp8kit.train.trainer import _precision_desc
+    from tests.conftest import prepared_run
 
-    cfg = load_config(None, ["model.preset=llama-125m", "model.num_layers=1", "data.vocab_size=1024",
-                             "train.mixed_precision=fp8", *sets])  # a later model.preset wins
-    model = build_model(cfg.model, cfg.data.vocab_size, device="cpu", dtype=torch.bfloat16, seed=0)
-    hf_cfg = build_hf_config(cfg.model, cfg.data.vocab_size)
-    decisions = decide(find_sites(model), options_from_config(cfg, hf_cfg, "cpu"))
-    prepare_model(model, decisions, prepare_options(cfg, fp8_now=True, emulate=cfg.fp8.emulate), None, hf_cfg=hf_cfg)
+    cfg, model, decisions, _ = prepared_run(sets, emulate="fp8.emulate=true" in sets)
     reuse = weight_cast_reuse(cfg, None, decisions, model, torch.device("cpu"))
     assert (reuse, _precision_desc(cfg, None, reuse)) == want, sets
 
@@ -230,20 +219,10 @@ def test_the_precision_line_names_dense_and_expert_casts_apart():
 def test_a_run_starting_in_bf16_leaves_the_experts_casts_to_the_switch():
     """``fp8.bf16_warmup_steps``: the experts are still BF16 modules at set-up, so ``weight_cast_reuse`` does not
     claim how their FP8 weights will be cast (None), while the dense linears' casts follow from the config."""
-    from fp8kit.config import load_config
-    from fp8kit.config.options import options_from_config
-    from fp8kit.config.prepare_options import prepare_options
-    from fp8kit.models.build import build_hf_config, build_model
-    from fp8kit.parallel.prepare import prepare_model
-    from fp8kit.selective.decide import decide
-    from fp8kit.selective.sites import find_sites
     from fp8kit.train.setup import weight_cast_reuse
+    from tests.conftest import prepared_run
 
-    cfg = load_config(None, ["model.preset=tiny-moe", "model.num_layers=1", "data.vocab_size=1024",
-                             "train.mixed_precision=fp8", "fp8.recipe=blockwise", "fp8.emulate=true",
-                             "train.grad_accum=2", "fp8.bf16_warmup_steps=2"])
-    model = build_model(cfg.model, cfg.data.vocab_size, device="cpu", dtype=torch.bfloat16, seed=0)
-    hf_cfg = build_hf_config(cfg.model, cfg.data.vocab_size)
-    decisions = decide(find_sites(model), options_from_config(cfg, hf_cfg, "cpu"))
-    prepare_model(model, decisions, prepare_options(cfg, fp8_now=False, emulate=True), None, hf_cfg=hf_cfg)
+    cfg, model, decisions, _ = prepared_run(["fp8.recipe=blockwise", "fp8.emulate=true", "train.grad_accum=2",
+                                             "fp8.bf16_warmup_steps=2"], emulate=True, preset="tiny-moe",
+                                            fp8_now=False)
     assert weight_cast_reuse(cfg, None, decisions, model, torch.device("cpu")) == {"dense": 2, "experts": None}
