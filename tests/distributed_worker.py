@@ -129,10 +129,10 @@ def main() -> None:
         train(cfg, out_root / name, resume=out_root / src[0] / "checkpoints" / src[1] if src else None)
         rank = int(os.environ.get("RANK", "0"))
         (out_root / name / f"blockwise_gathers_rank{rank}.json").write_text(json.dumps(gathered))
-    import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    from fp8kit.parallel.mesh import end_distributed
+
+    end_distributed(completed=True)
 
 
 if __name__ == "__main__":

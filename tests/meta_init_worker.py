@@ -197,7 +197,9 @@ def main() -> None:
     records = {name: run_layout(name, str(tied), device) for name in layouts}
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(records, indent=1))
-    dist.destroy_process_group()
+    from fp8kit.parallel.mesh import end_distributed
+
+    end_distributed(completed=True)
 
 
 if __name__ == "__main__":

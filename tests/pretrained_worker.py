@@ -37,8 +37,9 @@ def main() -> None:
         rank = dist.get_rank() if dist.is_initialized() else 0
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         (out_root / f"{name}.rank{rank}.json").write_text(json.dumps({"peak_rss_mib": rss}), encoding="utf-8")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    from fp8kit.parallel.mesh import end_distributed
+
+    end_distributed(completed=True)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,6 @@ def block_write(step: int, argv: list[str]) -> int:
 
 def torchrun(out: Path, cache: str) -> int:
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
     sys.path.insert(0, str(ROOT))
@@ -82,7 +81,9 @@ def torchrun(out: Path, cache: str) -> int:
     last = res.loop.records[-1]["step"] if res.loop.records else None
     result = {"interrupted": res.interrupted, "last_step": last}
     (out / f"attempt{attempt}_rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    from fp8kit.parallel.mesh import end_distributed
+
+    end_distributed(completed=True)
     return 128 + res.interrupted if res.interrupted else 0
 
 

@@ -539,7 +539,9 @@ def _rank_worker(out: Path) -> None:
     state.roll()  # the third step's record (every rank rolls: one all-reduce)
     res = {"history": state.entries["l"].history.tolist(), "local": local}
     (out / f"rank{rank}.json").write_text(json.dumps(res))
-    dist.destroy_process_group()
+    from fp8kit.parallel.mesh import end_distributed
+
+    end_distributed(completed=True)
 
 
 @pytest.mark.slow

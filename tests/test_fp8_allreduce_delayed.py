@@ -274,7 +274,9 @@ def _worker(out_dir: Path) -> None:
                      ("reduce_scatter", _check_reduce_scatter)):
         res[name] = fn(rank, world)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(res, indent=1))
-    dist.destroy_process_group()
+    from fp8kit.parallel.mesh import end_distributed
+
+    end_distributed(completed=True)
 
 
 @pytest.fixture(scope="module")

@@ -382,7 +382,9 @@ def _worker(out_dir: Path) -> None:
                      ("nonfinite", _check_nonfinite), ("traffic", _check_traffic), ("shapes", _check_shapes)):
         res[name] = fn(rank, world)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(res, indent=1))
-    dist.destroy_process_group()
+    from fp8kit.parallel.mesh import end_distributed
+
+    end_distributed(completed=True)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])

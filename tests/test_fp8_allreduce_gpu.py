@@ -412,7 +412,9 @@ def _nccl_worker(out_dir: Path) -> None:
     res["fsdp_loss_rel"] = _fsdp_losses_rel(rank)
     torch.cuda.synchronize()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(res, indent=1))
-    dist.destroy_process_group()
+    from fp8kit.parallel.mesh import end_distributed
+
+    end_distributed(completed=True)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -273,7 +273,9 @@ def _pipeline_worker(out_dir: Path) -> None:
         g[123] = math.inf
     res["nonfinite_pieces_all_nan"] = bool(fp8_all_reduce(g, state=AutoScaleState(scaling="current"), pipeline_chunks=3).isnan().all())
     (out_dir / f"rank{rank}.json").write_text(json.dumps(res, indent=1))
-    dist.destroy_process_group()
+    from fp8kit.parallel.mesh import end_distributed
+
+    end_distributed(completed=True)
 
 
 @pytest.fixture(scope="module")

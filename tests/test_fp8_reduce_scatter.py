@@ -161,8 +161,9 @@ def _worker(out_dir: Path) -> None:
     rank = dist.get_rank()
     res = {"comm": _check_comm(rank), "fsdp": _check_fsdp(rank)}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(res, indent=1))
-    dist.barrier()  # no rank tears gloo down while the other still talks to it (a SIGABRT seen once under load)
-    dist.destroy_process_group()
+    from fp8kit.parallel.mesh import end_distributed
+
+    end_distributed(completed=True)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -63,7 +63,9 @@ def _worker(out: Path) -> None:
         losses[name] = [r["loss"] for r in result.metrics]
     rank = dist.get_rank()
     (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world": dist.get_world_size(), "losses": losses}))
-    dist.destroy_process_group()
+    from fp8kit.parallel.mesh import end_distributed
+
+    end_distributed(completed=True)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -449,7 +449,9 @@ def _worker(mode: str, out: Path, cache: str) -> None:
             (out / "layer.json").write_text(json.dumps([r for rs in gathered for r in rs]))
         train(load_config(None, sets + ["distributed.tp=2", "distributed.sequence_parallel=true", "train.steps=5"]),
               out / "run")
-    dist.destroy_process_group()
+    from fp8kit.parallel.mesh import end_distributed
+
+    end_distributed(completed=True)
 
 
 if __name__ == "__main__":

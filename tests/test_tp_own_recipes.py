@@ -225,7 +225,9 @@ def _worker(out: Path) -> None:
         except ConfigError as e:
             res["error"] = str(e)
     (out / f"rank{rank}.json").write_text(json.dumps(res))
-    dist.destroy_process_group()
+    from fp8kit.parallel.mesh import end_distributed
+
+    end_distributed(completed=True)
 
 
 # -- tests ---------------------------------------------------------------------------------------------------

@@ -78,7 +78,9 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as fh:
             json.dump(out, fh)
-    dist.destroy_process_group()
+    from fp8kit.parallel.mesh import end_distributed
+
+    end_distributed(completed=True)
 
 
 if __name__ == "__main__":

@@ -117,13 +117,16 @@ def _run(args) -> int:
         return 0
     if args.command == "train":
         from fp8kit.base import cpu_bf16_gemm
+        from fp8kit.parallel.mesh import end_distributed
         from fp8kit.train.trainer import train
 
         cpu_bf16_gemm.install()  # this process is the run's: bf16 matmuls of a CPU without AVX-512 as float32 GEMMs
         try:
             result = train(_load(args), args.out, resume=args.resume)
-        finally:
-            _end_process_group()
+        except BaseException:
+            end_distributed(completed=False)
+            raise
+        end_distributed(completed=True)  # train returned on every rank (a halt by a signal is agreed by all)
         return 128 + result.interrupted if result.interrupted else 0  # stopped by a signal: as the shell reports it
     if args.command == "export":
         from fp8kit.train.export import export_checkpoint, exported_files
@@ -153,14 +156,6 @@ def _run(args) -> int:
     from fp8kit.cli import selective as selective_cli
 
     return selective_cli.run(args)
-
-
-def _end_process_group() -> None:
-    """End the process group a torchrun launch started (no-op otherwise)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

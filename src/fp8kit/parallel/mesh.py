@@ -108,6 +108,25 @@ def init_distributed(dims: ParallelDims, device: torch.device):
     return mesh, device
 
 
+def end_distributed(*, completed: bool) -> None:
+    """End the default process group a torchrun launch started (no-op when none is initialized).
+
+    Args:
+        completed: every rank reached this call the normal way (the run returned on all of them). Then the
+            ranks first meet at a barrier, so no rank tears down its gloo / NCCL connections while a peer is
+            still finishing the last collective with it: a gloo rank that did so aborted with "terminate
+            called without an active exception" (SIGABRT) under load, failing a finished run. ``False`` on
+            an error path: no barrier, since a failed peer would never join it.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if completed:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def dp_mesh(mesh):
     """The data-parallel sub-mesh: ``("dp_replicate", "dp_shard")`` (2-D, for HSDP) or ``"dp_shard"``."""
     if mesh["dp_replicate"].size() > 1:
