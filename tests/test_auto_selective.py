@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fp8kit.base.errors import ConfigError
+from fp8kit.base.errors import CapabilityError, ConfigError
 from fp8kit.bench.auto import FP8SiteOptions, lookup_cached, measure_shapes, resolve_auto
 from fp8kit.config import FP8Config, ModelConfig, SelectiveConfig, load_config
 from fp8kit.config.options import decide_options, options_from_config
@@ -601,3 +601,27 @@ def test_expert_parallel_experts_keep_their_weight_cache_under_fsdp2(tmp_path):
     assert (opts.accumulate, opts.dense_accumulate) == (2, 1), opts
     fsdp_only = load_config(None, [*base, "distributed.dp_shard=2"])
     assert weight_cast_accumulation(fsdp_only, experts=True) == 1, "without EP the experts are FSDP2's"
+
+
+def test_auto_keys_and_times_grouped_sites_on_the_kernel_the_run_forces(tmp_path):
+    """A run that forces ``fp8.grouped_kernel`` is timed on that kernel and its cache key says so
+    (``FP8SiteOptions.grouped`` reaches ``shape_keys`` and the grouped timer), instead of the recipe's default
+    kernel: on the CPU the default resolves to ``emulated`` while a forced ``scaled_grouped_mm`` cannot run
+    (``grouped:unavailable``)."""
+    from fp8kit.bench.auto import FP8SiteOptions, shape_keys
+    from fp8kit.bench.layers import _GroupedTimer
+    from fp8kit.bench.sites import BenchSite
+
+    base = ["model.preset=tiny-moe", "train.mixed_precision=fp8", f"data.cache_dir={tmp_path}"]
+    grouped = AutoShape(((128, 256),), num_tokens=48, num_gemms=4)
+    keys = {}
+    for kernel in ("auto", "fused", "scaled_grouped_mm"):
+        opts = FP8SiteOptions.for_run(load_config(None, [*base, f"fp8.grouped_kernel={kernel}"]))
+        keys[kernel] = shape_keys([grouped], opts, device=CPU, tp=1, ep=1, compiled=False)[grouped]["recipe"]
+        args = opts.bench_args(warmup=0, iters=1, compile=False)
+        assert args.grouped is opts.grouped and args.grouped.kernel == kernel, (kernel, args.grouped)
+    assert keys == {"auto": "grouped:emulated", "fused": "grouped:fused", "scaled_grouped_mm": "grouped:unavailable"}, keys
+    site = BenchSite("llm", "column_grouped", "experts.gate_up_proj", [(128, 256)], [(128, 256)], tp=1, num_gemms=4)
+    forced = FP8SiteOptions.for_run(load_config(None, [*base, "fp8.grouped_kernel=scaled_grouped_mm"]))
+    with pytest.raises(CapabilityError, match="scaled_grouped_mm|grouped"):
+        _GroupedTimer(site, "fp8", forced.bench_args(warmup=0, iters=1, compile=False), CPU)

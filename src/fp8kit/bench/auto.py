@@ -127,6 +127,16 @@ class FP8SiteOptions:
                    wgrad_x=cfg.fp8.blockwise_wgrad_x, fast_accum=requested_fast_accum(cfg.fp8),
                    fused_cast=cfg.fp8.delayed_fused_cast)
 
+    def bench_args(self, *, warmup: int, iters: int, compile: bool) -> BenchLayersArgs:
+        """The ``bench-layers`` settings that time one site built with these options: the dense timers' recipe,
+        ``blockwise_wgrad_x``, fast accumulation, weight-cast accumulation and delayed fused cast, and the grouped
+        timer's kernel (``grouped``: a run that forces ``fp8.grouped_kernel`` is timed on that kernel, as its cache
+        key says)."""
+        return BenchLayersArgs(model=ModelConfig(), vocab_size=0, recipe=self.recipe, warmup=warmup, iters=iters,
+                               compile=compile, dynamic=False, blockwise_wgrad_x=self.wgrad_x,
+                               fast_accum=self.fast_accum, accumulate=self.dense_accumulate,
+                               delayed_fused_cast=self.fused_cast, grouped=self.grouped)
+
     @property
     def wgrad(self) -> str:
         """The fused experts' ``fp8.grouped_wgrad``."""
@@ -185,7 +195,7 @@ def shape_keys(shapes: Sequence[AutoShape], opts: FP8SiteOptions, *, device: tor
     :func:`shape_recipe_key` of ``opts``): the one place :func:`measure_shapes` (which stores) and
     :func:`lookup_cached` (which only reads) build them."""
     dev_name, vers = device_name(device), _key_versions()
-    grouped_key = grouped_recipe_key(device, opts.recipe) if any(s.is_grouped for s in shapes) else None
+    grouped_key = grouped_recipe_key(device, opts.recipe, opts.grouped) if any(s.is_grouped for s in shapes) else None
     return {s: cache_key(s, device=dev_name, versions=vers, recipe=shape_recipe_key(s, opts, grouped_key), tp=tp,
                          ep=ep, compiled=compiled)
             for s in shapes}
@@ -279,9 +289,7 @@ def _time_one(shape: AutoShape, name: str, precision: str, opts: FP8SiteOptions,
             timer.close()
     site = BenchSite("llm", "column_grouped" if shape.is_grouped else "column", name, list(shape.gemms),
                      list(shape.gemms), tp=1, num_gemms=shape.num_gemms)
-    args = BenchLayersArgs(model=ModelConfig(), vocab_size=0, recipe=opts.recipe, warmup=warmup, iters=iters,
-                           compile=compile, dynamic=False, blockwise_wgrad_x=opts.wgrad_x, fast_accum=opts.fast_accum,
-                           accumulate=opts.dense_accumulate, delayed_fused_cast=opts.fused_cast)
+    args = opts.bench_args(warmup=warmup, iters=iters, compile=compile)
     timer = _GroupedTimer(site, precision, args, device) if shape.is_grouped else _Timer(site, precision, args, device)
     return timer(shape.num_tokens)
 
