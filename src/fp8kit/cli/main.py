@@ -117,16 +117,10 @@ def _run(args) -> int:
         return 0
     if args.command == "train":
         from fp8kit.base import cpu_bf16_gemm
-        from fp8kit.parallel.mesh import end_distributed
         from fp8kit.train.trainer import train
 
         cpu_bf16_gemm.install()  # this process is the run's: bf16 matmuls of a CPU without AVX-512 as float32 GEMMs
-        try:
-            result = train(_load(args), args.out, resume=args.resume)
-        except BaseException:
-            end_distributed(completed=False)
-            raise
-        end_distributed(completed=True)  # train returned on every rank (a halt by a signal is agreed by all)
+        result = train(_load(args), args.out, resume=args.resume)
         return 128 + result.interrupted if result.interrupted else 0  # stopped by a signal: as the shell reports it
     if args.command == "export":
         from fp8kit.train.export import export_checkpoint, exported_files
@@ -158,11 +152,32 @@ def _run(args) -> int:
     return selective_cli.run(args)
 
 
+def _run_and_end(args) -> int:
+    """:func:`_run`, then the end of the process group a torchrun launch started (``train``, ``bench-layers --tp``):
+    after a barrier when the command returned (on every rank: ``train``'s halt by a signal is agreed by all), without
+    one when it raised (``parallel.mesh.end_distributed``). Commands that never imported ``torch.distributed`` started
+    no group, and do not import torch for it."""
+    try:
+        status = _run(args)
+    except BaseException:
+        _end_process_group(completed=False)
+        raise
+    _end_process_group(completed=True)
+    return status
+
+
+def _end_process_group(*, completed: bool) -> None:
+    if "torch.distributed" in sys.modules:
+        from fp8kit.parallel.mesh import end_distributed
+
+        end_distributed(completed=completed)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fp8kit`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
-        return _run(args)
+        return _run_and_end(args)
     except Fp8kitError as e:
         # imported here, as TrainingDiverged: both import torch, which `fp8kit --help` should not wait for
         from fp8kit.base.runtime import launched_local_rank
