@@ -116,6 +116,17 @@ def test_swiglu_quantize_rows_matches_reference(i, interleaved):
     _assert_same(got, rq.swiglu_quantize_rows_ref(h, interleaved), f"swiglu I={i} interleaved={interleaved}")
 
 
+@pytest.mark.parametrize("rows", [1, 2, 17])
+def test_swiglu_row_kernels_on_a_few_rows(rows):
+    """The SwiGLU forward and backward row kernels on 1, 2 and 17 rows (the blockwise activation cast miscompiled a
+    one-row input, session 48): the same checks as on thousands of rows, bit for bit against the references' casts."""
+    i = 768
+    h = _real(rows, 2 * i, scale=3.0, seed=rows)
+    _assert_same(rq.swiglu_quantize_rows(h, False), rq.swiglu_quantize_rows_ref(h, False), f"swiglu {rows} rows")
+    dh, q, inv = rq.swiglu_backward_quantize_rows(h, _real(rows, i, seed=rows + 1))
+    _assert_same((q, inv), quantize_rows(dh), f"swiglu backward cast, {rows} rows")
+
+
 @pytest.mark.parametrize("i", [768, 2048, 1000, 14336])
 def test_swiglu_backward_quantize_rows_matches_reference(i):
     """The SwiGLU backward + rowwise cast kernel (one chunk per half at 768 / 2048 / 1000 with a masked tail; two

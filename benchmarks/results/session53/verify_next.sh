@@ -7,7 +7,8 @@
 #          FP8 dispatch (recompile counts; rank 0's Chrome traces in traces.tar.gz)
 #   epstep2 (nvidia-h200-x2, ~6 min): distributed_throughput's EP step, FP8 experts with bf16 / FP8 dispatch, twice
 #          interleaved, at this head (session 53's 0.860x was measured before its host-sync and overlap fixes)
-#   tests  (h200, ~1 min): the delayed sync test and the weight-cache GPU file again
+#   tests  (h200, ~1 min): the delayed sync test and the weight-cache GPU file again; session 54's few-rows test of the
+#          rowwise SwiGLU kernels
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
 mkdir -p $OUT/keep
 nvidia-smi --query-gpu=name,power.limit --format=csv,noheader | tee $OUT/keep/gpu.txt
@@ -37,7 +38,8 @@ epstep2)  # (nvidia-h200-x2, ~6 min) the EP step at this head, FP8 experts with 
     sed -i '/DEBUG/d' $OUT/keep/ep_step_r$r.log; tail -6 $OUT/keep/ep_step_r$r.log
   done ;;
 tests)
-  timeout 300 python3 -m pytest -v -m gpu tests/test_delayed_gpu.py tests/test_delayed_weight_cache.py -n 4 \
+  timeout 300 python3 -m pytest -v -m gpu tests/test_delayed_gpu.py tests/test_delayed_weight_cache.py \
+    "tests/test_moe_rowwise_quant_gpu.py::test_swiglu_row_kernels_on_a_few_rows" -n 4 \
     -p no:cacheprovider -W ignore 2>&1 | grep -v DEBUG | grep "PASS\|FAIL\|Error\|passed\|failed\|assert" | tail -30 \
     > $OUT/keep/gpu_tests.log; tail -8 $OUT/keep/gpu_tests.log ;;
 *) echo "usage: verify_next.sh epprof | epprofile | epstep2 | tests"; exit 2 ;;
