@@ -18,7 +18,7 @@ epprof)
     -W ignore 2>&1 | grep -v DEBUG | grep "PASS\|FAIL\|Error\|passed\|failed\|assert" | tail -20 > $OUT/keep/ep_gpu_tests.log
   tail -4 $OUT/keep/ep_gpu_tests.log
   # the EP MoE layer alone, forward + backward, bf16 / FP8 experts, bf16 / FP8 dispatch (session 54's benchmark)
-  timeout 240 torchrun --standalone --nproc_per_node 2 benchmarks/ep_layer.py --out $OUT/keep > $OUT/keep/ep_layer.log 2>&1
+  timeout 330 torchrun --standalone --nproc_per_node 2 benchmarks/ep_layer.py --out $OUT/keep > $OUT/keep/ep_layer.log 2>&1
   sed -i '/DEBUG/d' $OUT/keep/ep_layer.log; grep "^|\|^One" $OUT/keep/ep_layer.log ;;
 epprofile)
   TORCH_LOGS=recompiles timeout 400 python3 benchmarks/step_profile.py --workload qwen3-30b-a3b-ep2 --nproc 2 --warmup 5 --steps 3 --top 40 \
