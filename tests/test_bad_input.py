@@ -245,18 +245,25 @@ def test_the_corpus_check_compares_contents_not_paths(tmp_path, monkeypatch, cap
     check_resume_data(ck, {"corpus_content": "a" * 64}, PreparedData(None, 0, "2 token file(s)", "c" * 64, "bin"))
 
 
-@pytest.mark.parametrize("rank, local_rank, printed", [("0", "0", True), ("1", "1", False), ("8", "0", True)])
+@pytest.mark.parametrize("rank, local_rank, waits", [("0", "0", False), ("1", "1", True), ("8", "0", False)])
 def test_a_config_error_under_torchrun_is_printed_once_per_node(capsys, monkeypatch, tmp_path, rank, local_rank,
-                                                                 printed):
+                                                                 waits):
     """Every rank of a node parses the same arguments and reads the same files, so a config error is the same on
-    each: the node's local rank 0 prints it and the others exit 2 silently (with 8 ranks and ``--max-restarts 3``
-    it used to print 32 times); another node (rank 8, local rank 0) says its own."""
+    each: the node's local rank 0 prints it at once and fails (with 8 ranks and ``--max-restarts 3`` every rank used
+    to print it: 32 times); the others first wait ``CONFIG_ERROR_WAIT_S`` for torchrun to end them (once local rank 0
+    failed), so that none exits first and has torchrun stop local rank 0 before it printed; one still alive after
+    the wait prints it too (here, with the wait patched out). Another node (rank 8, local rank 0) says its own."""
+    from fp8kit.cli import main as cli_main
+
+    slept: list[float] = []
+    monkeypatch.setattr(cli_main.time, "sleep", slept.append)
     monkeypatch.setenv("WORLD_SIZE", "16")
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setenv("LOCAL_RANK", local_rank)
     assert main(["train", "--out", str(tmp_path / "run"), "--set", "train.steps=1.5"]) == 2
     err = capsys.readouterr().err
-    assert ("train.steps=1.5: expected an integer" in err) == printed, (rank, err)
+    assert "train.steps=1.5: expected an integer" in err, (rank, err)
+    assert slept == ([cli_main.CONFIG_ERROR_WAIT_S] if waits else []), (rank, slept)
 
 
 def test_a_resume_with_another_global_batch_says_so(capsys, tmp_path, one_step_run):

@@ -9,24 +9,18 @@ this rank's shards on both sides (the one-process bytes/param, not half of it).
 
 from __future__ import annotations
 
-import os
-import socket
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _worker(rank: int, out: str) -> None:
+    from fp8kit.parallel.mesh import end_distributed
 
-
-def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # a file store in the test's directory: no port to pick (another test's launch could take a port picked here)
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=2)
+    completed = False
     try:
         from torch.distributed.fsdp import fully_shard
 
@@ -57,12 +51,13 @@ def _worker(rank: int, port: int, out: str) -> None:
                     "equal_pieces": torch.equal(piece_m.view(torch.int16), fg.master.view(torch.int16)),
                     "scales_equal": torch.equal(got_s, fg.master_scale), "scales": got_s, "empty": empty, "bytes_per_param": per_param,
                     "diff": (got_m.float() - fg.master.float()).abs().max().item()}, f"{out}/rank{rank}.pt")
+        completed = True
     finally:
-        dist.destroy_process_group()
+        end_distributed(completed=completed)
 
 
 def test_master_from_shards_equals_the_whole_group_path(tmp_path):
-    mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(_worker, args=(str(tmp_path),), nprocs=2, start_method="spawn", join=True)
     r = [torch.load(tmp_path / f"rank{i}.pt") for i in range(2)]
     assert any(any(x["empty"]) for x in r), "expected one rank to hold an empty shard (the 1-element bias)"
     for i, x in enumerate(r):

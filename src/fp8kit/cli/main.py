@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from fp8kit.base.errors import ConfigError, Fp8kitError
+
+#: seconds a torchrun rank other than its node's local rank 0 waits, after a config error, for torchrun to end it
+#: (``main``): local rank 0 prints the error and fails, and torchrun then stops the other ranks
+CONFIG_ERROR_WAIT_S = 30.0
 
 
 def _add_config_args(p: argparse.ArgumentParser, *, config_required: bool) -> None:
@@ -184,10 +189,13 @@ def main(argv: list[str] | None = None) -> int:
         from fp8kit.train.loop import TrainingDiverged
 
         # A config error comes from the same arguments on every rank of a node (some read the node's files, such as
-        # model.pretrained): each node's local rank 0 says it once. Other errors (a GPU, a checkpoint shard) can be
-        # one rank's own: every rank prints its own.
-        if not (isinstance(e, ConfigError) and launched_local_rank() != 0):
-            print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        # model.pretrained): each node's local rank 0 says it once. The other local ranks first wait for torchrun to
+        # end them (it does once local rank 0 has failed): a rank that exited first would have torchrun stop local
+        # rank 0 before it printed, and the user would see no error. One still alive after the wait says it too.
+        # Other errors (a GPU, a checkpoint shard) can be one rank's own: every rank prints its own.
+        if isinstance(e, ConfigError) and launched_local_rank() != 0:
+            time.sleep(CONFIG_ERROR_WAIT_S)
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return 1 if isinstance(e, TrainingDiverged) else 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
