@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from ep_dispatch import slowest  # benchmarks/ (this script's directory): the slowest rank's value
 
 #: model -> (hidden, experts, top-k, expert intermediate)
 MODELS = {"qwen3-30b-a3b": (2048, 128, 8, 768), "deepseek-v3": (7168, 256, 8, 2048), "tiny": (256, 8, 2, 128)}
@@ -94,12 +95,6 @@ def count_syncs(fn) -> int:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return sum("synchroniz" in str(w.message) for w in caught)
-
-
-def slowest(v: float, device: torch.device) -> float:
-    t = torch.tensor([v], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def bench_variant(model: str, variant: str, args, device: torch.device, world: int) -> tuple[dict, torch.Tensor]:

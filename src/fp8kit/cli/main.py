@@ -194,7 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         # rank 0 before it printed, and the user would see no error. One still alive after the wait says it too.
         # Other errors (a GPU, a checkpoint shard) can be one rank's own: every rank prints its own.
         if isinstance(e, ConfigError) and launched_local_rank() != 0:
-            time.sleep(CONFIG_ERROR_WAIT_S)
+            try:
+                time.sleep(CONFIG_ERROR_WAIT_S)
+            except KeyboardInterrupt:  # Ctrl-C of the launch: local rank 0 says the error
+                return 2
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return 1 if isinstance(e, TrainingDiverged) else 2
     except KeyboardInterrupt:
