@@ -8,6 +8,12 @@ Usage:
     files are on disk, the checkpoint is not complete, and the step loop goes on (asynchronous save). The
     test kills the process there: a crash mid-write.
 
+``python tests/resilience_worker.py hold-after STEP FP8KIT_ARGS...``
+    ``fp8kit FP8KIT_ARGS`` in this process (one micro-batch per step), held before the micro-batch of step
+    ``STEP + 1`` until a stop signal has reached the run's handler (``train.preempt.StopSignals``), or 120 s: a
+    test that waits for STEP steps and then sends SIGTERM knows the run is still there to receive it, however
+    slowly the test's process is scheduled (without the hold, a run on a loaded machine could end first).
+
 ``torchrun --nproc_per_node 2 --max-restarts 2 tests/resilience_worker.py torchrun OUT CACHE``
     Attempt 0 (``TORCHELASTIC_RESTART_COUNT``): an uninterrupted reference run into ``OUT/ref``. Every
     attempt: the run ``OUT/run`` with ``train.resume = "auto"`` and asynchronous checkpoints every 2
@@ -45,6 +51,34 @@ def block_write(step: int, argv: list[str]) -> int:
         return original(self, metadata, results)
 
     filesystem._FileSystemWriter.finish = finish
+    from fp8kit.cli.main import main
+
+    return main(argv)
+
+
+def hold_after(step: int, argv: list[str]) -> int:
+    import time
+
+    from fp8kit.train import loop, preempt
+
+    signalled = threading.Event()
+    handle = preempt.StopSignals._handle
+
+    def recording_handle(self, signum, frame):
+        signalled.set()
+        return handle(self, signum, frame)
+
+    preempt.StopSignals._handle = recording_handle  # bound by StopSignals.__enter__, after this
+    original, calls = loop.next_micro_batch, [0]
+
+    def next_micro_batch(setup):
+        calls[0] += 1
+        end = time.monotonic() + 120.0
+        while calls[0] > step and not signalled.is_set() and time.monotonic() < end:
+            time.sleep(0.02)
+        return original(setup)
+
+    loop.next_micro_batch = next_micro_batch
     from fp8kit.cli.main import main
 
     return main(argv)
@@ -90,4 +124,6 @@ def torchrun(out: Path, cache: str) -> int:
 if __name__ == "__main__":
     if sys.argv[1] == "block-write":
         raise SystemExit(block_write(int(sys.argv[2]), sys.argv[3:]))
+    if sys.argv[1] == "hold-after":
+        raise SystemExit(hold_after(int(sys.argv[2]), sys.argv[3:]))
     raise SystemExit(torchrun(Path(sys.argv[2]), sys.argv[3]))

@@ -91,15 +91,16 @@ def test_sigterm_checkpoints_the_step_reached_and_resume_auto_continues_exactly(
     out = tmp_path / "run"
     log = tmp_path / "output.txt"
     with log.open("w") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "fp8kit", *_argv(out, _sets(cache_dir))], env=_env(),
-                                stdout=fh, stderr=subprocess.STDOUT)
+        # fp8kit train, held before step 4 until the signal has arrived (resilience_worker.py hold-after)
+        proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "resilience_worker.py"), "hold-after", "3",
+                                 *_argv(out, _sets(cache_dir))], env=_env(), stdout=fh, stderr=subprocess.STDOUT)
         _wait_for("3 steps", lambda: len(_steps(out)) >= 3, proc)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, f"exit {proc.returncode}\n{log.read_text()[-4000:]}"
     records = read_metrics(out / "metrics.jsonl")
     reached = records[-1]["step"]
-    assert 3 <= reached < STEPS, f"stopped after step {reached}"
+    assert reached == 4, f"stopped after step {reached}, not the step under way when the signal came"
     assert records[-1]["status"] == "interrupted" and records[-1]["signal"] == "SIGTERM", records[-1]
     assert latest_checkpoint(out).name == checkpoint_name(reached), list((out / "checkpoints").iterdir())
     summary = json.loads((out / "summary.json").read_text())
