@@ -115,6 +115,21 @@ def bench_whole_dispatch(name: str, hidden: int, args, device: torch.device, wor
             "rows_sent_to_other_ranks": rows_sent}
 
 
+def run_meta(args, device: torch.device, world: int, script: str) -> dict:
+    """The run's record beside its rows: device, torch, world size, date, arguments and command."""
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "world_size": world, "date": datetime.date.today().isoformat(),
+            "args": vars(args), "command": f"torchrun --nproc_per_node {world} benchmarks/{script}"}
+
+
+def save_rows(out: str | None, filename: str, meta: dict, rows: list[dict]) -> None:
+    """Print the newest row as JSON and (with ``out``) rewrite ``OUT/filename`` with every row so far (rank 0)."""
+    print(json.dumps(rows[-1]), flush=True)
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / filename).write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+
+
 def slowest(v: float, device: torch.device) -> float:
     t = torch.tensor([v], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -183,17 +198,11 @@ def main() -> int:
     if cuda:
         torch.cuda.set_device(device)
     rows = []
-    meta = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
-            "world_size": world, "date": datetime.date.today().isoformat(), "args": vars(args),
-            "command": f"torchrun --nproc_per_node {world} benchmarks/ep_dispatch.py"}
+    meta = run_meta(args, device, world, "ep_dispatch.py")
     for name in args.models.split(","):
-        r = bench_shape(name, MODELS[name], args, device, world)
-        rows.append(r)
+        rows.append(bench_shape(name, MODELS[name], args, device, world))
         if rank == 0:
-            print(json.dumps(r), flush=True)
-            if args.out:
-                Path(args.out).mkdir(parents=True, exist_ok=True)
-                (Path(args.out) / "ep_dispatch.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+            save_rows(args.out, "ep_dispatch.json", meta, rows)
     if rank == 0:
         _table(f"EP dispatch all-to-all, {world} ranks, {meta['device']}, forward only (ms, slowest rank)",
                ("model", "rows/rank", "bf16", "fp8 (pack+a2a+unpack)", "fp8 / bf16", "a2a of payload", "pack",

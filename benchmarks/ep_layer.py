@@ -28,17 +28,14 @@ carries the bits the experts' own cast makes). Writes ``OUT/ep_layer.json`` and 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import time
 import warnings
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from ep_dispatch import slowest  # benchmarks/ (this script's directory): the slowest rank's value
+from ep_dispatch import run_meta, save_rows, slowest  # benchmarks/ (this script's directory)
 
 #: model -> (hidden, experts, top-k, expert intermediate)
 MODELS = {"qwen3-30b-a3b": (2048, 128, 8, 768), "deepseek-v3": (7168, 256, 8, 2048), "tiny": (256, 8, 2, 128)}
@@ -157,9 +154,7 @@ def main() -> int:
     unknown = [v for v in variants if v not in VARIANTS] + [m for m in args.models.split(",") if m not in MODELS]
     if unknown:
         raise SystemExit(f"ep_layer.py: unknown variant or model {unknown}; variants {VARIANTS}, models {list(MODELS)}")
-    meta = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
-            "world_size": world, "date": datetime.date.today().isoformat(), "args": vars(args),
-            "command": f"torchrun --nproc_per_node {world} benchmarks/ep_layer.py"}
+    meta = run_meta(args, device, world, "ep_layer.py")
     rows = []
     for model in args.models.split(","):
         row, outs = {"model": model, "tokens_per_rank": args.tokens, "variants": {}}, {}
@@ -173,10 +168,7 @@ def main() -> int:
             row["fp8_dispatch_vs_fp8"] = row["variants"]["fp8-dispatch"]["ms"] / row["variants"]["fp8"]["ms"]
         rows.append(row)
         if rank == 0:
-            print(json.dumps(row), flush=True)
-            if args.out:
-                Path(args.out).mkdir(parents=True, exist_ok=True)
-                (Path(args.out) / "ep_layer.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+            save_rows(args.out, "ep_layer.json", meta, rows)
     if rank == 0:
         print(f"\nOne EP MoE layer, forward + backward, {world} ranks, {meta['device']} (ms, slowest rank; syncs per call)")
         print("| model | " + " | ".join(variants) + " | fp8-dispatch / fp8 | out vs fp8 |")
