@@ -20,7 +20,7 @@ layer's weights are those of transformers' ``Qwen3MoeExperts``, bf16 on CUDA, fl
 Each iteration is one forward + backward, timed on the host between two device synchronizations (the layer waits
 for the host once per call anyway, for its split sizes); the median over ``--iters`` iterations after ``--warmup``,
 the slowest rank's. On CUDA, one more iteration runs under ``torch.cuda.set_sync_debug_mode("warn")``: ``syncs`` is
-the number of synchronizing CUDA calls it made (expected: 1, the split sizes' ``tolist``). ``out_vs_fp8`` is the
+the number of synchronizing CUDA calls it made, forward and backward (expected: 1, the split sizes' ``tolist``). ``out_vs_fp8`` is the
 largest absolute difference of ``fp8-dispatch``'s output from ``fp8``'s on the same tokens (0 expected: the payload
 carries the bits the experts' own cast makes). Writes ``OUT/ep_layer.json`` and prints a table.
 """
@@ -83,8 +83,9 @@ def inputs(model: str, tokens: int, device: torch.device, dtype: torch.dtype, ra
 
 
 def count_syncs(fn) -> int:
-    """Synchronizing CUDA calls ``fn()`` makes (``torch.cuda.set_sync_debug_mode("warn")``)."""
-    with warnings.catch_warnings(record=True) as caught:
+    """Synchronizing CUDA calls ``fn()`` makes, forward and backward (``torch.cuda.set_sync_debug_mode("warn")``; the
+    backward runs on this thread for the count, so that its warnings reach ``warnings`` here too)."""
+    with warnings.catch_warnings(record=True) as caught, torch.autograd.set_multithreading_enabled(False):
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
