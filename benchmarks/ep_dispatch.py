@@ -57,6 +57,7 @@ from fp8kit.moe.rowwise_payload import (
     payload_rows_reference,
     rowwise_payload_bytes,
 )
+from fp8kit.parallel.mesh import end_distributed
 
 MODELS = {"qwen3-30b-a3b": 2048, "deepseek-v3": 7168}
 EXPERTS = {"qwen3-30b-a3b": 128, "deepseek-v3": 256}
@@ -172,7 +173,7 @@ def bench_shape(name: str, hidden: int, args, device: torch.device, world: int) 
             "bf16_GBps": sent_bf16 / res["bf16"] / 1e6}
 
 
-def _table(title: str, columns: tuple[str, ...], cells: list[tuple]) -> None:
+def print_table(title: str, columns: tuple[str, ...], cells: list[tuple]) -> None:
     """Print a markdown table under ``title``."""
     print(f"\n{title}")
     print("| " + " | ".join(columns) + " |")
@@ -204,22 +205,22 @@ def main() -> int:
         if rank == 0:
             save_rows(args.out, "ep_dispatch.json", meta, rows)
     if rank == 0:
-        _table(f"EP dispatch all-to-all, {world} ranks, {meta['device']}, forward only (ms, slowest rank)",
-               ("model", "rows/rank", "bf16", "fp8 (pack+a2a+unpack)", "fp8 / bf16", "a2a of payload", "pack",
-                "unpack", "bytes"),
-               [(r["model"], r["rows"], f"{r['ms']['bf16']:.3f}", f"{r['ms']['fp8']:.3f}", f"{r['fp8_vs_bf16']:.3f}x",
-                 f"{r['ms']['fp8-exchange']:.3f}", f"{r['ms']['pack']:.3f}", f"{r['ms']['unpack']:.3f}",
-                 f"{r['bytes_ratio']:.3f}") for r in rows])
-        _table("Whole dispatch to the FP8 experts' fprop operand (ms, slowest rank)",
-               ("model", "experts", "dispatch-bf16", "dispatch-fp8 (rowwise)", "fp8 / bf16", "with the gather kernel",
-                "rowwise a2a alone", "sender scatter / gather", "receiver regroup (torch's)", "bytes"),
-               [(r["model"], r["experts"], f"{r['ms']['dispatch-bf16']:.3f}", f"{r['ms']['dispatch-fp8']:.3f}",
-                 f"{r['dispatch_fp8_vs_bf16']:.3f}x",
-                 f"{r['ms']['dispatch-fp8-gather']:.3f} ({r['ms']['dispatch-fp8-gather'] / r['ms']['dispatch-bf16']:.3f}x)",
-                 f"{r['ms']['rowwise-exchange']:.3f}", f"{r['ms']['payload-scatter']:.3f} / {r['ms']['payload-gather']:.3f}",
-                 f"{r['ms']['payload-rows']:.3f} ({r['ms']['payload-rows-torch']:.3f})", f"{r['rowwise_bytes_ratio']:.3f}")
-                for r in rows])
-    dist.destroy_process_group()
+        print_table(f"EP dispatch all-to-all, {world} ranks, {meta['device']}, forward only (ms, slowest rank)",
+                   ("model", "rows/rank", "bf16", "fp8 (pack+a2a+unpack)", "fp8 / bf16", "a2a of payload", "pack",
+                    "unpack", "bytes"),
+                   [(r["model"], r["rows"], f"{r['ms']['bf16']:.3f}", f"{r['ms']['fp8']:.3f}", f"{r['fp8_vs_bf16']:.3f}x",
+                     f"{r['ms']['fp8-exchange']:.3f}", f"{r['ms']['pack']:.3f}", f"{r['ms']['unpack']:.3f}",
+                     f"{r['bytes_ratio']:.3f}") for r in rows])
+        print_table("Whole dispatch to the FP8 experts' fprop operand (ms, slowest rank)",
+                   ("model", "experts", "dispatch-bf16", "dispatch-fp8 (rowwise)", "fp8 / bf16", "with the gather kernel",
+                    "rowwise a2a alone", "sender scatter / gather", "receiver regroup (torch's)", "bytes"),
+                   [(r["model"], r["experts"], f"{r['ms']['dispatch-bf16']:.3f}", f"{r['ms']['dispatch-fp8']:.3f}",
+                     f"{r['dispatch_fp8_vs_bf16']:.3f}x",
+                     f"{r['ms']['dispatch-fp8-gather']:.3f} ({r['ms']['dispatch-fp8-gather'] / r['ms']['dispatch-bf16']:.3f}x)",
+                     f"{r['ms']['rowwise-exchange']:.3f}", f"{r['ms']['payload-scatter']:.3f} / {r['ms']['payload-gather']:.3f}",
+                     f"{r['ms']['payload-rows']:.3f} ({r['ms']['payload-rows-torch']:.3f})", f"{r['rowwise_bytes_ratio']:.3f}")
+                    for r in rows])
+    end_distributed(completed=True)
     return 0
 
 

@@ -35,7 +35,9 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from ep_dispatch import run_meta, save_rows, slowest  # benchmarks/ (this script's directory)
+from ep_dispatch import print_table, run_meta, save_rows, slowest  # benchmarks/ (this script's directory)
+
+from fp8kit.parallel.mesh import end_distributed
 
 #: model -> (hidden, experts, top-k, expert intermediate)
 MODELS = {"qwen3-30b-a3b": (2048, 128, 8, 768), "deepseek-v3": (7168, 256, 8, 2048), "tiny": (256, 8, 2, 128)}
@@ -171,15 +173,11 @@ def main() -> int:
         if rank == 0:
             save_rows(args.out, "ep_layer.json", meta, rows)
     if rank == 0:
-        print(f"\nOne EP MoE layer, forward + backward, {world} ranks, {meta['device']} (ms, slowest rank; syncs per call)")
-        print("| model | " + " | ".join(variants) + " | fp8-dispatch / fp8 | out vs fp8 |")
-        print("|---" * (len(variants) + 3) + "|")
-        for r in rows:
-            cells = [f"{r['variants'][v]['ms']:.3f} ({r['variants'][v]['syncs']})" for v in variants]
-            ratio = f"{r['fp8_dispatch_vs_fp8']:.3f}x" if "fp8_dispatch_vs_fp8" in r else "-"
-            print(f"| {r['model']} | " + " | ".join(cells) + f" | {ratio} | {r.get('out_vs_fp8', '-')} |")
-    from fp8kit.parallel.mesh import end_distributed
-
+        print_table(f"One EP MoE layer, forward + backward, {world} ranks, {meta['device']} (ms, slowest rank; syncs "
+                    "per call)", ("model", *variants, "fp8-dispatch / fp8", "out vs fp8"),
+                    [(r["model"], *(f"{r['variants'][v]['ms']:.3f} ({r['variants'][v]['syncs']})" for v in variants),
+                      f"{r['fp8_dispatch_vs_fp8']:.3f}x" if "fp8_dispatch_vs_fp8" in r else "-",
+                      r.get("out_vs_fp8", "-")) for r in rows])
     end_distributed(completed=True)
     return 0
 
