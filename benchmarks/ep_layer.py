@@ -97,6 +97,25 @@ def count_syncs(fn) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
+def profile_step(step, iters: int, top: int = 25) -> dict:
+    """``iters`` calls of ``step`` under ``torch.profiler`` (CPU + CUDA): the top kernels by device time, in us per
+    call, and the device time per call by group (NCCL kernels are counted apart: they include the wait for the peer)."""
+    from delayed_block_profile import kernel_table
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    table = kernel_table(prof, top)
+    for r in table["top"]:
+        r["us"] /= iters
+        r["calls"] /= iters
+    nccl = sum(r["us"] for r in table["top"] if "nccl" in r["name"].lower())
+    return {"per_call_us": {k: v / iters for k, v in table["groups_us"].items()}, "nccl_us_in_top": nccl,
+            "top": table["top"]}
+
+
 def bench_variant(model: str, variant: str, args, device: torch.device, world: int) -> tuple[dict, torch.Tensor]:
     """``{"ms", "syncs", "peak_gib"}`` of one variant, and its output on the first call."""
     cuda = device.type == "cuda"
@@ -134,6 +153,8 @@ def bench_variant(model: str, variant: str, args, device: torch.device, world: i
     if cuda:
         torch.cuda.synchronize(device)
         row["syncs"] = int(slowest(count_syncs(step), device))
+        if args.profile:
+            row["profile"] = profile_step(step, args.profile)
     return row, first
 
 
@@ -145,6 +166,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--profile", type=int, default=0, help="profile this many more iterations per variant (CUDA)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cuda = args.device == "cuda"
@@ -178,6 +200,13 @@ def main() -> int:
                     [(r["model"], *(f"{r['variants'][v]['ms']:.3f} ({r['variants'][v]['syncs']})" for v in variants),
                       f"{r['fp8_dispatch_vs_fp8']:.3f}x" if "fp8_dispatch_vs_fp8" in r else "-",
                       r.get("out_vs_fp8", "-")) for r in rows])
+        for r in rows:
+            for v, res in r["variants"].items():
+                if "profile" in res:
+                    g = res["profile"]["per_call_us"]
+                    print(f"\n{r['model']} / {v}: device us per call: " + ", ".join(f"{k} {u:.0f}" for k, u in g.items()))
+                    for k in res["profile"]["top"]:
+                        print(f"  {k['us']:9.1f} us  {k['calls']:5.1f}x  {k['kind']:6s} {k['name']}")
     end_distributed(completed=True)
     return 0
 

@@ -499,9 +499,11 @@ class DistributedConfig(ConfigModel):
         "tokens as they arrived (E4M3), also with fp8.grouped_wgrad = bf16. Measured on 2 x H100 (NVLink): to "
         "fused FP8 experts the whole dispatch takes 0.49-0.51x the time of bf16's; the 1x128 payload pays only "
         "on slow links (1.5-1.8x bf16's time over NVLink, its casts cost more than the bytes save). On 2 x H200 "
-        "(session 53) the whole dispatch takes 0.56x (Qwen3-30B-A3B) / 0.41x (DeepSeek-V3) of bf16's, but the "
-        "Qwen3 training step is slower with it (107 vs 93 ms, 4 layers, EP 2; cause not found yet, "
-        "docs/benchmarks.md section 6, Session 53): leave it off over NVLink. No effect (a warning) with ep = 1.",
+        "the whole dispatch takes 0.56x (Qwen3-30B-A3B) / 0.41x (DeepSeek-V3) of bf16's (session 53), and the "
+        "Qwen3 training step (4 layers, EP 2, FP8 experts) is 1.06x faster with it (four paired runs, "
+        "0.975-1.149x; session 55). At those shapes full FP8 under EP is still slower than BF16 (0.79-0.91x: the "
+        "step waits on the host; FP8 experts alone 1.06x, one run; docs/benchmarks.md section 6, Session 55). "
+        "Off by default: the gate_up weight gradient then reads E4M3 tokens. No effect (a warning) with ep = 1.",
     )
     fp8_reduce_scatter: Literal["off", "e5m2", "e4m3"] = Field(
         "off",
