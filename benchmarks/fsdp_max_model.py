@@ -451,6 +451,21 @@ def launch_inprocess(spec: dict) -> dict:
     return merge_ranks(results)
 
 
+def rank0_decides(launch: str, mine: bool) -> bool:
+    """Rank 0's value of ``mine`` on every rank (``--launch inprocess``: every outer rank runs the search loop and
+    each probe is collective, so a decision taken on each rank's own clock, such as stopping for the budget, could
+    split the ranks, one probing while the other waits); ``mine`` itself with torchrun launches (rank 0 alone searches)."""
+    if launch != "inprocess":
+        return mine
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return mine
+    box = [mine]
+    dist.broadcast_object_list(box, src=0)
+    return bool(box[0])
+
+
 # ------------------------------------------------------------------------------------------------- search
 
 
@@ -724,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
             if n is None:
                 break
             left = deadline - time.time()
-            if left < max(slowest * 1.2, 5.0):
+            if rank0_decides(launch, left < max(slowest * 1.2, 5.0)):
                 stopped[opt] = f"budget: {left:.0f} s left before probing {n} layers (slowest probe {slowest:.0f} s)"
                 if main_rank:
                     say(f"{opt}: stop, {stopped[opt]}")

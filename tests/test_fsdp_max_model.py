@@ -136,3 +136,36 @@ def test_merge_ranks_oom_wins():
     ])
     assert merged["status"] == "oom" and merged["phase"] == "setup" and merged["peak_alloc_gib"] == 120.0
     assert mod.merge_ranks([{"rank": 0, "status": "ok"}, {"rank": 1, "status": "ok"}])["status"] == "ok"
+
+
+def _decide_worker(rank: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from fp8kit.parallel.mesh import end_distributed
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=2)
+    completed = False
+    try:
+        decide = _module().rank0_decides
+        got = {"rank1_says_stop": decide("inprocess", rank == 1), "rank0_says_stop": decide("inprocess", rank == 0),
+               "torchrun_own": decide("torchrun", rank == 1)}
+        torch.save(got, f"{out}/rank{rank}.pt")
+        completed = True
+    finally:
+        end_distributed(completed=completed)
+
+
+def test_inprocess_ranks_take_rank0s_budget_decision(tmp_path):
+    """With in-process probes every rank runs the search and each probe is collective: a stop decided on each
+    rank's own clock could leave one rank probing while the other has stopped (a hang). Rank 0's decision holds on
+    both ranks; torchrun launches (rank 0 alone searches) keep their own."""
+    import torch
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_decide_worker, args=(str(tmp_path),), nprocs=2, start_method="spawn", join=True)
+    r = [torch.load(tmp_path / f"rank{i}.pt") for i in range(2)]
+    assert [x["rank1_says_stop"] for x in r] == [False, False], r
+    assert [x["rank0_says_stop"] for x in r] == [True, True], r
+    assert [x["torchrun_own"] for x in r] == [False, True], r
