@@ -141,17 +141,23 @@ def test_merge_policy_refuses_to_write_over_one_of_its_reports(capsys, cpu_repor
 
 def test_plan_with_tp_refuses_what_a_gpu_run_refuses(capsys):
     """A torchao-recipe FP8 linear whose tp shard is no FP8 GEMM shape (the tiny preset's 688-wide MLP over tp 2:
-    344 per rank, not a multiple of 16) fails on a GPU's torch._scaled_mm; plan says so, naming the way out,
-    which then plans."""
+    344 per rank, not a multiple of 16) fails on a GPU's torch._scaled_mm; plan says so, naming every kind of layer
+    refused (not one per retry) and one exclude for all of them, which then plans."""
     code = main(["plan", *TINY, "--set", "distributed.tp=2"])
     err = capsys.readouterr().err.strip()
+    shard = "not an FP8 GEMM shape (torch._scaled_mm)"
     assert code == 2 and err == (
-        "error: fp8.recipe = 'tensorwise' with distributed.tp = 2: model.layers.0.mlp.gate_proj is column-parallel "
-        "and its weight [688, 256] splits into [344, 256] per rank, not an FP8 GEMM shape (torch._scaled_mm): "
-        "out_features / tp must be a multiple of 16; keep it BF16 (fp8.exclude = [\"*.mlp.gate_proj\"]) or use a "
-        "tp for which it is"), err
-    rows = json.loads(_ok(capsys, ["plan", *TINY, "--set", "distributed.tp=2", "--set", 'fp8.exclude=["*.mlp"]',
-                                   "--json"]))
+        "error: fp8.recipe = 'tensorwise' with distributed.tp = 2: 3 kinds of FP8 linear split into shards the recipe "
+        "cannot run (the first block's named; every block has them): "
+        f"model.layers.0.mlp.gate_proj is column-parallel and its weight [688, 256] splits into [344, 256] per rank, "
+        f"{shard}: out_features / tp must be a multiple of 16 (recipe 'tensorwise'); "
+        f"model.layers.0.mlp.up_proj is column-parallel and its weight [688, 256] splits into [344, 256] per rank, "
+        f"{shard}: out_features / tp must be a multiple of 16 (recipe 'tensorwise'); "
+        f"model.layers.0.mlp.down_proj is row-parallel and its weight [256, 688] splits into [256, 344] per rank, "
+        f"{shard}: in_features / tp must be a multiple of 16 (recipe 'tensorwise'). Keep them BF16 (fp8.exclude = "
+        '["*.mlp.gate_proj", "*.mlp.up_proj", "*.mlp.down_proj"]) or use a tp for which they are'), err
+    rows = json.loads(_ok(capsys, ["plan", *TINY, "--set", "distributed.tp=2", "--set",
+                                   'fp8.exclude=["*.mlp.gate_proj", "*.mlp.up_proj", "*.mlp.down_proj"]', "--json"]))
     assert {r["fqn"].rsplit(".", 1)[-1] for r in rows if r["precision"] == "fp8"} == {
         "q_proj", "k_proj", "v_proj", "o_proj"}, rows
 

@@ -373,12 +373,15 @@ def test_column_row_pair_with_biases_matches_one_process(ranks, recipe):
 
 
 def test_blockwise_shard_of_partial_blocks_is_refused_at_setup(ranks):
+    """Both kinds refused (k_proj and v_proj), in one error with one exclude for both."""
+    blocks = "splits into [64, 256] per rank, not whole 128x128 / 1x128 blocks: out_features / tp must be a multiple of 128"
     for r in ranks:
         assert r["error"] == (
-            "fp8.recipe = 'blockwise' with distributed.tp = 2: model.layers.0.self_attn.k_proj is column-parallel "
-            "and its weight [128, 256] splits into [64, 256] per rank, not whole 128x128 / 1x128 blocks: "
-            "out_features / tp must be a multiple of 128; keep it BF16 (fp8.exclude = [\"*.self_attn.k_proj\"]) "
-            "or use a tp for which it is"
+            "fp8.recipe = 'blockwise' with distributed.tp = 2: 2 kinds of FP8 linear split into shards the recipe "
+            "cannot run (the first block's named; every block has them): "
+            f"model.layers.0.self_attn.k_proj is column-parallel and its weight [128, 256] {blocks} (recipe 'blockwise'); "
+            f"model.layers.0.self_attn.v_proj is column-parallel and its weight [128, 256] {blocks} (recipe 'blockwise'). "
+            'Keep them BF16 (fp8.exclude = ["*.self_attn.k_proj", "*.self_attn.v_proj"]) or use a tp for which they are'
         ), r["error"]
 
 

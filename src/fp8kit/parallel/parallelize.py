@@ -55,7 +55,7 @@ from fp8kit.base.errors import ConfigError
 from fp8kit.fp8.recipes import recipe_info
 from fp8kit.moe.grouped_mm import GroupedGemmConfig
 from fp8kit.parallel.convert import ConversionOptions, apply_fp8, fp8_fqns
-from fp8kit.parallel.tp_own import OwnColwiseParallel, OwnRowwiseParallel, check_shard
+from fp8kit.parallel.tp_own import OwnColwiseParallel, OwnRowwiseParallel, exclude_pattern, shard_problem
 from fp8kit.selective.decide import Decision
 
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
@@ -147,17 +147,33 @@ def check_tp_shards(model: nn.Module, decisions: list[Decision], tp: int, device
     kernels and block layouts need the shapes on every device).
 
     Raises:
-        ConfigError: naming the layer, the recipe, the weight and shard shapes, and the way out.
+        ConfigError: naming every kind of layer refused (the first block's of each: the layer, the recipe, the
+            weight and shard shapes) and one ``fp8.exclude`` that keeps them all BF16, so one retry runs.
     """
     if tp == 1:
         return
     prefix, names, _ = _tp_plan(model)
     kinds = {f"{prefix}.{i}.{n}": "column" if n in COLWISE else "row" for i, ns in enumerate(names) for n in ns}
+    refused: dict[str, tuple[str, str]] = {}  # exclude pattern -> (recipe, problem) of its first layer
     for d in decisions:
         if d.fqn not in kinds or not d.is_fp8 or d.site.is_grouped:
             continue
         if device_type != "cpu" or recipe_info(d.recipe).engine == "fp8kit":
-            check_shard(d.fqn, tuple(d.site.weight_shape), d.recipe, kinds[d.fqn], tp)
+            problem = shard_problem(d.fqn, tuple(d.site.weight_shape), d.recipe, kinds[d.fqn], tp)
+            if problem is not None:
+                refused.setdefault(exclude_pattern(d.fqn), (d.recipe, problem))
+    if len(refused) == 1:
+        (pattern, (recipe, problem)), = refused.items()
+        raise ConfigError(f"fp8.recipe = {recipe!r} with distributed.tp = {tp}: {problem}; keep it BF16 "
+                          f"(fp8.exclude = [\"{pattern}\"]) or use a tp for which it is")
+    if refused:
+        recipes = sorted({r for r, _ in refused.values()})
+        lines = "; ".join(f"{problem} (recipe {recipe!r})" for recipe, problem in refused.values())
+        patterns = ", ".join(f'"{p}"' for p in refused)
+        raise ConfigError(f"fp8.recipe = {', '.join(map(repr, recipes))} with distributed.tp = {tp}: {len(refused)} "
+                          f"kinds of FP8 linear split into shards the recipe cannot run (the first block's named; "
+                          f"every block has them): {lines}. Keep them BF16 (fp8.exclude = [{patterns}]) or use a "
+                          f"tp for which they are")
 
 
 def apply_tp(model: nn.Module, tp_mesh, decisions: list[Decision], conversion: ConversionOptions | None, *,

@@ -68,23 +68,33 @@ def check_shard(name: str, shape: tuple[int, int], recipe: str, kind: str, tp: i
     Raises:
         ConfigError: naming the layer, the recipe, the weight and shard shapes, and the way out.
     """
+    problem = shard_problem(name, shape, recipe, kind, tp)
+    if problem is not None:
+        remedy = remedy or f"keep it BF16 (fp8.exclude = [\"{exclude_pattern(name)}\"]) or use a tp for which it is"
+        raise ConfigError(f"fp8.recipe = {recipe!r} with distributed.tp = {tp}: {problem}; {remedy}")
+
+
+def exclude_pattern(name: str) -> str:
+    """The ``fp8.exclude`` pattern of the layer ``name`` in every block (``*.self_attn.k_proj``)."""
+    return "*." + ".".join(name.split(".")[-2:])
+
+
+def shard_problem(name: str, shape: tuple[int, int], recipe: str, kind: str, tp: int) -> str | None:
+    """Why :func:`check_shard` refuses the linear ``name`` (the layer, its weight and shard shapes and the multiple
+    it needs), or None when its shard runs. Arguments as :func:`check_shard`."""
     info = recipe_info(recipe)
     if tp == 1:
-        return
+        return None
     n, k = shape
     dim, size = (0, n) if kind == "column" else (1, k)
     m = info.dims_multiple
     if size % tp == 0 and (size // tp) % m == 0:
-        return
+        return None
     local = [-(-n // tp), k] if dim == 0 else [n, -(-k // tp)]
     what = "whole 128x128 / 1x128 blocks" if recipe == "blockwise" else "an FP8 GEMM shape (torch._scaled_mm)"
     feat = "out_features" if dim == 0 else "in_features"
-    pattern = "*." + ".".join(name.split(".")[-2:])
-    remedy = remedy or f"keep it BF16 (fp8.exclude = [\"{pattern}\"]) or use a tp for which it is"
-    raise ConfigError(
-        f"fp8.recipe = {recipe!r} with distributed.tp = {tp}: {name} is {kind}-parallel and its weight "
-        f"{list(shape)} splits into {local} per rank, not {what}: {feat} / tp must be a multiple of {m}; {remedy}"
-    )
+    return (f"{name} is {kind}-parallel and its weight {list(shape)} splits into {local} per rank, not {what}: "
+            f"{feat} / tp must be a multiple of {m}")
 
 
 def amax_group(mesh):
