@@ -194,3 +194,21 @@ def test_real_tensor_parallel_bf16_under_torchrun(tmp_path):
     rep = json.loads(report.read_text())
     assert rep["simulated_tp"] is False and rep["world_size"] == 2 and rep["tp"] == 2
     assert {m["site"] for m in rep["measurements"]} == {"qkv", "proj"} and all(m["ms"] > 0 for m in rep["measurements"])
+
+
+def test_plan_names_a_pretrained_model_and_prints_the_configs_notes(capsys, tmp_path):
+    """plan reads its config as train does (``cli/config_load.load_cli_config``): the notes of an old key are
+    printed, and the model is named as train names it (the pretrained directory, not the ignored preset)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                              num_attention_heads=4, num_key_value_heads=4, vocab_size=512)
+    AutoModelForCausalLM.from_config(hf).save_pretrained(tmp_path / "m")
+    old = tmp_path / "old.toml"
+    old.write_text("[distributed]\nep = 1\netp = 1\n")
+    code = main(["plan", str(old), "--set", f"model.pretrained={tmp_path / 'm'}"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "distributed.etp = 1 is ignored (the key was removed" in out.err, out.err
+    head = " ".join(out.out.split())  # the console may wrap a long path
+    assert f"plan: pretrained {tmp_path / 'm'}," in head and "tiny" not in head.split("FP8 plan")[0], out.out

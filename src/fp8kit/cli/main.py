@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from fp8kit.base.errors import ConfigError, Fp8kitError
+from fp8kit.cli.config_load import load_cli_config
 
 #: seconds a torchrun rank other than its node's local rank 0 waits, after a config error, for torchrun to end it
 #: (``main``): local rank 0 prints the error and fails, and torchrun then stops the other ranks
@@ -76,40 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(args) -> object:
-    from fp8kit.config import load_config
-
-    config = args.config
-    resume = getattr(args, "resume", None)
-    run_dir = None  # the run a resume continues (a complete checkpoint in it), for from_run_files below
-    if resume == "auto" and getattr(args, "out", None):
-        from fp8kit.train.checkpoint import latest_checkpoint
-
-        if latest_checkpoint(Path(args.out)) is not None:  # else a fresh start: model.pretrained is needed
-            run_dir = Path(args.out)
-    if resume and resume != "auto":
-        # Continuing a run: its own resolved config, unless another one is given.
-        from fp8kit.train.checkpoint import find_checkpoint
-
-        run_dir = find_checkpoint(Path(resume)).parent.parent
-        candidate = run_dir / "resolved_config.toml"
-        if config is None and candidate.is_file():
-            config = str(candidate)
-    cfg = load_config(config, args.overrides, resolve=False)
-    if run_dir is not None:  # a resume needs no pretrained directory: the run saved its config and tokenizer
-        from fp8kit.train.export import from_run_files
-
-        cfg, note = from_run_files(cfg, run_dir)
-        if note:
-            print(f"note: {note}", file=sys.stderr)
-    from fp8kit.config.pretrained import resolve_pretrained
-
-    cfg = resolve_pretrained(cfg)
-    for note in cfg.notes:  # e.g. seed-compatible keys read from their old [fp8] place
-        print(f"note: {note}", file=sys.stderr)
-    return cfg
-
-
 def _run(args) -> int:
     if args.command == "config-docs":
         from fp8kit.config import config_reference_markdown
@@ -125,7 +92,7 @@ def _run(args) -> int:
         from fp8kit.train.trainer import train
 
         cpu_bf16_gemm.install()  # this process is the run's: bf16 matmuls of a CPU without AVX-512 as float32 GEMMs
-        result = train(_load(args), args.out, resume=args.resume)
+        result = train(load_cli_config(args), args.out, resume=args.resume)
         return 128 + result.interrupted if result.interrupted else 0  # stopped by a signal: as the shell reports it
     if args.command == "export":
         from fp8kit.train.export import export_checkpoint, exported_files
@@ -150,7 +117,7 @@ def _run(args) -> int:
             )
         from fp8kit.train.compare import compare
 
-        compare(_load(args), args.out)
+        compare(load_cli_config(args), args.out)
         return 0
     from fp8kit.cli import selective as selective_cli
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from fp8kit.base.errors import ConfigError, PolicyError
 from fp8kit.base.runtime import launched_rank
+from fp8kit.cli.config_load import load_cli_config
 from fp8kit.fp8.recipes import RECIPE_NAMES, recipe_info
 
 ENV_PREFIX = "TE_LAYER_PERF_"
@@ -182,7 +183,6 @@ def load_report(path: str) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from fp8kit.base.console import make_console
-    from fp8kit.config import load_config
 
     console = make_console()
     if args.command == "plan":
@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
                 note = load_policy(f"builtin:{name}").metadata.get("note")
                 print(f"builtin:{name}" + (f"  (note: {note})" if note else ""))
             return 0
-        return _plan(load_config(args.config, args.overrides), args.json, console)
+        return _plan(load_cli_config(args), args.json, console)
     if args.command == "merge-policy":
         from fp8kit.selective.policy import merge_reports
 
@@ -239,7 +239,7 @@ def _plan(cfg, as_json: bool, console) -> int:
         console.print(f"[bold yellow]warning:[/] {w}")
     d = cfg.distributed
     console.print(
-        f"plan: {cfg.model.hf_config or cfg.model.preset}, {cfg.train.mixed_precision} {cfg.fp8.recipe}, "
+        f"plan: {cfg.model.describe()}, {cfg.train.mixed_precision} {cfg.fp8.recipe}, "
         f"tp={d.tp} ep={d.ep}, num_tokens={options.num_tokens}"
         + (f", policy {cfg.selective.fp8_dynamic_policy_path}" if cfg.selective.selective_fp8 == "policy" else "")
         + (", selective_fp8 = auto" if cfg.selective.selective_fp8 == "auto" else "")
@@ -289,12 +289,11 @@ def _plan_auto(cfg, sites, decisions, options):
 
 def _bench(args: argparse.Namespace, console) -> int:
     from fp8kit.bench.layers import BenchLayersArgs, auto_sweep, parse_shape_sweep, run_bench_layers
-    from fp8kit.config import load_config
     from fp8kit.config.options import grouped_for_fp8, requested_fast_accum
     from fp8kit.selective.policy import merge_reports
 
     given = _env(args)
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_cli_config(args)
     values, sources = resolve_bench_values(args, given, cfg)
     for key in ("report", "policy"):
         path = getattr(args, key)

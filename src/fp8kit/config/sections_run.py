@@ -55,6 +55,15 @@ class ModelConfig(ConfigModel):
             )
         return self
 
+    def describe(self) -> str:
+        """The model as logs, summaries and ``fp8kit plan`` name it: ``pretrained DIR``, ``hf_config FILE`` or the
+        preset, followed by `` (N layers)`` when ``num_layers`` is set."""
+        if self.pretrained:
+            name = f"pretrained {self.pretrained}"
+        else:
+            name = f"hf_config {self.hf_config}" if self.hf_config else self.preset
+        return name + (f" ({self.num_layers} layers)" if self.num_layers is not None else "")
+
 
 class DataConfig(ConfigModel):
     """``[data]``: corpus, tokenizer and sequence packing."""

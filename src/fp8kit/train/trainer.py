@@ -122,7 +122,7 @@ def train(
     if not main:
         return _train_other_rank(setup, out_dir, console)
     header = {
-        "model": _model_desc(cfg),
+        "model": cfg.model.describe(),
         "mixed_precision": cfg.train.mixed_precision,
         "recipe": cfg.fp8.recipe,
         "device": setup.info["device"],
@@ -145,7 +145,7 @@ def train(
         writer.close()
     records = read_metrics(out_dir / "metrics.jsonl")
     desc = {
-        "model": _model_desc(cfg),
+        "model": cfg.model.describe(),
         "params_m": setup.params["total"] / 1e6,
         "precision": _precision_desc(cfg, setup.info.get("fast_accum"), setup.info.get("weight_cast_reuse")),
         "optimizer": _optim_desc(cfg),
@@ -250,16 +250,6 @@ def _dispatch_desc(setup: Setup) -> str:
     return f"fp8 ({'; '.join(parts)})"
 
 
-def _model_desc(cfg: RunConfig) -> str:
-    if cfg.model.pretrained:
-        name = f"pretrained {cfg.model.pretrained}"
-    else:
-        name = f"hf_config {cfg.model.hf_config}" if cfg.model.hf_config else cfg.model.preset
-    if cfg.model.num_layers is not None:
-        name += f" ({cfg.model.num_layers} layers)"
-    return name
-
-
 def _precision_desc(cfg: RunConfig, fast_accum: list[str] | None = None,
                     weight_cast_reuse: dict[str, int | None] | None = None) -> str:
     """The run's precision in words; ``fast_accum``: the dense FP8 GEMMs with fast accumulation
@@ -296,7 +286,7 @@ def _optim_desc(cfg: RunConfig) -> str:
 def _print_start(setup: Setup, console: Console) -> None:
     cfg, info = setup.cfg, setup.info
     console.print(
-        f"[bold]fp8kit train[/bold]: {_model_desc(cfg)}, {setup.params['total'] / 1e6:.1f}M parameters, "
+        f"[bold]fp8kit train[/bold]: {cfg.model.describe()}, {setup.params['total'] / 1e6:.1f}M parameters, "
         f"{_precision_desc(cfg, info.get('fast_accum'), info.get('weight_cast_reuse'))} on {info['device']}"
     )
     console.print(f"data: {info['corpus']}; {info['tokens']:,} tokens ({info['tokenizer']})")
