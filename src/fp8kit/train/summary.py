@@ -2,7 +2,9 @@
 
 Throughput figures are medians over the steps after the first few (which include compilation and
 allocator warm-up): ``warm = min(5, steps // 4)`` steps are skipped, and steps that follow a precision
-switch (recompilation) are skipped too.
+switch (recompilation) are skipped too. A resumed run's throughput comes from the steps of the session that
+resumed it (its own warm-up skipped the same way): an earlier session may have run on another layout (2 ranks
+before, 1 now) and compiled at its own start; losses come from the whole run.
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ def _steady(records: list[dict], switches: list[int]) -> list[dict]:
     return steady or records[-1:]
 
 
-def summarize_run(records: list[dict], *, switches: list[int], info: dict, setup_desc: dict) -> dict:
-    """Numbers of the summary (see the module docstring for the medians)."""
-    steady = _steady(records, switches)
+def summarize_run(records: list[dict], *, switches: list[int], info: dict, setup_desc: dict,
+                  session_from: int = 0) -> dict:
+    """Numbers of the summary (see the module docstring for the medians). ``session_from``: the step this
+    session started from (a resume's checkpoint step; 0 for a fresh run): throughput from the later steps only."""
+    session = [r for r in records if r["step"] > session_from]
+    steady = _steady(session or records, switches)
     vals = [r["val_loss"] for r in records if r.get("val_loss") is not None]
     last = records[-max(1, len(records) // 10):] if records else []
     med = lambda key: statistics.median(r[key] for r in steady) if steady and steady[0].get(key) is not None else None  # noqa: E731

@@ -162,7 +162,8 @@ def train(
         "fp8_stats_every": cfg.fp8.stats_every,
         "recoveries": [r for r in read_metrics(out_dir / "metrics.jsonl", events=True) if "event" in r],
     }
-    summary = summarize_run(records, switches=[s for s, _ in loop.switches], info=setup.info, setup_desc=desc)
+    summary = summarize_run(records, switches=[s for s, _ in loop.switches], info=setup.info, setup_desc=desc,
+                            session_from=setup.start_step)
     if loop.interrupted:
         summary["interrupted_at_step"] = records[-1]["step"] if records else setup.start_step
         summary["signal"] = signal_name(loop.interrupted)
