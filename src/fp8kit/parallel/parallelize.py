@@ -55,7 +55,13 @@ from fp8kit.base.errors import ConfigError
 from fp8kit.fp8.recipes import recipe_info
 from fp8kit.moe.grouped_mm import GroupedGemmConfig
 from fp8kit.parallel.convert import ConversionOptions, apply_fp8, fp8_fqns
-from fp8kit.parallel.tp_own import OwnColwiseParallel, OwnRowwiseParallel, exclude_pattern, shard_problem
+from fp8kit.parallel.tp_own import (
+    OwnColwiseParallel,
+    OwnRowwiseParallel,
+    check_shard,
+    exclude_pattern,
+    shard_problem,
+)
 from fp8kit.selective.decide import Decision
 
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
@@ -154,21 +160,20 @@ def check_tp_shards(model: nn.Module, decisions: list[Decision], tp: int, device
         return
     prefix, names, _ = _tp_plan(model)
     kinds = {f"{prefix}.{i}.{n}": "column" if n in COLWISE else "row" for i, ns in enumerate(names) for n in ns}
-    refused: dict[str, tuple[str, str]] = {}  # exclude pattern -> (recipe, problem) of its first layer
+    refused: dict[str, tuple[Decision, str]] = {}  # exclude pattern -> (its first layer, the problem)
     for d in decisions:
         if d.fqn not in kinds or not d.is_fp8 or d.site.is_grouped:
             continue
         if device_type != "cpu" or recipe_info(d.recipe).engine == "fp8kit":
             problem = shard_problem(d.fqn, tuple(d.site.weight_shape), d.recipe, kinds[d.fqn], tp)
             if problem is not None:
-                refused.setdefault(exclude_pattern(d.fqn), (d.recipe, problem))
-    if len(refused) == 1:
-        (pattern, (recipe, problem)), = refused.items()
-        raise ConfigError(f"fp8.recipe = {recipe!r} with distributed.tp = {tp}: {problem}; keep it BF16 "
-                          f"(fp8.exclude = [\"{pattern}\"]) or use a tp for which it is")
+                refused.setdefault(exclude_pattern(d.fqn), (d, problem))
+    if len(refused) == 1:  # check_shard's own message
+        ((d, _),) = refused.values()
+        check_shard(d.fqn, tuple(d.site.weight_shape), d.recipe, kinds[d.fqn], tp)
     if refused:
-        recipes = sorted({r for r, _ in refused.values()})
-        lines = "; ".join(f"{problem} (recipe {recipe!r})" for recipe, problem in refused.values())
+        recipes = sorted({d.recipe for d, _ in refused.values()})
+        lines = "; ".join(f"{problem} (recipe {d.recipe!r})" for d, problem in refused.values())
         patterns = ", ".join(f'"{p}"' for p in refused)
         raise ConfigError(f"fp8.recipe = {', '.join(map(repr, recipes))} with distributed.tp = {tp}: {len(refused)} "
                           f"kinds of FP8 linear split into shards the recipe cannot run (the first block's named; "
