@@ -107,8 +107,10 @@ def count_syncs(fn) -> int:
 
 
 def profile_step(step, iters: int, top: int = 25) -> dict:
-    """``iters`` calls of ``step`` under ``torch.profiler`` (CPU + CUDA): the top kernels by device time, in us per
-    call, and the device time per call by group (NCCL kernels are counted apart: they include the wait for the peer)."""
+    """``iters`` calls of ``step`` under ``torch.profiler`` (CPU + CUDA): the top rows by device time (kernels, and
+    CPU operators with their kernels' time), in us per call, the device time per call by group
+    (``delayed_block_profile.kernel_table``: NCCL kernels fall in ``other``) and ``nccl_us_in_top``, the NCCL rows of
+    the top list (an all-to-all kernel's time includes its wait for the peer)."""
     from delayed_block_profile import kernel_table
     from torch.profiler import ProfilerActivity, profile
 

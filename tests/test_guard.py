@@ -15,6 +15,7 @@ from fp8kit.train.guard import LrSpike
 from fp8kit.train.loop import TrainingDiverged
 from fp8kit.train.metrics import read_metrics
 from fp8kit.train.setup import check_distributed_config
+from fp8kit.train.summary import summarize_run
 from fp8kit.train.trainer import train
 
 # lr x 1e4 at one step: the loss jumps from ~6.5 to thousands (finite: a spike); lr x inf: NaN weights.
@@ -71,6 +72,9 @@ def test_recover_rolls_back_skips_moves_layers_to_bf16_and_finishes(small_run, t
     assert "## FP8 health: worst five layers" in summary and "## Divergence events" in summary
     assert "| 8 | recovery | loss spike" in summary and "| 14 | recovery | non-finite loss" in summary
     assert res.summary["status"] == "ok" and len(res.summary["recoveries"]) == 2
+    # throughput over the whole run: a rollback moves the loop's start step back, not the session's start
+    whole = summarize_run(m, switches=[s for s, _ in res.summary["switches"]], info={}, setup_desc={})
+    assert res.summary["tokens_per_s"] == whole["tokens_per_s"], (res.summary["tokens_per_s"], whole["tokens_per_s"])
 
 
 @pytest.mark.slow

@@ -456,3 +456,24 @@ def _worker(mode: str, out: Path, cache: str) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1], Path(sys.argv[2]), sys.argv[3])
+
+
+def test_ep_group_copies_and_pickles_after_its_group_was_looked_up(tmp_path):
+    """``EPGroup`` keeps its looked-up process group (a ``ProcessGroup``, not picklable) out of its state: a model
+    holding one can still be deep-copied or saved after its first forward."""
+    import copy
+    import pickle
+
+    import torch.distributed as dist
+
+    from fp8kit.moe.expert_parallel import EPGroup, ep_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        g = EPGroup(ep_mesh("cpu", 1, 1, 1), 1, 1)
+        assert g.group is not None and g.rank == 0  # looked up, cached
+        for c in (copy.deepcopy(g), pickle.loads(pickle.dumps(g))):
+            assert (c.ep, c.dp, c.fp8_dispatch) == (1, 1, False) and "group" not in c.__dict__
+            assert c.rank == 0 and c.group is not None  # looked up again
+    finally:
+        dist.destroy_process_group()

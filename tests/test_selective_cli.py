@@ -148,14 +148,21 @@ def test_plan_with_tp_refuses_what_a_gpu_run_refuses(capsys):
     shard = "not an FP8 GEMM shape (torch._scaled_mm)"
     assert code == 2 and err == (
         "error: fp8.recipe = 'tensorwise' with distributed.tp = 2: 3 kinds of FP8 linear split into shards the recipe "
-        "cannot run (the first block's named; every block has them): "
+        "cannot run (the first refused layer of each kind named): "
         f"model.layers.0.mlp.gate_proj is column-parallel and its weight [688, 256] splits into [344, 256] per rank, "
-        f"{shard}: out_features / tp must be a multiple of 16 (recipe 'tensorwise'); "
+        f"{shard}: out_features / tp must be a multiple of 16; "
         f"model.layers.0.mlp.up_proj is column-parallel and its weight [688, 256] splits into [344, 256] per rank, "
-        f"{shard}: out_features / tp must be a multiple of 16 (recipe 'tensorwise'); "
+        f"{shard}: out_features / tp must be a multiple of 16; "
         f"model.layers.0.mlp.down_proj is row-parallel and its weight [256, 688] splits into [256, 344] per rank, "
-        f"{shard}: in_features / tp must be a multiple of 16 (recipe 'tensorwise'). Keep them BF16 (fp8.exclude = "
-        '["*.mlp.gate_proj", "*.mlp.up_proj", "*.mlp.down_proj"]) or use a tp for which they are'), err
+        f"{shard}: in_features / tp must be a multiple of 16. Keep them BF16 (add "
+        '"*.mlp.gate_proj", "*.mlp.up_proj", "*.mlp.down_proj" to fp8.exclude) or use a tp for which they are'), err
+    # one kind left: check_shard's own one-layer message
+    code = main(["plan", *TINY, "--set", "distributed.tp=2", "--set", 'fp8.exclude=["*.mlp.gate_proj", "*.mlp.up_proj"]'])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == (
+        "error: fp8.recipe = 'tensorwise' with distributed.tp = 2: model.layers.0.mlp.down_proj is row-parallel and its "
+        f"weight [256, 688] splits into [256, 344] per rank, {shard}: in_features / tp must be a multiple of 16; keep "
+        'it BF16 (add "*.mlp.down_proj" to fp8.exclude) or use a tp for which it is'), err
     rows = json.loads(_ok(capsys, ["plan", *TINY, "--set", "distributed.tp=2", "--set",
                                    'fp8.exclude=["*.mlp.gate_proj", "*.mlp.up_proj", "*.mlp.down_proj"]', "--json"]))
     assert {r["fqn"].rsplit(".", 1)[-1] for r in rows if r["precision"] == "fp8"} == {

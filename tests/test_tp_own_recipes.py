@@ -378,10 +378,10 @@ def test_blockwise_shard_of_partial_blocks_is_refused_at_setup(ranks):
     for r in ranks:
         assert r["error"] == (
             "fp8.recipe = 'blockwise' with distributed.tp = 2: 2 kinds of FP8 linear split into shards the recipe "
-            "cannot run (the first block's named; every block has them): "
-            f"model.layers.0.self_attn.k_proj is column-parallel and its weight [128, 256] {blocks} (recipe 'blockwise'); "
-            f"model.layers.0.self_attn.v_proj is column-parallel and its weight [128, 256] {blocks} (recipe 'blockwise'). "
-            'Keep them BF16 (fp8.exclude = ["*.self_attn.k_proj", "*.self_attn.v_proj"]) or use a tp for which they are'
+            "cannot run (the first refused layer of each kind named): "
+            f"model.layers.0.self_attn.k_proj is column-parallel and its weight [128, 256] {blocks}; "
+            f"model.layers.0.self_attn.v_proj is column-parallel and its weight [128, 256] {blocks}. "
+            'Keep them BF16 (add "*.self_attn.k_proj", "*.self_attn.v_proj" to fp8.exclude) or use a tp for which they are'
         ), r["error"]
 
 
@@ -395,7 +395,7 @@ def test_check_shard_row_parallel_and_delayed_multiple():
         check_shard("x", (256, 688), "tensorwise", "row", 2)
     with pytest.raises(ConfigError, match=r"mlp.down_proj is row-parallel and its weight \[256, 384\] splits "
                                           r"into \[256, 192\] per rank.*in_features / tp must be a multiple of 128; "
-                                          r"keep it BF16 \(fp8.exclude = \[\"\*.mlp.down_proj\"\]\)"):
+                                          r"keep it BF16 \(add \"\*.mlp.down_proj\" to fp8.exclude\)"):
         check_shard("model.layers.3.mlp.down_proj", (256, 384), "blockwise", "row", 2)
     with pytest.raises(ConfigError, match=r"'delayed' .* \[688, 256\] splits into \[344, 256\] per rank, not an "
                                           r"FP8 GEMM shape \(torch._scaled_mm\): out_features / tp must be a "

@@ -730,7 +730,7 @@ def run_bench_layers(args: BenchLayersArgs, console=None) -> dict:
         "grouped": {k: getattr(args.grouped_config(), k) for k in ("kernel", "wgrad", "gemm")},
         "sources": {key: args.source(key) for key in SOURCED},
         "fp8_linear_scaling": scaling,
-        "model": args.model.hf_config or args.model.preset,
+        "model": args.model.describe(),
         "moe_router_topk": topk,
         "tp": args.tp, "ep": args.ep,
         "simulated_tp": bool(args.tp > 1 and args.simulate_tp),

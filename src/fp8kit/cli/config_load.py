@@ -10,13 +10,15 @@ def load_cli_config(args) -> object:
     """The run config of a command (``train``, ``compare``, ``plan``, ``bench-layers``) from its ``config`` file and
     ``--set`` overrides, as every command reads it: a resume's own saved config (``--resume``), the
     pretrained directory's vocabulary and tokenizer (``model.pretrained``), and the config's notes printed to
-    stderr (e.g. an old key read from its former place).
+    stderr (e.g. an old key read from its former place; under torchrun by each node's local rank 0 only).
 
     Raises:
         ConfigError: a bad config or override, a resume without a checkpoint, or an unusable pretrained directory.
     """
+    from fp8kit.base.runtime import launched_local_rank
     from fp8kit.config import load_config
 
+    say = launched_local_rank() == 0  # under torchrun: once per node, not once per rank
     config = args.config
     resume = getattr(args, "resume", None)
     run_dir = None  # the run a resume continues (a complete checkpoint in it), for from_run_files below
@@ -38,11 +40,11 @@ def load_cli_config(args) -> object:
         from fp8kit.train.export import from_run_files
 
         cfg, note = from_run_files(cfg, run_dir)
-        if note:
+        if note and say:
             print(f"note: {note}", file=sys.stderr)
     from fp8kit.config.pretrained import resolve_pretrained
 
     cfg = resolve_pretrained(cfg)
-    for note in cfg.notes:  # e.g. seed-compatible keys read from their old [fp8] place
+    for note in cfg.notes if say else ():  # e.g. seed-compatible keys read from their old [fp8] place
         print(f"note: {note}", file=sys.stderr)
     return cfg

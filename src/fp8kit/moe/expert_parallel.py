@@ -93,6 +93,11 @@ class EPGroup:
         """This rank's index in the ``ep`` group (looked up once)."""
         return self.mesh["ep"].get_local_rank()
 
+    def __getstate__(self) -> dict:
+        """The fields without the looked-up process group (not picklable): a copied or pickled layout (``deepcopy``
+        of a model, ``torch.save``) looks it up again."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("group", "rank")}
+
 
 def check_ep_layout(ep: int, dp: int, tp: int, key: str = "distributed.ep") -> None:
     """Check that expert parallelism over ``ep`` ranks fits the mesh (the one place this rule lives).

@@ -153,8 +153,8 @@ def check_tp_shards(model: nn.Module, decisions: list[Decision], tp: int, device
     kernels and block layouts need the shapes on every device).
 
     Raises:
-        ConfigError: naming every kind of layer refused (the first block's of each: the layer, the recipe, the
-            weight and shard shapes) and one ``fp8.exclude`` that keeps them all BF16, so one retry runs.
+        ConfigError: naming every kind of layer refused (the first refused layer of each kind: the layer, the
+            recipe, the weight and shard shapes) and the ``fp8.exclude`` patterns that keep them all BF16.
     """
     if tp == 1:
         return
@@ -173,12 +173,13 @@ def check_tp_shards(model: nn.Module, decisions: list[Decision], tp: int, device
         check_shard(d.fqn, tuple(d.site.weight_shape), d.recipe, kinds[d.fqn], tp)
     if refused:
         recipes = sorted({d.recipe for d, _ in refused.values()})
-        lines = "; ".join(f"{problem} (recipe {d.recipe!r})" for d, problem in refused.values())
+        one = len(recipes) == 1
+        lines = "; ".join(problem + ("" if one else f" (recipe {d.recipe!r})") for d, problem in refused.values())
         patterns = ", ".join(f'"{p}"' for p in refused)
-        raise ConfigError(f"fp8.recipe = {', '.join(map(repr, recipes))} with distributed.tp = {tp}: {len(refused)} "
-                          f"kinds of FP8 linear split into shards the recipe cannot run (the first block's named; "
-                          f"every block has them): {lines}. Keep them BF16 (fp8.exclude = [{patterns}]) or use a "
-                          f"tp for which they are")
+        head = f"fp8.recipe = {recipes[0]!r}" if one else f"FP8 recipes {', '.join(map(repr, recipes))}"
+        raise ConfigError(f"{head} with distributed.tp = {tp}: {len(refused)} kinds of FP8 linear split into shards "
+                          f"the recipe cannot run (the first refused layer of each kind named): {lines}. Keep them "
+                          f"BF16 (add {patterns} to fp8.exclude) or use a tp for which they are")
 
 
 def apply_tp(model: nn.Module, tp_mesh, decisions: list[Decision], conversion: ConversionOptions | None, *,

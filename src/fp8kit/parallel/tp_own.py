@@ -62,15 +62,15 @@ def check_shard(name: str, shape: tuple[int, int], recipe: str, kind: str, tp: i
         recipe: the decision's FP8 recipe.
         kind: ``"column"`` (weight ``Shard(0)``) or ``"row"`` (weight ``Shard(1)``).
         tp: the tensor-parallel size.
-        remedy: the way out the message suggests (default: an ``fp8.exclude`` pattern for this layer in every
-            block, or another tp).
+        remedy: the way out the message suggests (default: the ``fp8.exclude`` pattern to add for this layer in
+            every block, or another tp).
 
     Raises:
         ConfigError: naming the layer, the recipe, the weight and shard shapes, and the way out.
     """
     problem = shard_problem(name, shape, recipe, kind, tp)
     if problem is not None:
-        remedy = remedy or f"keep it BF16 (fp8.exclude = [\"{exclude_pattern(name)}\"]) or use a tp for which it is"
+        remedy = remedy or f"keep it BF16 (add \"{exclude_pattern(name)}\" to fp8.exclude) or use a tp for which it is"
         raise ConfigError(f"fp8.recipe = {recipe!r} with distributed.tp = {tp}: {problem}; {remedy}")
 
 

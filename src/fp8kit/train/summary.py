@@ -31,9 +31,10 @@ def _steady(records: list[dict], switches: list[int]) -> list[dict]:
 def summarize_run(records: list[dict], *, switches: list[int], info: dict, setup_desc: dict,
                   session_from: int = 0) -> dict:
     """Numbers of the summary (see the module docstring for the medians). ``session_from``: the step this
-    session started from (a resume's checkpoint step; 0 for a fresh run): throughput from the later steps only."""
-    session = [r for r in records if r["step"] > session_from]
-    steady = _steady(session or records, switches)
+    session started from (a resume's checkpoint step; 0 for a fresh run): throughput from the later steps only
+    (None when this session ran none)."""
+    session = [r for r in records if r["step"] > session_from]  # a resume stopped before its first step: none
+    steady = _steady(session, switches)
     vals = [r["val_loss"] for r in records if r.get("val_loss") is not None]
     last = records[-max(1, len(records) // 10):] if records else []
     med = lambda key: statistics.median(r[key] for r in steady) if steady and steady[0].get(key) is not None else None  # noqa: E731

@@ -162,8 +162,9 @@ def train(
         "fp8_stats_every": cfg.fp8.stats_every,
         "recoveries": [r for r in read_metrics(out_dir / "metrics.jsonl", events=True) if "event" in r],
     }
+    # the step this session started from: `done`, not setup.start_step, which a divergence rollback moves back
     summary = summarize_run(records, switches=[s for s, _ in loop.switches], info=setup.info, setup_desc=desc,
-                            session_from=setup.start_step)
+                            session_from=done)
     if loop.interrupted:
         summary["interrupted_at_step"] = records[-1]["step"] if records else setup.start_step
         summary["signal"] = signal_name(loop.interrupted)
